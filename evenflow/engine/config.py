@@ -1,0 +1,176 @@
+"""Model configuration read from a Hugging Face config.json, for the architectures we implement.
+
+One frozen dataclass covers Llama, Qwen3 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE: the
+differences are switches (q/k norm, qkv bias, shared expert, top-k renormalisation, which
+layers are sparse) read here once, so the model file has no per-architecture branches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint cannot be served: unknown architecture, missing or corrupt files."""
+
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # MoE; num_experts == 0 means dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = field(default=())  # per layer: MoE (True) or dense MLP
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"
+        assert len(self.sparse_layers) == self.num_layers
+        if self.num_experts:
+            assert 0 < self.num_experts_per_tok <= self.num_experts
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int))
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """Map a config.json dict onto ModelConfig; raises ModelLoadError naming what is wrong."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
+        common: dict[str, Any] = dict(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw.get("intermediate_size", 0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            return ModelConfig(
+                **common,
+                attention_bias=bool(raw.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                sparse_layers=(False,) * layers,
+            )
+        if arch == "MixtralForCausalLM":
+            return ModelConfig(
+                **common,
+                num_experts=int(raw["num_local_experts"]),
+                num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True,
+                sparse_layers=(True,) * layers,
+            )
+        # Qwen2-MoE / Qwen3-MoE: some layers may be dense
+        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
+        step = int(raw.get("decoder_sparse_step", 1)) or 1
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        return ModelConfig(
+            **common,
+            attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
+            qk_norm=not qwen2,
+            num_experts=experts,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(
+                int(raw.get("shared_expert_intermediate_size", 0)) if qwen2 else 0
+            ),
+            sparse_layers=sparse,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks {exc.args[0]!r} for {arch}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: config.json is missing")
+    try:
+        raw = json.loads(path.read_text())
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: invalid JSON in config ({exc})") from exc
+    return parse_config(raw, generation)

@@ -1,0 +1,198 @@
+"""The engine core: one model, one KV cache, one scheduler. The step reads like its data flow:
+schedule -> run the model -> append sampled tokens -> finish what is done -> publish KV events.
+
+Token ids in, token ids out: tokenization and stop strings belong to the caller.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from evenflow.engine.block_manager import BlockManager, KVEventListener
+from evenflow.engine.config import ModelConfig, ModelLoadError
+from evenflow.engine.loader import load_model
+from evenflow.engine.runner import ModelRunner
+from evenflow.engine.sampling_params import SamplingParams
+from evenflow.engine.scheduler import Scheduler, SchedulerConfig
+from evenflow.engine.sequence import FinishReason, Sequence
+from evenflow.proto.hashing import namespace_salt
+
+BUILTIN_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_MODEL = "tiny-moe"
+
+
+def resolve_model(model: str) -> Path:
+    """A built-in model's name (`tiny-moe`) or a checkpoint directory."""
+    builtin = BUILTIN_MODELS_DIR / model
+    if "/" not in model and builtin.is_dir():
+        return builtin
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model {model!r} is neither a built-in model nor a directory")
+    return path
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 math, else float32
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's, at most 8192
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        dtype = config.torch_dtype
+        self.model = load_model(self.model_dir, dtype)
+        cfg: ModelConfig = self.model.config
+        self.model_config = cfg
+        self.max_model_len = min(config.max_model_len or 8192, cfg.max_position_embeddings)
+        bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                           * config.block_size * dtype.itemsize)
+        wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
+        num_blocks = config.num_kv_blocks or max(
+            1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
+        salt = namespace_salt(os.path.basename(str(self.model_dir)))
+        self.blocks = BlockManager(num_blocks, config.block_size, salt,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.blocks)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
+                                  dtype)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        self.kv_event_listener = kv_event_listener
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[StepOutput] = []
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a request; raises ValueError naming the problem if it cannot be served."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context holds "
+                             f"{self.max_model_len}, leaving no room to generate")
+        if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(f"the prompt needs more KV blocks than the cache has "
+                             f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at the next step boundary; False if it is unknown or done."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._aborted.append(self._output(seq, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def take_expert_counts(self) -> torch.Tensor:
+        """Tokens routed to each (MoE layer, expert) since the last call: (moe_layers, experts)."""
+        counts = self.runner.expert_counts.clone()
+        self.runner.expert_counts.zero_()
+        return counts
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._aborted = self._aborted, []
+        chunks = self.scheduler.schedule()
+        if chunks:
+            sampled = iter(self.runner.run(chunks))
+            for chunk in chunks:
+                seq, samples = chunk.seq, chunk.samples
+                seq.num_computed_tokens += chunk.num_tokens
+                self.blocks.commit_full_blocks(seq)
+                if not samples:
+                    continue
+                token = next(sampled)
+                seq.token_ids.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    del self._requests[seq.request_id]
+                outputs.append(self._output(seq, [token]))
+        events = self.blocks.take_events()
+        if events and self.kv_event_listener is not None:
+            self.kv_event_listener(events)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, new: list[int]) -> StepOutput:
+        return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
+                          seq.num_prompt_tokens, seq.num_cached_tokens)

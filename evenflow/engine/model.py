@@ -1,0 +1,240 @@
+"""The transformer: one model file for Llama, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Tokens of all sequences in a step are flattened into one batch (T tokens). Attention reads and
+writes a paged KV cache through slot indices (slot = block_id * block_size + offset); MoE layers
+route each token to its top-k experts, group tokens by expert and run one matmul per expert.
+Module names follow the HF checkpoints, so loading is a rename only where experts are stacked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from evenflow.engine.config import ModelConfig
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's chunk of new tokens beyond the first token of a step's batch."""
+
+    q_start: int  # offset of its first new token in the flat batch
+    q_len: int  # new tokens this step
+    ctx_len: int  # tokens visible to its last query: cached + earlier chunks + this chunk
+    slots: Tensor | None  # (ctx_len,) cache slots of the whole context; None if ctx_len == q_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes, and what each query attends to.
+
+    The flat batch holds the prefill segments' tokens first, then one token per decoding sequence.
+    """
+
+    slot_mapping: Tensor  # (T,) cache slot of each new token
+    prefills: list[PrefillSegment]
+    num_prefill_tokens: int
+    decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
+    decode_mask: Tensor | None  # (B_dec, 1, 1, L) True where a context slot is real
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(
+        self,
+        x: Tensor,  # (T, H)
+        cos: Tensor,  # (T, 1, hd)
+        sin: Tensor,
+        k_cache: Tensor,  # (num_slots, n_kv, hd)
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv, hd)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        outs: list[Tensor] = []
+        for seg in meta.prefills:
+            qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)  # (nh, q, hd)
+            if seg.slots is None:  # whole context is this chunk: plain causal attention
+                ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)  # (n_kv, q, hd)
+                vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:  # earlier context comes from the cache: causal mask offset by the cached part
+                ks = k_cache[seg.slots].transpose(0, 1)  # (n_kv, ctx, hd)
+                vs = v_cache[seg.slots].transpose(0, 1)
+                offset = seg.ctx_len - seg.q_len
+                q_pos = torch.arange(seg.q_len).unsqueeze(1) + offset
+                mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            outs.append(o.transpose(0, 1))  # (q, nh, hd)
+        if meta.decode_slots is not None:
+            B = meta.decode_slots.shape[0]
+            group = self.num_heads // self.num_kv_heads
+            # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
+            qd = q[meta.num_prefill_tokens :].view(B, self.num_kv_heads, group, self.head_dim)
+            kd = k_cache[meta.decode_slots].transpose(1, 2)  # (B, n_kv, L, hd)
+            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            outs.append(o.reshape(B, self.num_heads, self.head_dim))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (plus an optional gated shared expert, as in Qwen2-MoE).
+
+    Expert weights are stacked: w13 (E, 2I, H) holds gate and up, w2 (E, H, I) holds down.
+    Each call adds its tokens-per-expert to `counts` (E,), which the engine exposes.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.norm_topk_prob = E, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, inter))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
+
+    def forward(self, x: Tensor) -> Tensor:  # (T, H)
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat_experts = experts.flatten()  # (T*k,)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        if self.counts is not None:
+            self.counts += counts
+        order = torch.argsort(flat_experts, stable=True)
+        token_of = order // self.top_k  # token index of each sorted (token, expert) pair
+        xs = x[token_of]  # (T*k, H) grouped by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            h = F.linear(xs[start : start + n], self.w13[e])  # (n, 2I)
+            gate, up = h.chunk(2, dim=-1)
+            ys[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            start += n
+        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, ys)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sparse: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp: nn.Module = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv[0], kv[1], meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, s) for s in cfg.sparse_layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(tokens, positions, kv caches, metadata, rows to score) -> logits (float32)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def init_rope(self, max_len: int, dtype: torch.dtype) -> None:
+        hd = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, hd)
+        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # (T,)
+        positions: Tensor,  # (T,)
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        logit_rows: Tensor,  # (S,) rows of the flat batch whose next token is sampled
+    ) -> Tensor:  # (S, vocab) float32
+        assert self._cos is not None and self._sin is not None, "call init_rope first"
+        cos = self._cos[positions].unsqueeze(1)  # (T, 1, hd)
+        sin = self._sin[positions].unsqueeze(1)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv, meta)
+        x = self.model.norm(x[logit_rows])
+        return self.lm_head(x).float()

@@ -1,0 +1,93 @@
+"""The model runner: owns the model and its paged KV cache, turns a step's scheduled chunks into
+flat input tensors and attention metadata, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from evenflow.engine.model import AttentionMetadata, CausalLM, PrefillSegment
+from evenflow.engine.sampler import sample
+from evenflow.engine.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
+                 dtype: torch.dtype) -> None:
+        cfg = model.config
+        self.model, self.block_size = model, block_size
+        slots = num_blocks * block_size
+        # One (K, V) pair per layer, (num_slots + 1, n_kv, hd). torch.empty: pages are only
+        # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
+        # attention positions read it, never uninitialised memory (0 * NaN would poison a row).
+        self.null_slot = slots
+        self.kv_caches = []
+        for _ in range(cfg.num_layers):
+            k = torch.empty(slots + 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+            v = torch.empty(slots + 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+            k[slots].zero_()
+            v[slots].zero_()
+            self.kv_caches.append((k, v))
+        model.init_rope(max_model_len, dtype)
+        moe = model.moe_layers()
+        # Tokens routed to each (MoE layer, expert), accumulated until the caller resets it.
+        self.expert_counts = torch.zeros(len(moe), max(cfg.num_experts, 1), dtype=torch.int64)
+        for row, layer in enumerate(moe):
+            layer.counts = self.expert_counts[row]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_table)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        input_ids: list[int] = []
+        slot_parts: list[Tensor] = []
+        position_parts: list[Tensor] = []
+        prefills: list[PrefillSegment] = []
+        logit_rows: list[int] = []
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        for c in chunks:
+            if c.num_tokens == 1:
+                break
+            seq, start = c.seq, c.seq.num_computed_tokens
+            end = start + c.num_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            position_parts.append(torch.arange(start, end))
+            ctx_slots = self._slots(seq.block_table, 0, end)
+            slot_parts.append(ctx_slots[start:])
+            prefills.append(PrefillSegment(q_start, c.num_tokens, end, ctx_slots if start else None))
+            if c.samples:
+                logit_rows.append(len(input_ids) - 1)
+        num_prefill = len(input_ids)
+        decode_slots = decode_mask = None
+        if decodes:
+            bs = self.block_size
+            ctx = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes])  # (B,)
+            width = max(len(c.seq.block_table) for c in decodes)
+            table = torch.tensor([c.seq.block_table + [0] * (width - len(c.seq.block_table))
+                                  for c in decodes])  # (B, blocks)
+            max_ctx = int(ctx.max())
+            all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
+            real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
+            decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)  # (B, L)
+            positions = ctx - 1
+            decode_mask = real.view(len(decodes), 1, 1, max_ctx)
+            input_ids.extend(c.seq.token_ids[c.seq.num_computed_tokens] for c in decodes)
+            position_parts.append(positions)
+            slot_parts.append(decode_slots.gather(1, positions.unsqueeze(1)).squeeze(1))
+            logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts), prefills=prefills, num_prefill_tokens=num_prefill,
+            decode_slots=decode_slots, decode_mask=decode_mask,
+        )
+        return (torch.tensor(input_ids), torch.cat(position_parts), meta,
+                torch.tensor(logit_rows, dtype=torch.long))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """Forward the step; return one sampled token per chunk whose `samples` is True."""
+        input_ids, positions, meta, logit_rows = self.prepare(chunks)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        return sample(logits, [c.seq for c in chunks if c.samples])

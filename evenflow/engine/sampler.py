@@ -1,0 +1,47 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling uses the exponential-race form (argmax of p / E with E ~ Exp(1)), which equals drawing
+from p. A seeded request draws its noise from its own generator, so its output does not depend on
+what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from evenflow.engine.sequence import Sequence
+
+
+def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits (S, V); top_k (S,) with V meaning off; top_p (S,) with 1 meaning off."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token once the mass strictly before it already reaches top_p (the first always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits (S, V) float32, one row per sequence -> one token id per sequence."""
+    greedy = logits.argmax(dim=-1)
+    if all(s.params.greedy for s in seqs):
+        return greedy.tolist()
+    vocab = logits.shape[-1]
+    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(1)
+    scaled = logits / temps
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs])
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None:
+            noise[row].exponential_(generator=seq.generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([s.params.greedy for s in seqs])
+    return torch.where(is_greedy, greedy, sampled).tolist()

@@ -1,0 +1,104 @@
+"""Iteration-level continuous batching.
+
+Each step gets a token budget. Running sequences go first, in arrival order: one token each when
+decoding, or the next chunk of their prompt (chunked prefill). Waiting sequences are then admitted
+while budget, KV blocks and the running cap allow, reusing cached prefix blocks. When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it is recomputed later (its full blocks usually stay cached, so the redo is
+mostly prefix hits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from evenflow.engine.block_manager import BlockManager
+from evenflow.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # new tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's work. Prefill chunks come first in the result, decodes after."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.blocks.can_append(seq, target) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if not self.blocks.can_append(seq, target):
+                self.running.pop(i)  # it is the last one: preempt itself
+                self._preempt(seq)
+                continue
+            self.blocks.append_slots(seq, target)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.prefix_hits(seq)
+            computed = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.blocks.can_allocate_first(seq, hits, computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate_first(seq, hits, computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        # Prefill chunks first, then single-token decodes: the model runner's batch layout.
+        return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.blocks.free_sequence(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

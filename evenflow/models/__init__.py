@@ -1,0 +1,1 @@
+"""Built-in checkpoints shipped with the package (see README: the tiny-moe model)."""

@@ -1,0 +1,60 @@
+"""Tiny random HF checkpoints for tests: each supported architecture, saved with transformers'
+save_pretrained (fixed seed) plus a word-level tokenizer, so tests need no download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 256
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=1,
+               bos_token_id=0, tie_word_embeddings=False)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=48, num_experts=4,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=96,
+                       decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, head_dim=16)),
+}
+
+
+def write_word_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer: token i is the word `w{i}`; 0 = <s>, 1 = </s>."""
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
+    }))
+
+
+def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Save a random `arch` model to `path`; returns the transformers model (the oracle)."""
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_word_tokenizer(path)
+    return model
