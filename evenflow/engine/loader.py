@@ -68,6 +68,14 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, T
             state[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
         else:
             state[name] = t
+    for layer in range(cfg.num_layers):
+        attn = f"model.layers.{layer}.self_attn."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+            elif any(t is not None for t in parts):
+                raise ModelLoadError(f"checkpoint has only some of {attn}q/k/v_proj.{kind}")
     for layer, sparse in enumerate(cfg.sparse_layers):
         if not sparse or f"model.layers.{layer}.mlp.w13" in state:
             continue
@@ -79,9 +87,8 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, T
             raise ModelLoadError(f"checkpoint lacks expert weight {exc.args[0]}") from exc
         state[f"model.layers.{layer}.mlp.w13"] = torch.stack(gate_up)
         state[f"model.layers.{layer}.mlp.w2"] = torch.stack(down)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        if "model.embed_tokens.weight" in state and cfg.tie_word_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 

@@ -48,8 +48,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -58,13 +57,14 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (qkv_proj: the loader concatenates the
+    checkpoint's q_proj, k_proj and v_proj)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -80,14 +80,13 @@ class Attention(nn.Module):
         v_cache: Tensor,
         meta: AttentionMetadata,
     ) -> Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv, hd)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
+        qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k heads at once
+        q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 

@@ -1,0 +1,56 @@
+"""Random HF-format checkpoints for benchmarks, written without transformers: config.json and
+model.safetensors with Mixtral's tensor names, fixed seed, normal(0, 0.02) init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+# The issue's benchmark model: a Mixtral-style MoE of ~110M parameters.
+MIXTRAL_110M = dict(
+    vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False, hidden_act="silu",
+)
+
+
+def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the checkpoint once; later calls reuse it."""
+    cfg = dict(MIXTRAL_110M if config is None else config)
+    path = Path(path)
+    if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == {
+            **cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "torch_dtype": str(dtype).removeprefix("torch.")}:
+        return path
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    H, V, inter = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    hd = H // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    tensors = {"model.embed_tokens.weight": rand(V, H), "lm_head.weight": rand(V, H),
+               "model.norm.weight": torch.ones(H, dtype=dtype)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": rand(H, H), p + "self_attn.k_proj.weight": rand(kv, H),
+                    p + "self_attn.v_proj.weight": rand(kv, H), p + "self_attn.o_proj.weight": rand(H, H),
+                    p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
+                    p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
+                    p + "block_sparse_moe.gate.weight": rand(cfg["num_local_experts"], H)}
+        for e in range(cfg["num_local_experts"]):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            tensors |= {q + "w1.weight": rand(inter, H), q + "w3.weight": rand(inter, H),
+                        q + "w2.weight": rand(H, inter)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(
+        {**cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+         "torch_dtype": str(dtype).removeprefix("torch.")}, indent=1))
+    return path

@@ -1,0 +1,201 @@
+"""`evenflow bench engine`: our engine side by side with transformers' generate on one checkpoint.
+
+Each engine runs in its own subprocess (same thread count) so peak RSS is its own. Prints prefill
+time per prompt length, decode time per step and output tokens/s per batch size, peak RSS, and
+TTFT for a prompt sharing a 1,024-token prefix with an earlier one (cached vs uncached), with
+ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
+            reps=3)
+QUICK = dict(prefill=[16, 64], batches=[1, 4], prompt=16, output=8, prefix=64, reps=1)
+QUICK_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                   num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                   rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                   hidden_act="silu")
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(ckpt: str, threads: int, plan: dict) -> dict:
+    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=ckpt, dtype="bfloat16", num_threads=threads,
+                                 max_num_batched_tokens=max(4096, plan["prefix"] + 64),
+                                 max_num_seqs=64))
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[float]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(str(next(ids)), p, params)
+        steps = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        return steps
+
+    run(_prompts(2, 32, vocab, 99), 4)  # warm-up
+    result: dict = {"prefill_ms": {}, "decode_ms": {}, "tok_s": {}}
+    for n in plan["prefill"]:
+        times = [sum(run(_prompts(1, n, vocab, 1000 * n + r), 1)) for r in range(plan["reps"])]
+        result["prefill_ms"][n] = statistics.median(times) * 1e3
+    for b in plan["batches"]:
+        steps = run(_prompts(b, plan["prompt"], vocab, b), plan["output"])
+        result["decode_ms"][b] = statistics.median(steps[1:]) * 1e3
+        result["tok_s"][b] = b * plan["output"] / sum(steps)
+    prefix = _prompts(1, plan["prefix"], vocab, 7)[0]
+    first, second = (prefix + s for s in _prompts(2, 64, vocab, 8))
+    result["ttft_uncached_ms"] = sum(run([first], 1)) * 1e3
+    result["ttft_cached_ms"] = sum(run([second], 1)) * 1e3
+    result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def run_transformers(ckpt: str, threads: int, plan: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    vocab = model.config.vocab_size
+
+    @torch.inference_mode()
+    def prefill(batch: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        model(torch.tensor(batch), use_cache=True)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def generate(batch: list[list[int]], new: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(torch.tensor(batch), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    generate(_prompts(2, 32, vocab, 99), 4)  # warm-up
+    result: dict = {"prefill_ms": {}, "decode_ms": {}, "tok_s": {}}
+    for n in plan["prefill"]:
+        times = [prefill(_prompts(1, n, vocab, 1000 * n + r)) for r in range(plan["reps"])]
+        result["prefill_ms"][n] = statistics.median(times) * 1e3
+    for b in plan["batches"]:
+        batch = _prompts(b, plan["prompt"], vocab, b)
+        first = prefill(batch)
+        total = generate(batch, plan["output"])
+        result["decode_ms"][b] = (total - first) / (plan["output"] - 1) * 1e3
+        result["tok_s"][b] = b * plan["output"] / total
+    prefix = _prompts(1, plan["prefix"], vocab, 7)[0]
+    first_p, second_p = (prefix + s for s in _prompts(2, 64, vocab, 8))
+    result["ttft_uncached_ms"] = prefill([first_p]) * 1e3
+    result["ttft_cached_ms"] = prefill([second_p]) * 1e3  # no prefix cache: same work again
+    result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def _worker(argv: list[str]) -> int:
+    engine, ckpt, threads, plan = argv[0], argv[1], int(argv[2]), json.loads(argv[3])
+    run = run_ours if engine == "evenflow" else run_transformers
+    print(json.dumps(run(ckpt, threads, plan)))
+    return 0
+
+
+def _spawn(engine: str, ckpt: Path, threads: int, plan: dict) -> dict | None:
+    cmd = [sys.executable, "-m", "evenflow.bench.engine_bench", "--worker", engine, str(ckpt),
+           str(threads), json.dumps(plan)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        print(f"[{engine}] failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _table(ours: dict, ref: dict | None, plan: dict) -> str:
+    rows: list[tuple[str, float, float | None, bool]] = []  # name, ours, ref, lower is better
+    for n in plan["prefill"]:
+        rows.append((f"prefill {n} tokens (ms)", ours["prefill_ms"][str(n)],
+                     ref and ref["prefill_ms"][str(n)], True))
+    for b in plan["batches"]:
+        rows.append((f"decode batch {b} (ms/step)", ours["decode_ms"][str(b)],
+                     ref and ref["decode_ms"][str(b)], True))
+        rows.append((f"decode batch {b} (output tok/s)", ours["tok_s"][str(b)],
+                     ref and ref["tok_s"][str(b)], False))
+    rows.append(("peak RSS (MB)", ours["peak_rss_mb"], ref and ref["peak_rss_mb"], True))
+    rows.append((f"TTFT {plan['prefix']}+64, uncached (ms)", ours["ttft_uncached_ms"],
+                 ref and ref["ttft_uncached_ms"], True))
+    rows.append((f"TTFT {plan['prefix']}+64, prefix cached (ms)", ours["ttft_cached_ms"],
+                 ref and ref["ttft_cached_ms"], True))
+    lines = [f"{'metric':40} {'evenflow':>10} {'transformers':>13} {'speedup':>8}"]
+    for name, mine, theirs, lower in rows:
+        if theirs is None:
+            lines.append(f"{name:40} {mine:10.1f} {'-':>13} {'-':>8}")
+            continue
+        speedup = theirs / mine if lower else mine / theirs
+        lines.append(f"{name:40} {mine:10.1f} {theirs:13.1f} {speedup:7.2f}x")
+    lines.append(f"prefix cache: cached TTFT is {ours['ttft_uncached_ms'] / ours['ttft_cached_ms']:.1f}x"
+                 " faster than uncached (same engine, same prompt length)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    ap = argparse.ArgumentParser(prog="evenflow bench engine", description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
+    ap.add_argument("--no-reference", action="store_true", help="skip transformers")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="where the random benchmark checkpoint is written (default: a cache dir)")
+    args = ap.parse_args(argv)
+
+    from evenflow.bench.checkpoint import write_random_mixtral
+
+    plan = QUICK if args.quick else FULL
+    name = "mixtral-quick" if args.quick else "mixtral-110m"
+    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    ckpt = write_random_mixtral(root / name, QUICK_MODEL if args.quick else None)
+    print(f"checkpoint: {ckpt} (random Mixtral-style MoE, bfloat16), threads: {args.threads}")
+    ours = _spawn("evenflow", ckpt, args.threads, plan)
+    if ours is None:
+        return 1
+    ref = None
+    if not args.no_reference:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("transformers is not installed: printing evenflow only", file=sys.stderr)
+        else:
+            ref = _spawn("transformers", ckpt, args.threads, plan)
+    print(_table(ours, ref, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
