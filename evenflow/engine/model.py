@@ -92,26 +92,30 @@ class Attention(nn.Module):
 
         outs: list[Tensor] = []
         for seg in meta.prefills:
-            qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)  # (nh, q, hd)
+            # 4-D (1, heads, len, hd) inputs: torch's CPU flash kernel takes these (3-D falls
+            # back to the slow math path).
+            qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
             if seg.slots is None:  # whole context is this chunk: plain causal attention
-                ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)  # (n_kv, q, hd)
-                vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)
+                ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
+                vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # earlier context comes from the cache: causal mask offset by the cached part
-                ks = k_cache[seg.slots].transpose(0, 1)  # (n_kv, ctx, hd)
-                vs = v_cache[seg.slots].transpose(0, 1)
+                ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
+                vs = v_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
                 offset = seg.ctx_len - seg.q_len
                 q_pos = torch.arange(seg.q_len).unsqueeze(1) + offset
                 mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-            outs.append(o.transpose(0, 1))  # (q, nh, hd)
+            outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
         if meta.decode_slots is not None:
             B = meta.decode_slots.shape[0]
             group = self.num_heads // self.num_kv_heads
             # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
             qd = q[meta.num_prefill_tokens :].view(B, self.num_kv_heads, group, self.head_dim)
-            kd = k_cache[meta.decode_slots].transpose(1, 2)  # (B, n_kv, L, hd)
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            flat = meta.decode_slots.flatten()
+            L = meta.decode_slots.shape[1]
+            kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B, n_kv, L, hd)
+            vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
             outs.append(o.reshape(B, self.num_heads, self.head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -162,20 +166,58 @@ class MoE(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         token_of = order // self.top_k  # token index of each sorted (token, expert) pair
         xs = x[token_of]  # (T*k, H) grouped by expert
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            h = F.linear(xs[start : start + n], self.w13[e])  # (n, 2I)
-            gate, up = h.chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
-            start += n
+        counts_list = counts.tolist()
+        active = sum(1 for n in counts_list if n)
+        sorted_experts = flat_experts[order]
+        if 2 * active >= self.num_experts and len(xs) <= self.BATCHED_MAX_PAIRS:
+            width = -(-max(counts_list) // 4) * 4  # a few recurring shapes (see ROW_ALIGN)
+            ys = self._experts_batched(xs, sorted_experts, counts, width)
+        else:
+            ys = self._experts_looped(xs, sorted_experts, counts, counts_list)
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, ys)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    # Up to this many (token, expert) pairs, and when most experts are busy (decode batches),
+    # all experts run in one padded bmm: the step is bound by reading expert weights, and one
+    # call streams them faster than a loop of small matmuls. Larger or sparser groups loop.
+    BATCHED_MAX_PAIRS = 512
+
+    # Each expert's row count is rounded up to a multiple of this in the looped path: oneDNN
+    # builds a kernel per matmul shape, and a few recurring shapes beat a new one per step.
+    ROW_ALIGN = 16
+
+    def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
+                        counts_list: list[int]) -> Tensor:
+        align = self.ROW_ALIGN
+        padded = [-(-n // align) * align for n in counts_list]
+        starts = torch.cumsum(counts, 0) - counts
+        padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
+        rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
+        grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
+        ys = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(padded):
+            if n == 0:
+                continue
+            h = F.linear(grouped[start : start + n], self.w13[e])  # (n, 2I)
+            gate, up = h.chunk(2, dim=-1)
+            ys[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            start += n
+        return ys.index_select(0, rows)
+
+    def _experts_batched(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
+                         width: int) -> Tensor:
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(xs)) - starts[sorted_experts]  # position within its expert
+        padded = xs.new_zeros(self.num_experts, width, xs.shape[1])  # (E, width, H)
+        padded[sorted_experts, slot] = xs
+        h = torch.bmm(padded, self.w13.transpose(1, 2))  # (E, width, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # (E, width, H)
+        return out[sorted_experts, slot]
 
 
 class DecoderLayer(nn.Module):
