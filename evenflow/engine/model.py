@@ -169,8 +169,8 @@ class MoE(nn.Module):
         counts_list = counts.tolist()
         active = sum(1 for n in counts_list if n)
         sorted_experts = flat_experts[order]
-        if 2 * active >= self.num_experts and len(xs) <= self.BATCHED_MAX_PAIRS:
-            width = -(-max(counts_list) // 4) * 4  # a few recurring shapes (see ROW_ALIGN)
+        width = max(counts_list)
+        if 2 * active >= self.num_experts and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_experts, counts, width)
         else:
             ys = self._experts_looped(xs, sorted_experts, counts, counts_list)
@@ -180,33 +180,41 @@ class MoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    # Up to this many (token, expert) pairs, and when most experts are busy (decode batches),
-    # all experts run in one padded bmm: the step is bound by reading expert weights, and one
-    # call streams them faster than a loop of small matmuls. Larger or sparser groups loop.
-    BATCHED_MAX_PAIRS = 512
+    # When most experts are busy with at most this many tokens each (decode batches), all
+    # experts run in one padded bmm: the step is bound by reading expert weights, and one call
+    # streams them faster than a loop of small matmuls. Larger or sparser groups loop.
+    BATCHED_MAX_ROWS = 16
 
-    # Each expert's row count is rounded up to a multiple of this in the looped path: oneDNN
-    # builds a kernel per matmul shape, and a few recurring shapes beat a new one per step.
+    # With more than ALIGN_ABOVE pairs (prefill), each expert's row count is rounded up to a
+    # multiple of ROW_ALIGN: oneDNN builds a kernel per matmul shape, and a few recurring shapes
+    # beat a new one per step. Small decode groups take few shapes anyway and skip the padding.
     ROW_ALIGN = 16
+    ALIGN_ABOVE = 128
 
     def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
                         counts_list: list[int]) -> Tensor:
+        if len(xs) <= self.ALIGN_ABOVE:
+            return self._run_experts(xs, counts_list)
         align = self.ROW_ALIGN
         padded = [-(-n // align) * align for n in counts_list]
         starts = torch.cumsum(counts, 0) - counts
         padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
         rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
         grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
+        return self._run_experts(grouped, padded).index_select(0, rows)
+
+    def _run_experts(self, grouped: Tensor, counts: list[int]) -> Tensor:
+        """grouped (N, H): rows sorted by expert, counts[e] rows for expert e."""
         ys = torch.empty_like(grouped)
         start = 0
-        for e, n in enumerate(padded):
+        for e, n in enumerate(counts):
             if n == 0:
                 continue
             h = F.linear(grouped[start : start + n], self.w13[e])  # (n, 2I)
             gate, up = h.chunk(2, dim=-1)
             ys[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
             start += n
-        return ys.index_select(0, rows)
+        return ys
 
     def _experts_batched(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
                          width: int) -> Tensor:
