@@ -81,6 +81,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv: torch.Tensor | None = None  # the prompt's K/V, for finished export_kv requests
 
 
 class Engine:
@@ -114,8 +115,9 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        """Queue a request; raises ValueError naming the problem if it cannot be served."""
+                    params: SamplingParams, export_kv: bool = False) -> None:
+        """Queue a request; raises ValueError naming the problem if it cannot be served.
+        With export_kv, its finishing StepOutput carries the prompt's K/V (see read_kv)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -130,9 +132,37 @@ class Engine:
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"the prompt needs more KV blocks than the cache has "
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                       export_kv=export_kv)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              first_token_id: int, params: SamplingParams, kv: torch.Tensor,
+                              num_cached_tokens: int = 0) -> None:
+        """Continue a request another engine prefilled: its prompt's K/V (as exported by
+        add_request(export_kv=True)) and the first token it sampled. Decoding starts at the next
+        step that has room; raises ValueError if the K/V does not fit this engine's layout."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids or len(prompt_token_ids) + 1 >= self.max_model_len:
+            raise ValueError("the prefilled prompt is empty or fills the context")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        expected = self.runner.kv_shape(self.blocks.blocks_needed(len(prompt_token_ids)))
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"K/V of shape {tuple(kv.shape)} does not match {expected}")
+        if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
+            raise ValueError("the prompt needs more KV blocks than the cache has")
+        seq = Sequence(request_id, [*prompt_token_ids, first_token_id], len(prompt_token_ids),
+                       params, pending_kv=kv, num_cached_tokens=num_cached_tokens)
+        seq.skip_draws(1, self.model_config.vocab_size)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_caches[0][0].dtype
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary; False if it is unknown or done."""
@@ -164,6 +194,12 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
         chunks = self.scheduler.schedule()
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.pending_kv is not None:  # admitted with imported K/V: write it in
+                prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
+                self.runner.write_kv(seq.block_table[:prompt_blocks], seq.pending_kv)
+                seq.pending_kv = None
         if chunks:
             sampled = iter(self.runner.run(chunks))
             for chunk in chunks:
@@ -175,10 +211,14 @@ class Engine:
                 token = next(sampled)
                 seq.token_ids.append(token)
                 reason = self._finish_reason(seq, token)
+                kv = None
                 if reason is not None:
+                    if seq.export_kv:
+                        prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
+                        kv = self.runner.read_kv(seq.block_table[:prompt_blocks])
                     self.scheduler.finish(seq, reason)
                     del self._requests[seq.request_id]
-                outputs.append(self._output(seq, [token]))
+                outputs.append(self._output(seq, [token], kv))
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)
@@ -193,6 +233,6 @@ class Engine:
         return None
 
     @staticmethod
-    def _output(seq: Sequence, new: list[int]) -> StepOutput:
+    def _output(seq: Sequence, new: list[int], kv: torch.Tensor | None = None) -> StepOutput:
         return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, kv)

@@ -35,6 +35,27 @@ class ModelRunner:
         for row, layer in enumerate(moe):
             layer.counts = self.expert_counts[row]
 
+    def _blocks_view(self, cache: Tensor) -> Tensor:
+        """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache."""
+        return cache[: self.null_slot].view(-1, self.block_size, *cache.shape[1:])
+
+    def read_kv(self, block_ids: list[int]) -> Tensor:
+        """A copy of the blocks' K/V: (layers, 2, blocks, block_size, n_kv, hd)."""
+        index = torch.tensor(block_ids)
+        return torch.stack([torch.stack([self._blocks_view(k).index_select(0, index),
+                                         self._blocks_view(v).index_select(0, index)])
+                            for k, v in self.kv_caches])
+
+    def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
+        index = torch.tensor(block_ids)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            self._blocks_view(k).index_copy_(0, index, kv[layer, 0].to(k.dtype))
+            self._blocks_view(v).index_copy_(0, index, kv[layer, 1].to(v.dtype))
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        k = self.kv_caches[0][0]
+        return (len(self.kv_caches), 2, num_blocks, self.block_size, *k.shape[1:])
+
     def _slots(self, block_table: list[int], start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)
         table = torch.tensor(block_table)

@@ -73,6 +73,18 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending_kv is not None:  # prompt K/V imported: only the next token to run
+                if not self.blocks.can_allocate_first(seq, [], seq.num_tokens):
+                    break
+                self.waiting.popleft()
+                cached = seq.num_cached_tokens
+                self.blocks.allocate_first(seq, [], seq.num_tokens)
+                seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, cached
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                chunks.append(ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens))
+                budget -= chunks[-1].num_tokens
+                continue
             hits = self.blocks.prefix_hits(seq)
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)

@@ -36,10 +36,19 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     num_preemptions: int = 0
+    export_kv: bool = False  # hand the prompt's K/V to the caller when it finishes
+    pending_kv: torch.Tensor | None = None  # imported prompt K/V, written in at admission
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def skip_draws(self, steps: int, vocab_size: int) -> None:
+        """Advance the seeded generator past `steps` sampling steps taken elsewhere (the
+        prefill worker sampled the first token), so the output matches a single engine's."""
+        if self.generator is not None and not self.params.greedy:
+            for _ in range(steps):
+                torch.empty(vocab_size).exponential_(generator=self.generator)
 
     @property
     def num_tokens(self) -> int:

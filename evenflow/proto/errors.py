@@ -1,0 +1,11 @@
+"""Error codes that cross the wire in ErrorMessage.code."""
+
+from __future__ import annotations
+
+NO_CAPACITY = "no_capacity"  # the decode worker has no KV room: retry elsewhere
+BAD_REQUEST = "bad_request"  # the engine rejected the request (length, vocabulary, params)
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # a chunk went missing, arrived twice, or timed out
+WORKER_ERROR = "worker_error"  # an unexpected failure inside a worker
+DRAINING = "draining"  # the worker is shutting down: retry elsewhere
+
+RETRYABLE = frozenset({NO_CAPACITY, DRAINING})
