@@ -19,19 +19,13 @@ from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
+from evenflow import models
 from evenflow.proto.hashing import namespace_salt
-
-BUILTIN_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_MODEL = "tiny-moe"
-
 
 def resolve_model(model: str) -> Path:
     """A built-in model's name (`tiny-moe`) or a checkpoint directory."""
-    builtin = BUILTIN_MODELS_DIR / model
-    if "/" not in model and builtin.is_dir():
-        return builtin
-    path = Path(model).expanduser()
-    if not path.is_dir():
+    path = models.resolve_model(model)
+    if path is None:
         raise ModelLoadError(f"model {model!r} is neither a built-in model nor a directory")
     return path
 
@@ -49,7 +43,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
+    model: str = models.DEFAULT_MODEL
     dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 math, else float32
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
@@ -94,7 +88,8 @@ class Engine:
         self.model = load_model(self.model_dir, dtype)
         cfg: ModelConfig = self.model.config
         self.model_config = cfg
-        self.max_model_len = min(config.max_model_len or 8192, cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
+                                 cfg.max_position_embeddings)
         bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                            * config.block_size * dtype.itemsize)
         wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs

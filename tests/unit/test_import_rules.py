@@ -41,7 +41,8 @@ def test_package_imports_follow_the_dag(package):
     for filename, name in imports_of(package):
         parts = name.split(".")
         if parts[0] == "evenflow" and len(parts) > 1 and parts[1] != package:
-            assert parts[1] in ALLOWED[package], f"{package}/{filename} imports {name}"
+            # evenflow.models is a torch-free leaf (checkpoint lookup) that anyone may use.
+            assert parts[1] in ALLOWED[package] | {"models"}, f"{package}/{filename} imports {name}"
 
 
 def test_gateway_never_imports_torch():

@@ -1,0 +1,158 @@
+"""Prefill worker: PrefillRequest in -> prompt computed with the local prefix cache -> first
+token straight to the gateway -> the prompt's KV blocks shipped to the chosen decode worker in
+numbered chunks, then KVTransferComplete.
+
+Data flow: receive request -> engine thread (batched with other prompts) -> sample first token ->
+emit delta -> export KV -> chunk -> send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from evenflow.engine.engine import Engine, EngineConfig, StepOutput
+from evenflow.engine.sampling_params import SamplingParams
+from evenflow.engine.sequence import FinishReason
+from evenflow.proto import errors, subjects
+from evenflow.proto.messages import (
+    Cancel, ErrorMessage, KVBlockChunk, KVTransferComplete, Message, PrefillRequest, TokenDelta,
+    TokenDeltas, WorkerHeartbeat)
+from evenflow.services.engine_thread import EngineThread
+from evenflow.services.metrics import KV_TRANSFER_BYTES
+from evenflow.services.worker import WorkerService
+
+
+@dataclass
+class _Pending:
+    request: PrefillRequest
+    queue_span: trace.Span
+    context: Context  # the gateway's span, parent of this worker's spans
+    admitted_ns: int = 0  # when the engine thread took it (end of queue, start of compute)
+
+
+def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, bytes]]:
+    """Split (layers, 2, blocks, ...) K/V into (first_block, num_blocks, raw bytes) chunks."""
+    num_blocks = kv.shape[2]
+    per_block = kv[:, :, :1].numel() * kv.element_size()
+    step = max(1, max_bytes // per_block)
+    chunks = []
+    for first in range(0, num_blocks, step):
+        part = kv[:, :, first : first + step].contiguous()
+        chunks.append((first, part.shape[2], part.view(torch.uint8).numpy().tobytes()))
+    return chunks
+
+
+class PrefillWorker(WorkerService):
+    role = "prefill"
+
+    async def start(self) -> None:
+        self.engine = Engine(EngineConfig(**self.config.engine_kwargs()))
+        self.pending: dict[str, _Pending] = {}
+        self.loop = asyncio.get_running_loop()
+        self.thread = EngineThread(self.engine, self.loop, self._on_outputs)
+        self.thread.start()
+        await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        queued = sum(len(p.request.prompt_token_ids) for p in self.pending.values())
+        return WorkerHeartbeat(
+            self.worker_id, "prefill" if not self.draining else "draining",
+            self.config.model_name, self.engine.num_running, self.engine.num_waiting,
+            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks, queued, time.time())
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    async def shutdown(self) -> None:
+        self.thread.stop()
+
+    # -- inbound ----------------------------------------------------------------------------
+    def _on_message(self, message: Message, ctx: Context) -> None:
+        if isinstance(message, PrefillRequest):
+            self._on_request(message, ctx)
+        elif isinstance(message, Cancel):
+            if self.pending.pop(message.request_id, None) is not None:
+                self.thread.submit(lambda: self.engine.abort(message.request_id))
+
+    def _on_request(self, req: PrefillRequest, ctx: Context) -> None:
+        if self.draining:
+            self._fail(req, errors.DRAINING, "prefill worker is draining", ctx)
+            return
+        span = self.tracer.start_span("prefill.queue", context=ctx, attributes={
+            "gen_ai.request.id": req.request_id,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+        pending = self.pending[req.request_id] = _Pending(req, span, ctx)
+        first_token_only = SamplingParams(**{**dataclasses.asdict(req.sampling), "max_tokens": 1})
+
+        def admit() -> None:  # on the engine thread
+            pending.admitted_ns = time.time_ns()
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, first_token_only,
+                                        export_kv=True)
+            except ValueError as exc:
+                self.loop.call_soon_threadsafe(self._rejected, req.request_id, str(exc))
+
+        self.thread.submit(admit)
+
+    def _rejected(self, request_id: str, reason: str) -> None:
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            pending.queue_span.end()
+            self._fail(pending.request, errors.BAD_REQUEST, reason, None)
+
+    def _fail(self, req: PrefillRequest, code: str, description: str, ctx) -> None:
+        self.send(req.reply_subject, ErrorMessage(req.request_id, code, description,
+                                                  code in errors.RETRYABLE), ctx)
+
+    # -- outbound ---------------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            pending = self.pending.pop(out.request_id, None)
+            if pending is None or not out.finished:
+                continue
+            self._finish(pending, out)
+
+    def _finish(self, pending: _Pending, out: StepOutput) -> None:
+        req = pending.request
+        pending.queue_span.end(end_time=pending.admitted_ns or None)
+        compute = self.tracer.start_span(
+            "prefill.compute", context=pending.context, start_time=pending.admitted_ns or None,
+            attributes={"gen_ai.request.id": req.request_id,
+                        "evenflow.cached_tokens": out.num_cached_tokens})
+        compute.end()
+        if out.finish_reason is FinishReason.ABORT or not out.new_token_ids:
+            return
+        token = out.new_token_ids[0]
+        finish = None
+        if out.finish_reason is FinishReason.STOP:
+            finish = "stop"
+        elif (req.sampling.max_tokens == 1
+              or len(req.prompt_token_ids) + 1 >= self.engine.max_model_len):
+            finish = "length"
+        delta = TokenDelta(req.request_id, [token], finish, len(req.prompt_token_ids),
+                           out.num_cached_tokens)
+        self.send(req.reply_subject, TokenDeltas(self.worker_id, [delta]),
+                  trace.set_span_in_context(compute))
+        if finish is not None or out.kv is None:
+            return
+        transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(compute))
+        chunks = kv_to_chunks(out.kv, self.config.kv_chunk_bytes)
+        transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[2])
+        transfer.set_attribute("evenflow.kv.bytes", sum(len(c[2]) for c in chunks))
+        tctx = trace.set_span_in_context(transfer)
+        decode_subject = subjects.decode_worker(req.decode_worker)
+        for seq, (first, count, data) in enumerate(chunks):
+            self.send(decode_subject, KVBlockChunk(req.request_id, seq, first, count, data), tctx)
+            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(data))
+        self.send(decode_subject, KVTransferComplete(
+            req.request_id, len(chunks), out.kv.shape[2], str(out.kv.dtype).removeprefix("torch."),
+            req.prompt_token_ids, token, req.sampling, req.reply_subject, out.num_cached_tokens,
+            req.enqueued_at), tctx)
+        transfer.end()

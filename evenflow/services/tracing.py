@@ -1,0 +1,45 @@
+"""OpenTelemetry setup (one tracer provider per service process) and trace-context carriers for
+NATS headers. Exports over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set; handlers never
+touch headers themselves: the bus injects and extracts."""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str) -> trace.Tracer:
+    """Install the process's tracer provider (once) and return a tracer for `service_name`."""
+    global _provider
+    if _provider is None:
+        _provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(_provider)
+    return trace.get_tracer(service_name)
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop exporting (on service exit)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def inject_headers() -> dict[str, str]:
+    """The current span's context as W3C traceparent headers."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract_context(headers: dict[str, str] | None) -> context.Context:
+    return propagate.extract(headers or {})
