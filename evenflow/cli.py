@@ -1,4 +1,4 @@
-"""The `evenflow` command: `generate` (offline generation) and `bench` (benchmarks)."""
+"""The `evenflow` command: `up` (the local mesh), `generate` (offline) and `bench`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,51 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from evenflow.services.config import ConfigError, load_config
+    from evenflow.services.launcher import LaunchError, LocalMesh
+
+    try:
+        config = load_config({
+            "port": args.port, "model": args.model, "num_prefill": args.prefill,
+            "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
+            "host": args.host, "api_keys": args.api_key})
+    except ConfigError as exc:
+        print(f"evenflow up: error: {exc}", file=sys.stderr)
+        return 2
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    mesh = LocalMesh(config)
+    try:
+        mesh.start()
+        c = mesh.config
+        print(f"evenflow is serving {c.model_name} at {mesh.url}  "
+              f"(gateway, {c.num_prefill} prefill, {c.num_decode} decode; NATS {c.nats_url}, "
+              f"Redis {c.redis_url})", flush=True)
+        print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)
+        while (dead := mesh.first_exited()) is None:
+            time.sleep(0.5)
+        print(f"evenflow up: {' '.join(dead.args[1:])} exited ({dead.returncode}); stopping",
+              file=sys.stderr)
+        return 1
+    except LaunchError as exc:
+        print(f"evenflow up: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)
+        return 0
+    finally:
+        mesh.stop()
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         from evenflow.bench.engine_bench import main as bench_engine
@@ -59,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
+
+    up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
+    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    up.add_argument("--host", default=None)
+    up.add_argument("--model", default=None, help="built-in model name or checkpoint dir")
+    up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--api-key", default=None, help="require this Bearer key")
+    up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
     bench.add_argument("what", choices=["engine"])

