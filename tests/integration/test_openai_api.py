@@ -6,13 +6,14 @@ import pytest
 
 from evenflow import SamplingParams
 
-LONG = "count from 100 : " + " ".join(str(i) for i in range(100, 125))  # > 16 tokens: remote prefill
+LONG = "count from 100 : " + " ".join(str(i) for i in range(100, 114))  # > 16 tokens: remote prefill
 SHORT = "count from 17 :"  # < 16 tokens: prefilled on the decode worker
 
 
 @pytest.mark.parametrize("prompt", [LONG, SHORT])
 def test_greedy_completion_equals_offline_engine(client, offline, prompt):
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert len(expected.text.split()) >= 5  # the model keeps counting: a real continuation
     out = client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12,
                                     temperature=0)
     assert out.choices[0].text == expected.text
