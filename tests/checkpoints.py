@@ -3,11 +3,9 @@ save_pretrained (fixed seed) plus a word-level tokenizer, so tests need no downl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 VOCAB = 256
 
@@ -31,19 +29,10 @@ ARCHS = {
 
 
 def write_word_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
-    """A word-level tokenizer: token i is the word `w{i}`; 0 = <s>, 1 = </s>."""
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    from tokenizers import decoders
+    """Token i is the word `w{i}`; 0 = <s>, 1 = </s>."""
+    from evenflow.bench.checkpoint import write_word_tokenizer as write
 
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
-    }))
+    write(path, vocab_size, bos_id=0, eos_id=1)
 
 
 def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32):

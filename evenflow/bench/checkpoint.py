@@ -1,5 +1,6 @@
-"""Random HF-format checkpoints for benchmarks, written without transformers: config.json and
-model.safetensors with Mixtral's tensor names, fixed seed, normal(0, 0.02) init."""
+"""Random HF-format checkpoints for benchmarks and tests, written without transformers:
+config.json, model.safetensors with Mixtral's tensor names (fixed seed, normal(0, 0.02) init) and
+a word-level tokenizer, so the mesh can serve them too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 # The issue's benchmark model: a Mixtral-style MoE of ~110M parameters.
 MIXTRAL_110M = dict(
@@ -16,6 +18,23 @@ MIXTRAL_110M = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1e6, bos_token_id=1,
     eos_token_id=2, tie_word_embeddings=False, hidden_act="silu",
 )
+
+
+def write_word_tokenizer(path: Path, vocab_size: int, bos_id: int = 0, eos_id: int = 1) -> None:
+    """tokenizer.json + tokenizer_config.json for a word-level vocabulary: token i is the word
+    `w{i}`, except the BOS / EOS / UNK specials, so any token-id sequence round-trips as text."""
+    specials = {bos_id: "<s>", eos_id: "</s>"}
+    unk_id = next(i for i in range(vocab_size) if i not in specials)
+    specials[unk_id] = "<unk>"
+    vocab = {specials.get(i, f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # words joined by spaces
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
+    }))
 
 
 def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
@@ -50,6 +69,7 @@ def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
                         q + "w2.weight": rand(H, inter)}
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_word_tokenizer(path, V, cfg["bos_token_id"], cfg["eos_token_id"])
     (path / "config.json").write_text(json.dumps(
         {**cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
          "torch_dtype": str(dtype).removeprefix("torch.")}, indent=1))

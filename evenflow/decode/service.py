@@ -54,6 +54,8 @@ class DecodeWorker(WorkerService):
         self.engine = Engine(EngineConfig(**self.config.engine_kwargs()))
         self.loop = asyncio.get_running_loop()
         self.transfers: dict[str, _Transfer] = {}
+        self.kv_bytes_received = 0
+        self.kv_transfer_seconds = 0.0
         self.active: dict[str, _Active] = {}
         self.thread = EngineThread(self.engine, self.loop, self._on_outputs)
         self.thread.start()
@@ -64,7 +66,8 @@ class DecodeWorker(WorkerService):
         return WorkerHeartbeat(
             self.worker_id, "decode" if not self.draining else "draining", self.config.model_name,
             self.engine.num_running, self.engine.num_waiting, self._free_blocks(),
-            self.engine.blocks.num_blocks, 0, time.time())
+            self.engine.blocks.num_blocks, 0, time.time(), self.kv_bytes_received,
+            self.kv_transfer_seconds)
 
     def busy(self) -> bool:
         return bool(self.active or self.transfers)
@@ -124,6 +127,8 @@ class DecodeWorker(WorkerService):
             dtype = getattr(torch, done.dtype)
             shape = self.engine.runner.kv_shape(done.num_blocks)
             raw = bytearray(b"".join(transfer.chunks))
+            self.kv_bytes_received += len(raw)
+            self.kv_transfer_seconds += max(0.0, time.time() - done.export_started_at)
             kv = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
         except (AttributeError, RuntimeError, TypeError) as exc:
             self._error(done.reply_subject, done.request_id, errors.KV_TRANSFER_FAILED,

@@ -142,6 +142,7 @@ class PrefillWorker(WorkerService):
                   trace.set_span_in_context(compute))
         if finish is not None or out.kv is None:
             return
+        export_started = time.time()
         transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(compute))
         chunks = kv_to_chunks(out.kv, self.config.kv_chunk_bytes)
         transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[2])
@@ -154,5 +155,5 @@ class PrefillWorker(WorkerService):
         self.send(decode_subject, KVTransferComplete(
             req.request_id, len(chunks), out.kv.shape[2], str(out.kv.dtype).removeprefix("torch."),
             req.prompt_token_ids, token, req.sampling, req.reply_subject, out.num_cached_tokens,
-            req.enqueued_at), tctx)
+            req.enqueued_at, export_started), tctx)
         transfer.end()

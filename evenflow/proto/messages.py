@@ -90,6 +90,7 @@ class KVTransferComplete:
     reply_subject: str
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
     enqueued_at: float
+    export_started_at: float  # prefill worker clock when it began exporting this KV
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class WorkerHeartbeat:
     total_kv_blocks: int
     queued_prompt_tokens: int
     sent_at: float
+    kv_bytes_received: int = 0  # decode workers: cumulative KV bytes imported
+    kv_transfer_seconds: float = 0.0  # decode: cumulative export start -> transfer complete
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas

@@ -9,7 +9,7 @@ from otlp_receiver import OTLPReceiver
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh
 
-API_KEY = "test-key"
+from meshutil import API_KEY  # noqa: F401 (re-exported for tests)
 
 
 @pytest.fixture(scope="session")

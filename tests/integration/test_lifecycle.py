@@ -9,7 +9,7 @@ import time
 import httpx
 import nats
 import pytest
-from conftest import API_KEY
+from meshutil import API_KEY
 
 from evenflow.proto import subjects
 from evenflow.proto.messages import WorkerHeartbeat, decode

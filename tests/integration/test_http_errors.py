@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import nats
 import pytest
-from conftest import API_KEY
+from meshutil import API_KEY
 
 from evenflow.proto import subjects
 

@@ -1,0 +1,1 @@
+API_KEY = "test-key"  # the integration mesh requires it
