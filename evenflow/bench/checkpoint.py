@@ -19,6 +19,13 @@ MIXTRAL_110M = dict(
     eos_token_id=2, tie_word_embeddings=False, hidden_act="silu",
 )
 
+# A small one for smoke runs (`--quick`).
+QUICK_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                   num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                   rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                   hidden_act="silu")
+
 
 def write_word_tokenizer(path: Path, vocab_size: int, bos_id: int = 0, eos_id: int = 1) -> None:
     """tokenizer.json + tokenizer_config.json for a word-level vocabulary: token i is the word

@@ -24,11 +24,7 @@ from pathlib import Path
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
             reps=3)
 QUICK = dict(prefill=[16, 64], batches=[1, 4], prompt=16, output=8, prefix=64, reps=1)
-QUICK_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                   num_experts_per_tok=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                   rope_theta=1e6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                   hidden_act="silu")
+
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -179,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
     args = ap.parse_args(argv)
 
-    from evenflow.bench.checkpoint import write_random_mixtral
+    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
 
     plan = QUICK if args.quick else FULL
     name = "mixtral-quick" if args.quick else "mixtral-110m"

@@ -1,0 +1,205 @@
+"""`evenflow bench serve`: load through the gateway, and what the mesh costs.
+
+1. Offline baseline, in this process: the engine alone (one thread, like a worker) - TTFT of
+   512-token prompts, TPOT at batch 1 and 16.
+2. The same through a local mesh it starts (gateway + 1 prefill + 1 decode worker, every prompt
+   disaggregated): TTFT p50 and TPOT at concurrency 1 and 16 -> mesh overhead and ratios.
+3. KV-transfer bandwidth prefill -> decode (decode workers' counters: bytes / (export start ->
+   transfer complete)) next to raw NATS publish bandwidth for the same bytes in the same chunks.
+4. A load run (concurrency, prompt and output lengths, shared prefix) printing TTFT, TPOT and ITL
+   p50/p90/p99 and throughput.
+The default model is the random ~110M Mixtral of `bench engine` (4,096 positions); `--model
+tiny-moe` works with prompts under 512 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from evenflow.bench.loadgen import make_prompts, percentile, run_load, summary_rows
+
+
+def offline_baseline(model: str, prompt_len: int, reps: int, out_len: int) -> dict:
+    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=model, num_threads=1, kv_cache_gb=0.5))
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+
+    def steps(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        for p in prompts:
+            engine.add_request(str(next(ids)), p, params)
+        first, times = None, []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            if first is None:
+                first = time.perf_counter() - start
+        return first or 0.0, times
+
+    steps(make_prompts(2, prompt_len, vocab, seed=99), 2)  # warm-up
+    ttfts = [steps(make_prompts(1, prompt_len, vocab, seed=100 + r), 1)[0] for r in range(reps)]
+    _, one = steps(make_prompts(1, 128, vocab, seed=7), out_len)
+    _, sixteen = steps(make_prompts(16, 128, vocab, seed=8), out_len)
+    return {"ttft": statistics.median(ttfts), "tpot1": statistics.median(one[1:]),
+            "tpot16": statistics.median(sixteen[1:]), "vocab": vocab}
+
+
+async def decode_kv_counters(nats_url: str) -> tuple[int, float]:
+    """Summed (kv bytes received, kv transfer seconds) over live decode workers."""
+    import nats
+
+    from evenflow.proto import subjects
+    from evenflow.proto.messages import WorkerHeartbeat, decode
+
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.HEARTBEAT)
+    seen: dict[str, WorkerHeartbeat] = {}
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline:
+            try:
+                msg = decode((await sub.next_msg(timeout=1)).data)
+            except TimeoutError:
+                continue
+            if isinstance(msg, WorkerHeartbeat) and msg.role == "decode":
+                seen[msg.worker_id] = msg
+                if len(seen) >= 1 and time.monotonic() > deadline - 2:
+                    break
+    finally:
+        await nc.close()
+    return (sum(h.kv_bytes_received for h in seen.values()),
+            sum(h.kv_transfer_seconds for h in seen.values()))
+
+
+async def raw_nats_bandwidth(nats_url: str, transfer_bytes: int, chunk_bytes: int,
+                             transfers: int) -> float:
+    """Bytes/s of plain NATS publish -> subscriber for `transfers` transfers of that size."""
+    import nats
+
+    sender, receiver = await nats.connect(nats_url), await nats.connect(nats_url)
+    payload = b"\x01" * chunk_bytes
+    chunks = max(1, transfer_bytes // chunk_bytes)
+    received = 0
+    done = asyncio.Event()
+
+    async def on_msg(msg) -> None:
+        nonlocal received
+        received += len(msg.data)
+        if received >= chunks * chunk_bytes:
+            done.set()
+
+    await receiver.subscribe("evenflow.bench.raw", cb=on_msg)
+    await receiver.flush()
+    elapsed = 0.0
+    for _ in range(transfers):
+        received = 0
+        done.clear()
+        start = time.perf_counter()
+        for _ in range(chunks):
+            await sender.publish("evenflow.bench.raw", payload)
+        await sender.flush()
+        await asyncio.wait_for(done.wait(), 30)
+        elapsed += time.perf_counter() - start
+    await sender.close()
+    await receiver.close()
+    return chunks * chunk_bytes * transfers / elapsed
+
+
+async def mesh_figures(url: str, model: str, nats_url: str, vocab: int, prompt_len: int,
+                       reps: int, out_len: int, kv_prompt_len: int) -> dict:
+    await run_load(url, model, make_prompts(2, prompt_len, vocab, seed=98), 2, 1)  # warm-up
+    ttft = await run_load(url, model, make_prompts(reps, prompt_len, vocab, seed=200), 2, 1)
+    one = await run_load(url, model, make_prompts(3, 128, vocab, seed=300), out_len, 1)
+    sixteen = await run_load(url, model, make_prompts(16, 128, vocab, seed=400), out_len, 16)
+    bytes0, secs0 = await decode_kv_counters(nats_url)
+    kv_runs = 4
+    await run_load(url, model, make_prompts(kv_runs, kv_prompt_len, vocab, seed=500), 2, 1)
+    bytes1, secs1 = await decode_kv_counters(nats_url)
+    return {
+        "ttft": percentile([t.ttft for t in ttft.timings], 50),
+        "tpot1": percentile([t.tpot for t in one.timings], 50),
+        "tpot16": percentile([t.tpot for t in sixteen.timings], 50),
+        "errors": ttft.errors + one.errors + sixteen.errors,
+        "kv_bytes": bytes1 - bytes0, "kv_seconds": secs1 - secs0, "kv_runs": kv_runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evenflow bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the random 110M Mixtral")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens shared by all prompts")
+    ap.add_argument("--overhead-prompt-len", type=int, default=512)
+    ap.add_argument("--kv-prompt-len", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.num_requests, args.prompt_len, args.output_len = 4, 8, 32, 8
+        args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 2
+
+    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+    from evenflow.services.config import MeshConfig
+    from evenflow.services.launcher import LocalMesh
+
+    model = args.model or str(write_random_mixtral(
+        Path(tempfile.gettempdir()) / "evenflow-bench" / ("mixtral-quick" if args.quick
+                                                          else "mixtral-110m"),
+        QUICK_MODEL if args.quick else None))
+    print(f"model: {model}")
+    offline = offline_baseline(model, args.overhead_prompt_len, args.reps, args.output_len)
+    config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
+                        kv_cache_gb=0.5)
+    mesh = LocalMesh(config)
+    mesh.start(health_timeout_s=300)
+    try:
+        name = mesh.config.model_name
+        figures = asyncio.run(mesh_figures(
+            mesh.url, name, mesh.config.nats_url or "", offline["vocab"],
+            args.overhead_prompt_len, args.reps, args.output_len, args.kv_prompt_len))
+        per_transfer = figures["kv_bytes"] / max(1, figures["kv_runs"])
+        raw = asyncio.run(raw_nats_bandwidth(mesh.config.nats_url or "", int(per_transfer),
+                                             config.kv_chunk_bytes, figures["kv_runs"]))
+        load = asyncio.run(run_load(
+            mesh.url, name, make_prompts(args.num_requests, args.prompt_len, offline["vocab"],
+                                         args.shared_prefix, seed=600),
+            args.output_len, args.concurrency))
+    finally:
+        mesh.stop()
+
+    ms = 1e3
+    kv_bw = figures["kv_bytes"] / figures["kv_seconds"] if figures["kv_seconds"] else 0.0
+    print(f"\nmesh overhead ({args.overhead_prompt_len}-token prompts for TTFT, 128 in / "
+          f"{args.output_len} out for TPOT; offline = the engine alone, 1 thread)")
+    print(f"{'metric':34} {'offline':>10} {'mesh':>10} {'mesh - offline':>15} {'ratio':>7}")
+    for label, key in (("TTFT p50 (ms)", "ttft"), ("TPOT p50, batch 1 (ms)", "tpot1"),
+                       ("TPOT p50, batch 16 (ms)", "tpot16")):
+        a, b = offline[key] * ms, figures[key] * ms
+        print(f"{label:34} {a:10.2f} {b:10.2f} {b - a:15.2f} {b / a:6.2f}x")
+    print(f"{'KV transfer (MB/s)':34} {raw / 1e6:10.1f} {kv_bw / 1e6:10.1f} {'':15} "
+          f"{kv_bw / raw if raw else 0:6.2f}x   (raw NATS publish vs prefill->decode, "
+          f"{per_transfer / 1e6:.2f} MB per request)")
+    if figures["errors"]:
+        print(f"  ({figures['errors']} requests failed during the overhead runs)")
+    print(f"\nload: {args.num_requests} requests, concurrency {args.concurrency}, prompt "
+          f"{args.prompt_len} (shared prefix {args.shared_prefix}), output {args.output_len}")
+    print("\n".join(summary_rows("  gateway", load)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
