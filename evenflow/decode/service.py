@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -126,10 +127,15 @@ class DecodeWorker(WorkerService):
         try:
             dtype = getattr(torch, done.dtype)
             shape = self.engine.runner.kv_shape(done.num_blocks)
-            raw = bytearray(b"".join(transfer.chunks))
-            self.kv_bytes_received += len(raw)
+            raw = torch.empty(sum(map(len, transfer.chunks)), dtype=torch.uint8)
+            dest = raw.numpy()
+            offset = 0
+            for data in transfer.chunks:  # one copy, straight into the tensor
+                dest[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                offset += len(data)
+            kv = raw.view(dtype).view(shape)
+            self.kv_bytes_received += offset
             self.kv_transfer_seconds += max(0.0, time.time() - done.export_started_at)
-            kv = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
         except (AttributeError, RuntimeError, TypeError) as exc:
             self._error(done.reply_subject, done.request_id, errors.KV_TRANSFER_FAILED,
                         f"KV payload does not fit this worker: {exc}", ctx)

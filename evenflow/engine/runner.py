@@ -40,21 +40,23 @@ class ModelRunner:
         return cache[: self.null_slot].view(-1, self.block_size, *cache.shape[1:])
 
     def read_kv(self, block_ids: list[int]) -> Tensor:
-        """A copy of the blocks' K/V: (layers, 2, blocks, block_size, n_kv, hd)."""
+        """A contiguous copy of the blocks' K/V, block-major so that any run of blocks is one
+        contiguous byte range: (blocks, layers, 2, block_size, n_kv, hd)."""
         index = torch.tensor(block_ids)
         return torch.stack([torch.stack([self._blocks_view(k).index_select(0, index),
-                                         self._blocks_view(v).index_select(0, index)])
-                            for k, v in self.kv_caches])
+                                         self._blocks_view(v).index_select(0, index)], dim=1)
+                            for k, v in self.kv_caches], dim=1)
 
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
+        """Inverse of read_kv: kv (blocks, layers, 2, block_size, n_kv, hd) into these blocks."""
         index = torch.tensor(block_ids)
         for layer, (k, v) in enumerate(self.kv_caches):
-            self._blocks_view(k).index_copy_(0, index, kv[layer, 0].to(k.dtype))
-            self._blocks_view(v).index_copy_(0, index, kv[layer, 1].to(v.dtype))
+            self._blocks_view(k).index_copy_(0, index, kv[:, layer, 0].to(k.dtype))
+            self._blocks_view(v).index_copy_(0, index, kv[:, layer, 1].to(v.dtype))
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         k = self.kv_caches[0][0]
-        return (len(self.kv_caches), 2, num_blocks, self.block_size, *k.shape[1:])
+        return (num_blocks, len(self.kv_caches), 2, self.block_size, *k.shape[1:])
 
     def _slots(self, block_table: list[int], start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)

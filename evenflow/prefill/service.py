@@ -37,16 +37,15 @@ class _Pending:
     admitted_ns: int = 0  # when the engine thread took it (end of queue, start of compute)
 
 
-def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, bytes]]:
-    """Split (layers, 2, blocks, ...) K/V into (first_block, num_blocks, raw bytes) chunks."""
-    num_blocks = kv.shape[2]
-    per_block = kv[:, :, :1].numel() * kv.element_size()
+def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, memoryview]]:
+    """Split block-major K/V (blocks, ...) into (first_block, num_blocks, bytes) chunks of at
+    most `max_bytes` (at least one block). The chunks are views: no copy until msgpack packs."""
+    raw = memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B")
+    per_block = len(raw) // kv.shape[0]
     step = max(1, max_bytes // per_block)
-    chunks = []
-    for first in range(0, num_blocks, step):
-        part = kv[:, :, first : first + step].contiguous()
-        chunks.append((first, part.shape[2], part.view(torch.uint8).numpy().tobytes()))
-    return chunks
+    return [(first, min(step, kv.shape[0] - first),
+             raw[first * per_block : (first + step) * per_block])
+            for first in range(0, kv.shape[0], step)]
 
 
 class PrefillWorker(WorkerService):
@@ -145,15 +144,16 @@ class PrefillWorker(WorkerService):
         export_started = time.time()
         transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(compute))
         chunks = kv_to_chunks(out.kv, self.config.kv_chunk_bytes)
-        transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[2])
+        transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[0])
         transfer.set_attribute("evenflow.kv.bytes", sum(len(c[2]) for c in chunks))
         tctx = trace.set_span_in_context(transfer)
         decode_subject = subjects.decode_worker(req.decode_worker)
         for seq, (first, count, data) in enumerate(chunks):
-            self.send(decode_subject, KVBlockChunk(req.request_id, seq, first, count, data), tctx)
+            self.send(decode_subject, KVBlockChunk(req.request_id, seq, first, count, data),  # type: ignore[arg-type]
+                      tctx)
             KV_TRANSFER_BYTES.labels(service="prefill").inc(len(data))
         self.send(decode_subject, KVTransferComplete(
-            req.request_id, len(chunks), out.kv.shape[2], str(out.kv.dtype).removeprefix("torch."),
+            req.request_id, len(chunks), out.kv.shape[0], str(out.kv.dtype).removeprefix("torch."),
             req.prompt_token_ids, token, req.sampling, req.reply_subject, out.num_cached_tokens,
             req.enqueued_at, export_started), tctx)
         transfer.end()

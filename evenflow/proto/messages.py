@@ -62,8 +62,8 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class KVBlockChunk:
-    """Raw K/V bytes of some of a request's blocks: layout (layers, 2, blocks, block_size,
-    kv_heads, head_dim) in `dtype`, blocks [first_block, first_block + num_blocks)."""
+    """Raw K/V bytes of some of a request's blocks, block-major: layout (blocks, layers, 2,
+    block_size, kv_heads, head_dim) in `dtype`, blocks [first_block, first_block + num_blocks)."""
 
     TYPE: ClassVar[str] = "kv_chunk"
     VERSION: ClassVar[int] = 1

@@ -48,7 +48,7 @@ def test_disaggregated_equals_single_engine(ckpt, params):
     decode.add_request("busy", list(range(100, 120)), params)  # a neighbour already decoding
     decode.step()
     for rid, p in prompts.items():
-        assert kvs[rid].shape[2] == -(-len(p) // 4)  # the prompt's blocks
+        assert kvs[rid].shape[0] == -(-len(p) // 4)  # the prompt's blocks
         decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
     rest, _ = run_all(decode)
     for rid in prompts:
