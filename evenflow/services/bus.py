@@ -3,18 +3,21 @@
 The bus owns the connection (reconnecting, short ping interval), encodes and decodes messages,
 injects the current trace context into NATS headers on publish and hands the extracted context to
 handlers. Each subscription has one listener task; a payload that does not decode is dropped and
-counted, and the listener keeps serving.
+counted, and the listener keeps serving. A message larger than the server's max_payload travels
+as numbered frames (header `Evenflow-Frame: <id> <index> <count>`) and is reassembled before
+decoding; frames of a message that never completes are dropped after a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from opentelemetry.context import Context
 
 from evenflow.proto.messages import DecodeError, Message, decode, encode
@@ -24,6 +27,8 @@ from evenflow.services.tracing import extract_context, inject_headers
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message, Context], Awaitable[None] | None]
+FRAME_HEADER = "Evenflow-Frame"
+FRAME_TIMEOUT_S = 30.0
 
 
 class Bus:
@@ -51,7 +56,16 @@ class Bus:
 
     async def publish(self, subject: str, message: Message) -> None:
         assert self.nc is not None, "connect first"
-        await self.nc.publish(subject, encode(message), headers=inject_headers() or None)
+        payload, headers = encode(message), inject_headers()
+        limit = self.nc.max_payload - 1024  # room for the headers
+        if len(payload) <= limit:
+            await self.nc.publish(subject, payload, headers=headers or None)
+            return
+        frame_id, count = uuid.uuid4().hex, -(-len(payload) // limit)
+        view = memoryview(payload)
+        for index in range(count):
+            await self.nc.publish(subject, bytes(view[index * limit : (index + 1) * limit]),
+                                  headers={**headers, FRAME_HEADER: f"{frame_id} {index} {count}"})
 
     async def subscribe(self, subject: str, handler: Handler) -> None:
         """Route every message on `subject` to `handler(message, trace_context)`, in order."""
@@ -63,18 +77,55 @@ class Bus:
                                                name=f"listen {subject}"))
 
     async def _listen(self, subject: str, sub, handler: Handler) -> None:
+        frames: dict[str, tuple[float, list[bytes | None]]] = {}  # frame id -> (started, parts)
         async for raw in sub.messages:
-            await self._dispatch(subject, raw, handler)
+            frame = (raw.headers or {}).get(FRAME_HEADER)
+            if frame is None:
+                await self._dispatch(subject, raw.data, raw.headers, handler)
+                continue
+            payload = self._add_frame(frames, frame, raw.data)
+            if payload is not None:
+                await self._dispatch(subject, payload, raw.headers, handler)
 
-    async def _dispatch(self, subject: str, raw: Msg, handler: Handler) -> None:
-        message = decode(raw.data)
+    def _add_frame(self, frames: dict[str, tuple[float, list[bytes | None]]], frame: str,
+                   data: bytes) -> bytes | None:
+        """Store one frame; the whole payload once every frame of its message is there."""
+        now = time.monotonic()
+        for stale in [k for k, (t, _) in frames.items() if now - t > FRAME_TIMEOUT_S]:
+            del frames[stale]
+            self._count_dropped("incomplete framed message")
+        try:
+            frame_id, index_s, count_s = frame.split()
+            index, count = int(index_s), int(count_s)
+            if not 0 <= index < count <= 100_000:
+                raise ValueError(frame)
+        except ValueError:
+            self._count_dropped(f"bad frame header {frame!r}")
+            return None
+        _, parts = frames.setdefault(frame_id, (now, [None] * count))
+        if len(parts) != count or parts[index] is not None:
+            del frames[frame_id]
+            self._count_dropped("inconsistent or repeated frame")
+            return None
+        parts[index] = data
+        if any(p is None for p in parts):
+            return None
+        del frames[frame_id]
+        return b"".join(p for p in parts if p is not None)
+
+    def _count_dropped(self, reason: str) -> None:
+        self.dropped += 1
+        MESSAGES_DROPPED.labels(service=self.name).inc()
+        log.warning("dropped a message: %s", reason)
+
+    async def _dispatch(self, subject: str, data: bytes, headers: dict | None,
+                        handler: Handler) -> None:
+        message = decode(data)
         if isinstance(message, DecodeError):
-            self.dropped += 1
-            MESSAGES_DROPPED.labels(service=self.name).inc()
-            log.warning("dropped a message on %s: %s", subject, message.reason)
+            self._count_dropped(f"{subject}: {message.reason}")
             return
         try:
-            result = handler(message, extract_context(raw.headers))
+            result = handler(message, extract_context(headers))
             if asyncio.iscoroutine(result):
                 await result
         except Exception:  # a handler bug must not stop the listener

@@ -1,0 +1,70 @@
+"""The bus against a real nats-server: typed messages, framing of oversized payloads, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from evenflow.proto.messages import Cancel, KVBlockChunk
+from evenflow.services.bus import Bus
+from evenflow.services.launcher import start_nats, start_redis
+from evenflow.services.redis_conn import connect_redis, redis_available
+
+
+@pytest.fixture(scope="module")
+def nats_server():
+    server = start_nats()
+    yield server
+    server.stop()
+
+
+def test_messages_larger_than_max_payload_arrive_whole(nats_server):
+    async def scenario():
+        sender, receiver = Bus("sender"), Bus("receiver")
+        await sender.connect(nats_server.url)
+        await receiver.connect(nats_server.url)
+        got: list = []
+        arrived = asyncio.Event()
+
+        def on_message(message, _ctx):
+            got.append(message)
+            if len(got) == 2:
+                arrived.set()
+
+        await receiver.subscribe("t.big", on_message)
+        await receiver.nc.flush()
+        big = KVBlockChunk("r", 0, 0, 1, bytes(range(256)) * (3 * sender.max_payload // 256))
+        await sender.publish("t.big", big)
+        await sender.publish("t.big", Cancel("r"))
+        await sender.nc.flush()
+        await asyncio.wait_for(arrived.wait(), 10)
+        await sender.nc.publish("t.big", b"x", headers={"Evenflow-Frame": "id 0 2"})
+        await sender.nc.publish("t.big", b"y", headers={"Evenflow-Frame": "id 0 2"})  # repeat
+        await sender.nc.publish("t.big", b"z", headers={"Evenflow-Frame": "nonsense"})
+        await sender.nc.flush()
+        await asyncio.sleep(0.2)
+        await sender.close()
+        await receiver.close()
+        return got, receiver.dropped
+
+    got, dropped = asyncio.run(scenario())
+    assert got[0].data == bytes(range(256)) * (len(got[0].data) // 256)
+    assert len(got[0].data) > 2 * 1024 * 1024 and got[1] == Cancel("r")
+    assert dropped == 2
+
+
+def test_redis_client_fails_fast_when_redis_is_gone():
+    async def scenario():
+        server = start_redis()
+        client = connect_redis(server.url)
+        up = await redis_available(client)
+        server.stop()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        down = await redis_available(client)
+        return up, down, loop.time() - start
+
+    up, down, took = asyncio.run(scenario())
+    assert up and not down
+    assert took < 1.0
