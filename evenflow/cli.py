@@ -51,6 +51,7 @@ def _up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     mesh = LocalMesh(config)
     try:
         mesh.start()

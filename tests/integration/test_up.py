@@ -1,0 +1,50 @@
+"""`evenflow up`: serves on the printed URL, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def children_of(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return {int(x) for x in out.stdout.split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split()[2] != "Z"
+
+
+def test_up_serves_and_ctrl_c_stops_everything():
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if match := re.search(r"at (http://\S+)", line):
+                url = match.group(1)
+        assert url, "evenflow up printed no URL"
+        assert httpx.get(url + "/health").status_code == 200
+        out = httpx.post(url + "/v1/completions", json={
+            "model": "tiny-moe", "prompt": "count from 7 :", "max_tokens": 3, "temperature": 0})
+        assert out.json()["choices"][0]["text"].split() == ["7", "8", "9"]
+        kids = children_of(proc.pid)
+        assert len(kids) == 5  # nats, redis, gateway, prefill, decode
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    time.sleep(0.5)
+    assert not [pid for pid in kids if alive(pid)]
