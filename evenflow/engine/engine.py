@@ -108,6 +108,12 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
 
+    def configure_current_thread(self) -> None:
+        """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,
+        so an engine stepped from a thread other than its creator's must call this there."""
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, export_kv: bool = False) -> None:

@@ -42,6 +42,9 @@ class EngineThread:
             log.exception("engine command failed")
 
     def _run(self) -> None:
+        configure = getattr(self.engine, "configure_current_thread", None)
+        if configure is not None:
+            configure()
         while True:
             # Idle: wait for work. Busy: take whatever is queued without waiting, then step.
             commands: list[Callable[[], None] | None] = []

@@ -17,6 +17,8 @@ class ReceivedSpan:
     name: str
     service: str
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class OTLPReceiver:
@@ -38,7 +40,8 @@ class OTLPReceiver:
                                      for a in s.attributes}
                             receiver.spans.append(ReceivedSpan(
                                 s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                s.name, service, attrs))
+                                s.name, service, attrs, s.start_time_unix_nano,
+                                s.end_time_unix_nano))
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.end_headers()
