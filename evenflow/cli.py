@@ -42,7 +42,7 @@ def _up(args: argparse.Namespace) -> int:
         config = load_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
             "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
-            "host": args.host, "api_keys": args.api_key})
+            "host": args.host, "api_keys": args.api_key, "engine": args.engine})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--api-key", default=None, help="require this Bearer key")
+    up.add_argument("--engine", default=None, choices=["torch", "mock"],
+                    help="mock: a timing model over the real block manager (for routing tests)")
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")

@@ -19,13 +19,13 @@ import torch
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from evenflow.engine.engine import Engine, EngineConfig, StepOutput
+from evenflow.engine import create_engine
+from evenflow.engine.engine import EngineConfig, StepOutput
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
     Cancel, DecodeRequest, ErrorMessage, KVBlockChunk, KVTransferComplete, Message,
     SamplingSpec, TokenDelta, TokenDeltas, WorkerHeartbeat)
-from evenflow.services.engine_thread import EngineThread
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 
@@ -52,14 +52,13 @@ class DecodeWorker(WorkerService):
     role = "decode"
 
     async def start(self) -> None:
-        self.engine = Engine(EngineConfig(**self.config.engine_kwargs()))
-        self.loop = asyncio.get_running_loop()
+        engine = create_engine(self.config.engine, EngineConfig(**self.config.engine_kwargs()),
+                               self.kv_listener)
         self.transfers: dict[str, _Transfer] = {}
         self.kv_bytes_received = 0
         self.kv_transfer_seconds = 0.0
         self.active: dict[str, _Active] = {}
-        self.thread = EngineThread(self.engine, self.loop, self._on_outputs)
-        self.thread.start()
+        await self.serve_engine(engine, self._on_outputs)
         self._sweeper = asyncio.create_task(self._sweep_transfers(), name="sweep transfers")
         await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_message)
 
@@ -67,7 +66,7 @@ class DecodeWorker(WorkerService):
         return WorkerHeartbeat(
             self.worker_id, "decode" if not self.draining else "draining", self.config.model_name,
             self.engine.num_running, self.engine.num_waiting, self._free_blocks(),
-            self.engine.blocks.num_blocks, 0, time.time(), self.kv_bytes_received,
+            self.engine.blocks.num_blocks, 0, time.time(), self.epoch, self.kv_bytes_received,
             self.kv_transfer_seconds)
 
     def busy(self) -> bool:
@@ -75,7 +74,6 @@ class DecodeWorker(WorkerService):
 
     async def shutdown(self) -> None:
         self._sweeper.cancel()
-        self.thread.stop()
 
     def _free_blocks(self) -> int:
         """Free blocks less those promised to requests not yet admitted by the engine."""

@@ -10,26 +10,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from evenflow.engine.sequence import Sequence
 from evenflow.proto.hashing import ROOT_PARENT, block_hash
+from evenflow.proto.messages import REMOVED, STORED, KVEvent
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    """Blocks newly cached, in chain order; the first one's parent is `parent_hash`."""
-
-    block_hashes: list[int]
-    parent_hash: int
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: list[int]
-
-
-KVEvent = BlockStored | BlockRemoved
 KVEventListener = Callable[[list[KVEvent]], None]
 
 
@@ -129,7 +115,7 @@ class BlockManager:
 
     def _flush_run(self, run: list[int], parent: int) -> None:
         if run:
-            self.pending_events.append(BlockStored(run, parent))
+            self.pending_events.append(KVEvent(STORED, run, parent))
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; its tail blocks become the first to be evicted."""
@@ -146,7 +132,11 @@ class BlockManager:
         for block in self.free:
             self._uncache(block)
         if gone:
-            self.pending_events.append(BlockRemoved([h for h in gone if h is not None]))
+            self.pending_events.append(KVEvent(REMOVED, [h for h in gone if h is not None]))
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds (in use or free), for a KV-index resync."""
+        return list(self.cached)
 
     def take_events(self) -> list[KVEvent]:
         events, self.pending_events = self.pending_events, []
@@ -156,7 +146,7 @@ class BlockManager:
         h = self.block_hash[block]
         if h is not None:
             self._uncache(block)
-            self.pending_events.append(BlockRemoved([h]))
+            self.pending_events.append(KVEvent(REMOVED, [h]))
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

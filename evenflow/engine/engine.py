@@ -85,9 +85,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
         dtype = config.torch_dtype
-        self.model = load_model(self.model_dir, dtype)
-        cfg: ModelConfig = self.model.config
-        self.model_config = cfg
+        cfg = self.model_config = self._load(dtype)
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
         bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -101,12 +99,20 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.blocks)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len,
-                                  dtype)
+        self.runner = self._make_runner(num_blocks, dtype)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.kv_event_listener = kv_event_listener
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
+
+    def _load(self, dtype: torch.dtype) -> ModelConfig:
+        """Load the weights; return the model's config."""
+        self.model = load_model(self.model_dir, dtype)
+        return self.model.config
+
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
+        return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
+                           dtype)
 
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,

@@ -17,14 +17,14 @@ import torch
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from evenflow.engine.engine import Engine, EngineConfig, StepOutput
+from evenflow.engine import create_engine
+from evenflow.engine.engine import EngineConfig, StepOutput
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import FinishReason
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
     Cancel, ErrorMessage, KVBlockChunk, KVTransferComplete, Message, PrefillRequest, TokenDelta,
     TokenDeltas, WorkerHeartbeat)
-from evenflow.services.engine_thread import EngineThread
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 
@@ -40,9 +40,9 @@ class _Pending:
 def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, memoryview]]:
     """Split block-major K/V (blocks, ...) into (first_block, num_blocks, bytes) chunks of at
     most `max_bytes` (at least one block). The chunks are views: no copy until msgpack packs."""
-    raw = memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B")
+    raw = memoryview(kv.contiguous().view(torch.uint8).numpy().reshape(-1))
     per_block = len(raw) // kv.shape[0]
-    step = max(1, max_bytes // per_block)
+    step = max(1, max_bytes // per_block) if per_block else kv.shape[0]  # (mock: no bytes)
     return [(first, min(step, kv.shape[0] - first),
              raw[first * per_block : (first + step) * per_block])
             for first in range(0, kv.shape[0], step)]
@@ -52,11 +52,10 @@ class PrefillWorker(WorkerService):
     role = "prefill"
 
     async def start(self) -> None:
-        self.engine = Engine(EngineConfig(**self.config.engine_kwargs()))
+        engine = create_engine(self.config.engine, EngineConfig(**self.config.engine_kwargs()),
+                               self.kv_listener)
         self.pending: dict[str, _Pending] = {}
-        self.loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.engine, self.loop, self._on_outputs)
-        self.thread.start()
+        await self.serve_engine(engine, self._on_outputs)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -64,13 +63,11 @@ class PrefillWorker(WorkerService):
         return WorkerHeartbeat(
             self.worker_id, "prefill" if not self.draining else "draining",
             self.config.model_name, self.engine.num_running, self.engine.num_waiting,
-            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks, queued, time.time())
+            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks, queued, time.time(),
+            self.epoch)
 
     def busy(self) -> bool:
         return bool(self.pending)
-
-    async def shutdown(self) -> None:
-        self.thread.stop()
 
     # -- inbound ----------------------------------------------------------------------------
     def _on_message(self, message: Message, ctx: Context) -> None:

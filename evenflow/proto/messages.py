@@ -9,6 +9,7 @@ Who sends what (subjects in `subjects.py`):
   prefill -> decode worker    KVBlockChunk..., KVTransferComplete
   prefill / decode -> gateway TokenDeltas (one message per step per gateway), ErrorMessage
   every worker -> all         WorkerHeartbeat
+  every worker -> kv_index    KVEvents, KVSnapshot;  kv_index -> worker  KVResyncRequest
 """
 
 from __future__ import annotations
@@ -131,6 +132,55 @@ class ErrorMessage:
     retryable: bool = False
 
 
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change to one worker's prefix cache. `stored`: full blocks newly cached, in chain order,
+    the first one's parent being `parent_hash`; `removed`: blocks evicted; `cleared`: all gone."""
+
+    kind: str
+    block_hashes: list[int]
+    parent_hash: int = 0
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """A worker's cache changes, numbered per (worker, epoch) from 1 without gaps. A new epoch
+    means a restarted worker: whatever its old epoch held is gone."""
+
+    TYPE: ClassVar[str] = "kv_events"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    role: str
+    epoch: str
+    seq: int
+    events: list[KVEvent]
+
+
+@dataclass(frozen=True)
+class KVResyncRequest:
+    """kv_index -> worker: send your whole block set (after a gap, or a Redis restart)."""
+
+    TYPE: ClassVar[str] = "kv_resync_request"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """worker -> kv_index: every block hash the worker holds, as of event number `seq`."""
+
+    TYPE: ClassVar[str] = "kv_snapshot"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    role: str
+    epoch: str
+    seq: int
+    block_hashes: list[int]
+
+
 @dataclass(frozen=True)
 class WorkerHeartbeat:
     TYPE: ClassVar[str] = "heartbeat"
@@ -144,20 +194,25 @@ class WorkerHeartbeat:
     total_kv_blocks: int
     queued_prompt_tokens: int
     sent_at: float
+    epoch: str = ""  # changes when the worker restarts (its KV index entries go with it)
     kv_bytes_received: int = 0  # decode workers: cumulative KV bytes imported
     kv_transfer_seconds: float = 0.0  # decode: cumulative export start -> transfer complete
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
-           | Cancel | ErrorMessage | WorkerHeartbeat)
+           | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot)
 
 REGISTRY: dict[str, type] = {cls.TYPE: cls for cls in (
     PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas, Cancel,
-    ErrorMessage, WorkerHeartbeat)}
+    ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot)}
 _NESTED: dict[tuple[str, str], type] = {
     ("PrefillRequest", "sampling"): SamplingSpec, ("DecodeRequest", "sampling"): SamplingSpec,
     ("KVTransferComplete", "sampling"): SamplingSpec,
 }
+
+
+_NESTED_LISTS: dict[tuple[type, str], type] = {(TokenDeltas, "deltas"): TokenDelta,
+                                                 (KVEvents, "events"): KVEvent}
 
 
 @dataclass(frozen=True)
@@ -189,10 +244,10 @@ def _build(cls: type, values: Any) -> Any:
         nested = _NESTED.get((cls.__name__, f.name))
         if nested is not None:
             v = _build(nested, v)
-        elif cls is TokenDeltas and f.name == "deltas":
+        elif (cls, f.name) in _NESTED_LISTS:
             if not isinstance(v, list):
-                raise TypeError("deltas must be a list")
-            v = [_build(TokenDelta, d) for d in v]
+                raise TypeError(f"{f.name} must be a list")
+            v = [_build(_NESTED_LISTS[(cls, f.name)], d) for d in v]
         kwargs[f.name] = v
     obj = cls(**kwargs)
     _check_types(obj)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 PREFIX = "evenflow"
 HEARTBEAT = f"{PREFIX}.heartbeat"  # every worker's WorkerHeartbeat
+KV_EVENTS = f"{PREFIX}.kv.events"  # KVEvents and KVSnapshot from every worker to the KV index
+
+
+def kv_resync(worker_id: str) -> str:
+    """KVResyncRequest for one worker."""
+    return f"{PREFIX}.kv.resync.{worker_id}"
 
 
 def prefill_worker(worker_id: str) -> str:

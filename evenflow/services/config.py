@@ -24,6 +24,7 @@ class MeshConfig:
     redis_url: str | None = None
     # Model and engine (every worker uses the same)
     model: str = "tiny-moe"
+    engine: str = "torch"  # "torch", or "mock": a timing model over the real block manager
     dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
@@ -55,6 +56,8 @@ class MeshConfig:
             raise ConfigError("the mesh needs at least one decode worker")
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
+        if self.engine not in ("torch", "mock"):
+            raise ConfigError(f"engine must be torch or mock, got {self.engine!r}")
         if self.kv_chunk_bytes < 4096:
             raise ConfigError("kv_chunk_bytes must be at least 4096")
 

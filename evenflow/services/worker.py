@@ -12,13 +12,17 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
+from collections.abc import Callable
+from typing import Any
 
 from opentelemetry import trace
 
 from evenflow.proto import subjects
-from evenflow.proto.messages import Message, WorkerHeartbeat
+from evenflow.proto.messages import KVEvent, KVEvents, KVSnapshot, Message, WorkerHeartbeat
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
+from evenflow.services.engine_thread import EngineThread
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,10 @@ class WorkerService:
         self.bus = Bus(f"{self.role}-{worker_id}")
         self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}")
         self.draining = False
+        self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index
+        self.kv_seq = 0  # KVEvents published so far in this epoch
+        self.engine: Any = None
+        self.thread: EngineThread | None = None
         self._outbox: asyncio.Queue[tuple[str, Message, object]] = asyncio.Queue()
         self._stop = asyncio.Event()
 
@@ -47,6 +55,38 @@ class WorkerService:
 
     async def shutdown(self) -> None:
         pass
+
+    # -- the engine and its KV events -------------------------------------------------------
+    async def serve_engine(self, engine: Any, on_outputs: Callable[[list[Any]], None]) -> None:
+        """Run `engine` on its own thread and answer the KV index's resync requests. The engine
+        must have been built with `kv_event_listener=self.kv_listener`."""
+        self.loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.thread = EngineThread(engine, self.loop, on_outputs)
+        self.thread.start()
+        await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
+
+    def kv_listener(self, events: list[KVEvent]) -> None:
+        """Called on the engine thread after each step with the cache's changes."""
+        self.loop.call_soon_threadsafe(self._publish_kv_events, events)
+
+    def _publish_kv_events(self, events: list[KVEvent]) -> None:
+        self.kv_seq += 1
+        self.send(subjects.KV_EVENTS, KVEvents(self.worker_id, self.role, self.epoch,
+                                               self.kv_seq, events))
+
+    def _on_resync(self, _message: Message, _ctx: object) -> None:
+        assert self.thread is not None
+
+        def snapshot() -> None:  # on the engine thread, between steps
+            hashes = self.engine.blocks.cached_hashes()
+            self.loop.call_soon_threadsafe(self._send_snapshot, hashes)
+
+        self.thread.submit(snapshot)
+
+    def _send_snapshot(self, hashes: list[int]) -> None:
+        self.send(subjects.KV_EVENTS, KVSnapshot(self.worker_id, self.role, self.epoch,
+                                                 self.kv_seq, hashes))
 
     # -- plumbing ---------------------------------------------------------------------------
     def send(self, subject: str, message: Message, span_context: object = None) -> None:
@@ -96,6 +136,8 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.shutdown()
+        if self.thread is not None:
+            self.thread.stop()
         await self.bus.close()
         shutdown_tracing()
 

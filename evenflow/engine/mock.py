@@ -1,0 +1,66 @@
+"""The mock engine (`--engine mock`): the real block manager, prefix cache, scheduler and KV
+events, with the forward pass replaced by a timing model, so routing and scaling can be
+exercised with 8-32 workers on a small machine. Its tokens are a deterministic function of the
+sequence, not a model's output."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from evenflow.engine.config import ModelConfig, load_config
+from evenflow.engine.engine import Engine
+from evenflow.engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class MockTiming:
+    prefill_s_per_token: float = 0.0001  # 2,048 uncached tokens: ~0.2 s
+    decode_s_base: float = 0.004  # per step with any decoding sequence
+    decode_s_per_seq: float = 0.0002
+
+
+class MockRunner:
+    """Stands in for ModelRunner: sleeps for the step's modelled time, emits tokens, holds no KV
+    (exported K/V is an empty (blocks, 0) tensor)."""
+
+    def __init__(self, vocab_size: int, timing: MockTiming) -> None:
+        self.vocab_size, self.timing = vocab_size, timing
+        self.expert_counts = torch.zeros(0, 1, dtype=torch.int64)
+        self.computed_tokens = 0  # prefill tokens "computed" so far (cache misses)
+
+    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+        prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        self.computed_tokens += prefill_tokens
+        t = self.timing
+        time.sleep(prefill_tokens * t.prefill_s_per_token
+                   + (t.decode_s_base + decodes * t.decode_s_per_seq if decodes else 0.0))
+        span = self.vocab_size - 3
+        return [3 + (c.seq.token_ids[-1] * 31 + c.seq.num_tokens) % span
+                for c in chunks if c.samples]
+
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.empty(len(block_ids), 0, dtype=torch.uint8)
+
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        pass
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, 0)
+
+
+class MockEngine(Engine):
+    timing = MockTiming()
+
+    def _load(self, dtype: torch.dtype) -> ModelConfig:
+        return load_config(self.model_dir)  # the config only: no weights
+
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:  # type: ignore[override]
+        return MockRunner(self.model_config.vocab_size, self.timing)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.uint8
