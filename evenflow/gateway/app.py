@@ -23,10 +23,12 @@ from evenflow.gateway.mesh import Mesh, MeshError
 from evenflow.gateway.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, validation_error)
 from evenflow.proto import errors
+from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import INFLIGHT, REQUESTS, TTFT, render
+from evenflow.services.metrics import (
+    CACHED_TOKENS, INFLIGHT, PROMPT_TOKENS, REQUESTS, TTFT, render)
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 
@@ -62,7 +64,8 @@ class Gateway:
         self.tokenizer = Tokenizer(model_dir)
         self.max_model_len = models.default_max_model_len(model_dir)
         self.tracer = setup_tracing("evenflow-gateway")
-        self.mesh = Mesh(config, self.tracer)
+        # The engine salts block hashes with the checkpoint directory's name; so do we.
+        self.mesh = Mesh(config, self.tracer, namespace_salt(model_dir.name))
 
     # -- validation -------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -127,6 +130,8 @@ class Gateway:
                 if first:
                     TTFT.observe(time.monotonic() - started)
                     usage["prompt_tokens_details"]["cached_tokens"] = delta.num_cached_tokens
+                    PROMPT_TOKENS.labels(worker="all").inc(len(job.prompt_ids))
+                    CACHED_TOKENS.labels(worker="all").inc(delta.num_cached_tokens)
                     first = False
                 usage["completion_tokens"] += len(delta.token_ids)
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState
+from evenflow.kv_index import store
+from evenflow.kv_index.client import KVIndexClient
 from evenflow.proto import errors, subjects
+from evenflow.proto.hashing import chain_hashes
 from evenflow.proto.messages import (
     Cancel, DecodeRequest, ErrorMessage, Message, PrefillRequest, SamplingSpec, TokenDelta,
     TokenDeltas, WorkerHeartbeat)
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import LIVE_WORKERS
-from evenflow.gateway.router import WorkerRegistry
+from evenflow.services.metrics import (
+    KV_LOOKUP_SECONDS, LIVE_WORKERS, PREDICTED_CACHED_TOKENS, ROUTING_DECISIONS)
 
 
 class MeshError(Exception):
@@ -40,15 +44,19 @@ class _Flight:
     queue: asyncio.Queue[TokenDelta | ErrorMessage] = field(default_factory=asyncio.Queue)
     prefill: str | None = None
     decode: str | None = None
+    prefill_blocks: int = 0  # blocks the prefill worker was expected to compute
 
 
 class Mesh:
-    def __init__(self, config: MeshConfig, tracer: trace.Tracer) -> None:
-        self.config, self.tracer = config, tracer
+    def __init__(self, config: MeshConfig, tracer: trace.Tracer, salt: bytes) -> None:
+        self.config, self.tracer, self.salt = config, tracer, salt
         self.gateway_id = uuid.uuid4().hex[:12]
         self.inbox = subjects.gateway_inbox(self.gateway_id)
         self.bus = Bus(f"gateway-{self.gateway_id}")
-        self.registry = WorkerRegistry(config.worker_timeout_s)
+        self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
+            config.router, config.kv_overlap_weight, config.decode_load_weight,
+            config.load_cap_blocks, config.router_temperature))
+        self.kv = KVIndexClient(config.redis_url) if config.redis_url else None
         self.flights: dict[str, _Flight] = {}
 
     async def start(self) -> None:
@@ -59,6 +67,8 @@ class Mesh:
 
     async def close(self) -> None:
         await self.bus.close()
+        if self.kv is not None:
+            await self.kv.close()
 
     def ready(self) -> bool:
         if not self.bus.connected or not self.registry.live("decode"):
@@ -83,26 +93,78 @@ class Mesh:
                 flight.queue.put_nowait(message)
 
     # -- one request ------------------------------------------------------------------------
+    async def _match(self, hashes: list[int]) -> dict[str, int] | None:
+        """worker_id -> cached leading blocks, current epochs only; None if Redis is unusable."""
+        if self.kv is None or self.config.router != "kv":
+            return {}
+        started = time.perf_counter()
+        try:
+            members = await asyncio.wait_for(self.kv.match(hashes),
+                                             self.config.kv_lookup_timeout_s)
+        except Exception:  # Redis down or slow: route by load alone, never fail the request
+            return None
+        finally:
+            KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
+        matched: dict[str, int] = {}
+        for member, blocks in members.items():
+            worker_id, epoch = store.split_member(member)
+            state = self.registry.workers.get(worker_id)
+            if state is not None and state.heartbeat.epoch == epoch:
+                matched[worker_id] = blocks
+        return matched
+
+    async def _predict(self, hashes: list[int], matched: dict[str, int],
+                       *workers: WorkerState | None) -> None:
+        if self.kv is None or self.config.router != "kv" or not hashes:
+            return
+        predictions = {}
+        for w in workers:
+            if w is not None:
+                member = store.member_of(w.worker_id, w.heartbeat.epoch)
+                predictions[w.heartbeat.role] = (member, hashes[matched.get(w.worker_id, 0):])
+        try:
+            await asyncio.wait_for(self.kv.predict(predictions, self.config.prediction_ttl_ms),
+                                   self.config.kv_lookup_timeout_s)
+        except Exception:  # a lost prediction costs a little stickiness, nothing else
+            pass
+
     async def _send(self, request_id: str, flight: _Flight, prompt: list[int],
                     spec: SamplingSpec, exclude: set[str], force_local: bool) -> None:
         bs = self.config.block_size
         with self.tracer.start_as_current_span("route") as span:
-            decode = self.registry.pick_decode(-(-(len(prompt) + 1) // bs), exclude)
+            hashes = chain_hashes(prompt, bs, self.salt)
+            total = -(-len(prompt) // bs)
+            matched = await self._match(hashes)
+            reason = self.config.router if matched is not None else "redis_unavailable"
+            matched = matched or {}
+            decode = self.registry.pick_decode(total, matched, exclude)
             if decode is None:
                 raise MeshError(errors.NO_CAPACITY, "no decode worker has room")
-            local = force_local or (0 < len(prompt) < self.config.local_prefill_threshold)
-            prefill = None if local else self.registry.pick_prefill(len(prompt), bs)
+            uncached_local = len(prompt) - matched.get(decode.worker_id, 0) * bs
+            threshold = self.config.local_prefill_threshold
+            local = force_local or uncached_local < threshold
+            prefill = None if local else self.registry.pick_prefill(total, matched, bs)
             if prefill is None and not local:
-                if self.config.local_prefill_threshold == 0:
+                if threshold == 0:
                     raise MeshError(errors.NO_CAPACITY, "no prefill worker is live")
                 local = True  # no prefill worker: the decode worker prefills
-            flight.decode = decode.heartbeat.worker_id
-            flight.prefill = prefill.heartbeat.worker_id if prefill else None
+            computing = decode if local else prefill
+            assert computing is not None
+            hit = matched.get(computing.worker_id, 0)
+            if reason == "kv":
+                reason = "kv_hit" if hit else "kv_miss"
+            ROUTING_DECISIONS.labels(reason=reason).inc()
+            PREDICTED_CACHED_TOKENS.inc(min(hit * bs, len(prompt) - 1))
+            flight.decode, flight.prefill = decode.worker_id, prefill.worker_id if prefill else None
+            flight.prefill_blocks = total - hit
             decode.inflight += 1
             if prefill:
                 prefill.inflight += 1
+                prefill.inflight_blocks += flight.prefill_blocks
             span.set_attribute("evenflow.route.decode", flight.decode)
             span.set_attribute("evenflow.route.prefill", flight.prefill or "local")
+            span.set_attribute("evenflow.route.matched_blocks", hit)
+            await self._predict(hashes, matched, decode, prefill)
             if local:
                 await self.bus.publish(subjects.decode_worker(flight.decode), DecodeRequest(
                     request_id, prompt, spec, self.inbox, time.time()))
@@ -115,6 +177,18 @@ class Mesh:
             state = self.registry.workers.get(worker_id or "")
             if state is not None and state.inflight > 0:
                 state.inflight -= 1
+                if worker_id == flight.prefill:
+                    state.inflight_blocks = max(0, state.inflight_blocks - flight.prefill_blocks)
+        flight.prefill = flight.decode = None
+
+    def first_token_seen(self, flight_id: str) -> None:
+        """The prefill part is done: stop counting its blocks as queued at the prefill worker."""
+        flight = self.flights.get(flight_id)
+        if flight is not None and flight.prefill:
+            state = self.registry.workers.get(flight.prefill)
+            if state is not None:
+                state.inflight_blocks = max(0, state.inflight_blocks - flight.prefill_blocks)
+            flight.prefill_blocks = 0
 
     async def generate(self, prompt: list[int], spec: SamplingSpec,
                        request_id: str | None = None) -> AsyncIterator[TokenDelta]:
@@ -154,6 +228,8 @@ class Mesh:
                                      force_local=bool(emitted))
                     continue
                 last_progress = time.monotonic()
+                if not emitted:
+                    self.first_token_seen(request_id)
                 emitted.extend(item.token_ids)
                 if item.finish_reason is not None:
                     finished = True

@@ -1,12 +1,17 @@
 """Which workers to use: live workers from heartbeats, and one pure cost function.
 
-Until the KV index exists every prompt is uncached, so the cost is load: a prefill worker's
-queued prompt tokens plus what this gateway has in flight there; a decode worker's running and
-waiting sequences plus in-flight, among those with free KV blocks.
+KV-aware routing (Dynamo's form): cost = w * blocks_to_prefill + load, in block units, where
+blocks_to_prefill is what the worker would still compute after its cached prefix (from the KV
+index) and load its queued work plus this gateway's in-flight work. Workers much busier than the
+idlest (load_cap_blocks) are skipped, so one hot prefix cannot pile everything onto one worker.
+`least_load` and `round_robin` are there to compare against.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 import time
 from dataclasses import dataclass
 
@@ -18,21 +23,52 @@ class WorkerState:
     heartbeat: WorkerHeartbeat
     seen_at: float  # local monotonic clock
     inflight: int = 0  # this gateway's requests routed there and not finished
+    inflight_blocks: int = 0  # blocks those requests still have to prefill there
+
+    @property
+    def worker_id(self) -> str:
+        return self.heartbeat.worker_id
 
 
 def cost(w: float, blocks_to_prefill: int, load: float) -> float:
-    """Dynamo's form: cost = w * blocks_to_prefill + load (lower is better)."""
+    """cost = w * blocks_to_prefill + load (lower is better)."""
     return w * blocks_to_prefill + load
 
 
+@dataclass(frozen=True)
+class RouterWeights:
+    policy: str = "kv"
+    overlap: float = 1.0
+    decode_load: float = 4.0
+    load_cap: float = 256.0
+    temperature: float = 0.0
+
+
+def choose(candidates: list[WorkerState], total_blocks: int, matched: dict[str, int],
+           load: dict[str, float], weights: RouterWeights, rng: random.Random) -> WorkerState:
+    """The cheapest candidate (or a softmax sample when temperature > 0). Pure."""
+    floor = min(load[c.worker_id] for c in candidates)
+    capped = [c for c in candidates if load[c.worker_id] <= floor + weights.load_cap]
+    costs = [cost(weights.overlap, total_blocks - matched.get(c.worker_id, 0), load[c.worker_id])
+             for c in capped]
+    if weights.temperature <= 0:
+        return capped[min(range(len(capped)), key=lambda i: (costs[i], capped[i].worker_id))]
+    low = min(costs)
+    probs = [math.exp(-(c - low) / weights.temperature) for c in costs]
+    return rng.choices(capped, weights=probs)[0]
+
+
 class WorkerRegistry:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, weights: RouterWeights | None = None) -> None:
         self.timeout_s = timeout_s
+        self.weights = weights or RouterWeights()
         self.workers: dict[str, WorkerState] = {}
+        self._rng = random.Random(0)
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def observe(self, hb: WorkerHeartbeat) -> None:
         state = self.workers.get(hb.worker_id)
-        if state is None:
+        if state is None or state.heartbeat.epoch != hb.epoch:  # new, or restarted
             self.workers[hb.worker_id] = WorkerState(hb, time.monotonic())
         else:
             state.heartbeat, state.seen_at = hb, time.monotonic()
@@ -42,19 +78,33 @@ class WorkerRegistry:
         return state is not None and time.monotonic() - state.seen_at < self.timeout_s
 
     def live(self, role: str) -> list[WorkerState]:
-        return [s for s in self.workers.values()
-                if s.heartbeat.role == role and self.is_live(s.heartbeat.worker_id)]
+        return sorted((s for s in self.workers.values()
+                       if s.heartbeat.role == role and self.is_live(s.worker_id)),
+                      key=lambda s: s.worker_id)
 
-    def pick_prefill(self, prompt_tokens: int, block_size: int) -> WorkerState | None:
-        blocks = -(-prompt_tokens // block_size)
+    def _pick(self, role: str, candidates: list[WorkerState], total_blocks: int,
+              matched: dict[str, int], load: dict[str, float]) -> WorkerState | None:
+        if not candidates:
+            return None
+        if self.weights.policy == "round_robin":
+            return candidates[next(self._turns[role]) % len(candidates)]
+        if self.weights.policy == "least_load":
+            return min(candidates, key=lambda c: (load[c.worker_id], c.worker_id))
+        return choose(candidates, total_blocks, matched, load, self.weights, self._rng)
+
+    def pick_decode(self, total_blocks: int, matched: dict[str, int],
+                    exclude: set[str]) -> WorkerState | None:
+        """A decode worker with KV room; with `kv`, one holding the conversation wins ties
+        against load (it can prefill the rest locally)."""
+        candidates = [s for s in self.live("decode") if s.worker_id not in exclude
+                      and s.heartbeat.free_kv_blocks >= total_blocks + 1]
+        load = {s.worker_id: self.weights.decode_load * (
+            s.heartbeat.running + s.heartbeat.waiting + s.inflight) for s in candidates}
+        return self._pick("decode", candidates, total_blocks, matched, load)
+
+    def pick_prefill(self, total_blocks: int, matched: dict[str, int],
+                     block_size: int) -> WorkerState | None:
         candidates = self.live("prefill")
-        return min(candidates, key=lambda s: cost(
-            1.0, blocks, s.heartbeat.queued_prompt_tokens / block_size + s.inflight * blocks),
-            default=None)
-
-    def pick_decode(self, needed_blocks: int, exclude: set[str]) -> WorkerState | None:
-        candidates = [s for s in self.live("decode")
-                      if s.heartbeat.worker_id not in exclude
-                      and s.heartbeat.free_kv_blocks >= needed_blocks]
-        return min(candidates, key=lambda s: cost(
-            0.0, 0, s.heartbeat.running + s.heartbeat.waiting + s.inflight), default=None)
+        load = {s.worker_id: s.heartbeat.queued_prompt_tokens / block_size + s.inflight_blocks
+                for s in candidates}
+        return self._pick("prefill", candidates, total_blocks, matched, load)

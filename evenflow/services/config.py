@@ -39,6 +39,14 @@ class MeshConfig:
     # Prompts with fewer uncached tokens than this are prefilled on the decode worker; 0 disables.
     local_prefill_threshold: int = 32
     decode_retries: int = 2  # other decode workers tried when one has no room
+    # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
+    router: str = "kv"
+    kv_overlap_weight: float = 1.0  # w: cost of one block to prefill, in load units (blocks)
+    decode_load_weight: float = 4.0  # one running decode sequence, in blocks
+    load_cap_blocks: float = 256.0  # never route to a worker this much busier than the idlest
+    router_temperature: float = 0.0  # > 0: sample workers by softmax(-cost / T)
+    prediction_ttl_ms: int = 2000  # requests just routed count as cached this long
+    kv_lookup_timeout_s: float = 0.05  # Redis slower than this: route by load alone
     # Timing
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is dead
@@ -56,6 +64,8 @@ class MeshConfig:
             raise ConfigError("the mesh needs at least one decode worker")
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
+        if self.router not in ("kv", "least_load", "round_robin"):
+            raise ConfigError(f"router must be kv, least_load or round_robin, got {self.router!r}")
         if self.engine not in ("torch", "mock"):
             raise ConfigError(f"engine must be torch or mock, got {self.engine!r}")
         if self.kv_chunk_bytes < 4096:

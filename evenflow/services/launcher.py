@@ -114,6 +114,7 @@ class LocalMesh:
     config: MeshConfig
     servers: list[LocalServer] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    child_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -132,19 +133,23 @@ class LocalMesh:
                 cfg = replace(cfg, port=free_port())
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
-            child_env |= (env or {}) | cfg.to_env()
+            self.child_env = child_env | (env or {}) | cfg.to_env()
             for i in range(cfg.num_decode):
-                self._spawn(["-m", "evenflow.decode", f"d{i}"], child_env)
+                self.spawn(["-m", "evenflow.decode", f"d{i}"])
             for i in range(cfg.num_prefill):
-                self._spawn(["-m", "evenflow.prefill", f"p{i}"], child_env)
-            self._spawn(["-m", "evenflow.gateway"], child_env)
+                self.spawn(["-m", "evenflow.prefill", f"p{i}"])
+            self.spawn(["-m", "evenflow.kv_index", "kv0"])
+            self.spawn(["-m", "evenflow.gateway"])
             self.wait_healthy(health_timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _spawn(self, args: list[str], env: dict[str, str]) -> None:
-        self.procs.append(subprocess.Popen([sys.executable, *args], env=env))
+    def spawn(self, args: list[str]) -> subprocess.Popen:
+        """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config."""
+        proc = subprocess.Popen([sys.executable, *args], env=self.child_env)
+        self.procs.append(proc)
+        return proc
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -53,8 +53,8 @@ def test_client_disconnect_cancels_and_frees_kv(mesh):
 
 
 def test_one_trace_spans_gateway_prefill_and_decode(mesh, client, otlp):
-    out = client.completions.create(model="tiny-moe", prompt=LONG_PROMPT, max_tokens=4,
-                                    temperature=0)
+    fresh = "count from 300 : " + " ".join(str(i) for i in range(300, 314))  # cached nowhere
+    out = client.completions.create(model="tiny-moe", prompt=fresh, max_tokens=4, temperature=0)
     wanted = {"gateway.request", "route", "stream", "prefill.queue", "prefill.compute",
               "kv_transfer", "decode.kv_receive", "decode.queue", "decode.generate"}
     deadline = time.monotonic() + 15

@@ -1,0 +1,40 @@
+"""The KV index's read side, used by the gateway: one-round-trip prefix match against Redis, and
+predicted entries for requests just routed (so a burst sharing a new prefix sticks together
+before the index catches up)."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from evenflow.kv_index import store
+from evenflow.services.redis_conn import connect_redis
+
+
+class KVIndexClient:
+    def __init__(self, redis_url: str) -> None:
+        self.redis: aioredis.Redis = connect_redis(redis_url)
+        self._match = self.redis.register_script(store.MATCH)
+
+    async def match(self, block_hashes: list[int]) -> dict[str, int]:
+        """member -> how many leading blocks of `block_hashes` it holds (live members only).
+        Raises redis errors (the caller falls back to load-only routing)."""
+        if not block_hashes:
+            return {}
+        flat = await self._match(args=[time.time(), *block_hashes])
+        return {(m.decode() if isinstance(m, bytes) else m): int(n)
+                for m, n in zip(flat[::2], flat[1::2], strict=True)}
+
+    async def predict(self, predictions: dict[str, tuple[str, list[int]]], ttl_ms: int) -> None:
+        """role -> (member, block hashes it is about to hold), kept for ttl_ms."""
+        pipe = self.redis.pipeline(transaction=False)
+        for role, (member, hashes) in predictions.items():
+            for h in hashes:
+                key = store.predicted_key(h)
+                pipe.hset(key, role, member)
+                pipe.pexpire(key, ttl_ms)
+        await pipe.execute()
+
+    async def close(self) -> None:
+        await self.redis.aclose()

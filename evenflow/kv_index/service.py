@@ -1,0 +1,185 @@
+"""The KV index service: KV events in (NATS) -> Redis, off every request's critical path.
+
+Events are applied in batched pipelines. Each (worker, epoch) is a member whose events must
+arrive numbered 1, 2, 3, ...; a gap, a Redis restart (the instance marker disappears) or a Redis
+outage makes the index ask that worker for a snapshot of its whole block set and replace the
+member's entries with it. Heartbeats renew members' leases; a member whose lease lapses is
+dropped. A worker that restarts has a new epoch: its previous member is dropped at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+
+from evenflow.kv_index import store
+from evenflow.proto import subjects
+from evenflow.proto.messages import (
+    CLEARED, REMOVED, STORED, KVEvents, KVResyncRequest, KVSnapshot, Message, WorkerHeartbeat)
+from evenflow.services.redis_conn import connect_redis
+from evenflow.services.worker import WorkerService
+
+log = logging.getLogger(__name__)
+
+EVENTS_APPLIED = Counter("evenflow_kv_index_events_total", "KV events applied to Redis")
+RESYNCS = Counter("evenflow_kv_index_resyncs_total", "Snapshots requested", ["reason"])
+REDIS_ERRORS = Counter("evenflow_kv_index_redis_errors_total", "Failed Redis writes")
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    epoch: str
+    last_seq: int = 0
+    resyncing: bool = False
+
+
+class KVIndexService(WorkerService):
+    role = "kv_index"
+    FLUSH_INTERVAL_S = 0.002
+
+    async def start(self) -> None:
+        assert self.config.redis_url, "the KV index needs redis_url"
+        self.redis: aioredis.Redis = connect_redis(self.config.redis_url)
+        self._drop = self.redis.register_script(store.DROP_MEMBER)
+        self.instance = uuid.uuid4().hex
+        self.members: dict[str, _Member] = {}  # member -> state
+        self.pending: list[tuple[str, str, str, int]] = []  # (op, key, value, events) to write
+        self.leases: dict[str, float] = {}  # member -> expiry, to write
+        self.events_applied = 0
+        self.redis_ok = False
+        self._tasks = [asyncio.create_task(self._flusher(), name="kv flush"),
+                       asyncio.create_task(self._watch(), name="kv watch")]
+        await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv)
+        await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(self.worker_id, self.role, self.config.model_name, 0, 0, 0, 0, 0,
+                               time.time(), self.epoch)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.aclose()
+
+    # -- inbound ----------------------------------------------------------------------------
+    def _on_heartbeat(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, WorkerHeartbeat) and message.role in ("prefill", "decode"):
+            member = store.member_of(message.worker_id, message.epoch)
+            self.leases[member] = time.time() + self.config.worker_timeout_s
+
+    def _on_kv(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, KVEvents):
+            self._on_events(message)
+        elif isinstance(message, KVSnapshot):
+            self._on_snapshot(message)
+
+    def _member(self, worker_id: str, epoch: str) -> tuple[str, _Member]:
+        member = store.member_of(worker_id, epoch)
+        state = self.members.get(member)
+        if state is None:
+            for old, old_state in list(self.members.items()):  # a restarted worker
+                if old_state.worker_id == worker_id:
+                    del self.members[old]
+                    self.pending.append(("drop", old, "", 0))
+            state = self.members[member] = _Member(worker_id, epoch)
+        return member, state
+
+    def _on_events(self, msg: KVEvents) -> None:
+        member, state = self._member(msg.worker_id, msg.epoch)
+        if state.resyncing or msg.seq <= state.last_seq:
+            return  # the snapshot will cover it, or we have it already
+        if msg.seq != state.last_seq + 1:
+            self._request_resync(state, "gap")
+            return
+        state.last_seq = msg.seq
+        for event in msg.events:
+            ops = {STORED: "add", REMOVED: "rem"}.get(event.kind)
+            if event.kind == CLEARED:
+                self.pending.append(("drop", member, "", 1))
+                continue
+            if ops is None:
+                continue
+            for h in event.block_hashes:
+                self.pending.append((ops, member, str(h), 1))
+
+    def _on_snapshot(self, snap: KVSnapshot) -> None:
+        member, state = self._member(snap.worker_id, snap.epoch)
+        if not state.resyncing:
+            return
+        state.resyncing, state.last_seq = False, snap.seq
+        self.pending.append(("drop", member, "", 0))
+        self.pending.extend(("add", member, str(h), 0) for h in snap.block_hashes)
+
+    def _request_resync(self, state: _Member, reason: str) -> None:
+        if state.resyncing:
+            return
+        state.resyncing = True
+        RESYNCS.labels(reason=reason).inc()
+        self.send(subjects.kv_resync(state.worker_id), KVResyncRequest(state.worker_id))
+
+    # -- writing to Redis -------------------------------------------------------------------
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(self.FLUSH_INTERVAL_S)
+            if not self.pending and not self.leases:
+                continue
+            ops, self.pending = self.pending, []
+            leases, self.leases = self.leases, {}
+            try:
+                await self._write(ops, leases)
+            except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as exc:
+                REDIS_ERRORS.inc()
+                if self.redis_ok:
+                    log.warning("Redis write failed (%s): will resync when it is back", exc)
+                self.redis_ok = False  # whatever was lost is recovered by a resync
+
+    async def _write(self, ops: list[tuple[str, str, str, int]], leases: dict[str, float]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        applied = 0
+        for op, member, value, events in ops:
+            if op == "add":
+                pipe.sadd(store.block_key(value), member)
+                pipe.sadd(store.member_key(member), value)
+            elif op == "rem":
+                pipe.srem(store.block_key(value), member)
+                pipe.srem(store.member_key(member), value)
+            else:
+                self._drop(args=[member], client=pipe)
+            applied += events
+        if leases:
+            pipe.zadd(store.LEASES, leases)
+        await pipe.execute()
+        self.events_applied += applied
+        EVENTS_APPLIED.inc(applied)
+
+    async def _watch(self) -> None:
+        """Every half second: detect a Redis restart or recovery (then resync every member),
+        and drop members whose lease has lapsed."""
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                marker = await self.redis.get(store.INSTANCE)
+                if marker != self.instance.encode() or not self.redis_ok:
+                    # Restarted (empty) or back from an outage (writes lost): rebuild from
+                    # every member's snapshot.
+                    reason = "redis_recovered" if marker else "redis_restart"
+                    await self.redis.set(store.INSTANCE, self.instance)
+                    for state in self.members.values():
+                        state.resyncing = False
+                        self._request_resync(state, reason)
+                    self.redis_ok = True
+                expired = await self.redis.zrangebyscore(store.LEASES, "-inf", time.time())
+                for raw in expired:
+                    member = raw.decode()
+                    await self._drop(args=[member])
+                    self.members.pop(member, None)
+            except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+                self.redis_ok = False
