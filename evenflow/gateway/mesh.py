@@ -58,6 +58,9 @@ class Mesh:
             config.load_cap_blocks, config.router_temperature))
         self.kv = KVIndexClient(config.redis_url) if config.redis_url else None
         self.flights: dict[str, _Flight] = {}
+        # This gateway's own recent predictions, block hash -> {worker_id: expiry}: concurrent
+        # requests see them even before Redis has them (other gateways see Redis's copy).
+        self._predicted: dict[int, dict[str, float]] = {}
 
     async def start(self) -> None:
         assert self.config.nats_url, "nats_url is required"
@@ -111,7 +114,30 @@ class Mesh:
             state = self.registry.workers.get(worker_id)
             if state is not None and state.heartbeat.epoch == epoch:
                 matched[worker_id] = blocks
+        now = time.monotonic()
+        local: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            holders = {w for w, expiry in self._predicted.get(h, {}).items() if expiry > now}
+            holders = {w for w in holders if local.get(w, 0) == i}
+            if not holders:
+                break
+            for w in holders:
+                local[w] = i + 1
+        for w, n in local.items():
+            matched[w] = max(matched.get(w, 0), n)
         return matched
+
+    def _remember(self, hashes: list[int], *workers: WorkerState | None) -> None:
+        expiry = time.monotonic() + self.config.prediction_ttl_ms / 1000
+        if len(self._predicted) > 100_000:  # bounded: drop the expired
+            now = time.monotonic()
+            self._predicted = {h: d for h, d in self._predicted.items()
+                               if max(d.values()) > now}
+        for h in hashes:
+            entry = self._predicted.setdefault(h, {})
+            for w in workers:
+                if w is not None:
+                    entry[w.worker_id] = expiry
 
     async def _predict(self, hashes: list[int], matched: dict[str, int],
                        *workers: WorkerState | None) -> None:
@@ -164,6 +190,8 @@ class Mesh:
             span.set_attribute("evenflow.route.decode", flight.decode)
             span.set_attribute("evenflow.route.prefill", flight.prefill or "local")
             span.set_attribute("evenflow.route.matched_blocks", hit)
+            if self.config.router == "kv":
+                self._remember(hashes, decode, prefill)
             await self._predict(hashes, matched, decode, prefill)
             if local:
                 await self.bus.publish(subjects.decode_worker(flight.decode), DecodeRequest(

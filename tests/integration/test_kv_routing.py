@@ -1,0 +1,139 @@
+"""The global KV index and KV-aware routing, on a mock-engine mesh (real block managers, real
+KV events, real Redis and NATS): the index follows caches through store, evict and restart, a
+dead worker leaves within its lease, bursts stick, and a Redis outage costs no request."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import signal
+import time
+
+import httpx
+import pytest
+import redis
+
+from evenflow.kv_index import store
+from evenflow.proto.hashing import chain_hashes, namespace_salt
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import LocalMesh, start_redis
+
+SALT = namespace_salt("tiny-moe")
+BS = 16
+
+
+@pytest.fixture
+def kv_mesh():
+    config = MeshConfig(port=0, engine="mock", num_prefill=2, num_decode=1, num_kv_blocks=128,
+                        heartbeat_interval_s=0.2, worker_timeout_s=1.5,
+                        local_prefill_threshold=0)
+    mesh = LocalMesh(config)
+    mesh.start(health_timeout_s=120)
+    yield mesh
+    mesh.stop()
+
+
+def prompt(seed: int, length: int = 100) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 500 for i in range(length)]
+
+
+def complete(mesh, tokens, max_tokens=2):
+    resp = httpx.post(mesh.url + "/v1/completions", timeout=30, json={
+        "model": "tiny-moe", "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def holders(r: redis.Redis, block_hash: int) -> set[str]:
+    return {m.decode() for m in r.smembers(store.block_key(block_hash))}
+
+
+def wait_for(predicate, timeout=8.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def metric(mesh, name: str, **labels) -> float:
+    text = httpx.get(mesh.url + "/metrics").text
+    label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(label) + r"\}" if label else "") + r" (\S+)"
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_index_follows_store_evict_and_restart(kv_mesh):
+    r = redis.Redis.from_url(kv_mesh.config.redis_url)
+    first = prompt(1)
+    complete(kv_mesh, first)
+    hashes = chain_hashes(first, BS, SALT)
+    assert wait_for(lambda: len(holders(r, hashes[-1])) == 2)  # a prefill worker and d0
+    members = holders(r, hashes[0])
+    prefill_member = next(m for m in members if m.startswith("p"))
+    # Evict: 128 blocks per worker; send other prompts to the same prefill worker until it
+    # has to reuse the first prompt's blocks.
+    worker = prefill_member.split("@")[0]
+    for seed in range(2, 90):  # 6 full blocks each, spread over two workers of 128 blocks
+        complete(kv_mesh, prompt(seed))
+        if prefill_member not in holders(r, hashes[0]):
+            break
+    assert wait_for(lambda: prefill_member not in holders(r, hashes[0]))
+    assert r.scard(store.member_key(prefill_member)) <= 128  # it holds what its cache holds
+    # Restart the worker: its old member is gone at once, the new one starts empty.
+    proc = next(p for p in kv_mesh.procs if p.args[-1] == worker)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kv_mesh.procs.remove(proc)
+    kv_mesh.spawn(["-m", "evenflow.prefill", worker])
+    assert wait_for(lambda: not r.exists(store.member_key(prefill_member)), timeout=10)
+
+
+def test_killed_worker_leaves_within_its_lease(kv_mesh):
+    r = redis.Redis.from_url(kv_mesh.config.redis_url)
+    tokens = prompt(20)
+    complete(kv_mesh, tokens)
+    h = chain_hashes(tokens, BS, SALT)[0]
+    assert wait_for(lambda: any(m.startswith("p") for m in holders(r, h)))
+    member = next(m for m in holders(r, h) if m.startswith("p"))
+    proc = next(p for p in kv_mesh.procs if p.args[-1] == member.split("@")[0])
+    killed = time.monotonic()
+    proc.send_signal(signal.SIGKILL)
+    assert wait_for(lambda: member not in holders(r, h), timeout=5)
+    assert time.monotonic() - killed < kv_mesh.config.worker_timeout_s + 1.5
+    complete(kv_mesh, tokens)  # routed to the live worker
+
+
+def test_burst_sharing_a_new_prefix_sticks_to_one_worker(kv_mesh):
+    shared = prompt(30, 160)
+    before = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: complete(kv_mesh, shared + [5 + i] * 20), range(8)))
+    hits = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit") - before
+    assert hits >= 6  # all but the first (and one spill-over under the load term) hit
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    assert sum(1 for c in cached if c >= 160 - BS) >= 4
+
+
+def test_redis_outage_routes_by_load_and_recovers(kv_mesh):
+    redis_server = next(s for s in kv_mesh.servers if s.kind == "redis")
+    tokens = prompt(40)
+    complete(kv_mesh, tokens)
+    redis_server.stop()
+    started = time.monotonic()
+    for seed in range(41, 45):
+        complete(kv_mesh, prompt(seed))  # no request fails
+    assert time.monotonic() - started < 10
+    assert metric(kv_mesh, "evenflow_routing_decisions_total", reason="redis_unavailable") >= 4
+    restarted = start_redis(redis_server.port)  # empty: the index must resync
+    kv_mesh.servers[kv_mesh.servers.index(redis_server)] = restarted
+    r = redis.Redis.from_url(restarted.url)
+    h = chain_hashes(tokens, BS, SALT)[0]
+    assert wait_for(lambda: len(holders(r, h)) >= 1, timeout=10)  # resynced from snapshots
+    before = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit")
+    out = complete(kv_mesh, tokens)
+    assert metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit") == before + 1
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
