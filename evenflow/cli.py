@@ -82,6 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.engine_bench import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "routing":
+        from evenflow.bench.routing_bench import main as bench_routing
+
+        return bench_routing(args.rest)
     if args.what == "serve":
         from evenflow.bench.serve_bench import main as bench_serve
 
@@ -124,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve"])
+    bench.add_argument("what", choices=["engine", "serve", "routing"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

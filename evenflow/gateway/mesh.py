@@ -147,7 +147,7 @@ class Mesh:
         for w in workers:
             if w is not None:
                 member = store.member_of(w.worker_id, w.heartbeat.epoch)
-                predictions[w.heartbeat.role] = (member, hashes[matched.get(w.worker_id, 0):])
+                predictions[member] = hashes[matched.get(w.worker_id, 0):]
         try:
             await asyncio.wait_for(self.kv.predict(predictions, self.config.prediction_ttl_ms),
                                    self.config.kv_lookup_timeout_s)

@@ -26,13 +26,13 @@ class KVIndexClient:
         return {(m.decode() if isinstance(m, bytes) else m): int(n)
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
-    async def predict(self, predictions: dict[str, tuple[str, list[int]]], ttl_ms: int) -> None:
-        """role -> (member, block hashes it is about to hold), kept for ttl_ms."""
+    async def predict(self, predictions: dict[str, list[int]], ttl_ms: int) -> None:
+        """member -> block hashes it is about to hold, kept for ttl_ms."""
         pipe = self.redis.pipeline(transaction=False)
-        for role, (member, hashes) in predictions.items():
+        for member, hashes in predictions.items():
             for h in hashes:
                 key = store.predicted_key(h)
-                pipe.hset(key, role, member)
+                pipe.hset(key, member, 1)
                 pipe.pexpire(key, ttl_ms)
         await pipe.execute()
 

@@ -3,7 +3,7 @@
     ev:b:{hash}     SET of members holding the block      (member = "{worker_id}@{epoch}")
     ev:w:{member}   SET of block hashes the member holds  (so a member can be dropped at once)
     ev:lease        ZSET member -> lease expiry (unix s)  (renewed from heartbeats)
-    ev:p:{hash}     HASH role -> member predicted to hold the block soon (PX ttl, by gateways)
+    ev:p:{hash}     HASH member -> 1: predicted to hold the block soon (PX ttl, by gateways)
     ev:instance     STRING the index service's id         (gone => Redis restarted: resync)
 
 A worker's entries only match while its lease is live; a restarted worker has a new epoch, so
@@ -40,34 +40,34 @@ def split_member(member: str) -> tuple[str, str]:
 
 # ARGV: now (unix seconds), then the request's block hashes in chain order. Returns a flat list
 # [member, matched_blocks, ...] for every live member that holds (or is predicted to hold) a
-# leading run of the blocks. One round trip, whatever the prompt length.
+# leading run of the blocks. One round trip. The candidates are the holders of the first block;
+# each one's run is found by binary search, O(log n) probes per member: holdings are
+# prefix-closed, since a block is only cached after its parent and eviction takes a
+# sequence's tail blocks first.
 MATCH = """
 local now = tonumber(ARGV[1])
-local live, prefix = {}, {}
-for i = 2, #ARGV do
-  local h = ARGV[i]
-  local holders = redis.call('SMEMBERS', 'ev:b:' .. h)
-  for _, m in ipairs(redis.call('HVALS', 'ev:p:' .. h)) do table.insert(holders, m) end
-  local extended = false
-  for _, m in ipairs(holders) do
-    if (prefix[m] or 0) == i - 2 then
-      if live[m] == nil then
-        local expiry = redis.call('ZSCORE', 'ev:lease', m)
-        live[m] = expiry ~= false and tonumber(expiry) > now
-      end
-      if live[m] then
-        prefix[m] = i - 1
-        extended = true
-      end
-    end
-  end
-  if not extended then break end
+local n = #ARGV - 1
+local function holds(m, i)
+  local h = ARGV[i + 1]
+  return redis.call('SISMEMBER', 'ev:b:' .. h, m) == 1
+      or redis.call('HEXISTS', 'ev:p:' .. h, m) == 1
 end
-local out = {}
-for m, n in pairs(prefix) do
-  if n > 0 then
-    table.insert(out, m)
-    table.insert(out, n)
+local candidates = redis.call('SMEMBERS', 'ev:b:' .. ARGV[2])
+for _, m in ipairs(redis.call('HKEYS', 'ev:p:' .. ARGV[2])) do table.insert(candidates, m) end
+local out, seen = {}, {}
+for _, m in ipairs(candidates) do
+  if not seen[m] then
+    seen[m] = true
+    local expiry = redis.call('ZSCORE', 'ev:lease', m)
+    if expiry and tonumber(expiry) > now then
+      local lo, hi = 1, n
+      while lo < hi do
+        local mid = math.floor((lo + hi + 1) / 2)
+        if holds(m, mid) then lo = mid else hi = mid - 1 end
+      end
+      table.insert(out, m)
+      table.insert(out, lo)
+    end
   end
 end
 return out

@@ -1,0 +1,292 @@
+"""`evenflow bench routing`: round-robin vs least-load vs KV-aware routing on one workload.
+
+A multi-turn chat workload (sessions whose turns extend the previous turn's prompt and answer,
+over a few shared system prompts) runs against a fresh local mesh per policy - mock-engine
+workers by default (real block managers, prefix caches and KV events; a timing model instead of
+the model), or the real default model with `--real`. Printed per policy: prefix hit rate (cached
+prompt tokens / prompt tokens) next to the oracle's (each request's longest prefix held anywhere
+in the fleet, assuming nothing is evicted), prefill tokens computed, TTFT p50/p90, throughput.
+Then a workload with no shared prefixes (KV-aware must not cost throughput), the KV index's match
+latency for 128 and 1,024 blocks, and its write throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+from evenflow.bench.loadgen import percentile
+from evenflow.proto.hashing import chain_hashes, namespace_salt
+
+
+@dataclass
+class Workload:
+    system_prompts: int = 3
+    system_len: int = 256
+    sessions: int = 24
+    turns: int = 4
+    user_len: int = 48
+    output_len: int = 32
+    concurrency: int = 8
+    vocab_low: int = 20
+    vocab_high: int = 500
+
+
+@dataclass
+class PolicyResult:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    oracle_tokens: int = 0
+    output_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    errors: int = 0
+
+
+class Oracle:
+    """Every full block any request has held so far (prompt and answer), fleet-wide."""
+
+    def __init__(self, block_size: int, salt: bytes) -> None:
+        self.block_size, self.salt, self.seen = block_size, salt, set()
+
+    def hit_tokens(self, prompt: list[int]) -> int:
+        hits = 0
+        for h in chain_hashes(prompt[:-1], self.block_size, self.salt):
+            if h not in self.seen:
+                break
+            hits += 1
+        return hits * self.block_size
+
+    def add(self, tokens: list[int]) -> None:
+        self.seen.update(chain_hashes(tokens, self.block_size, self.salt))
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                  max_tokens: int) -> tuple[float, str, dict]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = ttft or time.perf_counter() - start
+                text.append(chunk["choices"][0]["text"])
+    return ttft or time.perf_counter() - start, "".join(text), usage
+
+
+async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Oracle,
+                       seed: int, multi_turn: bool = True) -> PolicyResult:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(w.vocab_low, w.vocab_high) for _ in range(w.system_len)]
+               for _ in range(w.system_prompts)]
+    result = PolicyResult()
+    sessions = asyncio.Queue()
+    for s in range(w.sessions):
+        sessions.put_nowait(s)
+
+    async def session(client: httpx.AsyncClient, s: int) -> None:
+        srng = random.Random(seed * 1000 + s)
+        history = list(systems[s % w.system_prompts]) if multi_turn else []
+        for _ in range(w.turns if multi_turn else 1):
+            user = [srng.randrange(w.vocab_low, w.vocab_high)
+                    for _ in range(w.user_len if multi_turn else w.system_len + w.user_len)]
+            prompt = history + user
+            result.oracle_tokens += oracle.hit_tokens(prompt)
+            try:
+                ttft, text, usage = await _stream(client, url, model, prompt, w.output_len)
+            except (RuntimeError, httpx.HTTPError):
+                result.errors += 1
+                return
+            answer = tokenizer.encode(text, add_special_tokens=False)
+            oracle.add(prompt + answer)
+            result.ttfts.append(ttft)
+            result.prompt_tokens += usage.get("prompt_tokens", len(prompt))
+            result.cached_tokens += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            result.output_tokens += usage.get("completion_tokens", 0)
+            history = prompt + answer
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not sessions.empty():
+            await session(client, sessions.get_nowait())
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(w.concurrency)))
+        result.wall = time.perf_counter() - start
+    return result
+
+
+def run_policy(policy: str, args: argparse.Namespace, w: Workload, multi_turn: bool) -> PolicyResult:
+    from evenflow.proto.tokenizer import Tokenizer
+    from evenflow.services.config import MeshConfig
+    from evenflow.services.launcher import LocalMesh
+
+    config = MeshConfig(port=0, model=args.model, engine="torch" if args.real else "mock",
+                        router=policy, num_prefill=args.prefill, num_decode=args.decode,
+                        local_prefill_threshold=args.local_prefill_threshold,
+                        kv_cache_gb=0.25, threads_per_worker=1)
+    mesh = LocalMesh(config)
+    mesh.start(health_timeout_s=300)
+    try:
+        from evenflow import models
+
+        model_dir = models.resolve_model(args.model)
+        assert model_dir is not None
+        tokenizer = Tokenizer(model_dir)
+        oracle = Oracle(config.block_size, namespace_salt(model_dir.name))
+        return asyncio.run(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
+                                        seed=1, multi_turn=multi_turn))
+    finally:
+        mesh.stop()
+
+
+async def match_latency(blocks: int, members: int = 16, calls: int = 300) -> tuple[float, float]:
+    """p50 / p99 seconds of one KVIndexClient.match over `blocks` hashes, `members` workers each
+    holding a different share of the chain, against a real redis-server."""
+    from evenflow.kv_index import store
+    from evenflow.kv_index.client import KVIndexClient
+    from evenflow.services.launcher import start_redis
+
+    server = start_redis()
+    try:
+        client = KVIndexClient(server.url)
+        hashes = chain_hashes(list(range(blocks * 16)), 16)
+        pipe = client.redis.pipeline(transaction=False)
+        for m in range(members):
+            member = store.member_of(f"w{m}", "e")
+            for h in hashes[: blocks * (m + 1) // members]:
+                pipe.sadd(store.block_key(h), member)
+            pipe.zadd(store.LEASES, {member: time.time() + 3600})
+        await pipe.execute()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            got = await client.match(hashes)
+            times.append(time.perf_counter() - t0)
+        assert max(got.values()) == blocks
+        await client.close()
+        return percentile(times, 50), percentile(times, 99)
+    finally:
+        server.stop()
+
+
+async def write_throughput(events: int = 50_000, per_message: int = 100) -> float:
+    """Block events per second through NATS and the kv_index service into Redis."""
+    import nats
+
+    from evenflow.kv_index import store
+    from evenflow.proto import subjects
+    from evenflow.proto.messages import STORED, KVEvent, KVEvents, encode
+    from evenflow.services.config import MeshConfig
+    from evenflow.services.launcher import start_nats, start_redis
+
+    nats_server, redis_server = start_nats(), start_redis()
+    config = MeshConfig(nats_url=nats_server.url, redis_url=redis_server.url)
+    env = {**config.to_env(), "PATH": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.kv_index", "kvbench"], env=env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        import redis.asyncio as aioredis
+
+        r = aioredis.Redis.from_url(redis_server.url)
+        nc = await nats.connect(nats_server.url)
+        await asyncio.sleep(2.0)  # let the service subscribe
+        hashes = chain_hashes(list(range(events * 16)), 16)
+        start = time.perf_counter()
+        for seq, first in enumerate(range(0, events, per_message), start=1):
+            batch = hashes[first : first + per_message]
+            await nc.publish(subjects.KV_EVENTS, encode(KVEvents(
+                "bench", "prefill", "e1", seq, [KVEvent(STORED, batch, 0)])))
+        await nc.flush()
+        member = store.member_of("bench", "e1")
+        while not await r.sismember(store.block_key(hashes[-1]), member):
+            await asyncio.sleep(0.005)
+        elapsed = time.perf_counter() - start
+        await nc.close()
+        await r.aclose()
+        return events / elapsed
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        nats_server.stop()
+        redis_server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evenflow bench routing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--real", action="store_true", help="the real default model (2 prefill "
+                    "workers + 1 decode) instead of mock workers")
+    ap.add_argument("--model", default="tiny-moe")
+    ap.add_argument("--prefill", type=int, default=None, help="prefill workers (mock: 4)")
+    ap.add_argument("--decode", type=int, default=None, help="decode workers (mock: 2)")
+    ap.add_argument("--local-prefill-threshold", type=int, default=128)
+    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--policies", default="round_robin,least_load,kv")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    args.prefill = args.prefill or (2 if args.real else 4)
+    args.decode = args.decode or (1 if args.real else 2)
+    w = Workload(sessions=args.sessions)
+    if args.real:  # tiny-moe has 512 positions
+        w = Workload(system_len=128, user_len=32, output_len=16, sessions=args.sessions)
+    if args.quick:
+        w = Workload(system_len=64, user_len=16, output_len=8, sessions=4, turns=2,
+                     concurrency=2)
+    policies = args.policies.split(",")
+    print(f"workload: {w.sessions} sessions x {w.turns} turns over {w.system_prompts} system "
+          f"prompts of {w.system_len} tokens; user {w.user_len}, answer {w.output_len} tokens; "
+          f"concurrency {w.concurrency}")
+    print(f"fleet: {args.prefill} prefill + {args.decode} decode workers "
+          f"({'real ' + args.model if args.real else 'mock engine'})\n")
+    results = {p: run_policy(p, args, w, True) for p in policies}
+    print(f"{'policy':12} {'hit rate':>9} {'oracle':>7} {'of oracle':>9} {'prefill tok':>11} "
+          f"{'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'errors':>6}")
+    for p, r in results.items():
+        hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
+        oracle = r.oracle_tokens / r.prompt_tokens if r.prompt_tokens else 0
+        print(f"{p:12} {hit:9.3f} {oracle:7.3f} {hit / oracle if oracle else 0:9.2f} "
+              f"{r.prompt_tokens - r.cached_tokens:11d} {percentile(r.ttfts, 50) * 1e3:8.1f}ms "
+              f"{percentile(r.ttfts, 90) * 1e3:8.1f}ms {r.output_tokens / r.wall:8.1f} "
+              f"{r.errors:6d}")
+    if "round_robin" in results and "kv" in results:
+        rr, kv = results["round_robin"], results["kv"]
+        print(f"\nKV-aware vs round-robin: TTFT p50 {percentile(kv.ttfts, 50) / percentile(rr.ttfts, 50):.2f}x, "
+              f"throughput {kv.output_tokens / kv.wall / (rr.output_tokens / rr.wall):.2f}x")
+    if not args.quick and {"least_load", "kv"} <= set(policies):
+        flat = {p: run_policy(p, args, w, False) for p in ("least_load", "kv")}
+        ll, kv = flat["least_load"], flat["kv"]
+        print(f"no shared prefixes ({w.sessions} single-turn prompts of "
+              f"{w.system_len + w.user_len} tokens): throughput kv {kv.output_tokens / kv.wall:.1f} "
+              f"vs least-load {ll.output_tokens / ll.wall:.1f} tok/s "
+              f"({kv.output_tokens / kv.wall / (ll.output_tokens / ll.wall):.2f}x)")
+    print("\nKV index (16 workers in the index, real redis-server):")
+    for blocks in (128, 1024):
+        p50, p99 = asyncio.run(match_latency(blocks))
+        print(f"  match {blocks:5d} blocks: p50 {p50 * 1e3:.3f} ms  p99 {p99 * 1e3:.3f} ms")
+    rate = asyncio.run(write_throughput(10_000 if args.quick else 50_000))
+    print(f"  write throughput (NATS -> kv_index -> Redis): {rate:,.0f} block events/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
