@@ -110,13 +110,14 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             user = [srng.randrange(w.vocab_low, w.vocab_high)
                     for _ in range(w.user_len if multi_turn else w.system_len + w.user_len)]
             prompt = history + user
-            result.oracle_tokens += oracle.hit_tokens(prompt)
+            oracle_hit = oracle.hit_tokens(prompt)
             try:
                 ttft, text, usage = await _stream(client, url, model, prompt, w.output_len)
             except (RuntimeError, httpx.HTTPError):
                 result.errors += 1
                 return
             answer = tokenizer.encode(text, add_special_tokens=False)
+            result.oracle_tokens += oracle_hit
             oracle.add(prompt + answer)
             result.ttfts.append(ttft)
             result.prompt_tokens += usage.get("prompt_tokens", len(prompt))
@@ -236,14 +237,24 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", action="store_true", help="the real default model (2 prefill "
                     "workers + 1 decode) instead of mock workers")
-    ap.add_argument("--model", default="tiny-moe")
+    ap.add_argument("--model", default=None,
+                    help="default: tiny-moe with --real; a small random checkpoint (1,024 "
+                    "positions, word-level tokenizer) for the mock workers")
     ap.add_argument("--prefill", type=int, default=None, help="prefill workers (mock: 4)")
     ap.add_argument("--decode", type=int, default=None, help="decode workers (mock: 2)")
-    ap.add_argument("--local-prefill-threshold", type=int, default=128)
+    ap.add_argument("--local-prefill-threshold", type=int, default=32)
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--policies", default="round_robin,least_load,kv")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    if args.model is None:
+        import tempfile
+        from pathlib import Path
+
+        from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+
+        args.model = "tiny-moe" if args.real else str(write_random_mixtral(
+            Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-quick", QUICK_MODEL))
     args.prefill = args.prefill or (2 if args.real else 4)
     args.decode = args.decode or (1 if args.real else 2)
     w = Workload(sessions=args.sessions)
