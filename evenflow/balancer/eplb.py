@@ -206,3 +206,93 @@ def static_placement(num_logical: int, num_gpus: int, layers: int) -> Tensor:
     """Contiguous experts per GPU, no replicas: the baseline. [layers, num_logical]."""
     assert num_logical % num_gpus == 0
     return torch.arange(num_logical).repeat(layers, 1)
+
+
+def rebalance_from(current: Tensor, weight: Tensor, num_gpus: int, tolerance: float = 0.01,
+                   max_swaps: int = 256) -> Placement:
+    """Migration-aware rebalancing: start from the `current` phy2log [L, num_phy] and move
+    only what the balance needs. Replica counts are set as the fresh greedy would set them
+    (each change re-purposes one slot: a cold expert's extra replica becomes a hot one's, on
+    the heaviest rank), then slots are swapped between the heaviest and lightest ranks until
+    balancedness is within `tolerance` of a from-scratch placement (global policy)."""
+    L, num_phy = current.shape
+    n_log = weight.shape[1]
+    per_gpu = num_phy // num_gpus
+    w = weight.double()
+    _, _, want = replicate_experts(weight, num_phy)  # [L, n_log] target replica counts
+    phy2log = current.clone()
+    have = torch.zeros(L, n_log, dtype=torch.long).scatter_add_(
+        1, phy2log, torch.ones(L, num_phy, dtype=torch.long))
+    rows = torch.arange(L)
+    for _ in range(num_phy):  # one re-purposed slot per layer per pass
+        surplus, deficit = have - want, want - have
+        needy = deficit.argmax(dim=1)  # [L]
+        act = deficit[rows, needy] > 0
+        if not bool(act.any()):
+            break
+        slot_surplus = surplus.gather(1, phy2log) > 0  # [L, num_phy] slots we may take
+        loads = rank_loads(weight, phy2log, num_gpus)  # [L, G]
+        slot_rank_load = loads.repeat_interleave(per_gpu, dim=1)
+        pick = torch.where(slot_surplus, slot_rank_load, -torch.inf).argmax(dim=1)
+        r = rows[act]
+        old = phy2log[r, pick[act]]
+        have[r, old] -= 1
+        have[r, needy[act]] += 1
+        phy2log[r, pick[act]] = needy[act]
+    target = balancedness(weight, rebalance_experts(weight, num_phy, 1, 1, num_gpus).phy2log,
+                          num_gpus)
+    logcnt = torch.zeros(L, n_log).scatter_add_(1, phy2log, torch.ones(L, num_phy)).long()
+    slot_w = (w / logcnt.double()).gather(1, phy2log)  # [L, num_phy]
+    home = torch.arange(num_phy).repeat(L, 1) // per_gpu  # each slot's GPU now
+    pack = home.clone()
+    for _ in range(max_swaps // 8):
+        loads = torch.zeros(L, num_gpus, dtype=torch.double).scatter_add_(1, pack, slot_w)
+        if float((loads.mean(1) / loads.max(1).values).mean()) >= target - tolerance:
+            break
+        pack = _swap_off_heaviest(slot_w, pack, num_gpus, 8)
+    # Slots that changed GPU trade places pairwise: arrivals take the slots others vacated.
+    for layer in range(L):
+        moved = pack[layer] != home[layer]
+        if bool(moved.any()):
+            vacated = moved.nonzero().squeeze(1)  # already in GPU order
+            arriving = vacated[pack[layer, vacated].argsort(stable=True)]
+            phy2log[layer, vacated] = phy2log[layer, arriving].clone()
+    rank = _replica_rank(phy2log)
+    return Placement(phy2log, _log2phy(phy2log, rank, logcnt), logcnt)
+
+
+def _swap_off_heaviest(w: Tensor, pack: Tensor, num_packs: int, steps: int) -> Tensor:
+    """Like _refine, but the heaviest pack may swap with any other pack: the swap that
+    lowers the larger of the two packs the most."""
+    L, n = w.shape
+    cap = n // num_packs
+    rows = torch.arange(L)
+    for _ in range(steps):
+        loads = torch.zeros(L, num_packs, dtype=w.dtype).scatter_add_(1, pack, w)
+        heavy = loads.argmax(dim=1)
+        h_load = loads[rows, heavy].view(L, 1, 1)
+        h_items = pack.argsort(dim=1, stable=True).view(L, num_packs, cap)[rows, heavy]
+        other_load = loads.gather(1, pack).unsqueeze(1)  # [L, 1, n]: load of b's pack
+        delta = w.gather(1, h_items).unsqueeze(2) - w.unsqueeze(1)  # [L, cap, n]
+        new_max = torch.maximum(h_load - delta, other_load + delta)
+        ok = (delta > 1e-9) & (new_max < h_load - 1e-9)
+        score = torch.where(ok, new_max, torch.inf).view(L, -1)
+        best = score.argmin(dim=1)
+        improve = torch.isfinite(score[rows, best])
+        if not bool(improve.any()):
+            break
+        r = rows[improve]
+        a, b = h_items[r, best[improve] // n], best[improve] % n
+        pack[r, a], pack[r, b] = pack[r, b], heavy[improve]
+    return pack
+
+
+def _replica_rank(phy2log: Tensor) -> Tensor:
+    """The k-th slot (in slot order) of an expert gets rank k."""
+    onehot = torch.nn.functional.one_hot(phy2log, int(phy2log.max()) + 1)  # [L, P, E]
+    return (onehot.cumsum(dim=1) - 1).gather(2, phy2log.unsqueeze(2)).squeeze(2)
+
+
+def slots_moved(before: Tensor, after: Tensor) -> int:
+    """Slots whose expert changed (each one is an expert's weights copied in)."""
+    return int((before != after).sum())
