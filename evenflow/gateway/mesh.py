@@ -61,6 +61,7 @@ class Mesh:
         # This gateway's own recent predictions, block hash -> {worker_id: expiry}: concurrent
         # requests see them even before Redis has them (other gateways see Redis's copy).
         self._predicted: dict[int, dict[str, float]] = {}
+        self._background: set[asyncio.Task] = set()  # prediction writes in flight
 
     async def start(self) -> None:
         assert self.config.nats_url, "nats_url is required"
@@ -192,7 +193,10 @@ class Mesh:
             span.set_attribute("evenflow.route.matched_blocks", hit)
             if self.config.router == "kv":
                 self._remember(hashes, decode, prefill)
-            await self._predict(hashes, matched, decode, prefill)
+                # Off the request's path: the local copy covers this gateway meanwhile.
+                task = asyncio.create_task(self._predict(hashes, matched, decode, prefill))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             if local:
                 await self.bus.publish(subjects.decode_worker(flight.decode), DecodeRequest(
                     request_id, prompt, spec, self.inbox, time.time()))

@@ -38,7 +38,7 @@ def cost(w: float, blocks_to_prefill: int, load: float) -> float:
 @dataclass(frozen=True)
 class RouterWeights:
     policy: str = "kv"
-    overlap: float = 2.0
+    overlap: float = 1.0
     decode_load: float = 4.0
     load_cap: float = 256.0
     temperature: float = 0.0

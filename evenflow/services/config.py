@@ -41,9 +41,10 @@ class MeshConfig:
     decode_retries: int = 2  # other decode workers tried when one has no room
     # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
     router: str = "kv"
-    # w: cost of one block to prefill against one block of queued work. Above 1, a worker that
-    # holds the prefix wins until it is w times busier: bursts sharing a prefix stick together.
-    kv_overlap_weight: float = 2.0
+    # w: cost of one block to prefill against one block of queued work. At 1 the cost is the
+    # expected time to first token in block units; above 1 reuse wins over balance (a burst
+    # sharing a prefix sticks together longer).
+    kv_overlap_weight: float = 1.0
     decode_load_weight: float = 4.0  # one running decode sequence, in blocks
     load_cap_blocks: float = 256.0  # never route to a worker this much busier than the idlest
     router_temperature: float = 0.0  # > 0: sample workers by softmax(-cost / T)

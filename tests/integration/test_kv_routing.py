@@ -107,7 +107,19 @@ def test_killed_worker_leaves_within_its_lease(kv_mesh):
     complete(kv_mesh, tokens)  # routed to the live worker
 
 
-def test_burst_sharing_a_new_prefix_sticks_to_one_worker(kv_mesh):
+@pytest.fixture
+def sticky_mesh():
+    config = MeshConfig(port=0, engine="mock", num_prefill=2, num_decode=1, num_kv_blocks=128,
+                        heartbeat_interval_s=0.2, local_prefill_threshold=0,
+                        kv_overlap_weight=2.0)  # reuse outweighs the in-flight load
+    mesh = LocalMesh(config)
+    mesh.start(health_timeout_s=120)
+    yield mesh
+    mesh.stop()
+
+
+def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
+    kv_mesh = sticky_mesh
     shared = prompt(30, 160)
     before = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
