@@ -82,6 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.engine_bench import main as bench_engine
 
         return bench_engine(args.rest)
+    if args.what == "eplb":
+        from evenflow.bench.eplb_bench import main as bench_eplb
+
+        return bench_eplb(args.rest)
     if args.what == "routing":
         from evenflow.bench.routing_bench import main as bench_routing
 
@@ -128,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve", "routing"])
+    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
