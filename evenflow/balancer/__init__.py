@@ -1,3 +1,2 @@
-"""EPLB: pure rebalance algorithm + actor that aggregates expert load and pushes placements.
-
-Not built yet: this package is reserved by the layout in DESIGN.md."""
+"""EPLB: the pure placement algorithm (eplb.py), when to rebalance (policy.py), and the
+balancer actor that aggregates expert load and pushes versioned placements (service.py)."""

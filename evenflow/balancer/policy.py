@@ -43,13 +43,15 @@ class ThresholdTrigger:
         self.window = LoadWindow(config.window)
         self.since = 0  # steps since the last rebalance
 
-    def observe(self, counts: Tensor, phy2log: Tensor) -> bool:
-        """Add one step's counts; True when the placement should be recomputed now."""
+    def observe(self, counts: Tensor, phy2log: Tensor, shares: Tensor | None = None) -> bool:
+        """Add one step's counts; True when the placement (with its replica shares, if any)
+        should be recomputed now."""
         self.window.add(counts)
         self.since += 1
         if self.since < self.config.min_interval or len(self.window.steps) < 2:
             return False
-        if balancedness(self.window.load(), phy2log, self.num_gpus) >= self.config.threshold:
+        score = balancedness(self.window.load(), phy2log, self.num_gpus, shares)
+        if score >= self.config.threshold:
             return False
         self.since = 0
         return True

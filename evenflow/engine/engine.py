@@ -53,6 +53,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, at most 8192
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
     enable_prefix_caching: bool = True
+    # Expert parallelism (virtual ranks inside this process): 0 ranks = no placement; slots =
+    # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
+    num_ep_ranks: int = 0
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -100,6 +104,15 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
+        self.placement_version = 0
+        self.slot_counts = torch.zeros(0, 0, dtype=torch.int64)
+        if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
+            slots = cfg.num_experts + config.num_redundant_experts
+            initial = (torch.arange(slots) % cfg.num_experts).repeat(cfg.num_moe_layers, 1)
+            self.slot_counts = torch.zeros(cfg.num_moe_layers, slots, dtype=torch.int64)
+            for row, layer in enumerate(self.model.moe_layers()):
+                layer.slot_counts = self.slot_counts[row]
+            self.apply_placement(initial, None, version=0)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.kv_event_listener = kv_event_listener
         self._requests: dict[str, Sequence] = {}
@@ -113,6 +126,42 @@ class Engine:
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
                            dtype)
+
+    def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
+                        version: int) -> None:
+        """Put every MoE layer under a new expert placement (call between steps): phy2log
+        (moe_layers, slots), share (moe_layers, slots) or None for even replica shares."""
+        from evenflow.engine.placement import SlotPlacement
+
+        cfg = self.model_config
+        assert self.config.num_ep_ranks, "the engine runs without expert parallelism"
+        assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
+        for row, layer in enumerate(self.model.moe_layers()):
+            layer.set_placement(SlotPlacement.build(
+                phy2log[row], cfg.num_experts, self.config.num_ep_ranks,
+                None if share is None else share[row]))
+        self.placement_version = version
+
+    @property
+    def uses_placement(self) -> bool:
+        return self.slot_counts.numel() > 0
+
+    def apply_placement_rows(self, version: int, phy2log: list[int], shares: list[float]) -> None:
+        """apply_placement from row-major lists, as they come off the wire."""
+        shape = tuple(self.slot_counts.shape)
+        self.apply_placement(torch.tensor(phy2log).view(shape),
+                             torch.tensor(shares, dtype=torch.float32).view(shape), version)
+
+    def take_slot_counts_rows(self) -> tuple[int, int, list[int]]:
+        """(layers, slots, row-major counts) since the last call."""
+        counts = self.take_slot_counts()
+        return counts.shape[0], counts.shape[1], counts.flatten().tolist()
+
+    def take_slot_counts(self) -> torch.Tensor:
+        """Tokens per (MoE layer, physical slot) since the last call."""
+        counts = self.slot_counts.clone()
+        self.slot_counts.zero_()
+        return counts
 
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,

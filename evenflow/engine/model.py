@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
+from evenflow.engine.placement import SlotPlacement
 
 
 @dataclass
@@ -153,6 +154,17 @@ class MoE(nn.Module):
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
+        # Under an expert placement: physical slots, their weights, their token counts.
+        self.placement: SlotPlacement | None = None
+        self.slot_counts: Tensor | None = None  # a row of the engine's (layers, P) counter
+        self._slot_w13: Tensor | None = None
+        self._slot_w2: Tensor | None = None
+
+    def set_placement(self, placement: SlotPlacement) -> None:
+        """Copy each slot's expert weights into place (between steps)."""
+        self._slot_w13 = self.w13.index_select(0, placement.phy2log)
+        self._slot_w2 = self.w2.index_select(0, placement.phy2log)
+        self.placement = placement
 
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
         probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
@@ -160,20 +172,26 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_experts = experts.flatten()  # (T*k,)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
         if self.counts is not None:
-            self.counts += counts
-        order = torch.argsort(flat_experts, stable=True)
+            self.counts += torch.bincount(flat_experts, minlength=self.num_experts)
+        w13, w2, groups = self.w13, self.w2, flat_experts
+        if self.placement is not None:  # each pair goes to one physical slot of its expert
+            groups = self.placement.slots_for(flat_experts)
+            w13, w2 = self._slot_w13, self._slot_w2
+        counts = torch.bincount(groups, minlength=w13.shape[0])
+        if self.placement is not None and self.slot_counts is not None:
+            self.slot_counts += counts
+        order = torch.argsort(groups, stable=True)
         token_of = order // self.top_k  # token index of each sorted (token, expert) pair
         xs = x[token_of]  # (T*k, H) grouped by expert
         counts_list = counts.tolist()
         active = sum(1 for n in counts_list if n)
-        sorted_experts = flat_experts[order]
+        sorted_groups = groups[order]
         width = max(counts_list)
-        if 2 * active >= self.num_experts and width <= self.BATCHED_MAX_ROWS:
-            ys = self._experts_batched(xs, sorted_experts, counts, width)
+        if 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
+            ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
         else:
-            ys = self._experts_looped(xs, sorted_experts, counts, counts_list)
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, w13, w2)
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, ys)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -192,39 +210,40 @@ class MoE(nn.Module):
     ALIGN_ABOVE = 128
 
     def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
-                        counts_list: list[int]) -> Tensor:
+                        counts_list: list[int], w13: Tensor, w2: Tensor) -> Tensor:
         if len(xs) <= self.ALIGN_ABOVE:
-            return self._run_experts(xs, counts_list)
+            return self._run_experts(xs, counts_list, w13, w2)
         align = self.ROW_ALIGN
         padded = [-(-n // align) * align for n in counts_list]
         starts = torch.cumsum(counts, 0) - counts
         padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
         rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
         grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
-        return self._run_experts(grouped, padded).index_select(0, rows)
+        return self._run_experts(grouped, padded, w13, w2).index_select(0, rows)
 
-    def _run_experts(self, grouped: Tensor, counts: list[int]) -> Tensor:
+    def _run_experts(self, grouped: Tensor, counts: list[int], w13: Tensor, w2: Tensor
+                     ) -> Tensor:
         """grouped (N, H): rows sorted by expert, counts[e] rows for expert e."""
         ys = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            h = F.linear(grouped[start : start + n], self.w13[e])  # (n, 2I)
+            h = F.linear(grouped[start : start + n], w13[e])  # (n, 2I)
             gate, up = h.chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            ys[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
             start += n
         return ys
 
     def _experts_batched(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
-                         width: int) -> Tensor:
+                         width: int, w13: Tensor, w2: Tensor) -> Tensor:
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(len(xs)) - starts[sorted_experts]  # position within its expert
-        padded = xs.new_zeros(self.num_experts, width, xs.shape[1])  # (E, width, H)
+        padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])  # (E, width, H)
         padded[sorted_experts, slot] = xs
-        h = torch.bmm(padded, self.w13.transpose(1, 2))  # (E, width, 2I)
+        h = torch.bmm(padded, w13.transpose(1, 2))  # (E, width, 2I)
         gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # (E, width, H)
+        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
         return out[sorted_experts, slot]
 
 

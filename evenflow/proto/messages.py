@@ -10,6 +10,7 @@ Who sends what (subjects in `subjects.py`):
   prefill / decode -> gateway TokenDeltas (one message per step per gateway), ErrorMessage
   every worker -> all         WorkerHeartbeat
   every worker -> kv_index    KVEvents, KVSnapshot;  kv_index -> worker  KVResyncRequest
+  every worker -> balancer    ExpertLoad;  balancer -> every worker  ExpertPlacement
 """
 
 from __future__ import annotations
@@ -182,6 +183,34 @@ class KVSnapshot:
 
 
 @dataclass(frozen=True)
+class ExpertLoad:
+    """Tokens per (MoE layer, physical slot) a worker routed since its last report, under the
+    placement `version` it runs (so this is also its acknowledgement of that version)."""
+
+    TYPE: ClassVar[str] = "expert_load"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    version: int
+    num_layers: int
+    num_slots: int
+    counts: list[int]  # row-major (layers, slots)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The balancer's placement, versioned: the logical expert of each (MoE layer, slot), and
+    each slot's share of its expert's tokens. Workers apply it between steps."""
+
+    TYPE: ClassVar[str] = "expert_placement"
+    VERSION: ClassVar[int] = 1
+    version: int
+    num_layers: int
+    num_slots: int
+    phy2log: list[int]  # row-major (layers, slots)
+    shares: list[float]  # row-major (layers, slots)
+
+
+@dataclass(frozen=True)
 class WorkerHeartbeat:
     TYPE: ClassVar[str] = "heartbeat"
     VERSION: ClassVar[int] = 1
@@ -200,11 +229,13 @@ class WorkerHeartbeat:
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
-           | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot)
+           | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
+           | ExpertLoad | ExpertPlacement)
 
 REGISTRY: dict[str, type] = {cls.TYPE: cls for cls in (
     PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas, Cancel,
-    ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot)}
+    ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot, ExpertLoad,
+    ExpertPlacement)}
 _NESTED: dict[tuple[str, str], type] = {
     ("PrefillRequest", "sampling"): SamplingSpec, ("DecodeRequest", "sampling"): SamplingSpec,
     ("KVTransferComplete", "sampling"): SamplingSpec,
@@ -274,6 +305,9 @@ def _check_types(obj: Any) -> None:
         elif base == "list[int]":
             if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
                 raise TypeError(f"{f.name} must be a list of ints")
+        elif base == "list[float]":
+            if not isinstance(value, list) or not all(isinstance(v, (int, float)) for v in value):
+                raise TypeError(f"{f.name} must be a list of numbers")
 
 
 def decode(payload: bytes) -> Message | DecodeError:

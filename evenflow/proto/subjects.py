@@ -5,6 +5,8 @@ from __future__ import annotations
 PREFIX = "evenflow"
 HEARTBEAT = f"{PREFIX}.heartbeat"  # every worker's WorkerHeartbeat
 KV_EVENTS = f"{PREFIX}.kv.events"  # KVEvents and KVSnapshot from every worker to the KV index
+EXPERT_LOAD = f"{PREFIX}.eplb.load"  # ExpertLoad from every worker to the balancer
+EXPERT_PLACEMENT = f"{PREFIX}.eplb.placement"  # ExpertPlacement from the balancer to workers
 
 
 def kv_resync(worker_id: str) -> str:

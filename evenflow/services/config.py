@@ -56,6 +56,14 @@ class MeshConfig:
     request_timeout_s: float = 120.0  # a request with no progress this long fails
     kv_transfer_timeout_s: float = 10.0
     kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
+    # Expert parallelism and the balancer (MoE models; virtual EP ranks inside each worker)
+    num_ep_ranks: int = 4  # 0: no expert placement, no balancer
+    num_redundant_experts: int = 4  # extra slots for replicas of hot experts
+    eplb_report_interval_s: float = 1.0  # workers report per-slot load this often
+    eplb_threshold: float = 0.9  # rebalance when windowed rank balancedness drops below
+    eplb_min_interval_reports: int = 5  # reports between two rebalances, at least
+    eplb_window_reports: int = 10  # reports of load a decision looks at
+    balancer_metrics_port: int = 0  # > 0: the balancer serves Prometheus metrics there
     # Fleet (for `evenflow up`)
     num_prefill: int = 1
     num_decode: int = 1
@@ -85,7 +93,8 @@ class MeshConfig:
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks or None,
-                    num_threads=self.threads_per_worker)
+                    num_threads=self.threads_per_worker, num_ep_ranks=self.num_ep_ranks,
+                    num_redundant_experts=self.num_redundant_experts)
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""

@@ -139,6 +139,8 @@ class LocalMesh:
             for i in range(cfg.num_prefill):
                 self.spawn(["-m", "evenflow.prefill", f"p{i}"])
             self.spawn(["-m", "evenflow.kv_index", "kv0"])
+            if cfg.num_ep_ranks and cfg.engine == "torch":
+                self.spawn(["-m", "evenflow.balancer", "eplb0"])
             self.spawn(["-m", "evenflow.gateway"])
             self.wait_healthy(health_timeout_s)
         except BaseException:

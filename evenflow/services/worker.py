@@ -19,7 +19,8 @@ from typing import Any
 from opentelemetry import trace
 
 from evenflow.proto import subjects
-from evenflow.proto.messages import KVEvent, KVEvents, KVSnapshot, Message, WorkerHeartbeat
+from evenflow.proto.messages import (
+    ExpertLoad, ExpertPlacement, KVEvent, KVEvents, KVSnapshot, Message, WorkerHeartbeat)
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
 from evenflow.services.engine_thread import EngineThread
@@ -65,6 +66,42 @@ class WorkerService:
         self.thread = EngineThread(engine, self.loop, on_outputs)
         self.thread.start()
         await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
+        if getattr(engine, "uses_placement", False):
+            await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
+            self._eplb_task = asyncio.create_task(self._report_expert_load(), name="eplb")
+
+    # -- expert placement -------------------------------------------------------------------
+    def _on_placement(self, message: Message, _ctx: object) -> None:
+        if not isinstance(message, ExpertPlacement) or self.thread is None:
+            return
+        if message.version == self.engine.placement_version:
+            return  # a periodic re-announcement of what we run
+        started = time.monotonic()
+
+        def apply() -> None:  # on the engine thread, at a step boundary
+            try:
+                self.engine.apply_placement_rows(message.version, message.phy2log,
+                                                 message.shares)
+            except (AssertionError, RuntimeError, ValueError) as exc:
+                log.warning("placement %d not applied: %s", message.version, exc)
+                return
+            log.info("placement %d applied in %.1f ms", message.version,
+                     (time.monotonic() - started) * 1e3)
+
+        self.thread.submit(apply)
+
+    async def _report_expert_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.eplb_report_interval_s)
+            assert self.thread is not None
+
+            def take() -> None:  # on the engine thread
+                layers, slots, counts = self.engine.take_slot_counts_rows()
+                version = self.engine.placement_version
+                self.loop.call_soon_threadsafe(self.send, subjects.EXPERT_LOAD, ExpertLoad(
+                    self.worker_id, version, layers, slots, counts))
+
+            self.thread.submit(take)
 
     def kv_listener(self, events: list[KVEvent]) -> None:
         """Called on the engine thread after each step with the cache's changes."""
@@ -136,6 +173,8 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.shutdown()
+        if getattr(self, "_eplb_task", None) is not None:
+            self._eplb_task.cancel()
         if self.thread is not None:
             self.thread.stop()
         await self.bus.close()

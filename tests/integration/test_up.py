@@ -42,7 +42,7 @@ def test_up_serves_and_ctrl_c_stops_everything():
             "model": "tiny-moe", "prompt": "count from 7 :", "max_tokens": 3, "temperature": 0})
         assert out.json()["choices"][0]["text"].split() == ["7", "8", "9"]
         kids = children_of(proc.pid)
-        assert len(kids) == 6  # nats, redis, gateway, prefill, decode, kv_index
+        assert len(kids) == 7  # nats, redis, gateway, prefill, decode, kv_index, balancer
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
