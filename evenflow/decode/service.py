@@ -72,6 +72,10 @@ class DecodeWorker(WorkerService):
     def busy(self) -> bool:
         return bool(self.active or self.transfers)
 
+    def autoscaling_stats(self) -> dict[str, float]:
+        return {"running_sequences": float(self.engine.num_running + self.engine.num_waiting),
+                "free_kv_fraction": self._free_blocks() / max(1, self.engine.blocks.num_blocks)}
+
     async def shutdown(self) -> None:
         self._sweeper.cancel()
 

@@ -158,11 +158,26 @@ def _error_from_mesh(exc: MeshError) -> APIError:
     return APIError(500, f"Internal error: {exc.description}", "internal_error", code=exc.code)
 
 
+class _GatewayRef:
+    """The app's Gateway, built at startup rather than with the app: the app object may be
+    pickled to another process first (Ray Serve), and the tokenizer does not pickle."""
+
+    def __init__(self) -> None:
+        self.target: Gateway | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        target = self.__dict__.get("target")  # not self.target: unpickling calls us early
+        if target is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(target, name)
+
+
 def create_app(config: MeshConfig) -> FastAPI:
-    gw = Gateway(config)
+    gw: Any = _GatewayRef()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        gw.target = Gateway(config)
         await gw.mesh.start()
         yield
         await gw.mesh.close()

@@ -69,6 +69,10 @@ class PrefillWorker(WorkerService):
     def busy(self) -> bool:
         return bool(self.pending)
 
+    def autoscaling_stats(self) -> dict[str, float]:
+        return {"queued_prompt_tokens": float(sum(len(p.request.prompt_token_ids)
+                                                  for p in self.pending.values()))}
+
     # -- inbound ----------------------------------------------------------------------------
     def _on_message(self, message: Message, ctx: Context) -> None:
         if isinstance(message, PrefillRequest):

@@ -43,6 +43,7 @@ class WorkerService:
         self.thread: EngineThread | None = None
         self._outbox: asyncio.Queue[tuple[str, Message, object]] = asyncio.Queue()
         self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # connected, subscribed, heartbeating
 
     # -- subclass hooks ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -53,6 +54,10 @@ class WorkerService:
 
     def busy(self) -> bool:
         return False
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load signal for an autoscaler (Ray Serve custom metrics)."""
+        return {}
 
     async def shutdown(self) -> None:
         pass
@@ -152,15 +157,21 @@ class WorkerService:
                 log.warning("heartbeat failed (NATS down?)")
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
-    async def run(self) -> None:
+    def request_stop(self) -> None:
+        """Begin draining (what SIGTERM does); `run` returns once done."""
+        self._stop.set()
+
+    async def run(self, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stop.set)
         assert self.config.nats_url, "nats_url is required"
         await self.bus.connect(self.config.nats_url)
         await self.start()
         tasks = [asyncio.create_task(self._sender(), name="sender"),
                  asyncio.create_task(self._heartbeats(), name="heartbeats")]
+        self.started.set()
         log.info("%s %s ready", self.role, self.worker_id)
         await self._stop.wait()
         self.draining = True  # heartbeats now say so; new work is refused

@@ -1,0 +1,170 @@
+"""Ray Serve applications: the same service classes as `evenflow up`, one deployment each.
+
+Ray places the replicas, restarts them, health-checks them (NATS connectivity) and scales them
+on their own signal (`autoscaling.py`): prefill on queued prompt tokens, decode on running
+sequences and free KV blocks, the gateway on ongoing requests. Requests and KV blocks still
+travel over NATS and the index stays in Redis, so a new replica takes traffic as soon as its
+heartbeat reaches the gateways; a replica being removed drains first (`__del__`).
+
+Each service is its own application (`prefill_app`, `decode_app`, ... below) so it deploys and
+scales independently; `deploy/serve.yaml` lists them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+from evenflow.services.config import MeshConfig, load_config
+from evenflow.services.worker import WorkerService
+
+
+def _config(args: dict[str, Any]) -> MeshConfig:
+    """Application args (serve.yaml `args:`) over EVENFLOW_* variables."""
+    return load_config({k: v for k, v in args.items() if k not in _DEPLOYMENT_KEYS})
+
+
+# Application args that configure the deployment rather than the mesh.
+_DEPLOYMENT_KEYS = {"min_replicas", "max_replicas", "initial_replicas", "upscale_delay_s",
+                    "downscale_delay_s", "metrics_interval_s", "look_back_period_s",
+                    "target_ongoing_requests", "num_cpus", "target_queued_tokens",
+                    "target_running"}
+
+
+class ServiceReplica:
+    """Runs one WorkerService inside a Serve replica, on the replica's event loop."""
+
+    role = ""
+
+    async def __init__(self, args: dict[str, Any]) -> None:
+        config = _config(args)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.service = self.make_service(config, f"{self.role[0]}-{replica}")
+        self.task = asyncio.get_running_loop().create_task(
+            self.service.run(install_signals=False))
+        await asyncio.wait_for(self.service.started.wait(), timeout=300)
+
+    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        if self.task.done():
+            raise RuntimeError(f"{self.role} service stopped: {self.task.exception()!r}")
+        if not self.service.bus.connected:
+            raise RuntimeError("not connected to NATS")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.service.autoscaling_stats()
+
+    async def __del__(self) -> None:
+        """Scale-down or shutdown: stop taking work, finish in-flight requests, leave."""
+        self.service.request_stop()
+        await asyncio.wait_for(asyncio.shield(self.task), timeout=30)
+
+
+class PrefillReplica(ServiceReplica):
+    role = "prefill"
+
+    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
+        from evenflow.prefill.service import PrefillWorker
+
+        return PrefillWorker(config, worker_id)
+
+
+class DecodeReplica(ServiceReplica):
+    role = "decode"
+
+    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
+        from evenflow.decode.service import DecodeWorker
+
+        return DecodeWorker(config, worker_id)
+
+
+class KVIndexReplica(ServiceReplica):
+    role = "kv_index"
+
+    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
+        from evenflow.kv_index.service import KVIndexService
+
+        return KVIndexService(config, worker_id)
+
+
+class BalancerReplica(ServiceReplica):
+    role = "balancer"
+
+    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
+        from evenflow.balancer.service import BalancerService
+
+        return BalancerService(config, worker_id)
+
+
+def _autoscaling(args: dict[str, Any], policy: str | None,
+                 policy_kwargs: dict[str, Any] | None = None) -> AutoscalingConfig:
+    return AutoscalingConfig(
+        min_replicas=int(args.get("min_replicas", 1)),
+        max_replicas=int(args.get("max_replicas", 1)),
+        initial_replicas=int(args.get("initial_replicas", args.get("min_replicas", 1))),
+        metrics_interval_s=float(args.get("metrics_interval_s", 2.0)),
+        look_back_period_s=float(args.get("look_back_period_s", 4.0)),
+        upscale_delay_s=float(args.get("upscale_delay_s", 2.0)),
+        downscale_delay_s=float(args.get("downscale_delay_s", 10.0)),
+        target_ongoing_requests=float(args.get("target_ongoing_requests", 8)),
+        **({"policy": AutoscalingPolicy(policy_function=policy,
+                                        policy_kwargs=policy_kwargs or {})} if policy else {}))
+
+
+def _service_app(cls: type, name: str, args: dict[str, Any], policy: str | None,
+                 policy_kwargs: dict[str, Any] | None = None):
+    deployment = serve.deployment(
+        cls, name=name, autoscaling_config=_autoscaling(args, policy, policy_kwargs),
+        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
+        health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30,
+        max_ongoing_requests=1)
+    return deployment.bind(args)
+
+
+def prefill_app(args: dict[str, Any]):
+    """Scales on queued prompt tokens (arg `target_queued_tokens`, default 256 per replica)."""
+    return _service_app(PrefillReplica, "prefill", args,
+                        "evenflow.rayserve.autoscaling:PrefillPolicy",
+                        {"target_queued_tokens": float(args.get("target_queued_tokens", 256))})
+
+
+def decode_app(args: dict[str, Any]):
+    """Scales on running sequences (arg `target_running`, default 32 per replica) and on free
+    KV blocks (below 20% free: one more)."""
+    return _service_app(DecodeReplica, "decode", args,
+                        "evenflow.rayserve.autoscaling:DecodePolicy",
+                        {"target_running": float(args.get("target_running", 32))})
+
+
+def kv_index_app(args: dict[str, Any]):
+    return _service_app(KVIndexReplica, "kv_index", {**args, "max_replicas": 1}, None)
+
+
+def balancer_app(args: dict[str, Any]):
+    return _service_app(BalancerReplica, "balancer", {**args, "max_replicas": 1}, None)
+
+
+def gateway_app(args: dict[str, Any]):
+    """The HTTP ingress: the FastAPI app of `evenflow.gateway`, scaled on ongoing requests."""
+    from evenflow.gateway.app import create_app
+
+    config = _config(args)
+    fastapi_app = create_app(config)
+
+    @serve.ingress(fastapi_app)
+    class Gateway:
+        def check_health(self) -> None:
+            gateway = fastapi_app.state.gateway
+            if gateway.target is not None and not gateway.mesh.bus.connected:
+                raise RuntimeError("gateway lost NATS")
+
+    deployment = serve.deployment(
+        Gateway, name="gateway", autoscaling_config=_autoscaling(args, None),
+        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
+        health_check_period_s=2, graceful_shutdown_timeout_s=30)
+    return deployment.bind()

@@ -1,0 +1,60 @@
+"""Custom Ray Serve autoscaling policies, one per service signal. Pure functions of Serve's
+AutoscalingContext: desired replicas from the replicas' reported metrics, scaled up at once,
+down only after the signal has stayed low for a few periods (no flapping)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+log = logging.getLogger("ray.serve")
+
+DOWNSCALE_PERIODS = 5  # consecutive decisions below the current count before shrinking
+
+
+def _metric_total(ctx: Any, name: str) -> float:
+    per_replica = (ctx.aggregated_metrics or {}).get(name, {})
+    return float(sum(per_replica.values()))
+
+
+def _decide(ctx: Any, desired: int) -> tuple[int, dict[str, Any]]:
+    log.debug("evenflow policy %s: desired %d, current %d", ctx.deployment_name, desired,
+              ctx.current_num_replicas)
+    state = dict(ctx.policy_state or {})
+    desired = max(ctx.capacity_adjusted_min_replicas,
+                  min(ctx.capacity_adjusted_max_replicas, desired))
+    current = ctx.current_num_replicas
+    if desired >= current:
+        state["low_periods"] = 0
+        return desired, state
+    state["low_periods"] = state.get("low_periods", 0) + 1
+    if state["low_periods"] >= DOWNSCALE_PERIODS:  # low long enough: keep saying so
+        return desired, state
+    return current, state
+
+
+class PrefillPolicy:
+    """Prefill scales on queued prompt tokens: one replica per `target_queued_tokens`."""
+
+    def __init__(self, target_queued_tokens: float = 256.0) -> None:
+        self.target = target_queued_tokens
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        queued = _metric_total(ctx, "queued_prompt_tokens")
+        return _decide(ctx, max(1, math.ceil(queued / self.target)))
+
+
+class DecodePolicy:
+    """Decode scales on running sequences, and up when free KV blocks run low."""
+
+    def __init__(self, target_running: float = 32.0, min_free_kv_fraction: float = 0.2) -> None:
+        self.target, self.min_free = target_running, min_free_kv_fraction
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        running = _metric_total(ctx, "running_sequences")
+        desired = max(1, math.ceil(running / self.target))
+        free = (ctx.aggregated_metrics or {}).get("free_kv_fraction", {})
+        if free and sum(free.values()) / len(free) < self.min_free:
+            desired = max(desired, ctx.current_num_replicas + 1)
+        return _decide(ctx, desired)

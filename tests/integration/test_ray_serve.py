@@ -1,0 +1,125 @@
+"""The mesh on a local Ray instance: the Serve applications start, a streamed chat completion
+goes through the gateway deployment, prefill scales from 1 to 2 replicas under queued load and
+back afterwards, every request completes, and the new replica takes requests."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import nats
+import pytest
+
+from evenflow.proto.messages import PrefillRequest, decode
+from evenflow.services.launcher import free_port, start_nats, start_redis
+
+pytestmark = pytest.mark.slow
+
+
+def prefill_replicas(serve) -> int:
+    status = serve.status().applications["prefill"].deployments["prefill"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_serve_app_scales_prefill_on_queued_tokens():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from evenflow.rayserve import app
+
+    nats_server, redis_server = start_nats(), start_redis()
+    port = free_port()
+    args = {"nats_url": nats_server.url, "redis_url": redis_server.url, "num_ep_ranks": "0",
+            "heartbeat_interval_s": "0.2", "local_prefill_threshold": "0"}
+    scaling = {"metrics_interval_s": 0.3, "look_back_period_s": 1.0, "upscale_delay_s": 0.5,
+               "downscale_delay_s": 2.0, "num_cpus": 0.1, "target_queued_tokens": 64}
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    seen: dict[str, int] = {}
+    stop = threading.Event()
+
+    async def watch() -> None:  # which prefill workers receive requests
+        nc = await nats.connect(nats_server.url)
+
+        async def on_msg(msg) -> None:
+            if isinstance(decode(msg.data), PrefillRequest):
+                seen[msg.subject] = seen.get(msg.subject, 0) + 1
+
+        await nc.subscribe("evenflow.prefill.>", cb=on_msg)
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await nc.close()
+
+    watcher = threading.Thread(target=lambda: asyncio.run(watch()), daemon=True)
+    watcher.start()
+    try:
+        serve.run(app.decode_app(args), name="decode", route_prefix=None, blocking=False)
+        serve.run(app.kv_index_app(args), name="kv_index", route_prefix=None, blocking=False)
+        serve.run(app.prefill_app({**args, **scaling, "max_replicas": 2}), name="prefill",
+                  route_prefix=None, blocking=False)
+        serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _ok(url + "/health"), 180)
+
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny-moe", "stream": True, "temperature": 0, "max_tokens": 6,
+                "messages": [{"role": "user", "content": "count from 5"}]}) as resp:
+            lines = [x for x in resp.iter_lines() if x.startswith("data:")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+
+        prompt = "count from 1 : " + " ".join(str(i) for i in range(1, 300))  # ~300 tokens
+        results: list[int] = []
+
+        def one(_: int) -> int:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "tiny-moe", "prompt": prompt + f" {_ % 7}", "max_tokens": 2,
+                "temperature": 0})
+            return r.status_code
+
+        started = time.monotonic()
+        scaled_up_at = None
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = []
+            while time.monotonic() - started < 60 and (
+                    scaled_up_at is None or time.monotonic() - scaled_up_at < 6):
+                futures += [pool.submit(one, i) for i in range(16)]
+                time.sleep(0.2)
+                if scaled_up_at is None and prefill_replicas(serve) == 2:
+                    scaled_up_at = time.monotonic()
+            results = [f.result() for f in futures]
+        assert scaled_up_at is not None, "prefill never scaled to 2 replicas"
+        print(f"scaled up after {scaled_up_at - started:.1f} s")
+        assert results and all(code == 200 for code in results)
+        assert len(seen) == 2 and min(seen.values()) > 0, f"requests per worker: {seen}"
+        print(f"prefill requests per worker: {seen}")
+        quiet = time.monotonic()
+        assert wait_until(lambda: prefill_replicas(serve) == 1, 60), "never scaled back down"
+        print(f"scaled back down {time.monotonic() - quiet:.1f} s after the load stopped")
+        out = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "tiny-moe", "prompt": "count from 7 :", "max_tokens": 3, "temperature": 0})
+        assert out.status_code == 200
+    finally:
+        stop.set()
+        serve.shutdown()
+        ray.shutdown()
+        nats_server.stop()
+        redis_server.stop()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
