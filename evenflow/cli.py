@@ -52,6 +52,8 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
+    if args.ray:
+        return _up_ray(config)
     mesh = LocalMesh(config)
     try:
         mesh.start()
@@ -69,6 +71,29 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     except LaunchError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)
+        return 0
+    finally:
+        mesh.stop()
+
+
+def _up_ray(config) -> int:
+    import time
+
+    from evenflow.rayserve.local import LocalRayMesh
+    from evenflow.services.launcher import LaunchError
+
+    mesh = LocalRayMesh(config)
+    try:
+        mesh.start()
+        print(f"evenflow is serving {config.model_name} at {mesh.url} on Ray Serve "
+              "(applications gateway, prefill, decode, kv_index, balancer)", flush=True)
+        while True:
+            time.sleep(1)
+    except LaunchError as exc:
+        print(f"evenflow up --ray: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopping...", file=sys.stderr)
@@ -127,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--api-key", default=None, help="require this Bearer key")
+    up.add_argument("--ray", action="store_true",
+                    help="run the services as Ray Serve applications on a local Ray")
     up.add_argument("--engine", default=None, choices=["torch", "mock"],
                     help="mock: a timing model over the real block manager (for routing tests)")
     up.set_defaults(func=_up)

@@ -45,5 +45,11 @@ def test_package_imports_follow_the_dag(package):
             assert parts[1] in ALLOWED[package] | {"models"}, f"{package}/{filename} imports {name}"
 
 
+def test_nothing_imports_the_deploy_code():
+    for package in ALLOWED:
+        for filename, name in imports_of(package):
+            assert not name.startswith("evenflow.rayserve"), f"{package}/{filename} imports {name}"
+
+
 def test_gateway_never_imports_torch():
     assert not {n for _, n in imports_of("gateway") if n.split(".")[0] == "torch"}

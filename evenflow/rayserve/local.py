@@ -1,0 +1,77 @@
+"""`evenflow up --ray`: the mesh as Ray Serve applications on a local Ray instance, with
+nats-server and redis-server started on free ports unless URLs are configured."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from dataclasses import replace
+
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import LaunchError, LocalServer, start_nats, start_redis
+
+
+class LocalRayMesh:
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        self.servers: list[LocalServer] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, health_timeout_s: float = 300) -> None:
+        import ray
+        from ray import serve
+
+        from evenflow.rayserve import app
+
+        cfg = self.config
+        if not cfg.nats_url:
+            self.servers.append(start_nats())
+            cfg = replace(cfg, nats_url=self.servers[-1].url)
+        if not cfg.redis_url:
+            self.servers.append(start_redis())
+            cfg = replace(cfg, redis_url=self.servers[-1].url)
+        self.config = cfg
+        args = {k.removeprefix("EVENFLOW_").lower(): v for k, v in cfg.to_env().items()}
+        # Logical CPUs, not cores: the services mostly wait on the network, and each replica
+        # asks for a quarter; a small machine still fits the whole mesh.
+        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
+                 ignore_reinit_error=True)
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        args = {**args, "num_cpus": 0.25}
+        scaled = {**args, "max_replicas": 4}
+        serve.run(app.decode_app({**scaled, "min_replicas": cfg.num_decode}), name="decode",
+                  route_prefix=None, blocking=False)
+        if cfg.num_prefill:
+            serve.run(app.prefill_app({**scaled, "min_replicas": cfg.num_prefill}),
+                      name="prefill", route_prefix=None, blocking=False)
+        serve.run(app.kv_index_app(args), name="kv_index", route_prefix=None, blocking=False)
+        if cfg.num_ep_ranks:
+            serve.run(app.balancer_app(args), name="balancer", route_prefix=None,
+                      blocking=False)
+        serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
+        deadline = time.monotonic() + health_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise LaunchError(f"the Ray Serve mesh did not become healthy in {health_timeout_s}s")
+
+    def stop(self) -> None:
+        try:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            for server in self.servers:
+                server.stop()
+            self.servers.clear()
