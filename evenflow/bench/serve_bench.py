@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         QUICK_MODEL if args.quick else None))
     print(f"model: {model}")
     offline = offline_baseline(model, args.overhead_prompt_len, args.reps, args.output_len)
+    # No expert placement: the offline baseline runs without it, and this measures the mesh.
     config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
-                        kv_cache_gb=0.5)
+                        kv_cache_gb=0.5, num_ep_ranks=0)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:

@@ -53,11 +53,14 @@ class KVIndexService(WorkerService):
         self.pending: list[tuple[str, str, str, int]] = []  # (op, key, value, events) to write
         self.leases: dict[str, float] = {}  # member -> expiry, to write
         self.events_applied = 0
-        self.redis_ok = False
+        self.redis_ok = False  # set by the first _watch pass (which also plants the marker)
         self._tasks = [asyncio.create_task(self._flusher(), name="kv flush"),
                        asyncio.create_task(self._watch(), name="kv watch")]
         await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv)
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
+
+    def healthy(self) -> str | None:
+        return None if self.redis_ok else "Redis is unreachable"
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(self.worker_id, self.role, self.config.model_name, 0, 0, 0, 0, 0,

@@ -55,6 +55,9 @@ class ServiceReplica:
             raise RuntimeError(f"{self.role} service stopped: {self.task.exception()!r}")
         if not self.service.bus.connected:
             raise RuntimeError("not connected to NATS")
+        problem = self.service.healthy()
+        if problem:
+            raise RuntimeError(problem)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.service.autoscaling_stats()

@@ -55,6 +55,11 @@ class WorkerService:
     def busy(self) -> bool:
         return False
 
+    def healthy(self) -> str | None:
+        """Why this service cannot do its job right now (None: it can). NATS is checked by
+        the caller; services that need more (Redis) say so here."""
+        return None
+
     def autoscaling_stats(self) -> dict[str, float]:
         """This replica's load signal for an autoscaler (Ray Serve custom metrics)."""
         return {}
