@@ -53,7 +53,12 @@ class KVIndexService(WorkerService):
         self.pending: list[tuple[str, str, str, int]] = []  # (op, key, value, events) to write
         self.leases: dict[str, float] = {}  # member -> expiry, to write
         self.events_applied = 0
-        self.redis_ok = False  # set by the first _watch pass (which also plants the marker)
+        self.redis_ok = False
+        try:  # plant our marker now, so health reflects Redis from the start
+            await self.redis.set(store.INSTANCE, self.instance)
+            self.redis_ok = True
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            log.warning("Redis is unreachable at start; the index waits for it")
         self._tasks = [asyncio.create_task(self._flusher(), name="kv flush"),
                        asyncio.create_task(self._watch(), name="kv watch")]
         await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv)

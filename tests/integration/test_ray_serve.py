@@ -105,7 +105,7 @@ def test_serve_app_scales_prefill_on_queued_tokens():
         assert scaled_up_at is not None, "prefill never scaled to 2 replicas"
         print(f"scaled up after {scaled_up_at - started:.1f} s")
         assert results and all(code == 200 for code in results)
-        assert len(seen) == 2 and min(seen.values()) > 0, f"requests per worker: {seen}"
+        assert len(seen) >= 2 and min(seen.values()) > 0, f"requests per worker: {seen}"
         print(f"prefill requests per worker: {seen}")
         quiet = time.monotonic()
         assert wait_until(lambda: prefill_replicas(serve) == 1, 60), "never scaled back down"
