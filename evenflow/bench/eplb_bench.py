@@ -18,8 +18,13 @@ import time
 import torch
 
 from evenflow.balancer.eplb import (
-    balancedness, rebalance_experts, rebalance_from, replica_shares, slots_moved,
-    static_placement)
+    balancedness,
+    rebalance_experts,
+    rebalance_from,
+    replica_shares,
+    slots_moved,
+    static_placement,
+)
 from evenflow.balancer.policy import LoadWindow, ThresholdTrigger, TriggerConfig
 
 CASES = [  # layers, experts, slots, groups, nodes, gpus, label

@@ -20,6 +20,8 @@ class RequestTiming:
     e2e: float
     output_tokens: int
     cached_tokens: int
+    prompt_tokens: int = 0
+    text: str = ""
 
     @property
     def tpot(self) -> float:
@@ -60,6 +62,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     usage: dict = {}
     async with client.stream("POST", url + "/v1/completions", json=body,
                              headers=headers) as resp:
@@ -75,12 +78,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
+                pieces.append(chunk["choices"][0]["text"])
     end = time.perf_counter()
     if not arrivals:
         raise RuntimeError("no tokens arrived")
     return RequestTiming(arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])],
                          end - start, usage.get("completion_tokens", len(arrivals)),
-                         usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+                         usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                         usage.get("prompt_tokens", len(prompt)), "".join(pieces))
 
 
 async def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: int,

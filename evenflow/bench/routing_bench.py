@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
-import orjson
 
-from evenflow.bench.loadgen import percentile
+from evenflow.bench.loadgen import one_request, percentile
 from evenflow.proto.hashing import chain_hashes, namespace_salt
 
 
@@ -70,29 +68,6 @@ class Oracle:
         self.seen.update(chain_hashes(tokens, self.block_size, self.salt))
 
 
-async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                  max_tokens: int) -> tuple[float, str, dict]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, text, usage = None, [], {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                ttft = ttft or time.perf_counter() - start
-                text.append(chunk["choices"][0]["text"])
-    return ttft or time.perf_counter() - start, "".join(text), usage
-
-
 async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Oracle,
                        seed: int, multi_turn: bool = True) -> PolicyResult:
     rng = random.Random(seed)
@@ -112,17 +87,17 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             prompt = history + user
             oracle_hit = oracle.hit_tokens(prompt)
             try:
-                ttft, text, usage = await _stream(client, url, model, prompt, w.output_len)
+                t = await one_request(client, url, model, prompt, w.output_len, {})
             except (RuntimeError, httpx.HTTPError):
                 result.errors += 1
                 return
-            answer = tokenizer.encode(text, add_special_tokens=False)
+            answer = tokenizer.encode(t.text, add_special_tokens=False)
             result.oracle_tokens += oracle_hit
             oracle.add(prompt + answer)
-            result.ttfts.append(ttft)
-            result.prompt_tokens += usage.get("prompt_tokens", len(prompt))
-            result.cached_tokens += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-            result.output_tokens += usage.get("completion_tokens", 0)
+            result.ttfts.append(t.ttft)
+            result.prompt_tokens += t.prompt_tokens
+            result.cached_tokens += t.cached_tokens
+            result.output_tokens += t.output_tokens
             history = prompt + answer
 
     async def worker(client: httpx.AsyncClient) -> None:

@@ -24,8 +24,17 @@ from evenflow.engine.engine import EngineConfig, StepOutput
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
-    Cancel, DecodeRequest, ErrorMessage, KVBlockChunk, KVTransferComplete, Message,
-    SamplingSpec, TokenDelta, TokenDeltas, WorkerHeartbeat)
+    Cancel,
+    DecodeRequest,
+    ErrorMessage,
+    KVBlockChunk,
+    KVTransferComplete,
+    Message,
+    SamplingSpec,
+    TokenDelta,
+    TokenDeltas,
+    WorkerHeartbeat,
+)
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 

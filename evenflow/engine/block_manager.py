@@ -15,7 +15,6 @@ from evenflow.engine.sequence import Sequence
 from evenflow.proto.hashing import ROOT_PARENT, block_hash
 from evenflow.proto.messages import REMOVED, STORED, KVEvent
 
-
 KVEventListener = Callable[[list[KVEvent]], None]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import ModelConfig, ModelLoadError
 from evenflow.engine.loader import load_model
@@ -19,8 +20,8 @@ from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
-from evenflow import models
 from evenflow.proto.hashing import namespace_salt
+
 
 def resolve_model(model: str) -> Path:
     """A built-in model's name (`tiny-moe`) or a checkpoint directory."""

@@ -14,21 +14,24 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import ValidationError
 
 from evenflow import models
 from evenflow.gateway.mesh import Mesh, MeshError
 from evenflow.gateway.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, validation_error)
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import (
-    CACHED_TOKENS, INFLIGHT, PROMPT_TOKENS, REQUESTS, TTFT, render)
+from evenflow.services.metrics import CACHED_TOKENS, INFLIGHT, PROMPT_TOKENS, REQUESTS, TTFT, render
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 

@@ -25,12 +25,24 @@ from evenflow.kv_index.client import KVIndexClient
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
 from evenflow.proto.messages import (
-    Cancel, DecodeRequest, ErrorMessage, Message, PrefillRequest, SamplingSpec, TokenDelta,
-    TokenDeltas, WorkerHeartbeat)
+    Cancel,
+    DecodeRequest,
+    ErrorMessage,
+    Message,
+    PrefillRequest,
+    SamplingSpec,
+    TokenDelta,
+    TokenDeltas,
+    WorkerHeartbeat,
+)
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
-    KV_LOOKUP_SECONDS, LIVE_WORKERS, PREDICTED_CACHED_TOKENS, ROUTING_DECISIONS)
+    KV_LOOKUP_SECONDS,
+    LIVE_WORKERS,
+    PREDICTED_CACHED_TOKENS,
+    ROUTING_DECISIONS,
+)
 
 
 class MeshError(Exception):

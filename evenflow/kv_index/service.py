@@ -21,7 +21,15 @@ from prometheus_client import Counter
 from evenflow.kv_index import store
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
-    CLEARED, REMOVED, STORED, KVEvents, KVResyncRequest, KVSnapshot, Message, WorkerHeartbeat)
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVEvents,
+    KVResyncRequest,
+    KVSnapshot,
+    Message,
+    WorkerHeartbeat,
+)
 from evenflow.services.redis_conn import connect_redis
 from evenflow.services.worker import WorkerService
 

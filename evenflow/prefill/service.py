@@ -8,7 +8,6 @@ emit delta -> export KV -> chunk -> send.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -23,8 +22,16 @@ from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import FinishReason
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
-    Cancel, ErrorMessage, KVBlockChunk, KVTransferComplete, Message, PrefillRequest, TokenDelta,
-    TokenDeltas, WorkerHeartbeat)
+    Cancel,
+    ErrorMessage,
+    KVBlockChunk,
+    KVTransferComplete,
+    Message,
+    PrefillRequest,
+    TokenDelta,
+    TokenDeltas,
+    WorkerHeartbeat,
+)
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 

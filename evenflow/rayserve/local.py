@@ -4,12 +4,10 @@ nats-server and redis-server started on free ports unless URLs are configured.""
 from __future__ import annotations
 
 import os
-import time
-import urllib.request
 from dataclasses import replace
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LaunchError, LocalServer, start_nats, start_redis
+from evenflow.services.launcher import LocalServer, start_nats, start_redis, wait_for_health
 
 
 class LocalRayMesh:
@@ -53,16 +51,7 @@ class LocalRayMesh:
             serve.run(app.balancer_app(args), name="balancer", route_prefix=None,
                       blocking=False)
         serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
-        deadline = time.monotonic() + health_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise LaunchError(f"the Ray Serve mesh did not become healthy in {health_timeout_s}s")
+        wait_for_health(self.url, health_timeout_s)
 
     def stop(self) -> None:
         try:

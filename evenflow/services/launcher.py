@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -107,6 +108,22 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
             proc.wait()
 
 
+def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None = None) -> None:
+    """Until GET {url}/health answers 200; `check` may raise to give up early."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check is not None:
+            check()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise LaunchError(f"the mesh at {url} did not become healthy within {timeout_s}s")
+
+
 @dataclass
 class LocalMesh:
     """A running local mesh: servers and service processes, stopped together."""
@@ -154,19 +171,12 @@ class LocalMesh:
         return proc
 
     def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def check_children() -> None:
             dead = [p for p in self.procs if p.poll() is not None]
             if dead:
                 raise LaunchError(f"{' '.join(dead[0].args[1:])} exited with {dead[0].returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise LaunchError(f"the mesh did not become healthy within {timeout_s}s")
+
+        wait_for_health(self.url, timeout_s, check_children)
 
     def first_exited(self) -> subprocess.Popen | None:
         return next((p for p in self.procs if p.poll() is not None), None)

@@ -20,7 +20,14 @@ from opentelemetry import trace
 
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
-    ExpertLoad, ExpertPlacement, KVEvent, KVEvents, KVSnapshot, Message, WorkerHeartbeat)
+    ExpertLoad,
+    ExpertPlacement,
+    KVEvent,
+    KVEvents,
+    KVSnapshot,
+    Message,
+    WorkerHeartbeat,
+)
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
 from evenflow.services.engine_thread import EngineThread

@@ -4,12 +4,11 @@ and one decode worker as processes, exporting traces over OTLP to an in-test rec
 from __future__ import annotations
 
 import pytest
+from meshutil import API_KEY  # noqa: F401 (re-exported for tests)
 from otlp_receiver import OTLPReceiver
 
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh
-
-from meshutil import API_KEY  # noqa: F401 (re-exported for tests)
 
 
 @pytest.fixture(scope="session")

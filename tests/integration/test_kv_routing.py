@@ -4,7 +4,6 @@ dead worker leaves within its lease, bursts stick, and a Redis outage costs no r
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import re
 import signal

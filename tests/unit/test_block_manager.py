@@ -1,7 +1,7 @@
 from evenflow.engine.block_manager import BlockManager
-from evenflow.proto.messages import REMOVED, STORED, KVEvent
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import Sequence
+from evenflow.proto.messages import REMOVED, STORED, KVEvent
 
 
 def seq(tokens, rid="r"):

@@ -2,8 +2,13 @@ import pytest
 import torch
 
 from evenflow.balancer.eplb import (
-    balancedness, rebalance_experts, rebalance_from, replica_shares, slots_moved,
-    static_placement)
+    balancedness,
+    rebalance_experts,
+    rebalance_from,
+    replica_shares,
+    slots_moved,
+    static_placement,
+)
 from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
 
 

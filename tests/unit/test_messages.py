@@ -2,8 +2,17 @@ import msgpack
 import pytest
 
 from evenflow.proto.messages import (
-    MAX_MESSAGE_BYTES, Cancel, DecodeError, KVBlockChunk, PrefillRequest, SamplingSpec,
-    TokenDelta, TokenDeltas, decode, encode)
+    MAX_MESSAGE_BYTES,
+    Cancel,
+    DecodeError,
+    KVBlockChunk,
+    PrefillRequest,
+    SamplingSpec,
+    TokenDelta,
+    TokenDeltas,
+    decode,
+    encode,
+)
 
 
 def test_round_trip_keeps_every_field():
