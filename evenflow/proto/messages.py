@@ -1,7 +1,7 @@
 """Wire messages of the mesh: small dataclasses, each with a type tag and a version, encoded as
 a msgpack envelope {"t": type, "v": version, "d": [fields...]} and decoded through an explicit
 registry. A malformed, unknown or oversized message decodes to a `DecodeError` value, never an
-exception that could take a service down. No pickle anywhere.
+exception that could take a service down. Only msgpack crosses the wire.
 
 Who sends what (subjects in `subjects.py`):
   gateway -> prefill worker   PrefillRequest

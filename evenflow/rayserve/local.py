@@ -4,10 +4,8 @@ nats-server and redis-server started on free ports unless URLs are configured.""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalServer, start_nats, start_redis, wait_for_health
+from evenflow.services.launcher import LocalServer, ensure_data_plane, wait_for_health
 
 
 class LocalRayMesh:
@@ -25,14 +23,7 @@ class LocalRayMesh:
 
         from evenflow.rayserve import app
 
-        cfg = self.config
-        if not cfg.nats_url:
-            self.servers.append(start_nats())
-            cfg = replace(cfg, nats_url=self.servers[-1].url)
-        if not cfg.redis_url:
-            self.servers.append(start_redis())
-            cfg = replace(cfg, redis_url=self.servers[-1].url)
-        self.config = cfg
+        cfg = self.config = ensure_data_plane(self.config, self.servers)
         args = {k.removeprefix("EVENFLOW_").lower(): v for k, v in cfg.to_env().items()}
         # Logical CPUs, not cores: the services mostly wait on the network, and each replica
         # asks for a quarter; a small machine still fits the whole mesh.

@@ -108,6 +108,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
             proc.wait()
 
 
+def ensure_data_plane(config: MeshConfig, servers: list[LocalServer]) -> MeshConfig:
+    """Start nats-server / redis-server for whichever URL is not configured (appending them
+    to `servers`, which the caller stops); the config with every URL set."""
+    if not config.nats_url:
+        servers.append(start_nats())
+        config = replace(config, nats_url=servers[-1].url)
+    if not config.redis_url:
+        servers.append(start_redis())
+        config = replace(config, redis_url=servers[-1].url)
+    return config
+
+
 def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None = None) -> None:
     """Until GET {url}/health answers 200; `check` may raise to give up early."""
     deadline = time.monotonic() + timeout_s
@@ -139,13 +151,7 @@ class LocalMesh:
 
     def start(self, env: dict[str, str] | None = None, health_timeout_s: float = 120) -> None:
         try:
-            cfg = self.config
-            if not cfg.nats_url:
-                self.servers.append(start_nats())
-                cfg = replace(cfg, nats_url=self.servers[-1].url)
-            if not cfg.redis_url:
-                self.servers.append(start_redis())
-                cfg = replace(cfg, redis_url=self.servers[-1].url)
+            cfg = ensure_data_plane(self.config, self.servers)
             if cfg.port == 0:
                 cfg = replace(cfg, port=free_port())
             self.config = cfg
