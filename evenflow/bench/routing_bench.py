@@ -230,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = "tiny-moe" if args.real else str(write_random_mixtral(
             Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-quick", QUICK_MODEL))
-    args.prefill = args.prefill or (2 if args.real else 4)
-    args.decode = args.decode or (1 if args.real else 2)
+    if args.prefill is None:
+        args.prefill = 2 if args.real else 4
+    if args.decode is None:
+        args.decode = 1 if args.real else 2
     w = Workload(sessions=args.sessions)
     if args.real:  # tiny-moe has 512 positions
         w = Workload(system_len=128, user_len=32, output_len=16, sessions=args.sessions)
