@@ -53,14 +53,17 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     if args.ray:
-        return _up_ray(config)
-    mesh = LocalMesh(config)
+        from evenflow.rayserve.local import LocalRayMesh
+
+        mesh: LocalMesh | LocalRayMesh = LocalRayMesh(config)
+    else:
+        mesh = LocalMesh(config)
     try:
         mesh.start()
         c = mesh.config
-        print(f"evenflow is serving {c.model_name} at {mesh.url}  "
-              f"(gateway, {c.num_prefill} prefill, {c.num_decode} decode; NATS {c.nats_url}, "
-              f"Redis {c.redis_url})", flush=True)
+        where = "on Ray Serve" if args.ray else f"(gateway, {c.num_prefill} prefill, " \
+            f"{c.num_decode} decode; NATS {c.nats_url}, Redis {c.redis_url})"
+        print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
         print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)
@@ -71,29 +74,6 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     except LaunchError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("stopping...", file=sys.stderr)
-        return 0
-    finally:
-        mesh.stop()
-
-
-def _up_ray(config) -> int:
-    import time
-
-    from evenflow.rayserve.local import LocalRayMesh
-    from evenflow.services.launcher import LaunchError
-
-    mesh = LocalRayMesh(config)
-    try:
-        mesh.start()
-        print(f"evenflow is serving {config.model_name} at {mesh.url} on Ray Serve "
-              "(applications gateway, prefill, decode, kv_index, balancer)", flush=True)
-        while True:
-            time.sleep(1)
-    except LaunchError as exc:
-        print(f"evenflow up --ray: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopping...", file=sys.stderr)

@@ -13,6 +13,7 @@ scales independently; `deploy/serve.yaml` lists them all.
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import Any
 
 from ray import serve
@@ -34,21 +35,27 @@ _DEPLOYMENT_KEYS = {"min_replicas", "max_replicas", "initial_replicas", "upscale
                     "target_running"}
 
 
+# The service class each application runs, by role.
+SERVICES = {
+    "prefill": "evenflow.prefill.service:PrefillWorker",
+    "decode": "evenflow.decode.service:DecodeWorker",
+    "kv_index": "evenflow.kv_index.service:KVIndexService",
+    "balancer": "evenflow.balancer.service:BalancerService",
+}
+
+
 class ServiceReplica:
-    """Runs one WorkerService inside a Serve replica, on the replica's event loop."""
+    """Runs one WorkerService (of `role`) inside a Serve replica, on the replica's loop."""
 
-    role = ""
-
-    async def __init__(self, args: dict[str, Any]) -> None:
-        config = _config(args)
+    async def __init__(self, role: str, args: dict[str, Any]) -> None:
+        module, _, name = SERVICES[role].partition(":")
+        service_cls = getattr(importlib.import_module(module), name)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.service = self.make_service(config, f"{self.role[0]}-{replica}")
+        self.role = role
+        self.service: WorkerService = service_cls(_config(args), f"{role[0]}-{replica}")
         self.task = asyncio.get_running_loop().create_task(
             self.service.run(install_signals=False))
         await asyncio.wait_for(self.service.started.wait(), timeout=300)
-
-    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
-        raise NotImplementedError
 
     def check_health(self) -> None:
         if self.task.done():
@@ -68,42 +75,6 @@ class ServiceReplica:
         await asyncio.wait_for(asyncio.shield(self.task), timeout=30)
 
 
-class PrefillReplica(ServiceReplica):
-    role = "prefill"
-
-    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
-        from evenflow.prefill.service import PrefillWorker
-
-        return PrefillWorker(config, worker_id)
-
-
-class DecodeReplica(ServiceReplica):
-    role = "decode"
-
-    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
-        from evenflow.decode.service import DecodeWorker
-
-        return DecodeWorker(config, worker_id)
-
-
-class KVIndexReplica(ServiceReplica):
-    role = "kv_index"
-
-    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
-        from evenflow.kv_index.service import KVIndexService
-
-        return KVIndexService(config, worker_id)
-
-
-class BalancerReplica(ServiceReplica):
-    role = "balancer"
-
-    def make_service(self, config: MeshConfig, worker_id: str) -> WorkerService:
-        from evenflow.balancer.service import BalancerService
-
-        return BalancerService(config, worker_id)
-
-
 def _autoscaling(args: dict[str, Any], policy: str | None,
                  policy_kwargs: dict[str, Any] | None = None) -> AutoscalingConfig:
     return AutoscalingConfig(
@@ -119,19 +90,19 @@ def _autoscaling(args: dict[str, Any], policy: str | None,
                                         policy_kwargs=policy_kwargs or {})} if policy else {}))
 
 
-def _service_app(cls: type, name: str, args: dict[str, Any], policy: str | None,
+def _service_app(name: str, args: dict[str, Any], policy: str | None,
                  policy_kwargs: dict[str, Any] | None = None):
     deployment = serve.deployment(
-        cls, name=name, autoscaling_config=_autoscaling(args, policy, policy_kwargs),
+        ServiceReplica, name=name, autoscaling_config=_autoscaling(args, policy, policy_kwargs),
         ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30,
         max_ongoing_requests=1)
-    return deployment.bind(args)
+    return deployment.bind(name, args)
 
 
 def prefill_app(args: dict[str, Any]):
     """Scales on queued prompt tokens (arg `target_queued_tokens`, default 256 per replica)."""
-    return _service_app(PrefillReplica, "prefill", args,
+    return _service_app("prefill", args,
                         "evenflow.rayserve.autoscaling:PrefillPolicy",
                         {"target_queued_tokens": float(args.get("target_queued_tokens", 256))})
 
@@ -139,17 +110,17 @@ def prefill_app(args: dict[str, Any]):
 def decode_app(args: dict[str, Any]):
     """Scales on running sequences (arg `target_running`, default 32 per replica) and on free
     KV blocks (below 20% free: one more)."""
-    return _service_app(DecodeReplica, "decode", args,
+    return _service_app("decode", args,
                         "evenflow.rayserve.autoscaling:DecodePolicy",
                         {"target_running": float(args.get("target_running", 32))})
 
 
 def kv_index_app(args: dict[str, Any]):
-    return _service_app(KVIndexReplica, "kv_index", {**args, "max_replicas": 1}, None)
+    return _service_app("kv_index", {**args, "max_replicas": 1}, None)
 
 
 def balancer_app(args: dict[str, Any]):
-    return _service_app(BalancerReplica, "balancer", {**args, "max_replicas": 1}, None)
+    return _service_app("balancer", {**args, "max_replicas": 1}, None)
 
 
 def gateway_app(args: dict[str, Any]):

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 import redis
+from meshutil import wait_for
 
 from evenflow.kv_index import store
 from evenflow.proto.hashing import chain_hashes, namespace_salt
@@ -46,15 +47,6 @@ def complete(mesh, tokens, max_tokens=2):
 
 def holders(r: redis.Redis, block_hash: int) -> set[str]:
     return {m.decode() for m in r.smembers(store.block_key(block_hash))}
-
-
-def wait_for(predicate, timeout=8.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def metric(mesh, name: str, **labels) -> float:

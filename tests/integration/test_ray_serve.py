@@ -12,6 +12,7 @@ import time
 import httpx
 import nats
 import pytest
+from meshutil import wait_for
 
 from evenflow.proto.messages import PrefillRequest, decode
 from evenflow.services.launcher import free_port, start_nats, start_redis
@@ -22,15 +23,6 @@ pytestmark = pytest.mark.slow
 def prefill_replicas(serve) -> int:
     status = serve.status().applications["prefill"].deployments["prefill"]
     return status.replica_states.get("RUNNING", 0)
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def test_serve_app_scales_prefill_on_queued_tokens():
@@ -74,7 +66,7 @@ def test_serve_app_scales_prefill_on_queued_tokens():
                   route_prefix=None, blocking=False)
         serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _ok(url + "/health"), 180)
+        assert wait_for(lambda: _ok(url + "/health"), 180)
 
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
                 "model": "tiny-moe", "stream": True, "temperature": 0, "max_tokens": 6,
@@ -108,7 +100,7 @@ def test_serve_app_scales_prefill_on_queued_tokens():
         assert len(seen) >= 2 and min(seen.values()) > 0, f"requests per worker: {seen}"
         print(f"prefill requests per worker: {seen}")
         quiet = time.monotonic()
-        assert wait_until(lambda: prefill_replicas(serve) == 1, 60), "never scaled back down"
+        assert wait_for(lambda: prefill_replicas(serve) == 1, 60), "never scaled back down"
         print(f"scaled back down {time.monotonic() - quiet:.1f} s after the load stopped")
         out = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": "tiny-moe", "prompt": "count from 7 :", "max_tokens": 3, "temperature": 0})

@@ -10,13 +10,11 @@ from evenflow.balancer.eplb import (
     static_placement,
 )
 from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
+from evenflow.bench.eplb_bench import zipf_load
 
 
 def zipf(layers, experts, s, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    base = 1.0 / torch.arange(1, experts + 1).float() ** s
-    w = torch.stack([base[torch.randperm(experts, generator=g)] for _ in range(layers)])
-    return (w / w.sum(1, keepdim=True) * 10000).round()
+    return zipf_load(layers, experts, s, seed, tokens=10000).round()
 
 
 def check_consistent(p, num_logical, num_replicas):
