@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import subprocess
 import sys
@@ -31,10 +32,11 @@ class Workload:
     system_prompts: int = 3
     system_len: int = 256
     sessions: int = 24
-    turns: int = 4
-    user_len: int = 48
-    output_len: int = 32
+    turns: int = 6
+    user_len: int = 64  # mean; each turn's length is drawn from [mean/2, 3*mean/2]
+    output_len: int = 128  # mean, as user_len
     concurrency: int = 8
+    think_ms: float = 50.0  # mean (exponential) pause between a session's turns
     vocab_low: int = 20
     vocab_high: int = 500
 
@@ -68,6 +70,12 @@ class Oracle:
         self.seen.update(chain_hashes(tokens, self.block_size, self.salt))
 
 
+def varied(rng: random.Random, mean: int) -> int:
+    """A length uniform in [mean/2, 3*mean/2]: real turns differ, and equal lengths would keep
+    the sessions in lockstep (round-robin would then keep landing a session on one worker)."""
+    return rng.randint(max(1, mean // 2), max(1, mean * 3 // 2))
+
+
 async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Oracle,
                        seed: int, multi_turn: bool = True) -> PolicyResult:
     rng = random.Random(seed)
@@ -80,14 +88,16 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
 
     async def session(client: httpx.AsyncClient, s: int) -> None:
         srng = random.Random(seed * 1000 + s)
-        history = list(systems[s % w.system_prompts]) if multi_turn else []
-        for _ in range(w.turns if multi_turn else 1):
-            user = [srng.randrange(w.vocab_low, w.vocab_high)
-                    for _ in range(w.user_len if multi_turn else w.system_len + w.user_len)]
+        history = list(systems[s % w.system_prompts])
+        for _ in range(w.turns):
+            if not multi_turn:  # every turn a fresh prompt of the same mean length
+                history = []
+            user_len = varied(srng, w.user_len if multi_turn else w.system_len + w.user_len)
+            user = [srng.randrange(w.vocab_low, w.vocab_high) for _ in range(user_len)]
             prompt = history + user
             oracle_hit = oracle.hit_tokens(prompt)
             try:
-                t = await one_request(client, url, model, prompt, w.output_len, {})
+                t = await one_request(client, url, model, prompt, varied(srng, w.output_len), {})
             except (RuntimeError, httpx.HTTPError):
                 result.errors += 1
                 return
@@ -99,6 +109,8 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             result.cached_tokens += t.cached_tokens
             result.output_tokens += t.output_tokens
             history = prompt + answer
+            if w.think_ms > 0:
+                await asyncio.sleep(srng.expovariate(1000.0 / w.think_ms))
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not sessions.empty():
@@ -116,10 +128,11 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload, multi_turn: b
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
+    threshold = {} if args.local_prefill_threshold is None else {
+        "local_prefill_threshold": args.local_prefill_threshold}
     config = MeshConfig(port=0, model=args.model, engine="torch" if args.real else "mock",
                         router=policy, num_prefill=args.prefill, num_decode=args.decode,
-                        local_prefill_threshold=args.local_prefill_threshold,
-                        kv_cache_gb=0.25, threads_per_worker=1)
+                        kv_cache_gb=0.25, threads_per_worker=1, **threshold)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:
@@ -213,12 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", action="store_true", help="the real default model (2 prefill "
                     "workers + 1 decode) instead of mock workers")
     ap.add_argument("--model", default=None,
-                    help="default: tiny-moe with --real; a small random checkpoint (1,024 "
+                    help="default: tiny-moe with --real; a small random checkpoint (4,096 "
                     "positions, word-level tokenizer) for the mock workers")
     ap.add_argument("--prefill", type=int, default=None, help="prefill workers (mock: 4)")
     ap.add_argument("--decode", type=int, default=None, help="decode workers (mock: 2)")
-    ap.add_argument("--local-prefill-threshold", type=int, default=32)
+    ap.add_argument("--local-prefill-threshold", type=int, default=None,
+                    help="default: the mesh's (EVENFLOW_LOCAL_PREFILL_THRESHOLD)")
     ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--system-len", type=int, default=None)
+    ap.add_argument("--user-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--think-ms", type=float, default=None)
     ap.add_argument("--policies", default="round_robin,least_load,kv")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -228,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
 
         from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
 
+        # Mock workers never run the weights: a long context costs nothing.
         args.model = "tiny-moe" if args.real else str(write_random_mixtral(
-            Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-quick", QUICK_MODEL))
+            Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-quick-4k",
+            {**QUICK_MODEL, "max_position_embeddings": 4096}))
     if args.prefill is None:
         args.prefill = 2 if args.real else 4
     if args.decode is None:
@@ -240,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         w = Workload(system_len=64, user_len=16, output_len=8, sessions=4, turns=2,
                      concurrency=2)
+    overrides = {k: getattr(args, k) for k in ("turns", "system_len", "user_len", "output_len",
+                                                "concurrency", "think_ms") if getattr(args, k) is not None}
+    w = dataclasses.replace(w, **overrides)
     policies = args.policies.split(",")
     print(f"workload: {w.sessions} sessions x {w.turns} turns over {w.system_prompts} system "
           f"prompts of {w.system_len} tokens; user {w.user_len}, answer {w.output_len} tokens; "
@@ -263,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and {"least_load", "kv"} <= set(policies):
         flat = {p: run_policy(p, args, w, False) for p in ("least_load", "kv")}
         ll, kv = flat["least_load"], flat["kv"]
-        print(f"no shared prefixes ({w.sessions} single-turn prompts of "
-              f"{w.system_len + w.user_len} tokens): throughput kv {kv.output_tokens / kv.wall:.1f} "
+        print(f"no shared prefixes ({w.sessions * w.turns} unrelated prompts of "
+              f"~{w.system_len + w.user_len} tokens): throughput kv {kv.output_tokens / kv.wall:.1f} "
               f"vs least-load {ll.output_tokens / ll.wall:.1f} tok/s "
               f"({kv.output_tokens / kv.wall / (ll.output_tokens / ll.wall):.2f}x)")
     print("\nKV index (16 workers in the index, real redis-server):")

@@ -36,8 +36,11 @@ class MeshConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # empty: no authentication
-    # Prompts with fewer uncached tokens than this are prefilled on the decode worker; 0 disables.
-    local_prefill_threshold: int = 32
+    # Conditional disaggregation (as Dynamo's max_local_prefill_length): a prompt whose part not
+    # cached on its decode worker is shorter than this many tokens is prefilled there, not
+    # shipped; a chat's next turn thus reuses the previous answer, which only the decode worker
+    # holds. 0 disables (every prompt goes to a prefill worker).
+    local_prefill_threshold: int = 128
     decode_retries: int = 2  # other decode workers tried when one has no room
     # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
     router: str = "kv"
