@@ -22,7 +22,7 @@ class KVIndexClient:
         Raises redis errors (the caller falls back to load-only routing)."""
         if not block_hashes:
             return {}
-        flat = await self._match(args=[time.time(), *block_hashes])
+        flat = await self._match(args=[time.time(), store.pack_hashes(block_hashes)])
         return {(m.decode() if isinstance(m, bytes) else m): int(n)
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
@@ -30,6 +30,8 @@ class KVIndexClient:
         """member -> block hashes it is about to hold, kept for ttl_ms."""
         pipe = self.redis.pipeline(transaction=False)
         for member, hashes in predictions.items():
+            if hashes:
+                pipe.set(store.predicting_key(member), 1, px=ttl_ms)
             for h in hashes:
                 key = store.predicted_key(h)
                 pipe.hset(key, member, 1)

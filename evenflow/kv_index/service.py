@@ -58,7 +58,7 @@ class KVIndexService(WorkerService):
         self._drop = self.redis.register_script(store.DROP_MEMBER)
         self.instance = uuid.uuid4().hex
         self.members: dict[str, _Member] = {}  # member -> state
-        self.pending: list[tuple[str, str, str, int]] = []  # (op, key, value, events) to write
+        self.pending: list[tuple[str, str, int, int]] = []  # (op, member, hash, events) to write
         self.leases: dict[str, float] = {}  # member -> expiry, to write
         self.events_applied = 0
         self.redis_ok = False
@@ -104,7 +104,7 @@ class KVIndexService(WorkerService):
             for old, old_state in list(self.members.items()):  # a restarted worker
                 if old_state.worker_id == worker_id:
                     del self.members[old]
-                    self.pending.append(("drop", old, "", 0))
+                    self.pending.append(("drop", old, 0, 0))
             state = self.members[member] = _Member(worker_id, epoch)
         return member, state
 
@@ -119,20 +119,20 @@ class KVIndexService(WorkerService):
         for event in msg.events:
             ops = {STORED: "add", REMOVED: "rem"}.get(event.kind)
             if event.kind == CLEARED:
-                self.pending.append(("drop", member, "", 1))
+                self.pending.append(("drop", member, 0, 1))
                 continue
             if ops is None:
                 continue
             for h in event.block_hashes:
-                self.pending.append((ops, member, str(h), 1))
+                self.pending.append((ops, member, h, 1))
 
     def _on_snapshot(self, snap: KVSnapshot) -> None:
         member, state = self._member(snap.worker_id, snap.epoch)
         if not state.resyncing:
             return
         state.resyncing, state.last_seq = False, snap.seq
-        self.pending.append(("drop", member, "", 0))
-        self.pending.extend(("add", member, str(h), 0) for h in snap.block_hashes)
+        self.pending.append(("drop", member, 0, 0))
+        self.pending.extend(("add", member, h, 0) for h in snap.block_hashes)
 
     def _request_resync(self, state: _Member, reason: str) -> None:
         if state.resyncing:
@@ -157,16 +157,16 @@ class KVIndexService(WorkerService):
                     log.warning("Redis write failed (%s): will resync when it is back", exc)
                 self.redis_ok = False  # whatever was lost is recovered by a resync
 
-    async def _write(self, ops: list[tuple[str, str, str, int]], leases: dict[str, float]) -> None:
+    async def _write(self, ops: list[tuple[str, str, int, int]], leases: dict[str, float]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         applied = 0
-        for op, member, value, events in ops:
+        for op, member, block_hash, events in ops:
             if op == "add":
-                pipe.sadd(store.block_key(value), member)
-                pipe.sadd(store.member_key(member), value)
+                pipe.sadd(store.block_key(block_hash), member)
+                pipe.sadd(store.member_key(member), store.hash_bytes(block_hash))
             elif op == "rem":
-                pipe.srem(store.block_key(value), member)
-                pipe.srem(store.member_key(member), value)
+                pipe.srem(store.block_key(block_hash), member)
+                pipe.srem(store.member_key(member), store.hash_bytes(block_hash))
             else:
                 self._drop(args=[member], client=pipe)
             applied += events

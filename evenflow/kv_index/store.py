@@ -4,7 +4,11 @@
     ev:w:{member}   SET of block hashes the member holds  (so a member can be dropped at once)
     ev:lease        ZSET member -> lease expiry (unix s)  (renewed from heartbeats)
     ev:p:{hash}     HASH member -> 1: predicted to hold the block soon (PX ttl, by gateways)
+    ev:pm:{member}  STRING: the member has predictions     (PX ttl; the match skips the rest)
     ev:instance     STRING the index service's id         (gone => Redis restarted: resync)
+
+{hash} is the block hash's 8 bytes, little-endian (binary-safe keys): a match sends a prompt's
+hashes as one packed string, which is what keeps it near one bare round trip.
 
 A worker's entries only match while its lease is live; a restarted worker has a new epoch, so
 its old member can never match again.
@@ -12,21 +16,35 @@ its old member can never match again.
 
 from __future__ import annotations
 
+import struct
+
 PREFIX = "ev:"
 LEASES = PREFIX + "lease"
 INSTANCE = PREFIX + "instance"
 
 
-def block_key(block_hash: int | str) -> str:
-    return f"{PREFIX}b:{block_hash}"
+def hash_bytes(block_hash: int) -> bytes:
+    return block_hash.to_bytes(8, "little")
+
+
+def pack_hashes(block_hashes: list[int]) -> bytes:
+    return struct.pack(f"<{len(block_hashes)}Q", *block_hashes)
+
+
+def block_key(block_hash: int) -> bytes:
+    return b"ev:b:" + hash_bytes(block_hash)
 
 
 def member_key(member: str) -> str:
     return f"{PREFIX}w:{member}"
 
 
-def predicted_key(block_hash: int | str) -> str:
-    return f"{PREFIX}p:{block_hash}"
+def predicted_key(block_hash: int) -> bytes:
+    return b"ev:p:" + hash_bytes(block_hash)
+
+
+def predicting_key(member: str) -> str:
+    return f"{PREFIX}pm:{member}"
 
 
 def member_of(worker_id: str, epoch: str) -> str:
@@ -38,32 +56,35 @@ def split_member(member: str) -> tuple[str, str]:
     return worker_id, epoch
 
 
-# ARGV: now (unix seconds), then the request's block hashes in chain order. Returns a flat list
-# [member, matched_blocks, ...] for every live member that holds (or is predicted to hold) a
-# leading run of the blocks. One round trip. The candidates are the holders of the first block;
-# each one's run is found by binary search, O(log n) probes per member: holdings are
-# prefix-closed, since a block is only cached after its parent and eviction takes a
-# sequence's tail blocks first.
+# ARGV: now (unix seconds), then the request's block hashes packed (pack_hashes), chain order.
+# Returns a flat list [member, matched_blocks, ...] for every live member that holds (or is
+# predicted to hold) a leading run of the blocks. One round trip. The candidates are the holders
+# of the first block; each one's run is found by binary search, O(log n) probes per member:
+# holdings are prefix-closed, since a block is only cached after its parent and eviction takes
+# a sequence's tail blocks first. Predictions are probed only for members that have any.
 MATCH = """
 local now = tonumber(ARGV[1])
-local n = #ARGV - 1
-local function holds(m, i)
-  local h = ARGV[i + 1]
-  return redis.call('SISMEMBER', 'ev:b:' .. h, m) == 1
-      or redis.call('HEXISTS', 'ev:p:' .. h, m) == 1
+local blob = ARGV[2]
+local n = #blob / 8
+local function hash(i) return string.sub(blob, 8 * i - 7, 8 * i) end
+local function holds(m, i, predicting)
+  local h = hash(i)
+  if redis.call('SISMEMBER', 'ev:b:' .. h, m) == 1 then return true end
+  return predicting and redis.call('HEXISTS', 'ev:p:' .. h, m) == 1
 end
-local candidates = redis.call('SMEMBERS', 'ev:b:' .. ARGV[2])
-for _, m in ipairs(redis.call('HKEYS', 'ev:p:' .. ARGV[2])) do table.insert(candidates, m) end
+local candidates = redis.call('SMEMBERS', 'ev:b:' .. hash(1))
+for _, m in ipairs(redis.call('HKEYS', 'ev:p:' .. hash(1))) do table.insert(candidates, m) end
 local out, seen = {}, {}
 for _, m in ipairs(candidates) do
   if not seen[m] then
     seen[m] = true
     local expiry = redis.call('ZSCORE', 'ev:lease', m)
     if expiry and tonumber(expiry) > now then
+      local predicting = redis.call('EXISTS', 'ev:pm:' .. m) == 1
       local lo, hi = 1, n
       while lo < hi do
         local mid = math.floor((lo + hi + 1) / 2)
-        if holds(m, mid) then lo = mid else hi = mid - 1 end
+        if holds(m, mid, predicting) then lo = mid else hi = mid - 1 end
       end
       table.insert(out, m)
       table.insert(out, lo)

@@ -26,10 +26,19 @@ def chain_hashes(
 ) -> list[int]:
     """Hashes of every *full* block of `token_ids`, each chained to the one before."""
     assert block_size > 0
+    # Same bytes as block_hash, block by block, with the token ids converted once and each
+    # block's hasher copied from one keyed state (half the cost of constructing it).
+    step = block_size * 4
+    data = memoryview(array("I", token_ids[: len(token_ids) // block_size * block_size]).tobytes())
+    base = hashlib.blake2b(digest_size=8, person=salt[:16])
+    previous = parent.to_bytes(8, "little")
     hashes: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size], salt)
-        hashes.append(parent)
+    for start in range(0, len(data), step):
+        h = base.copy()
+        h.update(previous)
+        h.update(data[start : start + step])
+        previous = h.digest()
+        hashes.append(int.from_bytes(previous, "little"))
     return hashes
 
 
