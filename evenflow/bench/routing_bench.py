@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         args.decode = 1 if args.real else 2
     w = Workload(sessions=args.sessions)
     if args.real:  # tiny-moe has 512 positions
-        w = Workload(system_len=128, user_len=32, output_len=16, sessions=args.sessions)
+        w = Workload(system_len=128, user_len=32, output_len=16, turns=4, sessions=args.sessions)
     if args.quick:
         w = Workload(system_len=64, user_len=16, output_len=8, sessions=4, turns=2,
                      concurrency=2)

@@ -31,7 +31,7 @@ from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import CACHED_TOKENS, INFLIGHT, PROMPT_TOKENS, REQUESTS, TTFT, render
+from evenflow.services.metrics import INFLIGHT, REQUESTS, TTFT, render
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 
@@ -133,8 +133,6 @@ class Gateway:
                 if first:
                     TTFT.observe(time.monotonic() - started)
                     usage["prompt_tokens_details"]["cached_tokens"] = delta.num_cached_tokens
-                    PROMPT_TOKENS.labels(worker="all").inc(len(job.prompt_ids))
-                    CACHED_TOKENS.labels(worker="all").inc(delta.num_cached_tokens)
                     first = False
                 usage["completion_tokens"] += len(delta.token_ids)
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

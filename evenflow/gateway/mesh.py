@@ -38,9 +38,11 @@ from evenflow.proto.messages import (
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
+    CACHED_TOKENS,
     KV_LOOKUP_SECONDS,
     LIVE_WORKERS,
     PREDICTED_CACHED_TOKENS,
+    PROMPT_TOKENS,
     ROUTING_DECISIONS,
 )
 
@@ -225,6 +227,13 @@ class Mesh:
                     state.inflight_blocks = max(0, state.inflight_blocks - flight.prefill_blocks)
         flight.prefill = flight.decode = None
 
+    @staticmethod
+    def _count_hits(flight: _Flight, prompt_tokens: int, cached_tokens: int) -> None:
+        """Prefix hit rate, overall and for the worker that computed the prompt."""
+        for worker in ("all", flight.prefill or flight.decode or "unknown"):
+            PROMPT_TOKENS.labels(worker=worker).inc(prompt_tokens)
+            CACHED_TOKENS.labels(worker=worker).inc(cached_tokens)
+
     def first_token_seen(self, flight_id: str) -> None:
         """The prefill part is done: stop counting its blocks as queued at the prefill worker."""
         flight = self.flights.get(flight_id)
@@ -273,6 +282,7 @@ class Mesh:
                     continue
                 last_progress = time.monotonic()
                 if not emitted:
+                    self._count_hits(flight, len(prompt), item.num_cached_tokens)
                     self.first_token_seen(request_id)
                 emitted.extend(item.token_ids)
                 if item.finish_reason is not None:

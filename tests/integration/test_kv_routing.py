@@ -119,6 +119,10 @@ def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
     assert hits >= 6  # all but the first (and one spill-over under the load term) hit
     cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
     assert sum(1 for c in cached if c >= 160 - BS) >= 4
+    # The hit rate is exported overall and per worker that computed the prompt.
+    name = "evenflow_cached_prompt_tokens_total"
+    per_worker = [metric(kv_mesh, name, worker=w) for w in ("p0", "p1")]
+    assert metric(kv_mesh, name, worker="all") == sum(per_worker) >= sum(cached)
 
 
 def test_redis_outage_routes_by_load_and_recovers(kv_mesh):
