@@ -48,6 +48,7 @@ class PolicyResult:
     oracle_tokens: int = 0
     output_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)  # decode stalls show in the tail
     wall: float = 0.0
     errors: int = 0
 
@@ -105,6 +106,7 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             result.oracle_tokens += oracle_hit
             oracle.add(prompt + answer)
             result.ttfts.append(t.ttft)
+            result.itls.extend(t.itls)
             result.prompt_tokens += t.prompt_tokens
             result.cached_tokens += t.cached_tokens
             result.output_tokens += t.output_tokens
@@ -279,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({'real ' + args.model if args.real else 'mock engine'})\n")
     results = {p: run_policy(p, args, w, True) for p in policies}
     print(f"{'policy':12} {'hit rate':>9} {'oracle':>7} {'of oracle':>9} {'prefill tok':>11} "
-          f"{'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'errors':>6}")
+          f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p99':>9} {'tok/s':>8} {'errors':>6}")
     for p, r in results.items():
         hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
         oracle = r.oracle_tokens / r.prompt_tokens if r.prompt_tokens else 0
         print(f"{p:12} {hit:9.3f} {oracle:7.3f} {hit / oracle if oracle else 0:9.2f} "
               f"{r.prompt_tokens - r.cached_tokens:11d} {percentile(r.ttfts, 50) * 1e3:8.1f}ms "
-              f"{percentile(r.ttfts, 90) * 1e3:8.1f}ms {r.output_tokens / r.wall:8.1f} "
+              f"{percentile(r.ttfts, 90) * 1e3:8.1f}ms {percentile(r.itls, 99) * 1e3:7.1f}ms "
+              f"{r.output_tokens / r.wall:8.1f} "
               f"{r.errors:6d}")
     if "round_robin" in results and "kv" in results:
         rr, kv = results["round_robin"], results["kv"]
