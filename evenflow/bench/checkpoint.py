@@ -65,8 +65,10 @@ def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
                "model.norm.weight": torch.ones(H, dtype=dtype)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rand(H, H), p + "self_attn.k_proj.weight": rand(kv, H),
-                    p + "self_attn.v_proj.weight": rand(kv, H), p + "self_attn.o_proj.weight": rand(H, H),
+        tensors |= {p + "self_attn.q_proj.weight": rand(H, H),
+                    p + "self_attn.k_proj.weight": rand(kv, H),
+                    p + "self_attn.v_proj.weight": rand(kv, H),
+                    p + "self_attn.o_proj.weight": rand(H, H),
                     p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
                     p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
                     p + "block_sparse_moe.gate.weight": rand(cfg["num_local_experts"], H)}

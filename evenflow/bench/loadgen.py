@@ -82,7 +82,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     end = time.perf_counter()
     if not arrivals:
         raise RuntimeError("no tokens arrived")
-    return RequestTiming(arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])],
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return RequestTiming(arrivals[0] - start, gaps,
                          end - start, usage.get("completion_tokens", len(arrivals)),
                          usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                          usage.get("prompt_tokens", len(prompt)), "".join(pieces))

@@ -125,7 +125,8 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
     return result
 
 
-def run_policy(policy: str, args: argparse.Namespace, w: Workload, multi_turn: bool) -> PolicyResult:
+def run_policy(policy: str, args: argparse.Namespace, w: Workload,
+               multi_turn: bool) -> PolicyResult:
     from evenflow.proto.tokenizer import Tokenizer
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
@@ -270,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         w = Workload(system_len=64, user_len=16, output_len=8, sessions=4, turns=2,
                      concurrency=2)
-    overrides = {k: getattr(args, k) for k in ("turns", "system_len", "user_len", "output_len",
-                                                "concurrency", "think_ms") if getattr(args, k) is not None}
+    fields = ("turns", "system_len", "user_len", "output_len", "concurrency", "think_ms")
+    overrides = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     w = dataclasses.replace(w, **overrides)
     policies = args.policies.split(",")
     print(f"workload: {w.sessions} sessions x {w.turns} turns over {w.system_prompts} system "
@@ -292,15 +293,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.errors:6d}")
     if "round_robin" in results and "kv" in results:
         rr, kv = results["round_robin"], results["kv"]
-        print(f"\nKV-aware vs round-robin: TTFT p50 {percentile(kv.ttfts, 50) / percentile(rr.ttfts, 50):.2f}x, "
+        ttft_ratio = percentile(kv.ttfts, 50) / percentile(rr.ttfts, 50)
+        print(f"\nKV-aware vs round-robin: TTFT p50 {ttft_ratio:.2f}x, "
               f"throughput {kv.output_tokens / kv.wall / (rr.output_tokens / rr.wall):.2f}x")
     if not args.quick and {"least_load", "kv"} <= set(policies):
         flat = {p: run_policy(p, args, w, False) for p in ("least_load", "kv")}
         ll, kv = flat["least_load"], flat["kv"]
+        kv_rate, ll_rate = kv.output_tokens / kv.wall, ll.output_tokens / ll.wall
         print(f"no shared prefixes ({w.sessions * w.turns} unrelated prompts of "
-              f"~{w.system_len + w.user_len} tokens): throughput kv {kv.output_tokens / kv.wall:.1f} "
-              f"vs least-load {ll.output_tokens / ll.wall:.1f} tok/s "
-              f"({kv.output_tokens / kv.wall / (ll.output_tokens / ll.wall):.2f}x)")
+              f"~{w.system_len + w.user_len} tokens): throughput kv {kv_rate:.1f} "
+              f"vs least-load {ll_rate:.1f} tok/s ({kv_rate / ll_rate:.2f}x)")
     print("\nKV index (16 workers in the index, real redis-server):")
     for blocks in (128, 1024):
         p50, p99, hashed = asyncio.run(match_latency(blocks))

@@ -157,7 +157,8 @@ class DecodeWorker(WorkerService):
     def _admit(self, request_id: str, prompt: list[int], prefilled, spec: SamplingSpec,
                reply_subject: str, num_cached: int, ctx: Context) -> None:
         if self.draining:
-            self._error(reply_subject, request_id, errors.DRAINING, "decode worker is draining", ctx)
+            self._error(reply_subject, request_id, errors.DRAINING, "decode worker is draining",
+                        ctx)
             return
         seqs = self.engine.num_running + self.engine.num_waiting + len(self.active)
         if self._free_blocks() < self.engine.blocks.blocks_needed(len(prompt) + 1) or (

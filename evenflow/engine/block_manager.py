@@ -44,7 +44,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], self.salt))
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            seq.block_hashes.append(block_hash(parent, tokens, self.salt))
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is always

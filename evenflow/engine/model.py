@@ -63,7 +63,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
@@ -101,7 +102,8 @@ class Attention(nn.Module):
                 vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # earlier context comes from the cache: causal mask offset by the cached part
-                ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)  # (1, n_kv, ctx, hd)
+                # (1, n_kv, ctx, hd)
+                ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
                 vs = v_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
                 offset = seg.ctx_len - seg.q_len
                 q_pos = torch.arange(seg.q_len).unsqueeze(1) + offset
@@ -115,7 +117,8 @@ class Attention(nn.Module):
             qd = q[meta.num_prefill_tokens :].view(B, self.num_kv_heads, group, self.head_dim)
             flat = meta.decode_slots.flatten()
             L = meta.decode_slots.shape[1]
-            kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B, n_kv, L, hd)
+            # (B, n_kv, L, hd)
+            kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
             vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
             outs.append(o.reshape(B, self.num_heads, self.head_dim))
@@ -144,7 +147,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.num_experts, self.top_k, self.norm_topk_prob = E, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.w2 = nn.Parameter(torch.empty(E, H, inter))
@@ -285,7 +289,8 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_len: int, dtype: torch.dtype) -> None:
         hd = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        exponents = torch.arange(0, hd, 2, dtype=torch.float) / hd
+        inv_freq = 1.0 / (self.config.rope_theta ** exponents)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, hd)
         self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)

@@ -63,7 +63,8 @@ class ModelRunner:
         table = torch.tensor(block_table)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+    def prepare(self, chunks: list[ScheduledChunk]
+                ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         input_ids: list[int] = []
         slot_parts: list[Tensor] = []
         position_parts: list[Tensor] = []
@@ -80,7 +81,8 @@ class ModelRunner:
             position_parts.append(torch.arange(start, end))
             ctx_slots = self._slots(seq.block_table, 0, end)
             slot_parts.append(ctx_slots[start:])
-            prefills.append(PrefillSegment(q_start, c.num_tokens, end, ctx_slots if start else None))
+            prefills.append(PrefillSegment(q_start, c.num_tokens, end,
+                                           ctx_slots if start else None))
             if c.samples:
                 logit_rows.append(len(input_ids) - 1)
         num_prefill = len(input_ids)

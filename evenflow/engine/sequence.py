@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token / string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller

@@ -41,7 +41,7 @@ def test_client_disconnect_cancels_and_frees_kv(mesh):
     with httpx.stream("POST", mesh.url + "/v1/completions", json=body, headers=AUTH,
                       timeout=30) as resp:
         lines = resp.iter_lines()
-        got = [line for line, _ in zip(lines, range(8)) if line.startswith("data:")]
+        got = [line for line, _ in zip(lines, range(8), strict=False) if line.startswith("data:")]
         assert len(got) >= 3
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

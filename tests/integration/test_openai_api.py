@@ -6,7 +6,8 @@ import pytest
 
 from evenflow import SamplingParams
 
-LONG = "count from 100 : " + " ".join(str(i) for i in range(100, 114))  # > 16 tokens: remote prefill
+# > 16 tokens: remote prefill
+LONG = "count from 100 : " + " ".join(str(i) for i in range(100, 114))
 SHORT = "count from 17 :"  # < 16 tokens: prefilled on the decode worker
 
 

@@ -88,4 +88,5 @@ def test_threshold_trigger_waits_for_imbalance_and_the_interval():
     skewed = w.roll(3, dims=1)  # the hot experts moved
     fired = [i for i in range(12) if trigger.observe(skewed, placement)]
     assert fired and fired[0] <= 4  # as soon as the window shows the skew
-    assert all(b - a >= 5 for a, b in zip(fired, fired[1:]))  # never within min_interval
+    # never within min_interval
+    assert all(b - a >= 5 for a, b in zip(fired, fired[1:], strict=False))
