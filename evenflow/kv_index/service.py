@@ -167,8 +167,8 @@ class KVIndexService(WorkerService):
             elif op == "rem":
                 pipe.srem(store.block_key(block_hash), member)
                 pipe.srem(store.member_key(member), store.hash_bytes(block_hash))
-            else:
-                self._drop(args=[member], client=pipe)
+            else:  # queued into the pipeline (the await only queues it)
+                await self._drop(args=[member], client=pipe)
             applied += events
         if leases:
             pipe.zadd(store.LEASES, leases)

@@ -1,0 +1,88 @@
+"""The KV index service on its own, driven over real NATS into a real Redis: a gap in a
+worker's event numbering makes it ask for a snapshot, and the snapshot replaces what it held
+(entries the worker lost meanwhile disappear); a `cleared` event empties the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import nats
+import redis
+
+from evenflow.kv_index import store
+from evenflow.proto import subjects
+from evenflow.proto.messages import (
+    CLEARED,
+    STORED,
+    KVEvent,
+    KVEvents,
+    KVResyncRequest,
+    KVSnapshot,
+    decode,
+    encode,
+)
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import start_nats, start_redis
+
+
+def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
+    nats_server, redis_server = start_nats(), start_redis()
+    config = MeshConfig(nats_url=nats_server.url, redis_url=redis_server.url)
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.kv_index", "kvtest"],
+                            env={**config.to_env(), "PATH": ""}, stderr=subprocess.DEVNULL)
+    r = redis.Redis.from_url(redis_server.url)
+    member = store.member_of("w1", "e1")
+
+    def holds(h: int) -> bool:
+        return bool(r.sismember(store.block_key(h), member))
+
+    async def until(predicate, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        nc = await nats.connect(nats_server.url)
+        resyncs: asyncio.Queue = asyncio.Queue()
+
+        async def on_resync(msg) -> None:
+            resyncs.put_nowait(decode(msg.data))
+
+        await nc.subscribe(subjects.kv_resync("w1"), cb=on_resync)
+
+        async def send(message) -> None:
+            await nc.publish(subjects.KV_EVENTS, encode(message))
+            await nc.flush()
+
+        # Events 1..: the service may still be subscribing, so resend until it lands.
+        first = KVEvents("w1", "prefill", "e1", 1, [KVEvent(STORED, [11, 12, 13], 0)])
+        deadline = time.monotonic() + 15
+        while not holds(13):
+            assert time.monotonic() < deadline, "the index never applied the first events"
+            await send(first)
+            await asyncio.sleep(0.2)
+        # Event 2 is lost; 3 arrives: a gap. The worker meanwhile evicted 12 and 13.
+        await send(KVEvents("w1", "prefill", "e1", 3, [KVEvent(STORED, [21], 0)]))
+        request = await asyncio.wait_for(resyncs.get(), 10)
+        assert isinstance(request, KVResyncRequest) and request.worker_id == "w1"
+        await send(KVSnapshot("w1", "prefill", "e1", 3, [11, 21]))
+        await until(lambda: holds(21) and not holds(12) and not holds(13))
+        assert holds(11)
+        # Numbering continues from the snapshot; `cleared` drops everything.
+        await send(KVEvents("w1", "prefill", "e1", 4, [KVEvent(CLEARED, [], 0)]))
+        await until(lambda: not holds(11) and not holds(21))
+        assert not r.exists(store.member_key(member))
+        await nc.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        r.close()
+        nats_server.stop()
+        redis_server.stop()
