@@ -16,6 +16,7 @@ class KVIndexClient:
     def __init__(self, redis_url: str) -> None:
         self.redis: aioredis.Redis = connect_redis(redis_url)
         self._match = self.redis.register_script(store.MATCH)
+        self._predict = self.redis.register_script(store.PREDICT)
 
     async def match(self, block_hashes: list[int]) -> dict[str, int]:
         """member -> how many leading blocks of `block_hashes` it holds (live members only).
@@ -28,15 +29,10 @@ class KVIndexClient:
 
     async def predict(self, predictions: dict[str, list[int]], ttl_ms: int) -> None:
         """member -> block hashes it is about to hold, kept for ttl_ms."""
-        pipe = self.redis.pipeline(transaction=False)
+        args: list[int | str | bytes] = [ttl_ms]
         for member, hashes in predictions.items():
-            if hashes:
-                pipe.set(store.predicting_key(member), 1, px=ttl_ms)
-            for h in hashes:
-                key = store.predicted_key(h)
-                pipe.hset(key, member, 1)
-                pipe.pexpire(key, ttl_ms)
-        await pipe.execute()
+            args += [member, store.pack_hashes(hashes)]
+        await self._predict(args=args)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -39,14 +39,6 @@ def member_key(member: str) -> str:
     return f"{PREFIX}w:{member}"
 
 
-def predicted_key(block_hash: int) -> bytes:
-    return b"ev:p:" + hash_bytes(block_hash)
-
-
-def predicting_key(member: str) -> str:
-    return f"{PREFIX}pm:{member}"
-
-
 def member_of(worker_id: str, epoch: str) -> str:
     return f"{worker_id}@{epoch}"
 
@@ -92,6 +84,24 @@ for _, m in ipairs(candidates) do
   end
 end
 return out
+"""
+
+# ARGV: ttl_ms, then pairs (member, its predicted block hashes packed). One round trip from the
+# gateway whatever the prompt's length; the per-block writes happen inside Redis.
+PREDICT = """
+local ttl = ARGV[1]
+for i = 2, #ARGV, 2 do
+  local m, blob = ARGV[i], ARGV[i + 1]
+  if #blob > 0 then
+    redis.call('SET', 'ev:pm:' .. m, 1, 'PX', ttl)
+    for j = 1, #blob, 8 do
+      local key = 'ev:p:' .. string.sub(blob, j, j + 7)
+      redis.call('HSET', key, m, 1)
+      redis.call('PEXPIRE', key, ttl)
+    end
+  end
+end
+return 0
 """
 
 # KEYS: none. ARGV: member. Forget everything a member holds.

@@ -86,3 +86,34 @@ def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
         r.close()
         nats_server.stop()
         redis_server.stop()
+
+
+def test_predictions_are_shared_through_redis_and_expire():
+    """What one gateway just routed, another gateway's match sees, for the prediction TTL."""
+    from evenflow.kv_index.client import KVIndexClient
+    from evenflow.proto.hashing import chain_hashes
+
+    server = start_redis()
+
+    async def scenario() -> None:
+        routing, other = KVIndexClient(server.url), KVIndexClient(server.url)
+        hashes = chain_hashes(list(range(64 * 16)), 16)
+        holder, predicted = store.member_of("p0", "e"), store.member_of("p1", "e")
+        await other.redis.zadd(store.LEASES, {holder: time.time() + 60,
+                                              predicted: time.time() + 60})
+        for h in hashes[:10]:  # p0 really holds the first 10 blocks
+            await other.redis.sadd(store.block_key(h), holder)
+        await routing.predict({predicted: hashes}, ttl_ms=300)
+        assert await other.match(hashes) == {holder: 10, predicted: 64}
+        await asyncio.sleep(0.5)
+        assert await other.match(hashes) == {holder: 10}
+        # A prediction past what a worker holds extends its match.
+        await routing.predict({holder: hashes[10:20]}, ttl_ms=300)
+        assert await other.match(hashes) == {holder: 20}
+        await routing.close()
+        await other.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
