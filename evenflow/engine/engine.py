@@ -80,7 +80,10 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    kv: torch.Tensor | None = None  # the prompt's K/V, for finished export_kv requests
+    # export_kv requests: the finishing output says kv_follows, and the prompt's K/V comes in
+    # the next step's output for the same request (so the first token is not held up by it).
+    kv: torch.Tensor | None = None
+    kv_follows: bool = False
 
 
 class Engine:
@@ -118,6 +121,7 @@ class Engine:
         self.kv_event_listener = kv_event_listener
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
+        self._exports: list[Sequence] = []  # finished export_kv requests, blocks still held
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         """Load the weights; return the model's config."""
@@ -174,7 +178,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, export_kv: bool = False) -> None:
         """Queue a request; raises ValueError naming the problem if it cannot be served.
-        With export_kv, its finishing StepOutput carries the prompt's K/V (see read_kv)."""
+        With export_kv, its finishing StepOutput says kv_follows, and the next step() returns
+        the prompt's K/V (see read_kv) for it, before any new forward pass."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -231,7 +236,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._aborted)
+        return bool(self._requests or self._aborted or self._exports)
 
     @property
     def num_running(self) -> int:
@@ -249,6 +254,8 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self._exports:  # last step's finished export_kv requests: their K/V, and no forward
+            return self._export_kv()
         outputs, self._aborted = self._aborted, []
         chunks = self.scheduler.schedule()
         for chunk in chunks:
@@ -268,14 +275,13 @@ class Engine:
                 token = next(sampled)
                 seq.token_ids.append(token)
                 reason = self._finish_reason(seq, token)
-                kv = None
                 if reason is not None:
+                    # An export keeps its blocks until the next step has read them out.
+                    self.scheduler.finish(seq, reason, free_blocks=not seq.export_kv)
                     if seq.export_kv:
-                        prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
-                        kv = self.runner.read_kv(seq.block_table[:prompt_blocks])
-                    self.scheduler.finish(seq, reason)
+                        self._exports.append(seq)
                     del self._requests[seq.request_id]
-                outputs.append(self._output(seq, [token], kv))
+                outputs.append(self._output(seq, [token], kv_follows=seq in self._exports))
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)
@@ -289,7 +295,18 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
+    def _export_kv(self) -> list[StepOutput]:
+        outputs = []
+        for seq in self._exports:
+            prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
+            kv = self.runner.read_kv(seq.block_table[:prompt_blocks])
+            self.blocks.free_sequence(seq)
+            outputs.append(self._output(seq, [], kv))
+        self._exports = []
+        return outputs
+
     @staticmethod
-    def _output(seq: Sequence, new: list[int], kv: torch.Tensor | None = None) -> StepOutput:
+    def _output(seq: Sequence, new: list[int], kv: torch.Tensor | None = None,
+                kv_follows: bool = False) -> StepOutput:
         return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens, kv)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, kv, kv_follows)

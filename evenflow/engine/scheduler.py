@@ -99,9 +99,11 @@ class Scheduler:
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
+        """Done: out of the queues; its blocks freed unless the caller frees them later."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        self.blocks.free_sequence(seq)
+        if free_blocks:
+            self.blocks.free_sequence(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -3,7 +3,8 @@ token straight to the gateway -> the prompt's KV blocks shipped to the chosen de
 numbered chunks, then KVTransferComplete.
 
 Data flow: receive request -> engine thread (batched with other prompts) -> sample first token ->
-emit delta -> export KV -> chunk -> send.
+emit delta -> (next engine step) export KV -> chunk -> send. The first token never waits for the
+K/V copy.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class _Pending:
     queue_span: trace.Span
     context: Context  # the gateway's span, parent of this worker's spans
     admitted_ns: int = 0  # when the engine thread took it (end of queue, start of compute)
+    ship_to: str | None = None  # set once the first token is out: the decode worker for the KV
+    compute_span: trace.Span | None = None
+    token: int = 0  # the first token, sent along with the KV
+    num_cached_tokens: int = 0
 
 
 def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, memoryview]]:
@@ -65,8 +70,13 @@ class PrefillWorker(WorkerService):
         await self.serve_engine(engine, self._on_outputs)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
 
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed (requests only waiting for their K/V copy excluded)."""
+        return sum(len(p.request.prompt_token_ids) for p in self.pending.values()
+                   if p.ship_to is None)
+
     def heartbeat(self) -> WorkerHeartbeat:
-        queued = sum(len(p.request.prompt_token_ids) for p in self.pending.values())
+        queued = self._queued_prompt_tokens()
         return WorkerHeartbeat(
             self.worker_id, "prefill" if not self.draining else "draining",
             self.config.model_name, self.engine.num_running, self.engine.num_waiting,
@@ -77,8 +87,7 @@ class PrefillWorker(WorkerService):
         return bool(self.pending)
 
     def autoscaling_stats(self) -> dict[str, float]:
-        return {"queued_prompt_tokens": float(sum(len(p.request.prompt_token_ids)
-                                                  for p in self.pending.values()))}
+        return {"queued_prompt_tokens": float(self._queued_prompt_tokens())}
 
     # -- inbound ----------------------------------------------------------------------------
     def _on_message(self, message: Message, ctx: Context) -> None:
@@ -121,12 +130,18 @@ class PrefillWorker(WorkerService):
     # -- outbound ---------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            pending = self.pending.pop(out.request_id, None)
-            if pending is None or not out.finished:
-                continue
-            self._finish(pending, out)
+            if out.kv is not None:  # the K/V of a request whose first token went out
+                pending = self.pending.pop(out.request_id, None)
+                if pending is not None and pending.ship_to is not None:
+                    self._ship_kv(pending, out)
+            elif out.finished:
+                pending = self.pending.get(out.request_id)
+                if pending is not None:
+                    self._first_token(pending, out)
+                    if pending.ship_to is None:
+                        self.pending.pop(out.request_id, None)
 
-    def _finish(self, pending: _Pending, out: StepOutput) -> None:
+    def _first_token(self, pending: _Pending, out: StepOutput) -> None:
         req = pending.request
         pending.queue_span.end(end_time=pending.admitted_ns or None)
         compute = self.tracer.start_span(
@@ -147,10 +162,16 @@ class PrefillWorker(WorkerService):
                            out.num_cached_tokens)
         self.send(req.reply_subject, TokenDeltas(self.worker_id, [delta]),
                   trace.set_span_in_context(compute))
-        if finish is not None or out.kv is None:
-            return
-        export_started = time.time()
-        transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(compute))
+        if finish is None and out.kv_follows:
+            pending.ship_to, pending.compute_span = req.decode_worker, compute
+            pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
+
+    def _ship_kv(self, pending: _Pending, out: StepOutput) -> None:
+        req, token = pending.request, pending.token
+        assert out.kv is not None and pending.compute_span is not None
+        export_started = time.time()  # the K/V is in hand: transfer bandwidth counts from here
+        transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(
+            pending.compute_span))
         chunks = kv_to_chunks(out.kv, self.config.kv_chunk_bytes)
         transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[0])
         transfer.set_attribute("evenflow.kv.bytes", sum(len(c[2]) for c in chunks))
@@ -162,6 +183,6 @@ class PrefillWorker(WorkerService):
             KV_TRANSFER_BYTES.labels(service="prefill").inc(len(data))
         self.send(decode_subject, KVTransferComplete(
             req.request_id, len(chunks), out.kv.shape[0], str(out.kv.dtype).removeprefix("torch."),
-            req.prompt_token_ids, token, req.sampling, req.reply_subject, out.num_cached_tokens,
-            req.enqueued_at, export_started), tctx)
+            req.prompt_token_ids, token, req.sampling, req.reply_subject,
+            pending.num_cached_tokens, req.enqueued_at, export_started), tctx)
         transfer.end()

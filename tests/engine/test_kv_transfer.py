@@ -61,3 +61,17 @@ def test_mismatched_kv_is_rejected(ckpt):
     _, kvs = run_all(engine)
     with pytest.raises(ValueError, match="does not match"):
         engine.add_prefilled_request("b", list(range(3, 20)), 5, SamplingParams(), kvs["a"])
+
+
+def test_first_token_is_out_before_its_kv_is_copied(ckpt):
+    """The prefill worker sends the first token while the next engine step copies the K/V."""
+    engine = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4))
+    free = engine.blocks.num_free_blocks
+    engine.add_request("a", list(range(3, 12)), SamplingParams(max_tokens=1), export_kv=True)
+    [first] = engine.step()
+    assert first.new_token_ids and first.finished and first.kv is None and first.kv_follows
+    [export] = engine.step()
+    assert export.request_id == "a" and not export.new_token_ids
+    assert export.kv is not None and export.kv.shape[0] == 3  # 9 prompt tokens, blocks of 4
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == free  # the blocks were held only until the copy
