@@ -281,7 +281,8 @@ class Engine:
                     if seq.export_kv:
                         self._exports.append(seq)
                     del self._requests[seq.request_id]
-                outputs.append(self._output(seq, [token], kv_follows=seq in self._exports))
+                outputs.append(self._output(seq, [token],
+                                            kv_follows=reason is not None and seq.export_kv))
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)
