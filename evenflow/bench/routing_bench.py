@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=None, help="decode workers (mock: 2)")
     ap.add_argument("--local-prefill-threshold", type=int, default=None,
                     help="default: the mesh's (EVENFLOW_LOCAL_PREFILL_THRESHOLD)")
-    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--sessions", type=int, default=None, help="default: 24 (--quick: 4)")
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--system-len", type=int, default=None)
     ap.add_argument("--user-len", type=int, default=None)
@@ -265,13 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill = 2 if args.real else 4
     if args.decode is None:
         args.decode = 1 if args.real else 2
-    w = Workload(sessions=args.sessions)
+    w = Workload()
     if args.real:  # tiny-moe has 512 positions
-        w = Workload(system_len=128, user_len=32, output_len=16, turns=4, sessions=args.sessions)
+        w = Workload(system_len=128, user_len=32, output_len=16, turns=4)
     if args.quick:
         w = Workload(system_len=64, user_len=16, output_len=8, sessions=4, turns=2,
                      concurrency=2)
-    fields = ("turns", "system_len", "user_len", "output_len", "concurrency", "think_ms")
+    fields = ("sessions", "turns", "system_len", "user_len", "output_len", "concurrency",
+              "think_ms")
     overrides = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
     w = dataclasses.replace(w, **overrides)
     policies = args.policies.split(",")

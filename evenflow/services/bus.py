@@ -141,4 +141,7 @@ class Bus:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=2)
             except Exception:  # already gone: nothing left to drain
-                await self.nc.close()
+                try:
+                    await asyncio.wait_for(self.nc.close(), timeout=2)
+                except Exception:  # the server is gone too: nothing to tell it
+                    pass

@@ -192,6 +192,14 @@ class WorkerService:
             await asyncio.sleep(0.05)
         while not self._outbox.empty() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        try:  # bounded: with NATS or Redis gone mid-shutdown, exit anyway
+            await asyncio.wait_for(self._teardown(tasks), timeout=10)
+        except Exception as exc:
+            log.warning("%s %s: shutdown did not finish cleanly (%r); exiting", self.role,
+                        self.worker_id, exc)
+        shutdown_tracing()
+
+    async def _teardown(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -201,7 +209,6 @@ class WorkerService:
         if self.thread is not None:
             self.thread.stop()
         await self.bus.close()
-        shutdown_tracing()
 
     def now(self) -> float:
         return time.time()

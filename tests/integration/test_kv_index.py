@@ -117,3 +117,28 @@ def test_predictions_are_shared_through_redis_and_expire():
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_sigterm_with_nats_and_redis_gone_exits_cleanly():
+    """A service whose NATS and Redis died still stops promptly on SIGTERM (no hang, exit 0)."""
+    nats_server, redis_server = start_nats(), start_redis()
+    config = MeshConfig(nats_url=nats_server.url, redis_url=redis_server.url)
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.kv_index", "kvstop"],
+                            env={**config.to_env(), "PATH": ""}, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+        deadline = time.monotonic() + 15
+        while not r.exists(store.INSTANCE):  # the service is up
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r.close()
+        nats_server.stop()
+        redis_server.stop()
+        time.sleep(1.0)  # the clients are reconnecting now
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        nats_server.stop()
+        redis_server.stop()
