@@ -103,12 +103,12 @@ def test_predictions_are_shared_through_redis_and_expire():
                                               predicted: time.time() + 60})
         for h in hashes[:10]:  # p0 really holds the first 10 blocks
             await other.redis.sadd(store.block_key(h), holder)
-        await routing.predict({predicted: hashes}, ttl_ms=300)
+        await routing.predict({predicted: hashes}, ttl_ms=1500)
         assert await other.match(hashes) == {holder: 10, predicted: 64}
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.8)
         assert await other.match(hashes) == {holder: 10}
         # A prediction past what a worker holds extends its match.
-        await routing.predict({holder: hashes[10:20]}, ttl_ms=300)
+        await routing.predict({holder: hashes[10:20]}, ttl_ms=1500)
         assert await other.match(hashes) == {holder: 20}
         await routing.close()
         await other.close()
