@@ -43,7 +43,7 @@ class _Pending:
     queue_span: trace.Span
     context: Context  # the gateway's span, parent of this worker's spans
     admitted_ns: int = 0  # when the engine thread took it (end of queue, start of compute)
-    ship_to: str | None = None  # set once the first token is out: the decode worker for the KV
+    awaiting_kv: bool = False  # the first token is out; its K/V comes with the next step
     compute_span: trace.Span | None = None
     token: int = 0  # the first token, sent along with the KV
     num_cached_tokens: int = 0
@@ -73,7 +73,7 @@ class PrefillWorker(WorkerService):
     def _queued_prompt_tokens(self) -> int:
         """Prompt tokens not yet computed (requests only waiting for their K/V copy excluded)."""
         return sum(len(p.request.prompt_token_ids) for p in self.pending.values()
-                   if p.ship_to is None)
+                   if not p.awaiting_kv)
 
     def heartbeat(self) -> WorkerHeartbeat:
         queued = self._queued_prompt_tokens()
@@ -132,13 +132,13 @@ class PrefillWorker(WorkerService):
         for out in outputs:
             if out.kv is not None:  # the K/V of a request whose first token went out
                 pending = self.pending.pop(out.request_id, None)
-                if pending is not None and pending.ship_to is not None:
+                if pending is not None and pending.awaiting_kv:
                     self._ship_kv(pending, out)
             elif out.finished:
                 pending = self.pending.get(out.request_id)
                 if pending is not None:
                     self._first_token(pending, out)
-                    if pending.ship_to is None:
+                    if not pending.awaiting_kv:
                         self.pending.pop(out.request_id, None)
 
     def _first_token(self, pending: _Pending, out: StepOutput) -> None:
@@ -163,7 +163,7 @@ class PrefillWorker(WorkerService):
         self.send(req.reply_subject, TokenDeltas(self.worker_id, [delta]),
                   trace.set_span_in_context(compute))
         if finish is None and out.kv_follows:
-            pending.ship_to, pending.compute_span = req.decode_worker, compute
+            pending.awaiting_kv, pending.compute_span = True, compute
             pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
 
     def _ship_kv(self, pending: _Pending, out: StepOutput) -> None:
