@@ -2,7 +2,8 @@
 
 Each step gets a token budget. Running sequences go first, in arrival order: one token each when
 decoding, or the next chunk of their prompt (chunked prefill). Waiting sequences are then admitted
-while budget, KV blocks and the running cap allow, reusing cached prefix blocks. When a running
+while budget, KV blocks and the running cap allow, reusing cached prefix blocks; one whose next
+block another sequence is computing waits a step and takes it from the cache. When a running
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed later (its full blocks usually stay cached, so the redo is
 mostly prefix hits).
@@ -71,6 +72,8 @@ class Scheduler:
             budget -= n
             i += 1
 
+        in_flight = self._blocks_in_flight()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.pending_kv is not None:  # prompt K/V imported: only the next token to run
@@ -86,6 +89,11 @@ class Scheduler:
                 budget -= chunks[-1].num_tokens
                 continue
             hits = self.blocks.prefix_hits(seq)
+            if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in in_flight:
+                # Its next block is being computed for another sequence: wait for the cache hit
+                # instead of computing it twice (a burst of requests sharing a new prefix).
+                deferred.append(self.waiting.popleft())
+                continue
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if not self.blocks.can_allocate_first(seq, hits, computed + n):
@@ -96,8 +104,17 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
+            in_flight.update(seq.block_hashes[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of full blocks that running sequences have yet to compute (or are computing
+        now): a waiting sequence needing one of them next is better off waiting a step."""
+        bs = self.blocks.block_size
+        return {h for seq in self.running
+                for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
 
     def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
         """Done: out of the queues; its blocks freed unless the caller frees them later."""

@@ -198,9 +198,10 @@ def create_app(config: MeshConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        workers = {role: len(gw.mesh.registry.live(role)) for role in ("prefill", "decode")}
         if gw.mesh.ready():
-            return _json({"status": "ok"})
-        return _json({"status": "starting"}, 503)
+            return _json({"status": "ok", "workers": workers})
+        return _json({"status": "starting", "workers": workers}, 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -46,14 +46,16 @@ class RouterWeights:
 
 def choose(candidates: list[WorkerState], total_blocks: int, matched: dict[str, int],
            load: dict[str, float], weights: RouterWeights, rng: random.Random) -> WorkerState:
-    """The cheapest candidate (or a softmax sample when temperature > 0). Pure."""
+    """The cheapest candidate (or a softmax sample when temperature > 0). Pure but for `rng`."""
     floor = min(load[c.worker_id] for c in candidates)
     capped = [c for c in candidates if load[c.worker_id] <= floor + weights.load_cap]
     costs = [cost(weights.overlap, total_blocks - matched.get(c.worker_id, 0), load[c.worker_id])
              for c in capped]
-    if weights.temperature <= 0:
-        return capped[min(range(len(capped)), key=lambda i: (costs[i], capped[i].worker_id))]
     low = min(costs)
+    if weights.temperature <= 0:
+        # Ties go to a random one of the cheapest: sequential requests on an idle fleet then
+        # spread over every worker's cache instead of filling the first worker's alone.
+        return rng.choice([c for c, x in zip(capped, costs, strict=True) if x == low])
     probs = [math.exp(-(c - low) / weights.temperature) for c in costs]
     return rng.choices(capped, weights=probs)[0]
 

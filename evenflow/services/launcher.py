@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import orjson
+
 from evenflow.services.config import MeshConfig
 
 
@@ -120,17 +122,22 @@ def ensure_data_plane(config: MeshConfig, servers: list[LocalServer]) -> MeshCon
     return config
 
 
-def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None = None) -> None:
-    """Until GET {url}/health answers 200; `check` may raise to give up early."""
+def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None = None,
+                    workers: dict[str, int] | None = None) -> None:
+    """Until GET {url}/health answers 200 and, with `workers`, the gateway sees at least that
+    many live workers of each role (the mesh serves as soon as one of each is up; a launcher
+    waits for all it started). `check` may raise to give up early."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if check is not None:
             check()
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200:
+                live = orjson.loads(resp.read()).get("workers", {})
+                if resp.status == 200 and all(
+                        live.get(role, 0) >= n for role, n in (workers or {}).items()):
                     return
-        except OSError:
+        except (OSError, orjson.JSONDecodeError):
             pass
         time.sleep(0.2)
     raise LaunchError(f"the mesh at {url} did not become healthy within {timeout_s}s")
@@ -182,7 +189,8 @@ class LocalMesh:
             if dead:
                 raise LaunchError(f"{' '.join(dead[0].args[1:])} exited with {dead[0].returncode}")
 
-        wait_for_health(self.url, timeout_s, check_children)
+        wait_for_health(self.url, timeout_s, check_children,
+                        {"prefill": self.config.num_prefill, "decode": self.config.num_decode})
 
     def first_exited(self) -> subprocess.Popen | None:
         return next((p for p in self.procs if p.poll() is not None), None)

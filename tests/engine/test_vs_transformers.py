@@ -55,6 +55,17 @@ def test_shared_prefix_hits_cache(checkpoint):
         assert out.token_ids == reference(hf, prompt)
 
 
+def test_a_burst_sharing_a_new_prefix_computes_it_once(checkpoint):
+    path, hf = checkpoint
+    prefix = random_prompts([40], seed=8)[0]
+    prompts = random_prompts([3, 9, 20], seed=5, prefix=prefix)
+    outs = LLM(str(path), dtype="float32", block_size=8).generate(prompts, GREEDY)
+    # Submitted together: the first computes the prefix, the others wait a step and hit it.
+    assert [o.num_cached_tokens for o in outs] == [0, 40, 40]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference(hf, prompt)
+
+
 def test_preemption_when_blocks_run_out(checkpoint):
     path, hf = checkpoint
     prompts = random_prompts([20, 30, 25, 12], seed=3)

@@ -118,7 +118,8 @@ def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
     hits = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit") - before
     assert hits >= 6  # all but the first (and one spill-over under the load term) hit
     cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
-    assert sum(1 for c in cached if c >= 160 - BS) >= 4
+    # One worker computes the prefix once; a spill-over may compute it once more elsewhere.
+    assert sum(1 for c in cached if c >= 160 - BS) >= 5
     # The hit rate is exported overall and per worker that computed the prompt.
     name = "evenflow_cached_prompt_tokens_total"
     per_worker = [metric(kv_mesh, name, worker=w) for w in ("p0", "p1")]

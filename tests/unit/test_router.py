@@ -1,0 +1,72 @@
+"""The gateway's routing decision: cost = w * blocks_to_prefill + load, the load cap, ties."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState, choose
+from evenflow.proto.messages import WorkerHeartbeat
+
+
+def worker(name: str, role: str = "prefill", queued_tokens: int = 0, running: int = 0,
+           free_blocks: int = 1000) -> WorkerState:
+    hb = WorkerHeartbeat(worker_id=name, role=role, model="m", running=running, waiting=0,
+                         free_kv_blocks=free_blocks, total_kv_blocks=1000,
+                         queued_prompt_tokens=queued_tokens, sent_at=0.0, epoch="e")
+    return WorkerState(hb, 0.0)
+
+
+def test_the_worker_holding_the_prefix_wins_against_a_little_load():
+    a, b = worker("a"), worker("b")
+    picked = choose([a, b], total_blocks=10, matched={"b": 8}, load={"a": 0.0, "b": 3.0},
+                    weights=RouterWeights(), rng=random.Random(0))
+    assert picked is b  # 10 + 0 against 2 + 3
+
+
+def test_load_outweighs_a_small_prefix():
+    a, b = worker("a"), worker("b")
+    picked = choose([a, b], total_blocks=10, matched={"b": 2}, load={"a": 0.0, "b": 5.0},
+                    weights=RouterWeights(), rng=random.Random(0))
+    assert picked is a  # 10 + 0 against 8 + 5
+
+
+def test_a_hot_prefix_cannot_pile_everything_onto_one_worker():
+    a, b = worker("a"), worker("b")
+    weights = RouterWeights(load_cap=16)
+    picked = choose([a, b], total_blocks=100, matched={"b": 100}, load={"a": 0.0, "b": 20.0},
+                    weights=weights, rng=random.Random(0))
+    assert picked is a  # b would be cheaper, but it is more than 16 blocks busier than a
+
+
+def test_ties_spread_over_the_fleet():
+    workers = [worker(n) for n in "abcd"]
+    rng = random.Random(0)
+    counts = collections.Counter(
+        choose(workers, 6, {}, {w.worker_id: 0.0 for w in workers}, RouterWeights(), rng).worker_id
+        for _ in range(400))
+    assert set(counts) == set("abcd") and min(counts.values()) > 60
+
+
+def test_temperature_samples_cheaper_workers_more_often():
+    a, b = worker("a"), worker("b")
+    rng = random.Random(0)
+    weights = RouterWeights(temperature=2.0)
+    counts = collections.Counter(
+        choose([a, b], 10, {"b": 4}, {"a": 0.0, "b": 0.0}, weights, rng).worker_id
+        for _ in range(400))
+    assert counts["b"] > 3 * counts["a"] > 0
+
+
+def test_policies_compared_against():
+    registry = WorkerRegistry(timeout_s=60, weights=RouterWeights(policy="least_load"))
+    for hb in (worker("p0", queued_tokens=64).heartbeat, worker("p1").heartbeat,
+               worker("d0", "decode", running=3).heartbeat, worker("d1", "decode").heartbeat,
+               worker("d2", "decode", free_blocks=2).heartbeat):
+        registry.observe(hb)
+    assert registry.pick_prefill(10, {"p0": 10}, block_size=16).worker_id == "p1"
+    assert registry.pick_decode(10, {}, exclude=set()).worker_id == "d1"  # d2 lacks room
+    assert registry.pick_decode(10, {}, exclude={"d1"}).worker_id == "d0"
+    registry.weights = RouterWeights(policy="round_robin")
+    picks = [registry.pick_prefill(10, {}, block_size=16).worker_id for _ in range(4)]
+    assert picks == ["p0", "p1", "p0", "p1"]
