@@ -131,11 +131,13 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    threshold = {} if args.local_prefill_threshold is None else {
-        "local_prefill_threshold": args.local_prefill_threshold}
+    overrides = {key: value for key, value in (
+        ("local_prefill_threshold", args.local_prefill_threshold),
+        ("kv_overlap_weight", args.kv_overlap_weight),
+        ("decode_load_weight", args.decode_load_weight)) if value is not None}
     config = MeshConfig(port=0, model=args.model, engine="torch" if args.real else "mock",
                         router=policy, num_prefill=args.prefill, num_decode=args.decode,
-                        kv_cache_gb=0.25, threads_per_worker=1, **threshold)
+                        kv_cache_gb=0.25, threads_per_worker=1, **overrides)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:
@@ -241,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=None, help="decode workers (mock: 2)")
     ap.add_argument("--local-prefill-threshold", type=int, default=None,
                     help="default: the mesh's (EVENFLOW_LOCAL_PREFILL_THRESHOLD)")
+    ap.add_argument("--kv-overlap-weight", type=float, default=None,
+                    help="the router's w (default: the mesh's, EVENFLOW_KV_OVERLAP_WEIGHT)")
+    ap.add_argument("--decode-load-weight", type=float, default=None,
+                    help="blocks one running decode sequence counts as (default: the mesh's)")
     ap.add_argument("--sessions", type=int, default=None, help="default: 24 (--quick: 4)")
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--system-len", type=int, default=None)

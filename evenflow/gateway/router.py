@@ -2,8 +2,10 @@
 
 KV-aware routing (Dynamo's form): cost = w * blocks_to_prefill + load, in block units, where
 blocks_to_prefill is what the worker would still compute after its cached prefix (from the KV
-index) and load its queued work plus this gateway's in-flight work. Workers much busier than the
-idlest (load_cap_blocks) are skipped, so one hot prefix cannot pile everything onto one worker.
+index) and load the larger of its queued work by its last heartbeat and this gateway's in-flight
+work there (fresher, but blind to other gateways; summing them would count most requests
+twice). Workers much busier than the idlest (load_cap_blocks) are skipped, so one hot prefix
+cannot pile everything onto one worker.
 `least_load` and `round_robin` are there to compare against.
 """
 
@@ -100,13 +102,13 @@ class WorkerRegistry:
         against load (it can prefill the rest locally)."""
         candidates = [s for s in self.live("decode") if s.worker_id not in exclude
                       and s.heartbeat.free_kv_blocks >= total_blocks + 1]
-        load = {s.worker_id: self.weights.decode_load * (
-            s.heartbeat.running + s.heartbeat.waiting + s.inflight) for s in candidates}
+        load = {s.worker_id: self.weights.decode_load * max(
+            s.heartbeat.running + s.heartbeat.waiting, s.inflight) for s in candidates}
         return self._pick("decode", candidates, total_blocks, matched, load)
 
     def pick_prefill(self, total_blocks: int, matched: dict[str, int],
                      block_size: int) -> WorkerState | None:
         candidates = self.live("prefill")
-        load = {s.worker_id: s.heartbeat.queued_prompt_tokens / block_size + s.inflight_blocks
-                for s in candidates}
+        load = {s.worker_id: max(s.heartbeat.queued_prompt_tokens / block_size,
+                                 s.inflight_blocks) for s in candidates}
         return self._pick("prefill", candidates, total_blocks, matched, load)

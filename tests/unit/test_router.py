@@ -70,3 +70,12 @@ def test_policies_compared_against():
     registry.weights = RouterWeights(policy="round_robin")
     picks = [registry.pick_prefill(10, {}, block_size=16).worker_id for _ in range(4)]
     assert picks == ["p0", "p1", "p0", "p1"]
+
+
+def test_in_flight_requests_already_in_a_heartbeat_count_once():
+    registry = WorkerRegistry(timeout_s=60, weights=RouterWeights(policy="least_load"))
+    registry.observe(worker("d0", "decode", running=2).heartbeat)
+    registry.observe(worker("d1", "decode", running=0).heartbeat)
+    registry.workers["d0"].inflight = 2  # the two the heartbeat reports
+    registry.workers["d1"].inflight = 3  # routed since its last heartbeat
+    assert registry.pick_decode(4, {}, exclude=set()).worker_id == "d0"
