@@ -5,9 +5,11 @@ over a few shared system prompts) runs against a fresh local mesh per policy - m
 workers by default (real block managers, prefix caches and KV events; a timing model instead of
 the model), or the real default model with `--real`. Printed per policy: prefix hit rate (cached
 prompt tokens / prompt tokens) next to the oracle's (each request's longest prefix held anywhere
-in the fleet, assuming nothing is evicted), prefill tokens computed, TTFT p50/p90, throughput.
-Then a workload with no shared prefixes (KV-aware must not cost throughput), the KV index's match
-latency for 128 and 1,024 blocks, and its write throughput.
+in the fleet, assuming nothing is evicted), prefill tokens computed, TTFT p50/p90, ITL p99,
+throughput, and for `kv` the gateway's mean KV index match time under that load (a Redis round
+trip: on a machine whose cores the workers keep busy it costs more than on an idle one). Then a
+workload with no shared prefixes (KV-aware must not cost throughput), the KV index's match
+latency for 128 and 1,024 blocks on an idle machine, and its write throughput.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +54,7 @@ class PolicyResult:
     itls: list[float] = field(default_factory=list)  # decode stalls show in the tail
     wall: float = 0.0
     errors: int = 0
+    lookup_s: float | None = None  # mean KV index match at the gateway, under this load
 
 
 class Oracle:
@@ -147,10 +151,20 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
         assert model_dir is not None
         tokenizer = Tokenizer(model_dir)
         oracle = Oracle(config.block_size, namespace_salt(model_dir.name))
-        return asyncio.run(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
-                                        seed=1, multi_turn=multi_turn))
+        result = asyncio.run(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
+                                          seed=1, multi_turn=multi_turn))
+        result.lookup_s = mean_lookup_seconds(mesh.url)
+        return result
     finally:
         mesh.stop()
+
+
+def mean_lookup_seconds(url: str) -> float | None:
+    """The gateway's mean KV index match time, from its Prometheus histogram."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = {name: float(value) for name, value in re.findall(
+        r"^evenflow_kv_lookup_seconds_(sum|count) (\S+)$", text, re.MULTILINE)}
+    return found["sum"] / found["count"] if found.get("count") else None
 
 
 async def match_latency(blocks: int, members: int = 16,
@@ -289,15 +303,16 @@ def main(argv: list[str] | None = None) -> int:
           f"({'real ' + args.model if args.real else 'mock engine'})\n")
     results = {p: run_policy(p, args, w, True) for p in policies}
     print(f"{'policy':12} {'hit rate':>9} {'oracle':>7} {'of oracle':>9} {'prefill tok':>11} "
-          f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p99':>9} {'tok/s':>8} {'errors':>6}")
+          f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p99':>9} {'tok/s':>8} {'errors':>6} "
+          f"{'match avg':>9}")
     for p, r in results.items():
         hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
         oracle = r.oracle_tokens / r.prompt_tokens if r.prompt_tokens else 0
         print(f"{p:12} {hit:9.3f} {oracle:7.3f} {hit / oracle if oracle else 0:9.2f} "
               f"{r.prompt_tokens - r.cached_tokens:11d} {percentile(r.ttfts, 50) * 1e3:8.1f}ms "
               f"{percentile(r.ttfts, 90) * 1e3:8.1f}ms {percentile(r.itls, 99) * 1e3:7.1f}ms "
-              f"{r.output_tokens / r.wall:8.1f} "
-              f"{r.errors:6d}")
+              f"{r.output_tokens / r.wall:8.1f} {r.errors:6d} "
+              f"{'-' if r.lookup_s is None else f'{r.lookup_s * 1e3:.2f}ms':>9}")
     if "round_robin" in results and "kv" in results:
         rr, kv = results["round_robin"], results["kv"]
         ttft_ratio = percentile(kv.ttfts, 50) / percentile(rr.ttfts, 50)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +46,8 @@ from evenflow.services.metrics import (
     PROMPT_TOKENS,
     ROUTING_DECISIONS,
 )
+
+log = logging.getLogger(__name__)
 
 
 class MeshError(Exception):
@@ -82,6 +85,12 @@ class Mesh:
         await self.bus.connect(self.config.nats_url)
         await self.bus.subscribe(self.inbox, self._on_inbox)
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
+        if self.kv is not None and self.config.router == "kv":
+            try:
+                await self.kv.warm_up()
+            except Exception as exc:  # Redis down: route by load until it is back
+                log.warning("KV index not reachable at start (%s); routing by load until it is",
+                            exc)
 
     async def close(self) -> None:
         await self.bus.close()

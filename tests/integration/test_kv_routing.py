@@ -116,6 +116,8 @@ def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(lambda i: complete(kv_mesh, shared + [5 + i] * 20), range(8)))
     hits = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit") - before
+    # The gateway opened its Redis connections at start: no first lookup timed out.
+    assert metric(kv_mesh, "evenflow_routing_decisions_total", reason="redis_unavailable") == 0
     assert hits >= 6  # all but the first (and one spill-over under the load term) hit
     cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
     # One worker computes the prefix once; a spill-over may compute it once more elsewhere.
