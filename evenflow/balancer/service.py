@@ -55,6 +55,8 @@ class BalancerService(WorkerService):
         self.history: dict[int, torch.Tensor] = {}  # recent versions' phy2log
         self.worker_versions: dict[str, int] = {}
         self.redis = connect_redis(cfg.redis_url) if cfg.redis_url else None
+        self._store_lock = asyncio.Lock()
+        self.stored_version = 0  # the newest version known to be in Redis
         await self._restore()
         if cfg.balancer_metrics_port:
             start_http_server(cfg.balancer_metrics_port, addr="127.0.0.1")
@@ -81,6 +83,7 @@ class BalancerService(WorkerService):
         stored = decode_message(raw) if raw else None
         if isinstance(stored, ExpertPlacement):
             self._adopt(stored)
+            self.stored_version = stored.version
             log.info("restored placement version %d", stored.version)
 
     def _adopt(self, p: ExpertPlacement) -> None:
@@ -97,11 +100,14 @@ class BalancerService(WorkerService):
                                self.shares.flatten().tolist())
 
     async def _announce(self) -> None:
-        """Re-publish the placement in force now and then, for workers that joined late."""
+        """Re-publish the placement in force now and then, for workers that joined late, and
+        store it again if an earlier store failed."""
         while True:
             await asyncio.sleep(2.0)
             if self.version > 0:
                 self.send(subjects.EXPERT_PLACEMENT, self._message())
+                if self.stored_version < self.version:
+                    await self._store_newest()
 
     def _on_load(self, message: Message, _ctx: object) -> None:
         if not isinstance(message, ExpertLoad) or message.num_slots == 0:
@@ -152,12 +158,24 @@ class BalancerService(WorkerService):
         VERSION.set(self.version)
         log.info("placement %d: balancedness %.3f -> %.3f, %d slots moved", self.version,
                  before, after, moved)
-        message = self._message()
-        self.send(subjects.EXPERT_PLACEMENT, message)
-        if self.redis is not None:
-            task = asyncio.ensure_future(self._store(message))
-            task.add_done_callback(lambda t: t.exception())
+        self.send(subjects.EXPERT_PLACEMENT, self._message())
+        task = asyncio.ensure_future(self._store_newest())
+        task.add_done_callback(lambda t: t.exception())
 
-    async def _store(self, message: ExpertPlacement) -> None:
-        assert self.redis is not None
-        await self.redis.set(PLACEMENT_KEY, encode_message(message))
+    async def _store_newest(self) -> None:
+        """Store the placement in force. One store at a time, each writing the newest version
+        when its turn comes: two quick rebalances cannot leave the older one in Redis. A failed
+        store (Redis down) is retried by the announcer."""
+        if self.redis is None:
+            return
+        async with self._store_lock:
+            if self.stored_version >= self.version:
+                return
+            message = self._message()
+            try:
+                await self.redis.set(PLACEMENT_KEY, encode_message(message))
+            except Exception as exc:
+                log.warning("could not store placement %d (%s); retrying later",
+                            message.version, exc)
+                return
+            self.stored_version = message.version
