@@ -11,6 +11,7 @@ ratios measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -73,6 +74,16 @@ def run_ours(ckpt: str, threads: int, plan: dict) -> dict:
     first, second = (prefix + s for s in _prompts(2, 64, vocab, 8))
     result["ttft_uncached_ms"] = sum(run([first], 1)) * 1e3
     result["ttft_cached_ms"] = sum(run([second], 1)) * 1e3
+    # A burst sharing a new prefix, submitted together: computed once (deferral) or by each.
+    for defer in (False, True):
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
+                                                      defer_shared_prefill=defer)
+        times = []
+        for r in range(plan["reps"]):
+            shared = _prompts(1, plan["prefix"], vocab, 70 + 2 * r + defer)[0]
+            burst = [shared + s for s in _prompts(8, 64, vocab, 80 + r)]
+            times.append(sum(run(burst, 1)))
+        result[f"burst_ms_{'defer' if defer else 'each'}"] = statistics.median(times) * 1e3
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
 
@@ -161,6 +172,10 @@ def _table(ours: dict, ref: dict | None, plan: dict) -> str:
     cache_speedup = ours["ttft_uncached_ms"] / ours["ttft_cached_ms"]
     lines.append(f"prefix cache: cached TTFT is {cache_speedup:.1f}x"
                  " faster than uncached (same engine, same prompt length)")
+    each, defer = ours["burst_ms_each"], ours["burst_ms_defer"]
+    lines.append(f"burst of 8 prompts sharing a new {plan['prefix']}-token prefix, submitted "
+                 f"together: {defer:.1f} ms with in-step prefix deferral, {each:.1f} ms with "
+                 f"every request computing it ({defer / each:.2f}x)")
     return "\n".join(lines)
 
 

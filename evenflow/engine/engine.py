@@ -54,6 +54,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, at most 8192
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
     enable_prefix_caching: bool = True
+    # A request whose next block another request is computing waits a step and hits the cache
+    # (a burst sharing a new prefix computes it once); off only to measure what it saves.
+    defer_shared_prefill: bool = True
     # Expert parallelism (virtual ranks inside this process): 0 ranks = no placement; slots =
     # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
     num_ep_ranks: int = 0
@@ -105,7 +108,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, salt,
                                    config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.defer_shared_prefill),
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
         self.placement_version = 0

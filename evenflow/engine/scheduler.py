@@ -23,6 +23,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running sequences
     max_num_batched_tokens: int = 2048  # token budget per step
     max_model_len: int = 4096
+    # A waiting sequence whose next block a running one is computing waits a step for the hit.
+    defer_shared_prefill: bool = True
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -72,7 +74,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        in_flight = self._blocks_in_flight()
+        in_flight = self._blocks_in_flight() if self.config.defer_shared_prefill else None
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -89,7 +91,8 @@ class Scheduler:
                 budget -= chunks[-1].num_tokens
                 continue
             hits = self.blocks.prefix_hits(seq)
-            if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in in_flight:
+            if (in_flight is not None and len(hits) < len(seq.block_hashes)
+                    and seq.block_hashes[len(hits)] in in_flight):
                 # Its next block is being computed for another sequence: wait for the cache hit
                 # instead of computing it twice (a burst of requests sharing a new prefix).
                 deferred.append(self.waiting.popleft())
@@ -104,7 +107,8 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-            in_flight.update(seq.block_hashes[len(hits):])
+            if in_flight is not None:
+                in_flight.update(seq.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
