@@ -37,7 +37,9 @@ def test_up_serves_and_ctrl_c_stops_everything():
             if match := re.search(r"at (http://\S+)", line):
                 url = match.group(1)
         assert url, "evenflow up printed no URL"
-        assert httpx.get(url + "/health").status_code == 200
+        health = httpx.get(url + "/health")  # printed once every worker started is live
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "workers": {"prefill": 1, "decode": 1}}
         out = httpx.post(url + "/v1/completions", json={
             "model": "tiny-moe", "prompt": "count from 7 :", "max_tokens": 3, "temperature": 0})
         assert out.json()["choices"][0]["text"].split() == ["7", "8", "9"]
