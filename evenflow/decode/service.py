@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +76,8 @@ class DecodeWorker(WorkerService):
             self.worker_id, "decode" if not self.draining else "draining", self.config.model_name,
             self.engine.num_running, self.engine.num_waiting, self._free_blocks(),
             self.engine.blocks.num_blocks, 0, time.time(), self.epoch, self.kv_bytes_received,
-            self.kv_transfer_seconds)
+            self.kv_transfer_seconds,
+            dict(Counter(a.reply_subject for a in self.active.values())))
 
     def busy(self) -> bool:
         return bool(self.active or self.transfers)

@@ -72,7 +72,7 @@ class Mesh:
         self.bus = Bus(f"gateway-{self.gateway_id}")
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
-            config.load_cap_blocks, config.router_temperature))
+            config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)
         self.kv = KVIndexClient(config.redis_url) if config.redis_url else None
         self.flights: dict[str, _Flight] = {}
         # This gateway's own recent predictions, block hash -> {worker_id: expiry}: concurrent

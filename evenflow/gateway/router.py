@@ -2,11 +2,11 @@
 
 KV-aware routing (Dynamo's form): cost = w * blocks_to_prefill + load, in block units, where
 blocks_to_prefill is what the worker would still compute after its cached prefix (from the KV
-index) and load the larger of its queued work by its last heartbeat and this gateway's in-flight
-work there (fresher, but blind to other gateways; summing them would count most requests
-twice). Workers much busier than the idlest (load_cap_blocks) are skipped, so one hot prefix
-cannot pile everything onto one worker.
-`least_load` and `round_robin` are there to compare against.
+index) and load this gateway's in-flight work there (exact and fresh) plus the other gateways'
+share of the work its last heartbeat reports (heartbeats say how much each gateway has there;
+counting our own from a heartbeat too would count it twice, and stale). Workers much busier
+than the idlest (load_cap_blocks) are skipped, so one hot prefix cannot pile everything onto
+one worker. `least_load` and `round_robin` are there to compare against.
 """
 
 from __future__ import annotations
@@ -62,10 +62,20 @@ def choose(candidates: list[WorkerState], total_blocks: int, matched: dict[str, 
     return rng.choices(capped, weights=probs)[0]
 
 
+def others_load(hb: WorkerHeartbeat, own: str) -> int | None:
+    """The load a heartbeat reports for gateways other than `own` (None: no per-gateway split,
+    so only the total is known)."""
+    if not hb.load_by_gateway:
+        return None
+    return sum(n for gateway, n in hb.load_by_gateway.items() if gateway != own)
+
+
 class WorkerRegistry:
-    def __init__(self, timeout_s: float, weights: RouterWeights | None = None) -> None:
+    def __init__(self, timeout_s: float, weights: RouterWeights | None = None,
+                 own_subject: str = "") -> None:
         self.timeout_s = timeout_s
         self.weights = weights or RouterWeights()
+        self.own_subject = own_subject  # this gateway's reply subject, as heartbeats name it
         self.workers: dict[str, WorkerState] = {}
         self._rng = random.Random(0)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -102,13 +112,21 @@ class WorkerRegistry:
         against load (it can prefill the rest locally)."""
         candidates = [s for s in self.live("decode") if s.worker_id not in exclude
                       and s.heartbeat.free_kv_blocks >= total_blocks + 1]
-        load = {s.worker_id: self.weights.decode_load * max(
-            s.heartbeat.running + s.heartbeat.waiting, s.inflight) for s in candidates}
+        load = {}
+        for s in candidates:
+            others = others_load(s.heartbeat, self.own_subject)
+            sequences = (s.inflight + others if others is not None
+                         else max(s.heartbeat.running + s.heartbeat.waiting, s.inflight))
+            load[s.worker_id] = self.weights.decode_load * sequences
         return self._pick("decode", candidates, total_blocks, matched, load)
 
     def pick_prefill(self, total_blocks: int, matched: dict[str, int],
                      block_size: int) -> WorkerState | None:
         candidates = self.live("prefill")
-        load = {s.worker_id: max(s.heartbeat.queued_prompt_tokens / block_size,
-                                 s.inflight_blocks) for s in candidates}
+        load = {}
+        for s in candidates:
+            others = others_load(s.heartbeat, self.own_subject)
+            load[s.worker_id] = (s.inflight_blocks + others / block_size if others is not None
+                                 else max(s.heartbeat.queued_prompt_tokens / block_size,
+                                          s.inflight_blocks))
         return self._pick("prefill", candidates, total_blocks, matched, load)

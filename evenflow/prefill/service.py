@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -77,11 +78,15 @@ class PrefillWorker(WorkerService):
 
     def heartbeat(self) -> WorkerHeartbeat:
         queued = self._queued_prompt_tokens()
+        by_gateway: dict[str, int] = defaultdict(int)
+        for p in self.pending.values():
+            if not p.awaiting_kv:
+                by_gateway[p.request.reply_subject] += len(p.request.prompt_token_ids)
         return WorkerHeartbeat(
             self.worker_id, "prefill" if not self.draining else "draining",
             self.config.model_name, self.engine.num_running, self.engine.num_waiting,
             self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks, queued, time.time(),
-            self.epoch)
+            self.epoch, load_by_gateway=dict(by_gateway))
 
     def busy(self) -> bool:
         return bool(self.pending)

@@ -213,7 +213,7 @@ class ExpertPlacement:
 @dataclass(frozen=True)
 class WorkerHeartbeat:
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: str
     role: str  # "prefill" | "decode"
     model: str
@@ -226,6 +226,9 @@ class WorkerHeartbeat:
     epoch: str = ""  # changes when the worker restarts (its KV index entries go with it)
     kv_bytes_received: int = 0  # decode workers: cumulative KV bytes imported
     kv_transfer_seconds: float = 0.0  # decode: cumulative export start -> transfer complete
+    # Each gateway's share of the load above, by its reply subject (decode: requests; prefill:
+    # queued prompt tokens), so a gateway can add its own fresher count to the others' share.
+    load_by_gateway: dict[str, int] = field(default_factory=dict)
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
@@ -305,6 +308,11 @@ def _check_types(obj: Any) -> None:
         elif base == "list[int]":
             if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
                 raise TypeError(f"{f.name} must be a list of ints")
+        elif base == "dict[str,int]":
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                    for k, v in value.items()):
+                raise TypeError(f"{f.name} must map strings to ints")
         elif base == "list[float]":
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) for v in value):
                 raise TypeError(f"{f.name} must be a list of numbers")

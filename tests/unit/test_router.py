@@ -10,10 +10,11 @@ from evenflow.proto.messages import WorkerHeartbeat
 
 
 def worker(name: str, role: str = "prefill", queued_tokens: int = 0, running: int = 0,
-           free_blocks: int = 1000) -> WorkerState:
+           free_blocks: int = 1000, by_gateway: dict[str, int] | None = None) -> WorkerState:
     hb = WorkerHeartbeat(worker_id=name, role=role, model="m", running=running, waiting=0,
                          free_kv_blocks=free_blocks, total_kv_blocks=1000,
-                         queued_prompt_tokens=queued_tokens, sent_at=0.0, epoch="e")
+                         queued_prompt_tokens=queued_tokens, sent_at=0.0, epoch="e",
+                         load_by_gateway=by_gateway or {})
     return WorkerState(hb, 0.0)
 
 
@@ -79,3 +80,19 @@ def test_in_flight_requests_already_in_a_heartbeat_count_once():
     registry.workers["d0"].inflight = 2  # the two the heartbeat reports
     registry.workers["d1"].inflight = 3  # routed since its last heartbeat
     assert registry.pick_decode(4, {}, exclude=set()).worker_id == "d0"
+
+
+def test_own_requests_count_from_the_gateway_others_from_the_heartbeat():
+    registry = WorkerRegistry(timeout_s=60, weights=RouterWeights(policy="least_load"),
+                              own_subject="me")
+    # d0's heartbeat still shows two of ours that have finished since, and one of another
+    # gateway's; d1 has two of ours that its heartbeat has not reported yet.
+    registry.observe(worker("d0", "decode", running=3, by_gateway={"me": 2, "gw2": 1}).heartbeat)
+    registry.observe(worker("d1", "decode").heartbeat)
+    registry.workers["d1"].inflight = 2
+    assert registry.pick_decode(4, {}, exclude=set()).worker_id == "d0"  # 1 against 2
+    registry.observe(worker("p0", queued_tokens=640, by_gateway={"gw2": 640}).heartbeat)
+    registry.observe(worker("p1", queued_tokens=320, by_gateway={"me": 320}).heartbeat)
+    registry.workers["p1"].inflight_blocks = 30
+    # p0: another gateway's 40 blocks; p1: our 30 in flight (its heartbeat's 20 included).
+    assert registry.pick_prefill(4, {}, block_size=16).worker_id == "p1"
