@@ -74,7 +74,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        in_flight = self._blocks_in_flight() if self.config.defer_shared_prefill else None
+        in_flight = (self._blocks_in_flight()
+                     if self.config.defer_shared_prefill and self.waiting else None)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

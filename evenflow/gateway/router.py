@@ -62,12 +62,15 @@ def choose(candidates: list[WorkerState], total_blocks: int, matched: dict[str, 
     return rng.choices(capped, weights=probs)[0]
 
 
-def others_load(hb: WorkerHeartbeat, own: str) -> int | None:
-    """The load a heartbeat reports for gateways other than `own` (None: no per-gateway split,
-    so only the total is known)."""
+def current_load(hb: WorkerHeartbeat, own: str, own_load: float, reported: int,
+                 per_unit: float = 1.0) -> float:
+    """This gateway's own load on a worker (fresh) plus what the worker's heartbeat reports for
+    the other gateways, in heartbeat units / per_unit. A heartbeat with no per-gateway split
+    (an idle worker) gives only its total, `reported`: then the larger of the two."""
     if not hb.load_by_gateway:
-        return None
-    return sum(n for gateway, n in hb.load_by_gateway.items() if gateway != own)
+        return max(reported / per_unit, own_load)
+    others = sum(n for gateway, n in hb.load_by_gateway.items() if gateway != own)
+    return own_load + others / per_unit
 
 
 class WorkerRegistry:
@@ -112,21 +115,15 @@ class WorkerRegistry:
         against load (it can prefill the rest locally)."""
         candidates = [s for s in self.live("decode") if s.worker_id not in exclude
                       and s.heartbeat.free_kv_blocks >= total_blocks + 1]
-        load = {}
-        for s in candidates:
-            others = others_load(s.heartbeat, self.own_subject)
-            sequences = (s.inflight + others if others is not None
-                         else max(s.heartbeat.running + s.heartbeat.waiting, s.inflight))
-            load[s.worker_id] = self.weights.decode_load * sequences
+        load = {s.worker_id: self.weights.decode_load * current_load(
+            s.heartbeat, self.own_subject, s.inflight, s.heartbeat.running + s.heartbeat.waiting)
+            for s in candidates}
         return self._pick("decode", candidates, total_blocks, matched, load)
 
     def pick_prefill(self, total_blocks: int, matched: dict[str, int],
                      block_size: int) -> WorkerState | None:
         candidates = self.live("prefill")
-        load = {}
-        for s in candidates:
-            others = others_load(s.heartbeat, self.own_subject)
-            load[s.worker_id] = (s.inflight_blocks + others / block_size if others is not None
-                                 else max(s.heartbeat.queued_prompt_tokens / block_size,
-                                          s.inflight_blocks))
+        load = {s.worker_id: current_load(s.heartbeat, self.own_subject, s.inflight_blocks,
+                                          s.heartbeat.queued_prompt_tokens, block_size)
+                for s in candidates}
         return self._pick("prefill", candidates, total_blocks, matched, load)

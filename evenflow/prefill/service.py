@@ -71,22 +71,25 @@ class PrefillWorker(WorkerService):
         await self.serve_engine(engine, self._on_outputs)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
 
-    def _queued_prompt_tokens(self) -> int:
-        """Prompt tokens not yet computed (requests only waiting for their K/V copy excluded)."""
-        return sum(len(p.request.prompt_token_ids) for p in self.pending.values()
-                   if not p.awaiting_kv)
-
-    def heartbeat(self) -> WorkerHeartbeat:
-        queued = self._queued_prompt_tokens()
-        by_gateway: dict[str, int] = defaultdict(int)
+    def _queued_by_gateway(self) -> dict[str, int]:
+        """Prompt tokens not yet computed (requests only waiting for their K/V copy excluded),
+        by the gateway (reply subject) that sent them."""
+        queued: dict[str, int] = defaultdict(int)
         for p in self.pending.values():
             if not p.awaiting_kv:
-                by_gateway[p.request.reply_subject] += len(p.request.prompt_token_ids)
+                queued[p.request.reply_subject] += len(p.request.prompt_token_ids)
+        return dict(queued)
+
+    def _queued_prompt_tokens(self) -> int:
+        return sum(self._queued_by_gateway().values())
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        by_gateway = self._queued_by_gateway()
         return WorkerHeartbeat(
             self.worker_id, "prefill" if not self.draining else "draining",
             self.config.model_name, self.engine.num_running, self.engine.num_waiting,
-            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks, queued, time.time(),
-            self.epoch, load_by_gateway=dict(by_gateway))
+            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks,
+            sum(by_gateway.values()), time.time(), self.epoch, load_by_gateway=by_gateway)
 
     def busy(self) -> bool:
         return bool(self.pending)
