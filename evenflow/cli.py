@@ -99,6 +99,10 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.serve_bench import main as bench_serve
 
         return bench_serve(args.rest)
+    if args.what == "wire":
+        from evenflow.bench.wire_bench import main as bench_wire
+
+        return bench_wire(args.rest)
     print(f"evenflow bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb"])
+    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -18,7 +18,7 @@ from evenflow import models
 from evenflow.balancer.eplb import balancedness, rebalance_from, replica_shares, slots_moved
 from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
 from evenflow.proto import subjects
-from evenflow.proto.messages import ExpertLoad, ExpertPlacement, Message, WorkerHeartbeat
+from evenflow.proto.messages import ExpertLoad, ExpertPlacement, Message, Role
 from evenflow.proto.messages import decode as decode_message
 from evenflow.proto.messages import encode as encode_message
 from evenflow.services.redis_conn import connect_redis
@@ -36,7 +36,7 @@ ACKED = Gauge("evenflow_eplb_workers_on_version", "Workers reporting load under 
 
 
 class BalancerService(WorkerService):
-    role = "balancer"
+    role = Role.BALANCER
     MIN_GAIN = 0.01  # a new placement must raise balancedness by this much
 
     async def start(self) -> None:
@@ -62,10 +62,6 @@ class BalancerService(WorkerService):
             start_http_server(cfg.balancer_metrics_port, addr="127.0.0.1")
         self._announcer = asyncio.create_task(self._announce(), name="announce placement")
         await self.bus.subscribe(subjects.EXPERT_LOAD, self._on_load)
-
-    def heartbeat(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(self.worker_id, self.role, self.config.model_name, 0, 0, 0, 0, 0,
-                               time.time(), self.epoch)
 
     async def shutdown(self) -> None:
         self._announcer.cancel()
@@ -96,8 +92,9 @@ class BalancerService(WorkerService):
     def _message(self) -> ExpertPlacement:
         assert self.phy2log is not None and self.shares is not None
         L, P = self.phy2log.shape
-        return ExpertPlacement(self.version, L, P, self.phy2log.flatten().tolist(),
-                               self.shares.flatten().tolist())
+        return ExpertPlacement(version=self.version, num_layers=L, num_slots=P,
+                               phy2log=self.phy2log.flatten().tolist(),
+                               shares=self.shares.flatten().tolist())
 
     async def _announce(self) -> None:
         """Re-publish the placement in force now and then, for workers that joined late, and

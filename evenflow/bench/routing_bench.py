@@ -209,7 +209,7 @@ async def write_throughput(events: int = 50_000, per_message: int = 100) -> floa
 
     from evenflow.kv_index import store
     from evenflow.proto import subjects
-    from evenflow.proto.messages import STORED, KVEvent, KVEvents, encode
+    from evenflow.proto.messages import BlockStored, KVEvents, Role, encode
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import start_nats, start_redis
 
@@ -229,7 +229,8 @@ async def write_throughput(events: int = 50_000, per_message: int = 100) -> floa
         for seq, first in enumerate(range(0, events, per_message), start=1):
             batch = hashes[first : first + per_message]
             await nc.publish(subjects.KV_EVENTS, encode(KVEvents(
-                "bench", "prefill", "e1", seq, [KVEvent(STORED, batch, 0)])))
+                worker_id="bench", role=Role.PREFILL, epoch="e1", seq=seq,
+                events=[BlockStored(block_hashes=batch)])))
         await nc.flush()
         member = store.member_of("bench", "e1")
         while not await r.sismember(store.block_key(hashes[-1]), member):

@@ -11,14 +11,16 @@ if TYPE_CHECKING:
 
 
 def create_engine(kind: str, config: EngineConfig,
-                  kv_event_listener: KVEventListener | None = None) -> Engine:
-    """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model."""
+                  kv_event_listener: KVEventListener | None = None,
+                  collect_kv_events: bool = False) -> Engine:
+    """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model.
+    A serving engine collects its KV events for take_kv_events() (collect_kv_events)."""
     if kind == "torch":
         from evenflow.engine.engine import Engine
 
-        return Engine(config, kv_event_listener)
+        return Engine(config, kv_event_listener, collect_kv_events)
     if kind == "mock":
         from evenflow.engine.mock import MockEngine
 
-        return MockEngine(config, kv_event_listener)
+        return MockEngine(config, kv_event_listener, collect_kv_events)
     raise ValueError(f"unknown engine {kind!r}: torch or mock")

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from evenflow.engine.sequence import Sequence
 from evenflow.proto.hashing import ROOT_PARENT, block_hash
-from evenflow.proto.messages import REMOVED, STORED, KVEvent
+from evenflow.proto.messages import BlockRemoved, BlockStored, KVCacheEvent
 
-KVEventListener = Callable[[list[KVEvent]], None]
+KVEventListener = Callable[[list[KVCacheEvent]], None]
 
 
 class BlockManager:
@@ -29,7 +29,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         # Blocks with no user, oldest first; cached ones among them are evictable prefix hits.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.pending_events: list[KVEvent] = []
+        self.pending_events: list[KVCacheEvent] = []
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -99,23 +99,28 @@ class BlockManager:
         self.update_hashes(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         run: list[int] = []  # a contiguous run of newly stored blocks
-        run_parent = ROOT_PARENT
+        run_start = 0
         for i in range(full):
             block, h = seq.block_table[i], seq.block_hashes[i]
             # Already registered, or computed twice by concurrent requests (keep the first copy).
             if self.block_hash[block] is not None or h in self.cached:
-                self._flush_run(run, run_parent)
+                self._flush_run(seq, run, run_start)
                 run = []
                 continue
             self.block_hash[block], self.cached[h] = h, block
             if not run:
-                run_parent = seq.block_hashes[i - 1] if i else ROOT_PARENT
+                run_start = i
             run.append(h)
-        self._flush_run(run, run_parent)
+        self._flush_run(seq, run, run_start)
 
-    def _flush_run(self, run: list[int], parent: int) -> None:
+    def _flush_run(self, seq: Sequence, run: list[int], start: int) -> None:
+        """A BlockStored event (vLLM's schema) for blocks [start, start + len(run))."""
         if run:
-            self.pending_events.append(KVEvent(STORED, run, parent))
+            bs = self.block_size
+            parent = seq.block_hashes[start - 1] if start else None
+            self.pending_events.append(BlockStored(
+                block_hashes=run, parent_block_hash=parent, block_size=bs,
+                token_ids=seq.token_ids[start * bs : (start + len(run)) * bs]))
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; its tail blocks become the first to be evicted."""
@@ -132,13 +137,14 @@ class BlockManager:
         for block in self.free:
             self._uncache(block)
         if gone:
-            self.pending_events.append(KVEvent(REMOVED, [h for h in gone if h is not None]))
+            self.pending_events.append(BlockRemoved(
+                block_hashes=[h for h in gone if h is not None]))
 
     def cached_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds (in use or free), for a KV-index resync."""
         return list(self.cached)
 
-    def take_events(self) -> list[KVEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         events, self.pending_events = self.pending_events, []
         return events
 
@@ -146,7 +152,7 @@ class BlockManager:
         h = self.block_hash[block]
         if h is not None:
             self._uncache(block)
-            self.pending_events.append(KVEvent(REMOVED, [h]))
+            self.pending_events.append(BlockRemoved(block_hashes=[h]))
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

@@ -21,6 +21,8 @@ from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
 from evenflow.proto.hashing import namespace_salt
+from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
+from evenflow.proto.messages import KVCacheEvent, SamplingSpec
 
 
 def resolve_model(model: str) -> Path:
@@ -84,13 +86,18 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     # export_kv requests: the finishing output says kv_follows, and the prompt's K/V comes in
-    # the next step's output for the same request (so the first token is not held up by it).
-    kv: torch.Tensor | None = None
+    # the next step's output for the same request (so the first token is not held up by it),
+    # in the hand-off layout (proto/kv_handoff.py).
+    kv: KVPayload | None = None
     kv_follows: bool = False
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None):
+    """The real engine; it implements services/engine_api.py's ServingEngine (what services may
+    ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
+
+    def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
+                 collect_kv_events: bool = False):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -123,6 +130,9 @@ class Engine:
             self.apply_placement(initial, None, version=0)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.kv_event_listener = kv_event_listener
+        # Without a listener, a serving engine keeps its cache's events for take_kv_events().
+        self.collect_kv_events = collect_kv_events
+        self._kv_events: list[KVCacheEvent] = []
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._exports: list[Sequence] = []  # finished export_kv requests, blocks still held
@@ -161,6 +171,15 @@ class Engine:
         self.apply_placement(torch.tensor(phy2log).view(shape),
                              torch.tensor(shares, dtype=torch.float32).view(shape), version)
 
+    def apply_expert_placement(self, version: int, phy2log: list[int],
+                               shares: list[float]) -> None:
+        """The serving interface's name for apply_placement_rows."""
+        self.apply_placement_rows(version, phy2log, shares)
+
+    def take_expert_load(self) -> tuple[int, int, list[int]]:
+        """The serving interface's name for take_slot_counts_rows."""
+        return self.take_slot_counts_rows()
+
     def take_slot_counts_rows(self) -> tuple[int, int, list[int]]:
         """(layers, slots, row-major counts) since the last call."""
         counts = self.take_slot_counts()
@@ -180,7 +199,7 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, export_kv: bool = False) -> None:
+                    params: SamplingParams | SamplingSpec, export_kv: bool = False) -> None:
         """Queue a request; raises ValueError naming the problem if it cannot be served.
         With export_kv, its finishing StepOutput says kv_follows, and the next step() returns
         the prompt's K/V (see read_kv) for it, before any new forward pass."""
@@ -198,14 +217,14 @@ class Engine:
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"the prompt needs more KV blocks than the cache has "
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                       export_kv=export_kv)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
+                       _sampling_params(params), export_kv=export_kv)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
-                              first_token_id: int, params: SamplingParams, kv: torch.Tensor,
-                              num_cached_tokens: int = 0) -> None:
+                              first_token_id: int, params: SamplingParams | SamplingSpec,
+                              kv: KVPayload, num_cached_tokens: int = 0) -> None:
         """Continue a request another engine prefilled: its prompt's K/V (as exported by
         add_request(export_kv=True)) and the first token it sampled. Decoding starts at the next
         step that has room; raises ValueError if the K/V does not fit this engine's layout."""
@@ -216,12 +235,17 @@ class Engine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
         expected = self.runner.kv_shape(self.blocks.blocks_needed(len(prompt_token_ids)))
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"K/V of shape {tuple(kv.shape)} does not match {expected}")
+        if kv.shape != expected or kv.dtype != self.kv_dtype_name:
+            raise KVHandoffError(f"K/V {kv.dtype} {kv.shape} does not match this engine's "
+                                 f"{self.kv_dtype_name} {expected}")
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError("the prompt needs more KV blocks than the cache has")
+        tensor = torch.frombuffer(kv.data, dtype=torch.uint8) if len(kv.data) else torch.empty(
+            0, dtype=torch.uint8)
         seq = Sequence(request_id, [*prompt_token_ids, first_token_id], len(prompt_token_ids),
-                       params, pending_kv=kv, num_cached_tokens=num_cached_tokens)
+                       _sampling_params(params),
+                       pending_kv=tensor.view(self.kv_dtype).view(expected),
+                       num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -229,6 +253,39 @@ class Engine:
     @property
     def kv_dtype(self) -> torch.dtype:
         return self.runner.kv_caches[0][0].dtype
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's shape in the hand-off layout (proto/kv_handoff.py)."""
+        return tuple(self.runner.kv_shape(1)[1:])
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.blocks.blocks_needed(num_tokens)
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds, for a KV-index resync."""
+        return self.blocks.cached_hashes()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The cache's changes since the last call (collect_kv_events engines)."""
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary; False if it is unknown or done."""
@@ -290,6 +347,8 @@ class Engine:
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)
+        elif events and self.collect_kv_events:
+            self._kv_events.extend(events)
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -304,14 +363,25 @@ class Engine:
         outputs = []
         for seq in self._exports:
             prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
-            kv = self.runner.read_kv(seq.block_table[:prompt_blocks])
+            kv = self.runner.read_kv(seq.block_table[:prompt_blocks]).contiguous()
             self.blocks.free_sequence(seq)
-            outputs.append(self._output(seq, [], kv))
+            raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1))  # a view, no copy
+            outputs.append(self._output(seq, [], KVPayload(
+                raw, self.kv_dtype_name, prompt_blocks, tuple(kv.shape[1:]))))
         self._exports = []
         return outputs
 
     @staticmethod
-    def _output(seq: Sequence, new: list[int], kv: torch.Tensor | None = None,
+    def _output(seq: Sequence, new: list[int], kv: KVPayload | None = None,
                 kv_follows: bool = False) -> StepOutput:
         return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
                           seq.num_prompt_tokens, seq.num_cached_tokens, kv, kv_follows)
+
+
+def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
+    """Wire settings -> validated SamplingParams (ValueError naming the field)."""
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)

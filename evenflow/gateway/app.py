@@ -28,7 +28,7 @@ from evenflow.gateway.protocol import (
 )
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
-from evenflow.proto.messages import SamplingSpec
+from evenflow.proto.messages import WORKER_ROLES, SamplingSpec
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import INFLIGHT, REQUESTS, TTFT, render
@@ -112,8 +112,9 @@ class Gateway:
                            f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                            "completion).", param="messages" if kind == "chat" else "prompt",
                            code="context_length_exceeded")
-        spec = SamplingSpec(req.temperature, req.top_p, req.top_k, req.seed, max_tokens,
-                            req.stop_token_ids, req.ignore_eos)
+        spec = SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            seed=req.seed, max_tokens=max_tokens,
+                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         return _Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
                     req.stop_strings, req.stream,
@@ -198,7 +199,7 @@ def create_app(config: MeshConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        workers = {role: len(gw.mesh.registry.live(role)) for role in ("prefill", "decode")}
+        workers = {str(role): len(gw.mesh.registry.live(role)) for role in WORKER_ROLES}
         if gw.mesh.ready():
             return _json({"status": "ok", "workers": workers})
         return _json({"status": "starting", "workers": workers}, 503)

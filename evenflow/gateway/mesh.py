@@ -26,11 +26,13 @@ from evenflow.kv_index.client import KVIndexClient
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
 from evenflow.proto.messages import (
+    WORKER_ROLES,
     Cancel,
     DecodeRequest,
     ErrorMessage,
     Message,
     PrefillRequest,
+    Role,
     SamplingSpec,
     TokenDelta,
     TokenDeltas,
@@ -98,14 +100,14 @@ class Mesh:
             await self.kv.close()
 
     def ready(self) -> bool:
-        if not self.bus.connected or not self.registry.live("decode"):
+        if not self.bus.connected or not self.registry.live(Role.DECODE):
             return False
-        return bool(self.registry.live("prefill")) or self.config.local_prefill_threshold > 0
+        return bool(self.registry.live(Role.PREFILL)) or self.config.local_prefill_threshold > 0
 
     def _on_heartbeat(self, message: Message, _ctx: Context) -> None:
         if isinstance(message, WorkerHeartbeat):
             self.registry.observe(message)
-            for role in ("prefill", "decode"):
+            for role in WORKER_ROLES:
                 LIVE_WORKERS.labels(role=role).set(len(self.registry.live(role)))
 
     def _on_inbox(self, message: Message, _ctx: Context) -> None:
@@ -222,10 +224,14 @@ class Mesh:
                 task.add_done_callback(self._background.discard)
             if local:
                 await self.bus.publish(subjects.decode_worker(flight.decode), DecodeRequest(
-                    request_id, prompt, spec, self.inbox, time.time()))
+                    request_id=request_id, prompt_token_ids=prompt, sampling=spec,
+                    reply_subject=self.inbox, enqueued_at=time.time()))
             else:
-                await self.bus.publish(subjects.prefill_worker(flight.prefill), PrefillRequest(
-                    request_id, prompt, spec, self.inbox, flight.decode, time.time()))
+                assert prefill is not None
+                await self.bus.publish(subjects.prefill_worker(prefill.worker_id), PrefillRequest(
+                    request_id=request_id, prompt_token_ids=prompt, sampling=spec,
+                    reply_subject=self.inbox, decode_worker=decode.worker_id,
+                    enqueued_at=time.time()))
 
     def _release(self, flight: _Flight) -> None:
         for worker_id in (flight.prefill, flight.decode):
@@ -271,8 +277,9 @@ class Mesh:
                     dead = [w for w in (flight.prefill, flight.decode)
                             if w and not self.registry.is_live(w)]
                     if dead:
-                        item = ErrorMessage(request_id, errors.WORKER_ERROR,
-                                            f"worker {dead[0]} stopped responding", True)
+                        item = ErrorMessage(request_id=request_id, code=errors.WORKER_ERROR,
+                                            description=f"worker {dead[0]} stopped responding",
+                                            retryable=True)
                     elif time.monotonic() - last_progress > self.config.request_timeout_s:
                         raise MeshError(errors.WORKER_ERROR, "request timed out") from None
                     else:
@@ -309,5 +316,5 @@ class Mesh:
         """Best effort, without waiting: tell the workers to drop the request."""
         for subject in ([subjects.prefill_worker(flight.prefill)] if flight.prefill else []) + (
                 [subjects.decode_worker(flight.decode)] if flight.decode else []):
-            task = asyncio.ensure_future(self.bus.publish(subject, Cancel(request_id)))
+            task = asyncio.ensure_future(self.bus.publish(subject, Cancel(request_id=request_id)))
             task.add_done_callback(lambda t: t.exception())  # owned: result observed

@@ -17,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from evenflow.proto.messages import WorkerHeartbeat
+from evenflow.proto.messages import Role, WorkerHeartbeat
 
 
 @dataclass
@@ -81,7 +81,7 @@ class WorkerRegistry:
         self.own_subject = own_subject  # this gateway's reply subject, as heartbeats name it
         self.workers: dict[str, WorkerState] = {}
         self._rng = random.Random(0)
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._turns = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
     def observe(self, hb: WorkerHeartbeat) -> None:
         state = self.workers.get(hb.worker_id)
@@ -94,12 +94,14 @@ class WorkerRegistry:
         state = self.workers.get(worker_id)
         return state is not None and time.monotonic() - state.seen_at < self.timeout_s
 
-    def live(self, role: str) -> list[WorkerState]:
+    def live(self, role: Role) -> list[WorkerState]:
+        """Workers of `role` that heartbeat and take new work (not draining)."""
         return sorted((s for s in self.workers.values()
-                       if s.heartbeat.role == role and self.is_live(s.worker_id)),
+                       if s.heartbeat.role == role and not s.heartbeat.draining
+                       and self.is_live(s.worker_id)),
                       key=lambda s: s.worker_id)
 
-    def _pick(self, role: str, candidates: list[WorkerState], total_blocks: int,
+    def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,
               matched: dict[str, int], load: dict[str, float]) -> WorkerState | None:
         if not candidates:
             return None
@@ -113,17 +115,17 @@ class WorkerRegistry:
                     exclude: set[str]) -> WorkerState | None:
         """A decode worker with KV room; with `kv`, one holding the conversation wins ties
         against load (it can prefill the rest locally)."""
-        candidates = [s for s in self.live("decode") if s.worker_id not in exclude
+        candidates = [s for s in self.live(Role.DECODE) if s.worker_id not in exclude
                       and s.heartbeat.free_kv_blocks >= total_blocks + 1]
         load = {s.worker_id: self.weights.decode_load * current_load(
             s.heartbeat, self.own_subject, s.inflight, s.heartbeat.running + s.heartbeat.waiting)
             for s in candidates}
-        return self._pick("decode", candidates, total_blocks, matched, load)
+        return self._pick(Role.DECODE, candidates, total_blocks, matched, load)
 
     def pick_prefill(self, total_blocks: int, matched: dict[str, int],
                      block_size: int) -> WorkerState | None:
-        candidates = self.live("prefill")
+        candidates = self.live(Role.PREFILL)
         load = {s.worker_id: current_load(s.heartbeat, self.own_subject, s.inflight_blocks,
                                           s.heartbeat.queued_prompt_tokens, block_size)
                 for s in candidates}
-        return self._pick("prefill", candidates, total_blocks, matched, load)
+        return self._pick(Role.PREFILL, candidates, total_blocks, matched, load)

@@ -21,13 +21,15 @@ from prometheus_client import Counter
 from evenflow.kv_index import store
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
-    CLEARED,
-    REMOVED,
-    STORED,
+    WORKER_ROLES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     KVEvents,
     KVResyncRequest,
     KVSnapshot,
     Message,
+    Role,
     WorkerHeartbeat,
 )
 from evenflow.services.redis_conn import connect_redis
@@ -49,7 +51,7 @@ class _Member:
 
 
 class KVIndexService(WorkerService):
-    role = "kv_index"
+    role = Role.KV_INDEX
     FLUSH_INTERVAL_S = 0.002
 
     async def start(self) -> None:
@@ -76,8 +78,9 @@ class KVIndexService(WorkerService):
         return None if self.redis_ok else "Redis is unreachable"
 
     def heartbeat(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(self.worker_id, self.role, self.config.model_name, 0, 0, 0, 0, 0,
-                               time.time(), self.epoch)
+        return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
+                               model=self.config.model_name, sent_at=time.time(),
+                               epoch=self.epoch, draining=self.draining)
 
     async def shutdown(self) -> None:
         for task in self._tasks:
@@ -87,7 +90,8 @@ class KVIndexService(WorkerService):
 
     # -- inbound ----------------------------------------------------------------------------
     def _on_heartbeat(self, message: Message, _ctx: object) -> None:
-        if isinstance(message, WorkerHeartbeat) and message.role in ("prefill", "decode"):
+        # A draining worker keeps its lease (its cache still serves until it leaves).
+        if isinstance(message, WorkerHeartbeat) and message.role in WORKER_ROLES:
             member = store.member_of(message.worker_id, message.epoch)
             self.leases[member] = time.time() + self.config.worker_timeout_s
 
@@ -117,14 +121,11 @@ class KVIndexService(WorkerService):
             return
         state.last_seq = msg.seq
         for event in msg.events:
-            ops = {STORED: "add", REMOVED: "rem"}.get(event.kind)
-            if event.kind == CLEARED:
+            if isinstance(event, AllBlocksCleared):
                 self.pending.append(("drop", member, 0, 1))
-                continue
-            if ops is None:
-                continue
-            for h in event.block_hashes:
-                self.pending.append((ops, member, h, 1))
+            elif isinstance(event, BlockStored | BlockRemoved):
+                op = "add" if isinstance(event, BlockStored) else "rem"
+                self.pending.extend((op, member, h, 1) for h in event.block_hashes)
 
     def _on_snapshot(self, snap: KVSnapshot) -> None:
         member, state = self._member(snap.worker_id, snap.epoch)
@@ -139,7 +140,7 @@ class KVIndexService(WorkerService):
             return
         state.resyncing = True
         RESYNCS.labels(reason=reason).inc()
-        self.send(subjects.kv_resync(state.worker_id), KVResyncRequest(state.worker_id))
+        self.send(subjects.kv_resync(state.worker_id), KVResyncRequest(worker_id=state.worker_id))
 
     # -- writing to Redis -------------------------------------------------------------------
     async def _flusher(self) -> None:

@@ -1,6 +1,6 @@
 """Prefill worker: PrefillRequest in -> prompt computed with the local prefix cache -> first
 token straight to the gateway -> the prompt's KV blocks shipped to the chosen decode worker in
-numbered chunks, then KVTransferComplete.
+numbered chunks, then KVTransferComplete (layout and chunking: proto/kv_handoff.py).
 
 Data flow: receive request -> engine thread (batched with other prompts) -> sample first token ->
 emit delta -> (next engine step) export KV -> chunk -> send. The first token never waits for the
@@ -14,15 +14,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from evenflow.engine import create_engine
-from evenflow.engine.engine import EngineConfig, StepOutput
-from evenflow.engine.sampling_params import SamplingParams
-from evenflow.engine.sequence import FinishReason
-from evenflow.proto import errors, subjects
+from evenflow.engine.engine import EngineConfig
+from evenflow.proto import errors, kv_handoff, subjects
 from evenflow.proto.messages import (
     Cancel,
     ErrorMessage,
@@ -30,10 +27,13 @@ from evenflow.proto.messages import (
     KVTransferComplete,
     Message,
     PrefillRequest,
+    Role,
     TokenDelta,
     TokenDeltas,
     WorkerHeartbeat,
 )
+from evenflow.services.engine_api import EngineOutput
+from evenflow.services.engine_thread import Abort, AddRequest, Admitted, Rejected, StepDone
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 
@@ -50,25 +50,14 @@ class _Pending:
     num_cached_tokens: int = 0
 
 
-def kv_to_chunks(kv: torch.Tensor, max_bytes: int) -> list[tuple[int, int, memoryview]]:
-    """Split block-major K/V (blocks, ...) into (first_block, num_blocks, bytes) chunks of at
-    most `max_bytes` (at least one block). The chunks are views: no copy until msgpack packs."""
-    raw = memoryview(kv.contiguous().view(torch.uint8).numpy().reshape(-1))
-    per_block = len(raw) // kv.shape[0]
-    step = max(1, max_bytes // per_block) if per_block else kv.shape[0]  # (mock: no bytes)
-    return [(first, min(step, kv.shape[0] - first),
-             raw[first * per_block : (first + step) * per_block])
-            for first in range(0, kv.shape[0], step)]
-
-
 class PrefillWorker(WorkerService):
-    role = "prefill"
+    role = Role.PREFILL
 
     async def start(self) -> None:
         engine = create_engine(self.config.engine, EngineConfig(**self.config.engine_kwargs()),
-                               self.kv_listener)
+                               collect_kv_events=True)
         self.pending: dict[str, _Pending] = {}
-        await self.serve_engine(engine, self._on_outputs)
+        await self.serve_engine(engine)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
 
     def _queued_by_gateway(self) -> dict[str, int]:
@@ -85,11 +74,11 @@ class PrefillWorker(WorkerService):
 
     def heartbeat(self) -> WorkerHeartbeat:
         by_gateway = self._queued_by_gateway()
-        return WorkerHeartbeat(
-            self.worker_id, "prefill" if not self.draining else "draining",
-            self.config.model_name, self.engine.num_running, self.engine.num_waiting,
-            self.engine.blocks.num_free_blocks, self.engine.blocks.num_blocks,
-            sum(by_gateway.values()), time.time(), self.epoch, load_by_gateway=by_gateway)
+        return dataclasses.replace(
+            super().heartbeat(), running=self.engine.num_running,
+            waiting=self.engine.num_waiting, free_kv_blocks=self.engine.num_free_kv_blocks,
+            total_kv_blocks=self.engine.num_kv_blocks,
+            queued_prompt_tokens=sum(by_gateway.values()), load_by_gateway=by_gateway)
 
     def busy(self) -> bool:
         return bool(self.pending)
@@ -103,7 +92,7 @@ class PrefillWorker(WorkerService):
             self._on_request(message, ctx)
         elif isinstance(message, Cancel):
             if self.pending.pop(message.request_id, None) is not None:
-                self.thread.submit(lambda: self.engine.abort(message.request_id))
+                self.engine_thread.submit(Abort(message.request_id))
 
     def _on_request(self, req: PrefillRequest, ctx: Context) -> None:
         if self.draining:
@@ -112,36 +101,35 @@ class PrefillWorker(WorkerService):
         span = self.tracer.start_span("prefill.queue", context=ctx, attributes={
             "gen_ai.request.id": req.request_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
-        pending = self.pending[req.request_id] = _Pending(req, span, ctx)
-        first_token_only = SamplingParams(**{**dataclasses.asdict(req.sampling), "max_tokens": 1})
+        self.pending[req.request_id] = _Pending(req, span, ctx)
+        first_token_only = dataclasses.replace(req.sampling, max_tokens=1)
+        self.engine_thread.submit(AddRequest(req.request_id, req.prompt_token_ids,
+                                             first_token_only, export_kv=True))
 
-        def admit() -> None:  # on the engine thread
+    def on_admitted(self, event: Admitted) -> None:
+        pending = self.pending.get(event.request_id)
+        if pending is not None:  # end of its queue time, start of its compute
             pending.admitted_ns = time.time_ns()
-            try:
-                self.engine.add_request(req.request_id, req.prompt_token_ids, first_token_only,
-                                        export_kv=True)
-            except ValueError as exc:
-                self.loop.call_soon_threadsafe(self._rejected, req.request_id, str(exc))
 
-        self.thread.submit(admit)
-
-    def _rejected(self, request_id: str, reason: str) -> None:
-        pending = self.pending.pop(request_id, None)
+    def on_rejected(self, event: Rejected) -> None:
+        pending = self.pending.pop(event.request_id, None)
         if pending is not None:
             pending.queue_span.end()
-            self._fail(pending.request, errors.BAD_REQUEST, reason, None)
+            self._fail(pending.request, errors.BAD_REQUEST, event.reason, None)
 
-    def _fail(self, req: PrefillRequest, code: str, description: str, ctx) -> None:
-        self.send(req.reply_subject, ErrorMessage(req.request_id, code, description,
-                                                  code in errors.RETRYABLE), ctx)
+    def _fail(self, req: PrefillRequest, code: str, description: str,
+              ctx: Context | None) -> None:
+        self.send(req.reply_subject, ErrorMessage(
+            request_id=req.request_id, code=code, description=description,
+            retryable=code in errors.RETRYABLE), ctx)
 
     # -- outbound ---------------------------------------------------------------------------
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
+    def on_outputs(self, outputs: StepDone) -> None:
+        for out in outputs.outputs:
             if out.kv is not None:  # the K/V of a request whose first token went out
                 pending = self.pending.pop(out.request_id, None)
                 if pending is not None and pending.awaiting_kv:
-                    self._ship_kv(pending, out)
+                    self._ship_kv(pending, out.kv)
             elif out.finished:
                 pending = self.pending.get(out.request_id)
                 if pending is not None:
@@ -149,7 +137,7 @@ class PrefillWorker(WorkerService):
                     if not pending.awaiting_kv:
                         self.pending.pop(out.request_id, None)
 
-    def _first_token(self, pending: _Pending, out: StepOutput) -> None:
+    def _first_token(self, pending: _Pending, out: EngineOutput) -> None:
         req = pending.request
         pending.queue_span.end(end_time=pending.admitted_ns or None)
         compute = self.tracer.start_span(
@@ -157,40 +145,45 @@ class PrefillWorker(WorkerService):
             attributes={"gen_ai.request.id": req.request_id,
                         "evenflow.cached_tokens": out.num_cached_tokens})
         compute.end()
-        if out.finish_reason is FinishReason.ABORT or not out.new_token_ids:
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        if reason == "abort" or not out.new_token_ids:
             return
         token = out.new_token_ids[0]
         finish = None
-        if out.finish_reason is FinishReason.STOP:
+        if reason == "stop":
             finish = "stop"
         elif (req.sampling.max_tokens == 1
               or len(req.prompt_token_ids) + 1 >= self.engine.max_model_len):
             finish = "length"
-        delta = TokenDelta(req.request_id, [token], finish, len(req.prompt_token_ids),
-                           out.num_cached_tokens)
-        self.send(req.reply_subject, TokenDeltas(self.worker_id, [delta]),
+        delta = TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
+                           num_prompt_tokens=len(req.prompt_token_ids),
+                           num_cached_tokens=out.num_cached_tokens)
+        self.send(req.reply_subject, TokenDeltas(worker_id=self.worker_id, deltas=[delta]),
                   trace.set_span_in_context(compute))
         if finish is None and out.kv_follows:
             pending.awaiting_kv, pending.compute_span = True, compute
             pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
 
-    def _ship_kv(self, pending: _Pending, out: StepOutput) -> None:
+    def _ship_kv(self, pending: _Pending, kv: kv_handoff.KVPayload) -> None:
         req, token = pending.request, pending.token
-        assert out.kv is not None and pending.compute_span is not None
+        assert pending.compute_span is not None
         export_started = time.time()  # the K/V is in hand: transfer bandwidth counts from here
         transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(
             pending.compute_span))
-        chunks = kv_to_chunks(out.kv, self.config.kv_chunk_bytes)
-        transfer.set_attribute("evenflow.kv.blocks", out.kv.shape[0])
-        transfer.set_attribute("evenflow.kv.bytes", sum(len(c[2]) for c in chunks))
+        chunks = kv_handoff.split(kv, self.config.kv_chunk_bytes)
+        transfer.set_attribute("evenflow.kv.blocks", kv.num_blocks)
+        transfer.set_attribute("evenflow.kv.bytes", sum(len(c.data) for c in chunks))
         tctx = trace.set_span_in_context(transfer)
         decode_subject = subjects.decode_worker(req.decode_worker)
-        for seq, (first, count, data) in enumerate(chunks):
-            self.send(decode_subject, KVBlockChunk(req.request_id, seq, first, count, data),  # type: ignore[arg-type]
-                      tctx)
-            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(data))
+        for chunk in chunks:
+            self.send(decode_subject, KVBlockChunk(
+                request_id=req.request_id, seq=chunk.seq, first_block=chunk.first_block,
+                num_blocks=chunk.num_blocks, data=chunk.data), tctx)
+            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(chunk.data))
         self.send(decode_subject, KVTransferComplete(
-            req.request_id, len(chunks), out.kv.shape[0], str(out.kv.dtype).removeprefix("torch."),
-            req.prompt_token_ids, token, req.sampling, req.reply_subject,
-            pending.num_cached_tokens, req.enqueued_at, export_started), tctx)
+            request_id=req.request_id, num_chunks=len(chunks), num_blocks=kv.num_blocks,
+            dtype=kv.dtype, prompt_token_ids=req.prompt_token_ids, first_token_id=token,
+            sampling=req.sampling, reply_subject=req.reply_subject,
+            num_cached_tokens=pending.num_cached_tokens, enqueued_at=req.enqueued_at,
+            export_started_at=export_started), tctx)
         transfer.end()

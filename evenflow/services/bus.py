@@ -20,7 +20,7 @@ import nats
 from nats.aio.client import Client as NATS
 from opentelemetry.context import Context
 
-from evenflow.proto.messages import DecodeError, Message, decode, encode
+from evenflow.proto.messages import Message, WireError, decode, encode
 from evenflow.services.metrics import MESSAGES_DROPPED
 from evenflow.services.tracing import extract_context, inject_headers
 
@@ -121,7 +121,7 @@ class Bus:
     async def _dispatch(self, subject: str, data: bytes, headers: dict | None,
                         handler: Handler) -> None:
         message = decode(data)
-        if isinstance(message, DecodeError):
+        if isinstance(message, WireError):
             self._count_dropped(f"{subject}: {message.reason}")
             return
         try:

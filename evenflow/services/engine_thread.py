@@ -1,8 +1,9 @@
-"""Runs a model engine on a dedicated thread so forward passes never block the event loop.
+"""Runs a serving engine on a dedicated thread so forward passes never block the event loop.
 
-The loop hands work in as callables (executed on the engine thread between steps, so they never
-race a step); each step's outputs come back to the loop through `call_soon_threadsafe`. The
-engine object is duck-typed (`step()`, `has_unfinished()`): services never import torch here.
+Work crosses in both directions as named messages: the loop puts `EngineCommand`s on one
+thread-safe queue; the thread applies them between steps (so they never race a step), steps the
+engine while it has work, and puts `EngineEvent`s on one asyncio queue that a single task per
+worker drains (`WorkerService._drain_engine_events`). No closures cross.
 """
 
 from __future__ import annotations
@@ -11,43 +12,172 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from evenflow.proto.kv_handoff import KVPayload
+from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+from evenflow.services.engine_api import EngineOutput, ServingEngine
 
 log = logging.getLogger(__name__)
 
 
+# -- commands: event loop -> engine thread ------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    export_kv: bool = False
+
+
+@dataclass(frozen=True)
+class AddPrefilled:
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    sampling: SamplingSpec
+    kv: KVPayload
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ApplyPlacement:
+    version: int
+    phy2log: list[int]
+    shares: list[float]
+
+
+@dataclass(frozen=True)
+class TakeExpertLoad:
+    pass
+
+
+@dataclass(frozen=True)
+class SnapshotKV:
+    pass
+
+
+EngineCommand = AddRequest | AddPrefilled | Abort | ApplyPlacement | TakeExpertLoad | SnapshotKV
+
+
+# -- events: engine thread -> event loop --------------------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepDone:
+    outputs: Sequence[EngineOutput]
+
+
+@dataclass(frozen=True)
+class KVEventsTaken:
+    events: list[KVCacheEvent]
+
+
+@dataclass(frozen=True)
+class KVSnapshotTaken:
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True)
+class ExpertLoadTaken:
+    version: int
+    num_layers: int
+    num_slots: int
+    counts: list[int]
+
+
+@dataclass(frozen=True)
+class PlacementApplied:
+    version: int
+    seconds: float
+    error: str | None = None  # why it was not applied
+
+
+EngineEvent = (Admitted | Rejected | StepDone | KVEventsTaken | KVSnapshotTaken | ExpertLoadTaken
+               | PlacementApplied)
+
+
 class EngineThread:
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[Any]], None]) -> None:
-        self.engine, self._loop, self._on_outputs = engine, loop, on_outputs
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+    def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self._loop = engine, loop
+        self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, command: Callable[[], None]) -> None:
-        """Run `command` on the engine thread before the next step."""
+    def submit(self, command: EngineCommand) -> None:
+        """Apply `command` on the engine thread before the next step."""
         self._commands.put(command)
 
     def stop(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def _run_command(self, command: Callable[[], None]) -> None:
-        try:
-            command()
-        except Exception:  # commands report their own errors; this is a last resort
-            log.exception("engine command failed")
+    def _emit(self, event: EngineEvent) -> None:
+        self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def _apply(self, command: EngineCommand) -> None:
+        engine = self.engine
+        match command:
+            case AddRequest(request_id, prompt, sampling, export_kv):
+                try:
+                    engine.add_request(request_id, prompt, sampling, export_kv)
+                except ValueError as exc:
+                    self._emit(Rejected(request_id, str(exc)))
+                else:
+                    self._emit(Admitted(request_id))
+            case AddPrefilled(request_id, prompt, first, sampling, kv, cached):
+                try:
+                    engine.add_prefilled_request(request_id, prompt, first, sampling, kv, cached)
+                except ValueError as exc:
+                    self._emit(Rejected(request_id, str(exc)))
+                else:
+                    self._emit(Admitted(request_id))
+            case Abort(request_id):
+                engine.abort(request_id)
+            case ApplyPlacement(version, phy2log, shares):
+                started = time.monotonic()
+                try:
+                    engine.apply_expert_placement(version, phy2log, shares)
+                except (AssertionError, RuntimeError, ValueError) as exc:
+                    self._emit(PlacementApplied(version, 0.0, str(exc) or type(exc).__name__))
+                else:
+                    self._emit(PlacementApplied(version, time.monotonic() - started))
+            case TakeExpertLoad():
+                version = engine.placement_version
+                self._emit(ExpertLoadTaken(version, *engine.take_expert_load()))
+            case SnapshotKV():
+                self._flush_kv_events()  # the snapshot's sequence number covers these
+                self._emit(KVSnapshotTaken(engine.cached_block_hashes()))
+
+    def _flush_kv_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self._emit(KVEventsTaken(events))
 
     def _run(self) -> None:
-        configure = getattr(self.engine, "configure_current_thread", None)
-        if configure is not None:
-            configure()
+        self.engine.configure_current_thread()
         while True:
             # Idle: wait for work. Busy: take whatever is queued without waiting, then step.
-            commands: list[Callable[[], None] | None] = []
+            commands: list[EngineCommand | None] = []
             try:
                 if self.engine.has_unfinished():
                     commands.append(self._commands.get_nowait())
@@ -60,7 +190,10 @@ class EngineThread:
             for command in commands:
                 if command is None:
                     return
-                self._run_command(command)
+                try:
+                    self._apply(command)
+                except Exception:  # a bug in one command must not stop the engine
+                    log.exception("engine command %s failed", type(command).__name__)
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -68,4 +201,5 @@ class EngineThread:
                     log.exception("engine step failed")
                     outputs = []
                 if outputs:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                    self._emit(StepDone(outputs))
+            self._flush_kv_events()

@@ -2,8 +2,9 @@
 on SIGTERM / SIGINT drain (stop taking work, let in-flight requests finish for a bounded time),
 then close the connection and flush traces.
 
-Outbound messages go through one sender task (`send`), so callbacks arriving from the engine
-thread never create unowned tasks.
+Engine workers run their engine through `serve_engine`: typed commands in, typed events out
+(services/engine_thread.py). Outbound messages go through one sender task (`send`), so event
+handlers never create unowned tasks.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 from opentelemetry import trace
 
@@ -22,22 +21,36 @@ from evenflow.proto import subjects
 from evenflow.proto.messages import (
     ExpertLoad,
     ExpertPlacement,
-    KVEvent,
     KVEvents,
     KVSnapshot,
     Message,
+    Role,
     WorkerHeartbeat,
 )
 from evenflow.services.bus import Bus
 from evenflow.services.config import MeshConfig
-from evenflow.services.engine_thread import EngineThread
+from evenflow.services.engine_api import ServingEngine
+from evenflow.services.engine_thread import (
+    Admitted,
+    ApplyPlacement,
+    EngineEvent,
+    EngineThread,
+    ExpertLoadTaken,
+    KVEventsTaken,
+    KVSnapshotTaken,
+    PlacementApplied,
+    Rejected,
+    SnapshotKV,
+    StepDone,
+    TakeExpertLoad,
+)
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
 
 class WorkerService:
-    role = "worker"
+    role: Role
 
     def __init__(self, config: MeshConfig, worker_id: str) -> None:
         self.config, self.worker_id = config, worker_id
@@ -46,8 +59,9 @@ class WorkerService:
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index
         self.kv_seq = 0  # KVEvents published so far in this epoch
-        self.engine: Any = None
-        self.thread: EngineThread | None = None
+        self._engine: ServingEngine | None = None
+        self._thread: EngineThread | None = None
+        self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
         self._outbox: asyncio.Queue[tuple[str, Message, object]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
@@ -57,7 +71,10 @@ class WorkerService:
         raise NotImplementedError
 
     def heartbeat(self) -> WorkerHeartbeat:
-        raise NotImplementedError
+        """This service's heartbeat; workers add their load."""
+        return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
+                               model=self.config.model_name, sent_at=time.time(),
+                               epoch=self.epoch, draining=self.draining)
 
     def busy(self) -> bool:
         return False
@@ -74,73 +91,92 @@ class WorkerService:
     async def shutdown(self) -> None:
         pass
 
-    # -- the engine and its KV events -------------------------------------------------------
-    async def serve_engine(self, engine: Any, on_outputs: Callable[[list[Any]], None]) -> None:
-        """Run `engine` on its own thread and answer the KV index's resync requests. The engine
-        must have been built with `kv_event_listener=self.kv_listener`."""
-        self.loop = asyncio.get_running_loop()
-        self.engine = engine
-        self.thread = EngineThread(engine, self.loop, on_outputs)
-        self.thread.start()
+    def on_outputs(self, outputs: StepDone) -> None:
+        """A step's outputs (engine workers)."""
+
+    def on_admitted(self, event: Admitted) -> None:
+        """The engine took a request."""
+
+    def on_rejected(self, event: Rejected) -> None:
+        """The engine refused a request (its reason names the problem)."""
+
+    # -- the engine -------------------------------------------------------------------------
+    @property
+    def engine(self) -> ServingEngine:
+        assert self._engine is not None, "serve_engine first"
+        return self._engine
+
+    @property
+    def engine_thread(self) -> EngineThread:
+        assert self._thread is not None, "serve_engine first"
+        return self._thread
+
+    async def serve_engine(self, engine: ServingEngine) -> None:
+        """Run `engine` on its own thread, drain its events, answer the KV index's resync
+        requests and, for MoE engines under a placement, the balancer."""
+        self._engine = engine
+        self._thread = EngineThread(engine, asyncio.get_running_loop())
+        self._thread.start()
+        self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
+                                                     name="engine events"))
         await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
-        if getattr(engine, "uses_placement", False):
+        if engine.uses_placement:
             await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
-            self._eplb_task = asyncio.create_task(self._report_expert_load(), name="eplb")
+            self._owned_tasks.append(asyncio.create_task(self._report_expert_load(),
+                                                         name="eplb"))
+
+    async def _drain_engine_events(self) -> None:
+        events = self.engine_thread.events
+        while True:
+            event: EngineEvent = await events.get()
+            try:
+                self._on_engine_event(event)
+            except Exception:  # one bad event must not stop the drain
+                log.exception("handling %s failed", type(event).__name__)
+
+    def _on_engine_event(self, event: EngineEvent) -> None:
+        match event:
+            case StepDone():
+                self.on_outputs(event)
+            case Admitted():
+                self.on_admitted(event)
+            case Rejected():
+                self.on_rejected(event)
+            case KVEventsTaken(events):
+                self.kv_seq += 1
+                self.send(subjects.KV_EVENTS, KVEvents(
+                    worker_id=self.worker_id, role=self.role, epoch=self.epoch,
+                    seq=self.kv_seq, events=events))
+            case KVSnapshotTaken(hashes):
+                self.send(subjects.KV_EVENTS, KVSnapshot(
+                    worker_id=self.worker_id, role=self.role, epoch=self.epoch,
+                    seq=self.kv_seq, block_hashes=hashes))
+            case ExpertLoadTaken(version, layers, slots, counts):
+                self.send(subjects.EXPERT_LOAD, ExpertLoad(
+                    worker_id=self.worker_id, version=version, num_layers=layers,
+                    num_slots=slots, counts=counts))
+            case PlacementApplied(version, seconds, error):
+                if error is None:
+                    log.info("placement %d applied in %.1f ms", version, seconds * 1e3)
+                else:
+                    log.warning("placement %d not applied: %s", version, error)
 
     # -- expert placement -------------------------------------------------------------------
     def _on_placement(self, message: Message, _ctx: object) -> None:
-        if not isinstance(message, ExpertPlacement) or self.thread is None:
+        if not isinstance(message, ExpertPlacement):
             return
         if message.version == self.engine.placement_version:
             return  # a periodic re-announcement of what we run
-        started = time.monotonic()
-
-        def apply() -> None:  # on the engine thread, at a step boundary
-            try:
-                self.engine.apply_placement_rows(message.version, message.phy2log,
-                                                 message.shares)
-            except (AssertionError, RuntimeError, ValueError) as exc:
-                log.warning("placement %d not applied: %s", message.version, exc)
-                return
-            log.info("placement %d applied in %.1f ms", message.version,
-                     (time.monotonic() - started) * 1e3)
-
-        self.thread.submit(apply)
+        self.engine_thread.submit(ApplyPlacement(message.version, message.phy2log,
+                                                 message.shares))
 
     async def _report_expert_load(self) -> None:
         while True:
             await asyncio.sleep(self.config.eplb_report_interval_s)
-            assert self.thread is not None
-
-            def take() -> None:  # on the engine thread
-                layers, slots, counts = self.engine.take_slot_counts_rows()
-                version = self.engine.placement_version
-                self.loop.call_soon_threadsafe(self.send, subjects.EXPERT_LOAD, ExpertLoad(
-                    self.worker_id, version, layers, slots, counts))
-
-            self.thread.submit(take)
-
-    def kv_listener(self, events: list[KVEvent]) -> None:
-        """Called on the engine thread after each step with the cache's changes."""
-        self.loop.call_soon_threadsafe(self._publish_kv_events, events)
-
-    def _publish_kv_events(self, events: list[KVEvent]) -> None:
-        self.kv_seq += 1
-        self.send(subjects.KV_EVENTS, KVEvents(self.worker_id, self.role, self.epoch,
-                                               self.kv_seq, events))
+            self.engine_thread.submit(TakeExpertLoad())
 
     def _on_resync(self, _message: Message, _ctx: object) -> None:
-        assert self.thread is not None
-
-        def snapshot() -> None:  # on the engine thread, between steps
-            hashes = self.engine.blocks.cached_hashes()
-            self.loop.call_soon_threadsafe(self._send_snapshot, hashes)
-
-        self.thread.submit(snapshot)
-
-    def _send_snapshot(self, hashes: list[int]) -> None:
-        self.send(subjects.KV_EVENTS, KVSnapshot(self.worker_id, self.role, self.epoch,
-                                                 self.kv_seq, hashes))
+        self.engine_thread.submit(SnapshotKV())
 
     # -- plumbing ---------------------------------------------------------------------------
     def send(self, subject: str, message: Message, span_context: object = None) -> None:
@@ -204,10 +240,11 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.shutdown()
-        if getattr(self, "_eplb_task", None) is not None:
-            self._eplb_task.cancel()
-        if self.thread is not None:
-            self.thread.stop()
+        for task in self._owned_tasks:
+            task.cancel()
+        await asyncio.gather(*self._owned_tasks, return_exceptions=True)
+        if self._thread is not None:
+            self._thread.stop()
         await self.bus.close()
 
     def now(self) -> float:

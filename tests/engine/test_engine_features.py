@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from checkpoints import make_checkpoint
 
+from evenflow.proto.messages import BlockRemoved, BlockStored
 from evenflow import LLM, SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
 
@@ -74,10 +75,10 @@ def test_abort_frees_blocks_and_reports(ckpt):
         ("a", True, "abort")]
     assert not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == 16
-    stored = [h for e in events if e.kind == "stored" for h in e.block_hashes]
+    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
     assert len(stored) == 4  # 18 computed tokens: four full blocks
     # New work evicts the freed cached blocks, and each eviction is reported.
     engine.add_request("b", list(range(100, 161)), params)
     engine.step()
-    removed = [h for e in events if e.kind == "removed" for h in e.block_hashes]
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert set(removed) == set(stored)

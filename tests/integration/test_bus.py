@@ -34,9 +34,10 @@ def test_messages_larger_than_max_payload_arrive_whole(nats_server):
 
         await receiver.subscribe("t.big", on_message)
         await receiver.nc.flush()
-        big = KVBlockChunk("r", 0, 0, 1, bytes(range(256)) * (3 * sender.max_payload // 256))
+        big = KVBlockChunk(request_id="r", seq=0, first_block=0, num_blocks=1,
+                           data=bytes(range(256)) * (3 * sender.max_payload // 256))
         await sender.publish("t.big", big)
-        await sender.publish("t.big", Cancel("r"))
+        await sender.publish("t.big", Cancel(request_id="r"))
         await sender.nc.flush()
         await asyncio.wait_for(arrived.wait(), 10)
         await sender.nc.publish("t.big", b"x", headers={"Evenflow-Frame": "id 0 2"})
@@ -50,7 +51,7 @@ def test_messages_larger_than_max_payload_arrive_whole(nats_server):
 
     got, dropped = asyncio.run(scenario())
     assert got[0].data == bytes(range(256)) * (len(got[0].data) // 256)
-    assert len(got[0].data) > 2 * 1024 * 1024 and got[1] == Cancel("r")
+    assert len(got[0].data) > 2 * 1024 * 1024 and got[1] == Cancel(request_id="r")
     assert dropped == 2
 
 

@@ -15,12 +15,12 @@ import redis
 from evenflow.kv_index import store
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
-    CLEARED,
-    STORED,
-    KVEvent,
+    AllBlocksCleared,
+    BlockStored,
     KVEvents,
     KVResyncRequest,
     KVSnapshot,
+    Role,
     decode,
     encode,
 )
@@ -59,21 +59,26 @@ def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
             await nc.flush()
 
         # Events 1..: the service may still be subscribing, so resend until it lands.
-        first = KVEvents("w1", "prefill", "e1", 1, [KVEvent(STORED, [11, 12, 13], 0)])
+        def events(seq: int, *batch: BlockStored | AllBlocksCleared) -> KVEvents:
+            return KVEvents(worker_id="w1", role=Role.PREFILL, epoch="e1", seq=seq,
+                            events=list(batch))
+
+        first = events(1, BlockStored(block_hashes=[11, 12, 13]))
         deadline = time.monotonic() + 15
         while not holds(13):
             assert time.monotonic() < deadline, "the index never applied the first events"
             await send(first)
             await asyncio.sleep(0.2)
         # Event 2 is lost; 3 arrives: a gap. The worker meanwhile evicted 12 and 13.
-        await send(KVEvents("w1", "prefill", "e1", 3, [KVEvent(STORED, [21], 0)]))
+        await send(events(3, BlockStored(block_hashes=[21], parent_block_hash=13)))
         request = await asyncio.wait_for(resyncs.get(), 10)
         assert isinstance(request, KVResyncRequest) and request.worker_id == "w1"
-        await send(KVSnapshot("w1", "prefill", "e1", 3, [11, 21]))
+        await send(KVSnapshot(worker_id="w1", role=Role.PREFILL, epoch="e1", seq=3,
+                              block_hashes=[11, 21]))
         await until(lambda: holds(21) and not holds(12) and not holds(13))
         assert holds(11)
         # Numbering continues from the snapshot; `cleared` drops everything.
-        await send(KVEvents("w1", "prefill", "e1", 4, [KVEvent(CLEARED, [], 0)]))
+        await send(events(4, AllBlocksCleared()))
         await until(lambda: not holds(11) and not holds(21))
         assert not r.exists(store.member_key(member))
         await nc.close()

@@ -1,7 +1,7 @@
 from evenflow.engine.block_manager import BlockManager
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import Sequence
-from evenflow.proto.messages import REMOVED, STORED, KVEvent
+from evenflow.proto.messages import BlockRemoved, BlockStored
 
 
 def seq(tokens, rid="r"):
@@ -18,7 +18,8 @@ def test_prefix_hit_shares_blocks_and_counts_references():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq(range(10), "a")
     compute_all(bm, a)
-    assert bm.take_events() == [KVEvent(STORED, a.block_hashes[:2], 0)]
+    assert bm.take_events() == [BlockStored(block_hashes=a.block_hashes[:2], parent_block_hash=None,
+                                            token_ids=list(range(8)), block_size=4)]
     b = seq(list(range(8)) + [99, 98, 97], "b")
     hits = bm.prefix_hits(b)
     assert hits == a.block_table[:2]
@@ -47,8 +48,8 @@ def test_freed_blocks_stay_cached_until_evicted_lru_first():
     big = seq(range(100, 113), "big")
     bm.allocate_first(big, [], 13)
     events = bm.take_events()
-    assert events == [KVEvent(REMOVED, [a.block_hashes[1]]),
-                      KVEvent(REMOVED, [a.block_hashes[0]])]
+    assert events == [BlockRemoved(block_hashes=[a.block_hashes[1]]),
+                      BlockRemoved(block_hashes=[a.block_hashes[0]])]
     assert bm.prefix_hits(seq(range(9), "y")) == []
 
 

@@ -1,0 +1,32 @@
+"""The machine line every benchmark prints first: CPU model, the flags that decide kernel speed,
+thread count and the dtype measured (figures are only comparable within one run)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni",
+                  "avx_vnni")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return model, [f for f in RELEVANT_FLAGS if f in flags]
+
+
+def machine_line(dtype: str, threads: int | None = None) -> str:
+    model, flags = cpu_model_and_flags()
+    return (f"cpu: {model}; flags: {' '.join(flags) or 'none of ' + ','.join(RELEVANT_FLAGS)}; "
+            f"cores: {os.cpu_count()}; threads: {threads or 1}; dtype: {dtype}")

@@ -1,0 +1,296 @@
+"""The wire codec: typed messages <-> msgpack bytes, with one compiled schema per message type.
+
+Envelope: a msgpack map {"t": type tag, "v": version, "d": [field values in declaration order]}.
+Plain values (ints, floats, strings, bytes, lists of ints or hashes, str->int maps) go to
+msgpack's C packer as they are: no per-element Python work on encode. Nested structs are packed
+as arrays of their fields; members of a tagged union (the KV events) as `[tag, *fields]`, which
+is how msgspec's `tag=True, array_like=True` structs (vLLM's KV events) look on the wire.
+
+Compatibility: fields are positional and only ever appended. A decoder fills missing trailing
+fields from their defaults and ignores unknown trailing ones, so versions N and N+1 talk both
+ways during a rolling upgrade. A message older than its type's MIN_VERSION is refused.
+
+Validation: each field is checked against its resolved type hint (`typing.get_type_hints`),
+compiled once per type into a checker. A malformed, unknown or oversized payload decodes to a
+`WireError` value, never an exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any, ClassVar, Protocol
+
+import msgpack
+
+MAX_MESSAGE_BYTES = 64 * 2**20  # after reassembly of frames; NATS' own max_payload is smaller
+
+
+class WireMessage(Protocol):
+    """What every top-level message type declares (besides being a frozen dataclass)."""
+
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+
+
+@dataclass(frozen=True)
+class WireError:
+    """Why a payload was rejected; services count these and drop the message."""
+
+    reason: str
+
+
+class _Invalid(Exception):
+    pass
+
+
+Check = Callable[[Any], Any]  # value off the wire -> value for the field, or raises _Invalid
+Pack = Callable[[Any], Any]  # field value -> plain msgpack-able value
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _scalar_check(kind: type) -> Check:
+    if kind is float:
+        def check(v: Any) -> Any:
+            if type(v) is float:
+                return v
+            if type(v) is int:
+                return float(v)
+            raise _Invalid("must be a number")
+        return check
+    if kind is bytes:
+        def check_bytes(v: Any) -> Any:
+            if type(v) is bytes:
+                return v
+            raise _Invalid("must be bytes")
+        return check_bytes
+
+    def check_exact(v: Any) -> Any:  # exact type: a bool is not an int on our wire
+        if type(v) is kind:
+            return v
+        raise _Invalid(f"must be {kind.__name__}")
+    return check_exact
+
+
+def _list_check(item: Any) -> Check:
+    if item in (int, str, bytes):  # the hot path: token ids, hashes, counts
+        allowed = {item}
+
+        def check_plain(v: Any) -> Any:
+            if type(v) is not list or not set(map(type, v)) <= allowed:
+                raise _Invalid(f"must be a list of {item.__name__}")
+            return v
+        return check_plain
+    if item is float:
+        numbers = {int, float}
+
+        def check_numbers(v: Any) -> Any:
+            if type(v) is not list or not set(map(type, v)) <= numbers:
+                raise _Invalid("must be a list of numbers")
+            return v
+        return check_numbers
+    inner = _compile_check(item)
+
+    def check_items(v: Any) -> Any:
+        if type(v) is not list:
+            raise _Invalid("must be a list")
+        return [inner(x) for x in v]
+    return check_items
+
+
+def _dict_check(key: Any, value: Any) -> Check:
+    assert key is str and value is int, "only str -> int maps cross the wire"
+
+    def check(v: Any) -> Any:
+        if type(v) is not dict or not set(map(type, v)) <= {str} or not set(
+                map(type, v.values())) <= {int}:
+            raise _Invalid("must map strings to ints")
+        return v
+    return check
+
+
+def _union_check(members: tuple[Any, ...]) -> Check:
+    optional = type(None) in members
+    rest = [m for m in members if m is not type(None)]
+    if all(is_dataclass(m) for m in rest) and len(rest) > 1:  # a tagged union of structs
+        by_tag = {m.TAG: m for m in rest}
+
+        def check_tagged(v: Any) -> Any:
+            if v is None and optional:
+                return None
+            if type(v) is not list or not v or v[0] not in by_tag:
+                raise _Invalid(f"must be one of {sorted(by_tag)}")
+            return build(by_tag[v[0]], v[1:])
+        return check_tagged
+    if len(rest) == 1:
+        inner = _compile_check(rest[0])
+    elif set(rest) == {bytes, memoryview}:
+        inner = _scalar_check(bytes)
+    else:
+        raise TypeError(f"unsupported union on the wire: {members}")
+
+    def check_optional(v: Any) -> Any:
+        if v is None:
+            if optional:
+                return None
+            raise _Invalid("must not be null")
+        return inner(v)
+    return check_optional
+
+
+def _compile_check(hint: Any) -> Check:
+    origin = typing.get_origin(hint)
+    if hint in (int, float, str, bool, bytes):
+        return _scalar_check(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        def check_enum(v: Any) -> Any:
+            try:
+                return hint(v)
+            except ValueError:
+                raise _Invalid(f"must be one of {[m.value for m in hint]}") from None
+        return check_enum
+    if is_dataclass(hint) and isinstance(hint, type):
+        def check_struct(v: Any) -> Any:
+            if type(v) is not list:
+                raise _Invalid(f"must be a {hint.__name__} array")
+            return build(hint, v)
+        return check_struct
+    if origin is list:
+        return _list_check(typing.get_args(hint)[0])
+    if origin is dict:
+        return _dict_check(*typing.get_args(hint))
+    if _is_union(hint):
+        return _union_check(typing.get_args(hint))
+    raise TypeError(f"unsupported type on the wire: {hint!r}")
+
+
+def _compile_pack(hint: Any) -> Pack | None:
+    """How to turn a field value into plain msgpack data; None: it already is."""
+    if is_dataclass(hint) and isinstance(hint, type):
+        return to_wire
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return operator.attrgetter("value")
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        if is_dataclass(item):
+            return lambda v: [to_wire(x) for x in v]
+        if _is_union(item) and all(is_dataclass(m) for m in typing.get_args(item)):
+            return lambda v: [[x.TAG, *to_wire(x)] for x in v]
+    if _is_union(hint):
+        rest = [m for m in typing.get_args(hint) if m is not type(None)]
+        if len(rest) == 1:
+            inner = _compile_pack(rest[0])
+            if inner is not None:
+                return lambda v: None if v is None else inner(v)
+    return None
+
+
+@dataclass
+class _Schema:
+    names: tuple[str, ...]
+    checks: tuple[Check, ...]
+    defaults: tuple[Any, ...]  # MISSING where the field is required
+    getter: Callable[[Any], tuple[Any, ...]]
+    packers: tuple[tuple[int, Pack], ...]  # (field index, packer) for non-plain fields
+
+
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def schema(cls: type) -> _Schema:
+    """The compiled schema of a message or struct type (built on first use, then cached)."""
+    found = _SCHEMAS.get(cls)
+    if found is not None:
+        return found
+    hints = typing.get_type_hints(cls)
+    declared = fields(cls)
+    names = tuple(f.name for f in declared)
+    defaults = tuple(f.default if f.default is not MISSING else (
+        f.default_factory if f.default_factory is not MISSING else MISSING) for f in declared)
+    getter: Callable[[Any], tuple[Any, ...]]
+    if len(names) == 1:
+        name = names[0]
+        getter = lambda obj: (getattr(obj, name),)  # noqa: E731
+    elif names:
+        getter = operator.attrgetter(*names)
+    else:
+        getter = lambda obj: ()  # noqa: E731
+    packers = tuple((i, p) for i, name in enumerate(names)
+                    if (p := _compile_pack(hints[name])) is not None)
+    found = _SCHEMAS[cls] = _Schema(names, tuple(_compile_check(hints[n]) for n in names),
+                                    defaults, getter, packers)
+    return found
+
+
+def to_wire(obj: Any) -> list[Any]:
+    """A struct's field values, in order, as plain msgpack data."""
+    s = schema(type(obj))
+    values = list(s.getter(obj))
+    for index, pack in s.packers:
+        values[index] = pack(values[index])
+    return values
+
+
+def build(cls: type, values: list[Any]) -> Any:
+    """Field values off the wire -> a checked instance; raises _Invalid."""
+    s = schema(cls)
+    kwargs = {}
+    for i, name in enumerate(s.names):
+        if i < len(values):
+            try:
+                kwargs[name] = s.checks[i](values[i])
+            except _Invalid as exc:
+                raise _Invalid(f"{cls.__name__}.{name} {exc}") from None
+        else:
+            default = s.defaults[i]
+            if default is MISSING:
+                raise _Invalid(f"{cls.__name__}.{name} is missing")
+            kwargs[name] = default() if callable(default) else default
+    return cls(**kwargs)
+
+
+class Codec:
+    """Encodes and decodes the message types of one registry."""
+
+    def __init__(self, message_types: tuple[type, ...]) -> None:
+        self.registry: dict[str, type] = {}
+        for cls in message_types:
+            assert cls.TYPE not in self.registry, f"duplicate message type {cls.TYPE}"
+            self.registry[cls.TYPE] = cls
+            schema(cls)  # compile now: a type the wire cannot carry fails at import
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def encode(self, message: Any) -> bytes:
+        cls = type(message)
+        return self._packer.pack({"t": cls.TYPE, "v": cls.VERSION, "d": to_wire(message)})
+
+    def decode(self, payload: bytes) -> Any:
+        """Bytes -> message, or a WireError saying why not. Never raises."""
+        if len(payload) > MAX_MESSAGE_BYTES:
+            return WireError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        try:
+            envelope = msgpack.unpackb(payload, raw=False, max_bin_len=MAX_MESSAGE_BYTES,
+                                       strict_map_key=True)
+        except Exception as exc:  # msgpack raises several types for garbage
+            return WireError(f"not msgpack: {type(exc).__name__}")
+        if type(envelope) is not dict or not {"t", "v", "d"} <= envelope.keys():
+            return WireError("not an evenflow envelope")
+        tag, version, data = envelope["t"], envelope["v"], envelope["d"]
+        cls = self.registry.get(tag) if type(tag) is str else None
+        if cls is None:
+            return WireError(f"unknown message type {tag!r}")
+        if type(version) is not int or version < getattr(cls, "MIN_VERSION", 1):
+            return WireError(f"{cls.TYPE} version {version!r} is too old or not a number")
+        if type(data) is not list:
+            return WireError(f"malformed {cls.TYPE}: fields must be an array")
+        try:
+            return build(cls, data)
+        except (_Invalid, TypeError, ValueError) as exc:
+            return WireError(f"malformed {cls.TYPE}: {exc}")

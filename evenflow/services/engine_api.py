@@ -1,0 +1,96 @@
+"""The engine as a service sees it: exactly what prefill and decode workers may ask of a model
+engine, torch-free. `evenflow.engine.Engine` and the mock engine implement it; services hold an
+engine only as a `ServingEngine` and never touch its internals (tests/unit/test_import_rules.py
+enforces that services name no other engine member).
+
+Threading: every method but the read-only counters runs on the engine thread
+(services/engine_thread.py), between steps. The counters (num_running, num_waiting,
+num_free_kv_blocks) may be read from the event loop for heartbeats: they are plain ints, a
+step's worth stale at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from evenflow.proto.kv_handoff import KVPayload
+from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+
+
+class FinishReasonLike(Protocol):
+    @property
+    def value(self) -> str: ...
+
+
+class EngineOutput(Protocol):
+    """One request's result of one step."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def new_token_ids(self) -> list[int]: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def finish_reason(self) -> FinishReasonLike | None: ...  # .value: stop | length | abort
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
+    @property
+    def kv_follows(self) -> bool: ...  # export_kv: this finishing output's K/V comes next step
+
+
+class ServingEngine(Protocol):
+    # -- sizes (fixed at construction) --------------------------------------------------------
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]: ...  # one block, hand-off layout
+    @property
+    def kv_dtype_name(self) -> str: ...
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    # -- load (read from the event loop) -------------------------------------------------------
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_free_kv_blocks(self) -> int: ...
+
+    # -- requests (engine thread) --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingSpec,
+                    export_kv: bool = False) -> None:
+        """Queue a request; ValueError naming the problem if it cannot be served."""
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              first_token_id: int, params: SamplingSpec, kv: KVPayload,
+                              num_cached_tokens: int = 0) -> None:
+        """Continue a request another engine prefilled; ValueError (KVHandoffError) if not."""
+
+    def abort(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> Sequence[EngineOutput]: ...
+    def configure_current_thread(self) -> None: ...
+
+    # -- the prefix cache (engine thread) ------------------------------------------------------
+    def take_kv_events(self) -> list[KVCacheEvent]: ...
+    def cached_block_hashes(self) -> list[int]: ...
+
+    # -- expert placement (engine thread) ------------------------------------------------------
+    @property
+    def uses_placement(self) -> bool: ...
+    @property
+    def placement_version(self) -> int: ...
+    def apply_expert_placement(self, version: int, phy2log: list[int],
+                               shares: list[float]) -> None: ...
+    def take_expert_load(self) -> tuple[int, int, list[int]]:
+        """(MoE layers, slots, row-major token counts) since the last call."""
