@@ -36,7 +36,7 @@ def _up(args: argparse.Namespace) -> int:
     import time
 
     from evenflow.services.config import ConfigError, load_config
-    from evenflow.services.launcher import LaunchError, LocalMesh
+    from evenflow.services.launcher import LaunchError, LocalMesh, _command
 
     try:
         config = load_config({
@@ -69,7 +69,7 @@ def _up(args: argparse.Namespace) -> int:
               f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)
         while (dead := mesh.first_exited()) is None:
             time.sleep(0.5)
-        print(f"evenflow up: {' '.join(dead.args[1:])} exited ({dead.returncode}); stopping",
+        print(f"evenflow up: {_command(dead)} exited ({dead.returncode}); stopping",
               file=sys.stderr)
         return 1
     except LaunchError as exc:

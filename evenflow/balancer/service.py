@@ -76,7 +76,7 @@ class BalancerService(WorkerService):
             raw = await self.redis.get(PLACEMENT_KEY)
         except Exception:  # Redis down: start from what the workers report
             return
-        stored = decode_message(raw) if raw else None
+        stored = decode_message(raw.encode() if isinstance(raw, str) else raw) if raw else None
         if isinstance(stored, ExpertPlacement):
             self._adopt(stored)
             self.stored_version = stored.version

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
             reps=3)
@@ -148,7 +149,7 @@ def _spawn(engine: str, ckpt: Path, threads: int, plan: dict) -> dict | None:
 
 
 def _table(ours: dict, ref: dict | None, plan: dict) -> str:
-    rows: list[tuple[str, float, float | None, bool]] = []  # name, ours, ref, lower is better
+    rows: list[tuple[str, float, Any, bool]] = []  # name, ours, ref or None, lower is better
     for n in plan["prefill"]:
         rows.append((f"prefill {n} tokens (ms)", ours["prefill_ms"][str(n)],
                      ref and ref["prefill_ms"][str(n)], True))

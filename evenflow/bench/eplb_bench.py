@@ -160,7 +160,7 @@ def live(seconds: float) -> int:
 
         async def on_load(msg) -> None:
             m = decode(msg.data)
-            if isinstance(m, ExpertLoad) and m.worker_id == "d0" and sum(m.counts):
+            if isinstance(m, ExpertLoad) and m.worker_id == "d0" and any(m.counts):
                 loads.append(m)
 
         async def on_placement(msg) -> None:
@@ -203,7 +203,7 @@ def live(seconds: float) -> int:
         if not ms:
             return float("nan"), 0
         shape = (ms[0].num_layers, ms[0].num_slots)
-        total = sum(torch.tensor(m.counts).view(shape) for m in ms)
+        total = torch.stack([torch.tensor(m.counts).view(shape) for m in ms]).sum(0)
         return rank_balancedness(total, 4), len(ms)
 
     print(f"live, tiny-moe, 4 virtual EP ranks x 3 slots (8 experts + 4 redundant), "

@@ -61,7 +61,8 @@ class Oracle:
     """Every full block any request has held so far (prompt and answer), fleet-wide."""
 
     def __init__(self, block_size: int, salt: bytes) -> None:
-        self.block_size, self.salt, self.seen = block_size, salt, set()
+        self.block_size, self.salt = block_size, salt
+        self.seen: set[int] = set()
 
     def hit_tokens(self, prompt: list[int]) -> int:
         hits = 0
@@ -87,7 +88,7 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
     systems = [[rng.randrange(w.vocab_low, w.vocab_high) for _ in range(w.system_len)]
                for _ in range(w.system_prompts)]
     result = PolicyResult()
-    sessions = asyncio.Queue()
+    sessions: asyncio.Queue[int] = asyncio.Queue()
     for s in range(w.sessions):
         sessions.put_nowait(s)
 

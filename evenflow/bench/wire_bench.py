@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import random
 import statistics
@@ -57,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, message in sample_messages().items():
         new_payload, old_payload = m.encode(message), legacy_codec.encode(message)
         assert m.decode(new_payload) == message and legacy_codec.decode(old_payload) == message
-        old_enc = _median_us(lambda msg=message: legacy_codec.encode(msg), args.repeats)
-        new_enc = _median_us(lambda msg=message: m.encode(msg), args.repeats)
-        old_dec = _median_us(lambda p=old_payload: legacy_codec.decode(p), args.repeats)
-        new_dec = _median_us(lambda p=new_payload: m.decode(p), args.repeats)
+        old_enc = _median_us(functools.partial(legacy_codec.encode, message), args.repeats)
+        new_enc = _median_us(functools.partial(m.encode, message), args.repeats)
+        old_dec = _median_us(functools.partial(legacy_codec.decode, old_payload), args.repeats)
+        new_dec = _median_us(functools.partial(m.decode, new_payload), args.repeats)
         print(f"{name:<26}{len(new_payload):>9}{old_enc:>10.1f}{new_enc:>10.1f}"
               f"{old_enc / new_enc:>7.1f}x{old_dec:>10.1f}{new_dec:>10.1f}"
               f"{old_dec / new_dec:>7.1f}x")

@@ -365,7 +365,7 @@ class Engine:
             prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
             kv = self.runner.read_kv(seq.block_table[:prompt_blocks]).contiguous()
             self.blocks.free_sequence(seq)
-            raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1))  # a view, no copy
+            raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)  # a view, no copy
             outputs.append(self._output(seq, [], KVPayload(
                 raw, self.kv_dtype_name, prompt_blocks, tuple(kv.shape[1:]))))
         self._exports = []

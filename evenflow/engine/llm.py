@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from evenflow.engine.engine import Engine, EngineConfig
 from evenflow.engine.sampling_params import SamplingParams
@@ -56,7 +56,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, per_prompt, strict=True):
                 text = prompt if isinstance(prompt, str) else None
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(
+                    cast("Seq[int]", prompt))
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, ids, p)
                 order.append(request_id)

@@ -178,9 +178,12 @@ class MoE(nn.Module):
         flat_experts = experts.flatten()  # (T*k,)
         if self.counts is not None:
             self.counts += torch.bincount(flat_experts, minlength=self.num_experts)
-        w13, w2, groups = self.w13, self.w2, flat_experts
+        w13: Tensor = self.w13
+        w2: Tensor = self.w2
+        groups = flat_experts
         if self.placement is not None:  # each pair goes to one physical slot of its expert
             groups = self.placement.slots_for(flat_experts)
+            assert self._slot_w13 is not None and self._slot_w2 is not None
             w13, w2 = self._slot_w13, self._slot_w2
         counts = torch.bincount(groups, minlength=w13.shape[0])
         if self.placement is not None and self.slot_counts is not None:

@@ -1,5 +1,7 @@
 """The gateway's HTTP app: POST /v1/completions and /v1/chat/completions (streamed as SSE or
-not), GET /v1/models, /health, /metrics. Tokenization, the chat template, incremental
+not), GET /v1/models, /health, /metrics. Handlers live at module level with typed request
+bodies (so /docs and /openapi.json show them); the per-process state is one `Gateway`, built
+at startup and kept in `app.state.gateway`. Tokenization, the chat template, incremental
 detokenization and stop strings happen here; workers only see token ids."""
 
 from __future__ import annotations
@@ -8,18 +10,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import context as otel_context
 from opentelemetry import trace
-from pydantic import ValidationError
+from opentelemetry.context import Context
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from evenflow import models
-from evenflow.gateway.mesh import Mesh, MeshError
+from evenflow import __version__, models
+from evenflow.gateway.client import GatewayClient, RequestFailed
 from evenflow.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -45,7 +49,20 @@ def _sse(data: Any) -> bytes:
 
 
 @dataclass
-class _Job:
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Job:
     """One validated request, ready to run."""
 
     kind: str  # "completion" | "chat"
@@ -56,9 +73,15 @@ class _Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    usage: Usage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(len(self.prompt_ids))
 
 
 class Gateway:
+    """This process's gateway: tokenizer, tracer and the client of the worker fleet."""
+
     def __init__(self, config: MeshConfig) -> None:
         self.config = config
         model_dir = models.resolve_model(config.model)
@@ -68,24 +91,10 @@ class Gateway:
         self.max_model_len = models.default_max_model_len(model_dir)
         self.tracer = setup_tracing("evenflow-gateway")
         # The engine salts block hashes with the checkpoint directory's name; so do we.
-        self.mesh = Mesh(config, self.tracer, namespace_salt(model_dir.name))
+        self.client = GatewayClient(config, self.tracer, namespace_salt(model_dir.name))
 
-    # -- validation -------------------------------------------------------------------------
-    def _check_auth(self, request: Request) -> None:
-        if not self.config.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if token not in self.config.api_keys:
-            raise APIError(401, "Incorrect API key provided.", "authentication_error",
-                           code="invalid_api_key")
-
-    def build_job(self, kind: str, body: dict[str, Any]) -> _Job:
-        try:
-            req = (CompletionRequest if kind == "completion" else ChatCompletionRequest
-                   ).model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+    def build_job(self, kind: str, req: CompletionRequest | ChatCompletionRequest) -> Job:
+        """Tokenize and check a request against the model; raises APIError."""
         if req.model != self.config.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError",
                            "model", "model_not_found")
@@ -96,7 +105,7 @@ class Gateway:
             elif isinstance(req.prompt, str):
                 prompt_ids = self.tokenizer.encode(req.prompt)
             else:
-                prompt_ids = list(req.prompt)
+                prompt_ids = [t for t in req.prompt if isinstance(t, int)]
         except TokenizerError as exc:
             raise APIError(400, str(exc), param="messages") from None
         vocab = self.tokenizer.vocab_size
@@ -116,42 +125,37 @@ class Gateway:
                             seed=req.seed, max_tokens=max_tokens,
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-        return _Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
-                    req.stop_strings, req.stream,
-                    bool(req.stream_options and req.stream_options.include_usage))
+        return Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
+                   req.stop_strings, req.stream,
+                   bool(req.stream_options and req.stream_options.include_usage))
 
-    # -- running ----------------------------------------------------------------------------
-    async def run(self, job: _Job) -> AsyncIterator[tuple[str, str | None, dict]]:
-        """Yield (text delta, finish reason or None, usage so far)."""
+    async def run(self, job: Job) -> AsyncIterator[tuple[str, str | None]]:
+        """Yield (text delta, finish reason or None); job.usage follows along."""
         detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop)
-        usage = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": 0,
-                 "total_tokens": len(job.prompt_ids),
-                 "prompt_tokens_details": {"cached_tokens": 0}}
         started = time.monotonic()
         first = True
         with self.tracer.start_as_current_span("stream") as span:
-            async for delta in self.mesh.generate(job.prompt_ids, job.spec, job.request_id):
+            async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id):
                 if first:
                     TTFT.observe(time.monotonic() - started)
-                    usage["prompt_tokens_details"]["cached_tokens"] = delta.num_cached_tokens
+                    job.usage.cached_tokens = delta.num_cached_tokens
                     first = False
-                usage["completion_tokens"] += len(delta.token_ids)
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                job.usage.completion_tokens += len(delta.token_ids)
                 text = detok.add(delta.token_ids)
-                if detok.stopped:  # a stop string: cut here; mesh.generate cancels downstream
-                    yield text, "stop", usage
+                if detok.stopped:  # a stop string: cut here; client.generate cancels downstream
+                    yield text, "stop"
                     return
                 finish = delta.finish_reason
                 if finish is not None:
                     text += detok.flush()
-                    yield text, ("stop" if finish == "abort" else finish), usage
-                    span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
+                    yield text, ("stop" if finish == "abort" else finish)
+                    span.set_attribute("gen_ai.usage.output_tokens", job.usage.completion_tokens)
                     return
                 if text:
-                    yield text, None, usage
+                    yield text, None
 
 
-def _error_from_mesh(exc: MeshError) -> APIError:
+def _error_from_failure(exc: RequestFailed) -> APIError:
     if exc.code in (errors.NO_CAPACITY, errors.DRAINING):
         return APIError(503, f"The server is overloaded: {exc.description}", "overloaded_error",
                         code="overloaded", headers={"Retry-After": "1"})
@@ -160,33 +164,171 @@ def _error_from_mesh(exc: MeshError) -> APIError:
     return APIError(500, f"Internal error: {exc.description}", "internal_error", code=exc.code)
 
 
-class _GatewayRef:
-    """The app's Gateway, built at startup rather than with the app: the app object may be
-    pickled to another process first (Ray Serve), and the tokenizer does not pickle."""
+# -- handlers ---------------------------------------------------------------------------------
+router = APIRouter()
 
-    def __init__(self) -> None:
-        self.target: Gateway | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        target = self.__dict__.get("target")  # not self.target: unpickling calls us early
-        if target is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(target, name)
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway | None = request.app.state.gateway
+    if gateway is None:  # before startup finished
+        raise APIError(503, "The gateway is starting.", "overloaded_error", code="starting")
+    return gateway
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    gateway: Gateway | None = request.app.state.gateway
+    if gateway is None:
+        return _json({"status": "starting", "workers": {}}, 503)
+    workers = {str(role): len(gateway.client.registry.live(role)) for role in WORKER_ROLES}
+    if gateway.client.ready():
+        return _json({"status": "ok", "workers": workers})
+    return _json({"status": "starting", "workers": workers}, 503)
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    body, content_type = render()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    gateway = _gateway(request)
+    return _json({"object": "list", "data": [{
+        "id": gateway.config.model_name, "object": "model", "created": 0,
+        "owned_by": "evenflow", "max_model_len": gateway.max_model_len}]})
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _handle(_gateway(request), "completion", body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _handle(_gateway(request), "chat", body)
+
+
+async def _handle(gateway: Gateway, kind: str,
+                  body: CompletionRequest | ChatCompletionRequest) -> Response:
+    job = gateway.build_job(kind, body)
+    span = gateway.tracer.start_span(  # ended when the response is complete
+        "gateway.request", kind=trace.SpanKind.SERVER,
+        attributes={"gen_ai.operation.name": kind, "gen_ai.request.model": job.model,
+                    "gen_ai.request.id": job.request_id,
+                    "gen_ai.usage.input_tokens": len(job.prompt_ids)})
+    ctx = trace.set_span_in_context(span)
+    if job.stream:
+        return StreamingResponse(_stream(gateway, job, ctx, span),
+                                 media_type="text/event-stream")
+    return await _complete(gateway, job, ctx, span)
+
+
+async def _complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -> Response:
+    token = otel_context.attach(ctx)
+    INFLIGHT.inc()
+    text, finish = "", None
+    try:
+        async for delta, finish in gateway.run(job):  # noqa: B007 (the last finish counts)
+            text += delta
+    except RequestFailed as exc:
+        REQUESTS.labels(job.kind, "error").inc()
+        raise _error_from_failure(exc) from None
+    finally:
+        INFLIGHT.dec()
+        otel_context.detach(token)
+        span.end()
+    REQUESTS.labels(job.kind, "ok").inc()
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    if job.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return _json({"id": job.request_id, "created": int(time.time()), "model": job.model,
+                  "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                  "choices": [choice], "usage": job.usage.body()})
+
+
+def _chunk(job: Job, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
+    choice: dict[str, Any]
+    if job.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": job.request_id, "object": obj, "created": int(time.time()),
+            "model": job.model, "choices": [choice]}
+
+
+async def _stream(gateway: Gateway, job: Job, ctx: Context,
+                  span: trace.Span) -> AsyncIterator[bytes]:
+    token = otel_context.attach(ctx)
+    INFLIGHT.inc()
+    first, outcome = True, "ok"
+    try:
+        async for delta, finish in gateway.run(job):
+            yield _sse(_chunk(job, delta, finish, first))
+            first = False
+        if job.include_usage:
+            yield _sse({"id": job.request_id, "created": int(time.time()), "model": job.model,
+                        "object": "chat.completion.chunk" if job.kind == "chat"
+                        else "text_completion", "choices": [], "usage": job.usage.body()})
+    except RequestFailed as exc:
+        outcome = "error"
+        yield _sse(_error_from_failure(exc).body())
+    except BaseException:
+        outcome = "cancelled"  # the client went away: client.generate cancelled downstream
+        raise
+    finally:
+        INFLIGHT.dec()
+        REQUESTS.labels(job.kind, outcome).inc()
+        span.end()
+        otel_context.detach(token)
+    yield b"data: [DONE]\n\n"
+
+
+# -- the app ----------------------------------------------------------------------------------
+class APIKeyMiddleware:
+    """Bearer-key check on /v1/* before anything reads the body (ASGI, so it also covers
+    streaming responses)."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.api_keys and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if token not in self.api_keys:
+                error = APIError(401, "Incorrect API key provided.", "authentication_error",
+                                 code="invalid_api_key")
+                await _json(error.body(), 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(config: MeshConfig) -> FastAPI:
-    gw: Any = _GatewayRef()
+    """The app; its Gateway is built at startup, not here: the app object may be pickled to
+    another process first (Ray Serve), and the tokenizer does not pickle."""
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        gw.target = Gateway(config)
-        await gw.mesh.start()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway = Gateway(config)
+        await gateway.client.start()
+        app.state.gateway = gateway
         yield
-        await gw.mesh.close()
+        app.state.gateway = None
+        await gateway.client.close()
         shutdown_tracing()
 
-    app = FastAPI(title="evenflow", lifespan=lifespan)
-    app.state.gateway = gw
+    app = FastAPI(title="evenflow", version=__version__, lifespan=lifespan)
+    app.state.gateway = None
+    app.include_router(router)
+    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:
@@ -194,120 +336,7 @@ def create_app(config: MeshConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> Response:
-        err = validation_error(exc)
-        return _json(err.body(), 400)
-
-    @app.get("/health")
-    async def health() -> Response:
-        workers = {str(role): len(gw.mesh.registry.live(role)) for role in WORKER_ROLES}
-        if gw.mesh.ready():
-            return _json({"status": "ok", "workers": workers})
-        return _json({"status": "starting", "workers": workers}, 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = render()
-        return Response(body, media_type=content_type)
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        gw._check_auth(request)
-        return _json({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": 0, "owned_by": "evenflow",
-            "max_model_len": gw.max_model_len}]})
-
-    async def handle(kind: str, request: Request) -> Response:
-        gw._check_auth(request)
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            raise APIError(400, "We could not parse the JSON body of your request: "
-                                f"{exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        job = gw.build_job(kind, body)
-        span = gw.tracer.start_span(  # ended when the response is complete
-            "gateway.request", kind=trace.SpanKind.SERVER,
-            attributes={"gen_ai.operation.name": kind, "gen_ai.request.model": job.model,
-                        "gen_ai.request.id": job.request_id,
-                        "gen_ai.usage.input_tokens": len(job.prompt_ids)})
-        ctx = trace.set_span_in_context(span)
-        if job.stream:
-            return StreamingResponse(_stream(job, ctx), media_type="text/event-stream")
-        return await _complete(job, ctx, span)
-
-    async def _complete(job: _Job, ctx, span) -> Response:
-        from opentelemetry import context as otel_context
-
-        token = otel_context.attach(ctx)
-        INFLIGHT.inc()
-        text, finish, usage = "", None, {}
-        try:
-            async for delta, finish, usage in gw.run(job):  # noqa: B007 (the last ones count)
-                text += delta
-        except MeshError as exc:
-            REQUESTS.labels(job.kind, "error").inc()
-            raise _error_from_mesh(exc) from None
-        finally:
-            INFLIGHT.dec()
-            otel_context.detach(token)
-            span.end()
-        REQUESTS.labels(job.kind, "ok").inc()
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if job.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return _json({"id": job.request_id, "created": int(time.time()), "model": job.model,
-                      "object": "chat.completion" if job.kind == "chat" else "text_completion",
-                      "choices": [choice], "usage": usage})
-
-    def _chunk(job: _Job, text: str | None, finish: str | None, first: bool) -> dict:
-        if job.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
-                {"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": job.request_id, "object": obj, "created": int(time.time()),
-                "model": job.model, "choices": [choice]}
-
-    async def _stream(job: _Job, ctx) -> AsyncIterator[bytes]:
-        from opentelemetry import context as otel_context
-
-        token = otel_context.attach(ctx)
-        span = trace.get_current_span()
-        INFLIGHT.inc()
-        first, usage, outcome = True, {}, "ok"
-        try:
-            async for delta, finish, usage in gw.run(job):  # noqa: B007 (the last usage counts)
-                yield _sse(_chunk(job, delta, finish, first))
-                first = False
-            if job.include_usage:
-                yield _sse({"id": job.request_id, "created": int(time.time()), "model": job.model,
-                            "object": "chat.completion.chunk" if job.kind == "chat"
-                            else "text_completion", "choices": [], "usage": usage})
-        except MeshError as exc:
-            outcome = "error"
-            yield _sse(_error_from_mesh(exc).body())
-        except BaseException:
-            outcome = "cancelled"  # the client went away: mesh.generate cancelled downstream
-            raise
-        finally:
-            INFLIGHT.dec()
-            REQUESTS.labels(job.kind, outcome).inc()
-            span.end()
-            otel_context.detach(token)
-        yield b"data: [DONE]\n\n"
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle("completion", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle("chat", request)
+        return _json(validation_error(exc).body(), 400)
 
     return app
+

@@ -69,13 +69,16 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("prompt must not be empty")
+        texts = [x for x in v if isinstance(x, str)]
+        if texts:
             if len(v) != 1:
                 raise ValueError("only one prompt per request is supported")
-            return v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        return v
+            return texts[0]
+        return [x for x in v if isinstance(x, int)]
 
 
 class ChatMessage(BaseModel):
@@ -96,7 +99,10 @@ class ChatCompletionRequest(_Common):
 
 def validation_error(exc: Exception) -> APIError:
     """pydantic's ValidationError as a 400 naming the first bad field."""
-    errors = getattr(exc, "errors", lambda: [])()
+    errors: list[dict[str, Any]] = getattr(exc, "errors", lambda: [])()
+    if errors and errors[0].get("type") == "json_invalid":
+        return APIError(400, "We could not parse the JSON body of your request: "
+                             f"{errors[0].get('ctx', {}).get('error', 'invalid JSON')}")
     if errors:
         first = errors[0]
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None

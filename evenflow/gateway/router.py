@@ -90,6 +90,35 @@ class WorkerRegistry:
         else:
             state.heartbeat, state.seen_at = hb, time.monotonic()
 
+    # -- this gateway's own load on each worker (fresh, exact) ------------------------------
+    def acquire(self, decode: WorkerState, prefill: WorkerState | None,
+                prefill_blocks: int) -> None:
+        """A request was routed to these workers; prefill_blocks: what it will compute there."""
+        decode.inflight += 1
+        if prefill is not None:
+            prefill.inflight += 1
+            prefill.inflight_blocks += prefill_blocks
+
+    def prefill_done(self, prefill_id: str, prefill_blocks: int) -> None:
+        """The request's first token came back: its blocks no longer queue at the prefill."""
+        state = self.workers.get(prefill_id)
+        if state is not None:
+            state.inflight_blocks = max(0, state.inflight_blocks - prefill_blocks)
+
+    def release(self, decode_id: str | None, prefill_id: str | None,
+                prefill_blocks: int) -> None:
+        """The request left these workers (finished, failed or re-routed)."""
+        for worker_id in (prefill_id, decode_id):
+            state = self.workers.get(worker_id or "")
+            if state is not None and state.inflight > 0:
+                state.inflight -= 1
+        if prefill_id:
+            self.prefill_done(prefill_id, prefill_blocks)
+
+    def epochs(self) -> dict[str, str]:
+        """worker_id -> the epoch it heartbeats under now."""
+        return {w: s.heartbeat.epoch for w, s in self.workers.items()}
+
     def is_live(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)
         return state is not None and time.monotonic() - state.seen_at < self.timeout_s

@@ -1,6 +1,8 @@
 """The KV index's read side, used by the gateway: one-round-trip prefix match against Redis, and
-predicted entries for requests just routed (so a burst sharing a new prefix sticks together
-before the index catches up)."""
+predictions for requests just routed (so a burst sharing a new prefix sticks together before the
+index catches up). Predictions live in two places: this gateway's own table (seen at once by
+its next request) and Redis (seen by other gateways), both expiring after a TTL.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +14,19 @@ import redis.asyncio as aioredis
 from evenflow.kv_index import store
 from evenflow.services.redis_conn import connect_redis
 
+MAX_LOCAL_PREDICTIONS = 100_000  # block hashes; past it the expired ones are dropped
+
 
 class KVIndexClient:
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, lookup_timeout_s: float = 0.05,
+                 prediction_ttl_ms: int = 2000) -> None:
         self.redis: aioredis.Redis = connect_redis(redis_url)
+        self.lookup_timeout_s, self.prediction_ttl_ms = lookup_timeout_s, prediction_ttl_ms
         self._match = self.redis.register_script(store.MATCH)
         self._predict = self.redis.register_script(store.PREDICT)
+        # This gateway's own recent predictions, block hash -> {worker_id: expiry}.
+        self._predicted: dict[int, dict[str, float]] = {}
+        self._writes: set[asyncio.Task] = set()  # prediction writes in flight (owned here)
 
     async def warm_up(self, connections: int = 16) -> None:
         """Open `connections` pooled connections and load the scripts now, so the first requests'
@@ -36,12 +45,72 @@ class KVIndexClient:
         return {(m.decode() if isinstance(m, bytes) else m): int(n)
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
-    async def predict(self, predictions: dict[str, list[int]], ttl_ms: int) -> None:
-        """member -> block hashes it is about to hold, kept for ttl_ms."""
-        args: list[int | str | bytes] = [ttl_ms]
+    async def lookup(self, block_hashes: list[int],
+                     epochs: dict[str, str]) -> dict[str, int] | None:
+        """worker_id -> cached leading blocks, for workers of the given current epochs, merged
+        with this gateway's live predictions; None when Redis is down or slower than the
+        lookup timeout (route by load alone)."""
+        try:
+            members = await asyncio.wait_for(self.match(block_hashes), self.lookup_timeout_s)
+        except Exception:  # Redis down or slow: never fail the request over it
+            return None
+        matched: dict[str, int] = {}
+        for member, blocks in members.items():
+            worker_id, epoch = store.split_member(member)
+            if epochs.get(worker_id) == epoch:
+                matched[worker_id] = blocks
+        for worker_id, blocks in self._local_prefix(block_hashes).items():
+            matched[worker_id] = max(matched.get(worker_id, 0), blocks)
+        return matched
+
+    def _local_prefix(self, block_hashes: list[int]) -> dict[str, int]:
+        now = time.monotonic()
+        local: dict[str, int] = {}
+        for i, h in enumerate(block_hashes):
+            holders = {w for w, expiry in self._predicted.get(h, {}).items()
+                       if expiry > now and local.get(w, 0) == i}
+            if not holders:
+                break
+            for w in holders:
+                local[w] = i + 1
+        return local
+
+    def predict(self, block_hashes: list[int], workers: dict[str, tuple[str, int]]) -> None:
+        """Workers about to hold `block_hashes`: worker_id -> (epoch, blocks it already has).
+        Recorded here at once and written to Redis in the background (a lost write costs a
+        little stickiness, nothing else)."""
+        expiry = time.monotonic() + self.prediction_ttl_ms / 1000
+        if len(self._predicted) > MAX_LOCAL_PREDICTIONS:
+            now = time.monotonic()
+            self._predicted = {h: d for h, d in self._predicted.items()
+                               if max(d.values()) > now}
+        for h in block_hashes:
+            entry = self._predicted.setdefault(h, {})
+            for worker_id in workers:
+                entry[worker_id] = expiry
+        if not block_hashes:
+            return
+        remote = {store.member_of(w, epoch): block_hashes[have:]
+                  for w, (epoch, have) in workers.items()}
+        task = asyncio.create_task(self._write_predictions(remote))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_predictions(self, predictions: dict[str, list[int]]) -> None:
+        args: list[int | str | bytes] = [self.prediction_ttl_ms]
         for member, hashes in predictions.items():
             args += [member, store.pack_hashes(hashes)]
-        await self._predict(args=args)
+        try:
+            await asyncio.wait_for(self._predict(args=args), self.lookup_timeout_s)
+        except Exception:  # see predict(): best effort by design
+            pass
+
+    async def flush_predictions(self) -> None:
+        """Wait for the prediction writes in flight."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
 
     async def close(self) -> None:
+        for task in self._writes:
+            task.cancel()
+        await asyncio.gather(*self._writes, return_exceptions=True)
         await self.redis.aclose()

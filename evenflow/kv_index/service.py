@@ -195,7 +195,7 @@ class KVIndexService(WorkerService):
                     self.redis_ok = True
                 expired = await self.redis.zrangebyscore(store.LEASES, "-inf", time.time())
                 for raw in expired:
-                    member = raw.decode()
+                    member = raw.decode() if isinstance(raw, bytes) else str(raw)
                     await self._drop(args=[member])
                     self.members.pop(member, None)
             except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):

@@ -259,8 +259,8 @@ def build(cls: type, values: list[Any]) -> Any:
 class Codec:
     """Encodes and decodes the message types of one registry."""
 
-    def __init__(self, message_types: tuple[type, ...]) -> None:
-        self.registry: dict[str, type] = {}
+    def __init__(self, message_types: tuple[type[WireMessage], ...]) -> None:
+        self.registry: dict[str, type[WireMessage]] = {}
         for cls in message_types:
             assert cls.TYPE not in self.registry, f"duplicate message type {cls.TYPE}"
             self.registry[cls.TYPE] = cls

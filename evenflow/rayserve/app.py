@@ -47,7 +47,8 @@ SERVICES = {
 class ServiceReplica:
     """Runs one WorkerService (of `role`) inside a Serve replica, on the replica's loop."""
 
-    async def __init__(self, role: str, args: dict[str, Any]) -> None:
+    async def __init__(self, role: str, args: dict[str, Any]) -> None:  # type: ignore[misc]
+        # (Ray Serve awaits an async constructor; Python itself would not.)
         module, _, name = SERVICES[role].partition(":")
         service_cls = getattr(importlib.import_module(module), name)
         replica = serve.get_replica_context().replica_id.unique_id
@@ -77,6 +78,8 @@ class ServiceReplica:
 
 def _autoscaling(args: dict[str, Any], policy: str | None,
                  policy_kwargs: dict[str, Any] | None = None) -> AutoscalingConfig:
+    extra: dict[str, Any] = {"policy": AutoscalingPolicy(
+        policy_function=policy, policy_kwargs=policy_kwargs or {})} if policy else {}
     return AutoscalingConfig(
         min_replicas=int(args.get("min_replicas", 1)),
         max_replicas=int(args.get("max_replicas", 1)),
@@ -86,8 +89,7 @@ def _autoscaling(args: dict[str, Any], policy: str | None,
         upscale_delay_s=float(args.get("upscale_delay_s", 2.0)),
         downscale_delay_s=float(args.get("downscale_delay_s", 10.0)),
         target_ongoing_requests=float(args.get("target_ongoing_requests", 8)),
-        **({"policy": AutoscalingPolicy(policy_function=policy,
-                                        policy_kwargs=policy_kwargs or {})} if policy else {}))
+        **extra)
 
 
 def _service_app(name: str, args: dict[str, Any], policy: str | None,
@@ -97,7 +99,7 @@ def _service_app(name: str, args: dict[str, Any], policy: str | None,
         ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30,
         max_ongoing_requests=1)
-    return deployment.bind(name, args)
+    return deployment.bind(name, args)  # type: ignore[attr-defined]  # (stubs: a Deployment)
 
 
 def prefill_app(args: dict[str, Any]):
@@ -134,11 +136,11 @@ def gateway_app(args: dict[str, Any]):
     class Gateway:
         def check_health(self) -> None:
             gateway = fastapi_app.state.gateway
-            if gateway.target is not None and not gateway.mesh.bus.connected:
+            if gateway is not None and not gateway.client.bus.connected:
                 raise RuntimeError("gateway lost NATS")
 
     deployment = serve.deployment(
         Gateway, name="gateway", autoscaling_config=_autoscaling(args, None),
         ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
         health_check_period_s=2, graceful_shutdown_timeout_s=30)
-    return deployment.bind()
+    return deployment.bind()  # type: ignore[attr-defined]  # (stubs: a Deployment)

@@ -4,6 +4,7 @@ nats-server and redis-server started on free ports unless URLs are configured.""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalServer, ensure_data_plane, wait_for_health
@@ -25,7 +26,8 @@ class LocalRayMesh:
         from evenflow.rayserve import app
 
         cfg = self.config = ensure_data_plane(self.config, self.servers)
-        args = {k.removeprefix("EVENFLOW_").lower(): v for k, v in cfg.to_env().items()}
+        args: dict[str, Any] = {k.removeprefix("EVENFLOW_").lower(): v
+                                for k, v in cfg.to_env().items()}
         # Logical CPUs, not cores: the services mostly wait on the network, and each replica
         # asks for a quarter; a small machine still fits the whole mesh.
         ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,

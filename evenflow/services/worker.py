@@ -16,6 +16,7 @@ import time
 import uuid
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
@@ -62,7 +63,7 @@ class WorkerService:
         self._engine: ServingEngine | None = None
         self._thread: EngineThread | None = None
         self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
-        self._outbox: asyncio.Queue[tuple[str, Message, object]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
 
@@ -179,7 +180,7 @@ class WorkerService:
         self.engine_thread.submit(SnapshotKV())
 
     # -- plumbing ---------------------------------------------------------------------------
-    def send(self, subject: str, message: Message, span_context: object = None) -> None:
+    def send(self, subject: str, message: Message, span_context: Context | None = None) -> None:
         """Queue a message for the sender task; `span_context` is the trace context to carry."""
         self._outbox.put_nowait((subject, message, span_context))
 

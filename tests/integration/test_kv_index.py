@@ -101,20 +101,26 @@ def test_predictions_are_shared_through_redis_and_expire():
     server = start_redis()
 
     async def scenario() -> None:
-        routing, other = KVIndexClient(server.url), KVIndexClient(server.url)
+        routing = KVIndexClient(server.url, lookup_timeout_s=5, prediction_ttl_ms=1500)
+        other = KVIndexClient(server.url)
         hashes = chain_hashes(list(range(64 * 16)), 16)
         holder, predicted = store.member_of("p0", "e"), store.member_of("p1", "e")
         await other.redis.zadd(store.LEASES, {holder: time.time() + 60,
                                               predicted: time.time() + 60})
         for h in hashes[:10]:  # p0 really holds the first 10 blocks
             await other.redis.sadd(store.block_key(h), holder)
-        await routing.predict({predicted: hashes}, ttl_ms=1500)
+        routing.predict(hashes, {"p1": ("e", 0)})
+        await routing.flush_predictions()
         assert await other.match(hashes) == {holder: 10, predicted: 64}
         await asyncio.sleep(1.8)
         assert await other.match(hashes) == {holder: 10}
         # A prediction past what a worker holds extends its match.
-        await routing.predict({holder: hashes[10:20]}, ttl_ms=1500)
+        routing.predict(hashes[:20], {"p0": ("e", 10)})
+        await routing.flush_predictions()
         assert await other.match(hashes) == {holder: 20}
+        # The predicting gateway sees its own predictions at once, merged with Redis's view.
+        routing.predict(hashes[:30], {"p0": ("e", 20)})
+        assert await routing.lookup(hashes, {"p0": "e", "p1": "e"}) == {"p0": 30}
         await routing.close()
         await other.close()
 

@@ -1,10 +1,12 @@
-"""The gateway's side of the mesh: one NATS connection, one listener on this gateway's inbox
-demultiplexing TokenDeltas / ErrorMessage to per-request queues, heartbeats into the worker
-registry, and `generate()`: route -> send -> yield token ids until finished.
+"""The gateway's client of the worker fleet: one NATS connection, one listener on this gateway's
+inbox demultiplexing TokenDeltas / ErrorMessage to per-request queues, heartbeats into the
+worker registry, and `generate()`: route -> send -> yield token ids until finished.
 
-A retryable error (no room, draining) or a worker that stops heartbeating re-sends the request
-elsewhere; tokens already streamed are kept: the retry prefills prompt + those tokens on another
-decode worker and asks only for the rest. A request with no progress for request_timeout_s fails.
+Routing state lives with its owners: predictions in the KV index client, this gateway's
+in-flight load in the worker registry. A retryable error (no room, draining) or a worker that
+stops heartbeating re-sends the request elsewhere; tokens already streamed are kept: the retry
+prefills prompt + those tokens on another decode worker and asks only for the rest. A request
+with no progress for request_timeout_s fails.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState
-from evenflow.kv_index import store
 from evenflow.kv_index.client import KVIndexClient
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
@@ -52,7 +53,9 @@ from evenflow.services.metrics import (
 log = logging.getLogger(__name__)
 
 
-class MeshError(Exception):
+class RequestFailed(Exception):
+    """A request the fleet could not serve; `code` is one of proto.errors."""
+
     def __init__(self, code: str, description: str) -> None:
         super().__init__(description)
         self.code, self.description = code, description
@@ -60,34 +63,35 @@ class MeshError(Exception):
 
 @dataclass
 class _Flight:
+    """One request in flight: its reply queue and where it runs now."""
+
     queue: asyncio.Queue[TokenDelta | ErrorMessage] = field(default_factory=asyncio.Queue)
     prefill: str | None = None
     decode: str | None = None
     prefill_blocks: int = 0  # blocks the prefill worker was expected to compute
 
 
-class Mesh:
-    def __init__(self, config: MeshConfig, tracer: trace.Tracer, salt: bytes) -> None:
+class GatewayClient:
+    def __init__(self, config: MeshConfig, tracer: trace.Tracer, salt: bytes,
+                 bus: Bus | None = None) -> None:
         self.config, self.tracer, self.salt = config, tracer, salt
         self.gateway_id = uuid.uuid4().hex[:12]
         self.inbox = subjects.gateway_inbox(self.gateway_id)
-        self.bus = Bus(f"gateway-{self.gateway_id}")
+        self.bus = bus or Bus(f"gateway-{self.gateway_id}")
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
             config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)
-        self.kv = KVIndexClient(config.redis_url) if config.redis_url else None
+        self.kv = KVIndexClient(config.redis_url, config.kv_lookup_timeout_s,
+                                config.prediction_ttl_ms) if (
+            config.redis_url and config.router == "kv") else None
         self.flights: dict[str, _Flight] = {}
-        # This gateway's own recent predictions, block hash -> {worker_id: expiry}: concurrent
-        # requests see them even before Redis has them (other gateways see Redis's copy).
-        self._predicted: dict[int, dict[str, float]] = {}
-        self._background: set[asyncio.Task] = set()  # prediction writes in flight
 
     async def start(self) -> None:
         assert self.config.nats_url, "nats_url is required"
         await self.bus.connect(self.config.nats_url)
         await self.bus.subscribe(self.inbox, self._on_inbox)
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
-        if self.kv is not None and self.config.router == "kv":
+        if self.kv is not None:
             try:
                 await self.kv.warm_up()
             except Exception as exc:  # Redis down: route by load until it is back
@@ -121,84 +125,37 @@ class Mesh:
             if flight is not None:
                 flight.queue.put_nowait(message)
 
-    # -- one request ------------------------------------------------------------------------
-    async def _match(self, hashes: list[int]) -> dict[str, int] | None:
-        """worker_id -> cached leading blocks, current epochs only; None if Redis is unusable."""
-        if self.kv is None or self.config.router != "kv":
+    # -- routing ----------------------------------------------------------------------------
+    async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
+        """worker_id -> cached leading blocks; None when the index is unusable."""
+        if self.kv is None:
             return {}
         started = time.perf_counter()
         try:
-            members = await asyncio.wait_for(self.kv.match(hashes),
-                                             self.config.kv_lookup_timeout_s)
-        except Exception:  # Redis down or slow: route by load alone, never fail the request
-            return None
+            return await self.kv.lookup(hashes, self.registry.epochs())
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
-        matched: dict[str, int] = {}
-        for member, blocks in members.items():
-            worker_id, epoch = store.split_member(member)
-            state = self.registry.workers.get(worker_id)
-            if state is not None and state.heartbeat.epoch == epoch:
-                matched[worker_id] = blocks
-        now = time.monotonic()
-        local: dict[str, int] = {}
-        for i, h in enumerate(hashes):
-            holders = {w for w, expiry in self._predicted.get(h, {}).items() if expiry > now}
-            holders = {w for w in holders if local.get(w, 0) == i}
-            if not holders:
-                break
-            for w in holders:
-                local[w] = i + 1
-        for w, n in local.items():
-            matched[w] = max(matched.get(w, 0), n)
-        return matched
-
-    def _remember(self, hashes: list[int], *workers: WorkerState | None) -> None:
-        expiry = time.monotonic() + self.config.prediction_ttl_ms / 1000
-        if len(self._predicted) > 100_000:  # bounded: drop the expired
-            now = time.monotonic()
-            self._predicted = {h: d for h, d in self._predicted.items()
-                               if max(d.values()) > now}
-        for h in hashes:
-            entry = self._predicted.setdefault(h, {})
-            for w in workers:
-                if w is not None:
-                    entry[w.worker_id] = expiry
-
-    async def _predict(self, hashes: list[int], matched: dict[str, int],
-                       *workers: WorkerState | None) -> None:
-        if self.kv is None or self.config.router != "kv" or not hashes:
-            return
-        predictions = {}
-        for w in workers:
-            if w is not None:
-                member = store.member_of(w.worker_id, w.heartbeat.epoch)
-                predictions[member] = hashes[matched.get(w.worker_id, 0):]
-        try:
-            await asyncio.wait_for(self.kv.predict(predictions, self.config.prediction_ttl_ms),
-                                   self.config.kv_lookup_timeout_s)
-        except Exception:  # a lost prediction costs a little stickiness, nothing else
-            pass
 
     async def _send(self, request_id: str, flight: _Flight, prompt: list[int],
                     spec: SamplingSpec, exclude: set[str], force_local: bool) -> None:
+        """Route the request and publish it; raises RequestFailed when nothing can take it."""
         bs = self.config.block_size
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
             total = -(-len(prompt) // bs)
-            matched = await self._match(hashes)
+            matched = await self._lookup(hashes)
             reason = self.config.router if matched is not None else "redis_unavailable"
             matched = matched or {}
             decode = self.registry.pick_decode(total, matched, exclude)
             if decode is None:
-                raise MeshError(errors.NO_CAPACITY, "no decode worker has room")
+                raise RequestFailed(errors.NO_CAPACITY, "no decode worker has room")
             uncached_local = len(prompt) - matched.get(decode.worker_id, 0) * bs
             threshold = self.config.local_prefill_threshold
             local = force_local or uncached_local < threshold
             prefill = None if local else self.registry.pick_prefill(total, matched, bs)
             if prefill is None and not local:
                 if threshold == 0:
-                    raise MeshError(errors.NO_CAPACITY, "no prefill worker is live")
+                    raise RequestFailed(errors.NO_CAPACITY, "no prefill worker is live")
                 local = True  # no prefill worker: the decode worker prefills
             computing = decode if local else prefill
             assert computing is not None
@@ -209,38 +166,33 @@ class Mesh:
             PREDICTED_CACHED_TOKENS.inc(min(hit * bs, len(prompt) - 1))
             flight.decode, flight.prefill = decode.worker_id, prefill.worker_id if prefill else None
             flight.prefill_blocks = total - hit
-            decode.inflight += 1
-            if prefill:
-                prefill.inflight += 1
-                prefill.inflight_blocks += flight.prefill_blocks
-            span.set_attribute("evenflow.route.decode", flight.decode)
+            self.registry.acquire(decode, prefill, flight.prefill_blocks)
+            span.set_attribute("evenflow.route.decode", decode.worker_id)
             span.set_attribute("evenflow.route.prefill", flight.prefill or "local")
             span.set_attribute("evenflow.route.matched_blocks", hit)
-            if self.config.router == "kv":
-                self._remember(hashes, decode, prefill)
-                # Off the request's path: the local copy covers this gateway meanwhile.
-                task = asyncio.create_task(self._predict(hashes, matched, decode, prefill))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            if local:
-                await self.bus.publish(subjects.decode_worker(flight.decode), DecodeRequest(
+            if self.kv is not None:
+                self.kv.predict(hashes, self._holders(matched, decode, prefill))
+            if prefill is None:
+                await self.bus.publish(subjects.decode_worker(decode.worker_id), DecodeRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=spec,
                     reply_subject=self.inbox, enqueued_at=time.time()))
             else:
-                assert prefill is not None
                 await self.bus.publish(subjects.prefill_worker(prefill.worker_id), PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=spec,
                     reply_subject=self.inbox, decode_worker=decode.worker_id,
                     enqueued_at=time.time()))
 
+    @staticmethod
+    def _holders(matched: dict[str, int], *workers: WorkerState | None
+                 ) -> dict[str, tuple[str, int]]:
+        """The workers about to hold the prompt's blocks: (epoch, blocks they already hold)."""
+        return {w.worker_id: (w.heartbeat.epoch, matched.get(w.worker_id, 0))
+                for w in workers if w is not None}
+
     def _release(self, flight: _Flight) -> None:
-        for worker_id in (flight.prefill, flight.decode):
-            state = self.registry.workers.get(worker_id or "")
-            if state is not None and state.inflight > 0:
-                state.inflight -= 1
-                if worker_id == flight.prefill:
-                    state.inflight_blocks = max(0, state.inflight_blocks - flight.prefill_blocks)
+        self.registry.release(flight.decode, flight.prefill, flight.prefill_blocks)
         flight.prefill = flight.decode = None
+        flight.prefill_blocks = 0
 
     @staticmethod
     def _count_hits(flight: _Flight, prompt_tokens: int, cached_tokens: int) -> None:
@@ -249,18 +201,10 @@ class Mesh:
             PROMPT_TOKENS.labels(worker=worker).inc(prompt_tokens)
             CACHED_TOKENS.labels(worker=worker).inc(cached_tokens)
 
-    def first_token_seen(self, flight_id: str) -> None:
-        """The prefill part is done: stop counting its blocks as queued at the prefill worker."""
-        flight = self.flights.get(flight_id)
-        if flight is not None and flight.prefill:
-            state = self.registry.workers.get(flight.prefill)
-            if state is not None:
-                state.inflight_blocks = max(0, state.inflight_blocks - flight.prefill_blocks)
-            flight.prefill_blocks = 0
-
+    # -- one request ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], spec: SamplingSpec,
                        request_id: str | None = None) -> AsyncIterator[TokenDelta]:
-        """Yield the request's deltas until one carries a finish reason. Raises MeshError."""
+        """Yield the request's deltas until one carries a finish reason. Raises RequestFailed."""
         request_id = request_id or uuid.uuid4().hex
         flight = self.flights[request_id] = _Flight()
         emitted: list[int] = []
@@ -281,17 +225,17 @@ class Mesh:
                                             description=f"worker {dead[0]} stopped responding",
                                             retryable=True)
                     elif time.monotonic() - last_progress > self.config.request_timeout_s:
-                        raise MeshError(errors.WORKER_ERROR, "request timed out") from None
+                        raise RequestFailed(errors.WORKER_ERROR, "request timed out") from None
                     else:
                         continue
                 if isinstance(item, ErrorMessage):
                     if not item.retryable or retries <= 0:
-                        raise MeshError(item.code, item.description)
+                        raise RequestFailed(item.code, item.description)
                     retries -= 1
+                    if flight.decode:  # before _release forgets it: never pick it again
+                        exclude.add(flight.decode)
                     self._cancel(request_id, flight)
                     self._release(flight)
-                    if flight.decode:
-                        exclude.add(flight.decode)
                     remaining = dataclasses.replace(spec, max_tokens=spec.max_tokens - len(emitted))
                     await self._send(request_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted))
@@ -299,7 +243,9 @@ class Mesh:
                 last_progress = time.monotonic()
                 if not emitted:
                     self._count_hits(flight, len(prompt), item.num_cached_tokens)
-                    self.first_token_seen(request_id)
+                    if flight.prefill:
+                        self.registry.prefill_done(flight.prefill, flight.prefill_blocks)
+                        flight.prefill_blocks = 0
                 emitted.extend(item.token_ids)
                 if item.finish_reason is not None:
                     finished = True
