@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from evenflow import __version__
+from evenflow.engine.config import DTYPES, EngineConfig
+from evenflow.services.config import LOG_LEVELS
+
+_ENGINE_DEFAULTS = EngineConfig()
+
 
 def _generate(args: argparse.Namespace) -> int:
     from evenflow import LLM, SamplingParams
@@ -42,7 +48,11 @@ def _up(args: argparse.Namespace) -> int:
         config = load_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
             "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
-            "host": args.host, "api_keys": args.api_key, "engine": args.engine})
+            "host": args.host, "api_keys": args.api_key, "engine": args.engine,
+            "dtype": args.dtype, "threads_per_worker": args.threads,
+            "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+            "router": args.router, "log_level": args.log_level})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -109,12 +119,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="evenflow", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
     gen.add_argument("--model", default="tiny-moe", help="built-in model name or checkpoint dir")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -140,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the services as Ray Serve applications on a local Ray")
     up.add_argument("--engine", default=None, choices=["torch", "mock"],
                     help="mock: a timing model over the real block manager (for routing tests)")
+    engine = up.add_argument_group(
+        "engine and routing (each also an EVENFLOW_* variable; unset: the engine's default)")
+    engine.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
+                        help="auto: bfloat16 where the CPU has native bf16 math, else float32")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default 1)")
+    engine.add_argument("--kv-cache-gb", type=float, default=None,
+                        help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks per worker (overrides --kv-cache-gb)")
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences per batch (default {_ENGINE_DEFAULTS.max_num_seqs})")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's, at most 8192)")
+    engine.add_argument("--router", default=None, choices=["kv", "least_load", "round_robin"],
+                        help="how the gateway picks workers (default kv)")
+    engine.add_argument("--log-level", default=None, choices=list(LOG_LEVELS))
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")

@@ -21,7 +21,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from evenflow.engine import create_engine
-from evenflow.engine.engine import EngineConfig
 from evenflow.proto import errors, kv_handoff, subjects
 from evenflow.proto.messages import (
     Cancel,
@@ -70,7 +69,7 @@ class DecodeWorker(WorkerService):
     role = Role.DECODE
 
     async def start(self) -> None:
-        engine = create_engine(self.config.engine, EngineConfig(**self.config.engine_kwargs()),
+        engine = create_engine(self.config.engine, self.config.engine_config(),
                                collect_kv_events=True)
         self.transfers: dict[str, _Transfer] = {}
         self.kv_bytes_received = 0

@@ -1,4 +1,8 @@
-"""Model configuration read from a Hugging Face config.json, for the architectures we implement.
+"""Engine and model configuration, torch-free (services build an EngineConfig without torch).
+
+EngineConfig: how one engine runs (dtype, cache size, batching); the mesh's defaults for these
+settings are this class's defaults (services/config.py reads them from here). ModelConfig: read
+from a Hugging Face config.json, for the architectures we implement.
 
 One frozen dataclass covers Llama, Qwen3 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE: the
 differences are switches (q/k norm, qkv bias, shared expert, top-k renormalisation, which
@@ -11,6 +15,54 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from evenflow import models
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = models.DEFAULT_MODEL
+    dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 math, else float32
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
+    kv_cache_gb: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's, at most 8192
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
+    enable_prefix_caching: bool = True
+    # A request whose next block another request is computing waits a step and hits the cache
+    # (a burst sharing a new prefix computes it once); off only to measure what it saves.
+    defer_shared_prefill: bool = True
+    # Expert parallelism (virtual ranks inside this process): 0 ranks = no placement; slots =
+    # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
+    num_ep_ranks: int = 0
+    num_redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {list(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
+            raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
 
 
 class ModelLoadError(ValueError):

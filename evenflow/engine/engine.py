@@ -14,7 +14,7 @@ import torch
 
 from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
-from evenflow.engine.config import ModelConfig, ModelLoadError
+from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.loader import load_model
 from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
@@ -33,48 +33,14 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = models.DEFAULT_MODEL
-    dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 math, else float32
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's, at most 8192
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
-    enable_prefix_caching: bool = True
-    # A request whose next block another request is computing waits a step and hits the cache
-    # (a burst sharing a new prefix computes it once); off only to measure what it saves.
-    defer_shared_prefill: bool = True
-    # Expert parallelism (virtual ranks inside this process): 0 ranks = no placement; slots =
-    # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
-    num_ep_ranks: int = 0
-    num_redundant_experts: int = 0
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if cpu_has_bf16() else torch.float32
-        return _DTYPES[self.dtype]
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the engine computes in: auto is bfloat16 where the CPU has native bf16 math."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return _DTYPES[config.dtype]
 
 
 @dataclass(frozen=True)
@@ -102,7 +68,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
-        dtype = config.torch_dtype
+        dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)

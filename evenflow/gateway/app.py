@@ -88,7 +88,8 @@ class Gateway:
         if model_dir is None:
             raise ValueError(f"model {config.model!r} is neither built in nor a directory")
         self.tokenizer = Tokenizer(model_dir)
-        self.max_model_len = models.default_max_model_len(model_dir)
+        self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
+            model_dir, config.max_model_len or None)
         self.tracer = setup_tracing("evenflow-gateway")
         # The engine salts block hashes with the checkpoint directory's name; so do we.
         self.client = GatewayClient(config, self.tracer, namespace_salt(model_dir.name))

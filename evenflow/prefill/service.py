@@ -18,7 +18,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from evenflow.engine import create_engine
-from evenflow.engine.engine import EngineConfig
 from evenflow.proto import errors, kv_handoff, subjects
 from evenflow.proto.messages import (
     Cancel,
@@ -54,7 +53,7 @@ class PrefillWorker(WorkerService):
     role = Role.PREFILL
 
     async def start(self) -> None:
-        engine = create_engine(self.config.engine, EngineConfig(**self.config.engine_kwargs()),
+        engine = create_engine(self.config.engine, self.config.engine_config(),
                                collect_kv_events=True)
         self.pending: dict[str, _Pending] = {}
         await self.serve_engine(engine)

@@ -1,20 +1,56 @@
 """Mesh configuration: one frozen dataclass, built once at the edge from `EVENFLOW_*`
 environment variables and CLI overrides. This is the only module that reads the environment
-(besides OpenTelemetry's own OTEL_* variables). An unknown EVENFLOW_ key is an error."""
+(besides OpenTelemetry's own OTEL_* variables). An unknown EVENFLOW_ key is an error, and so is
+a value out of its range (the error names the variable).
+
+Engine settings take their defaults from the engine's own EngineConfig (torch-free), so the
+offline engine and the mesh cannot disagree; `engine_config()` maps them across."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from evenflow.engine.config import EngineConfig
+
 ENV_PREFIX = "EVENFLOW_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
     pass
+
+
+# Numeric settings' ranges: (low, high or None, low inclusive). Engine settings are checked by
+# EngineConfig itself.
+_RANGES: dict[str, tuple[float, float | None, bool]] = {
+    "port": (0, 65535, True), "threads_per_worker": (1, None, True),
+    "max_model_len": (0, None, True), "num_kv_blocks": (0, None, True),
+    "local_prefill_threshold": (0, None, True), "decode_retries": (0, 100, True),
+    "kv_overlap_weight": (0, None, True), "decode_load_weight": (0, None, True),
+    "load_cap_blocks": (0, None, False), "router_temperature": (0, None, True),
+    "prediction_ttl_ms": (0, None, True), "kv_lookup_timeout_s": (0, None, False),
+    "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
+    "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
+    "kv_chunk_bytes": (4096, None, True), "num_ep_ranks": (0, None, True),
+    "num_redundant_experts": (0, None, True), "eplb_report_interval_s": (0, None, False),
+    "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
+    "eplb_window_reports": (1, None, True), "balancer_metrics_port": (0, 65535, True),
+    "num_prefill": (0, None, True), "num_decode": (1, None, True),
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
+    "log_level": LOG_LEVELS,
+}
+
+
+_ENGINE = EngineConfig()  # the engine's defaults are the mesh's: one source
 
 
 @dataclass(frozen=True)
@@ -22,16 +58,18 @@ class MeshConfig:
     # Data plane; None means `evenflow up` starts a local server on a free port.
     nats_url: str | None = None
     redis_url: str | None = None
-    # Model and engine (every worker uses the same)
-    model: str = "tiny-moe"
+    # Model and engine (every worker uses the same); defaults are EngineConfig's.
+    model: str = _ENGINE.model
     engine: str = "torch"  # "torch", or "mock": a timing model over the real block manager
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_gb: float = 0.5
+    dtype: str = _ENGINE.dtype
+    block_size: int = _ENGINE.block_size
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
+    max_model_len: int = 0  # 0: the model's, at most 8192
+    kv_cache_gb: float = _ENGINE.kv_cache_gb
     num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
-    threads_per_worker: int = 1
+    threads_per_worker: int = 1  # torch threads of each worker's engine
+    log_level: str = "info"
     # Gateway
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,32 +110,46 @@ class MeshConfig:
     num_decode: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.port < 0 or self.local_prefill_threshold < 0:
-            raise ConfigError("block_size >= 1, port >= 0 and local_prefill_threshold >= 0")
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ConfigError("the mesh needs at least one decode worker")
+        for name, (low, high, inclusive) in _RANGES.items():
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high) or (
+                    not inclusive and value == low):
+                bound = f">= {low}" if inclusive else f"> {low}"
+                if high is not None:
+                    bound += f" and <= {high}"
+                raise ConfigError(f"{name} ({ENV_PREFIX}{name.upper()}) must be {bound}, "
+                                  f"got {value!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} ({ENV_PREFIX}{name.upper()}) must be one of "
+                                  f"{', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
-        if self.router not in ("kv", "least_load", "round_robin"):
-            raise ConfigError(f"router must be kv, least_load or round_robin, got {self.router!r}")
-        if self.engine not in ("torch", "mock"):
-            raise ConfigError(f"engine must be torch or mock, got {self.engine!r}")
-        if self.kv_chunk_bytes < 4096:
-            raise ConfigError("kv_chunk_bytes must be at least 4096")
+        try:
+            self.engine_config()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def configure_logging(self) -> None:
+        """The process's log format and level (every service's entry point calls this)."""
+        logging.basicConfig(level=self.log_level.upper(),
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     @property
     def model_name(self) -> str:
         """The name clients use in the `model` field: the built-in name or the directory's."""
         return os.path.basename(self.model.rstrip("/")) or self.model
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the engine's EngineConfig (services never import the engine)."""
-        return dict(model=self.model, dtype=self.dtype, block_size=self.block_size,
-                    max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    kv_cache_gb=self.kv_cache_gb, num_kv_blocks=self.num_kv_blocks or None,
-                    num_threads=self.threads_per_worker, num_ep_ranks=self.num_ep_ranks,
-                    num_redundant_experts=self.num_redundant_experts)
+    def engine_config(self) -> EngineConfig:
+        """The engine settings every worker runs with: the fields both configs share by name,
+        with 0 meaning "unset" where the engine takes None."""
+        shared = {f.name for f in dataclasses.fields(EngineConfig)} & {
+            f.name for f in dataclasses.fields(self)}
+        values: dict[str, Any] = {name: getattr(self, name) for name in shared}
+        values["num_kv_blocks"] = self.num_kv_blocks or None
+        values["max_model_len"] = self.max_model_len or None
+        values["num_threads"] = self.threads_per_worker
+        return EngineConfig(**values)
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""
@@ -111,21 +163,28 @@ class MeshConfig:
         return env
 
 
-def _coerce(name: str, annotation: str, raw: Any) -> Any:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(name: str, hint: Any, raw: Any) -> Any:
+    """A string from the environment or a flag -> the field's type (by its resolved hint)."""
     if not isinstance(raw, str):
         return raw
-    base = annotation.replace(" ", "").removesuffix("|None")
+    base = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None -> X
+        base = next(a for a in typing.get_args(hint) if a is not type(None))
     try:
-        if base == "int":
-            return int(raw)
-        if base == "float":
-            return float(raw)
-        if base == "bool":
-            return raw.lower() in ("1", "true", "yes", "on")
-        if base.startswith("tuple"):
+        if base is bool:
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ValueError(raw)
+            return raw.lower() in _TRUE
+        if base in (int, float):
+            return base(raw)
+        if typing.get_origin(base) is tuple:
             return tuple(x for x in raw.split(",") if x)
     except ValueError as exc:
-        raise ConfigError(f"{name}: cannot parse {raw!r} as {base}") from exc
+        kind = getattr(base, "__name__", str(base))
+        raise ConfigError(f"{name}: cannot parse {raw!r} as {kind}") from exc
     return raw
 
 
@@ -133,19 +192,19 @@ def load_config(overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> MeshConfig:
     """Environment first, then overrides (CLI flags); None values in overrides are skipped."""
     environ = os.environ if environ is None else environ
-    fields = {f.name: str(f.type) for f in dataclasses.fields(MeshConfig)}
+    hints = typing.get_type_hints(MeshConfig)
     values: dict[str, Any] = {}
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name not in fields:
+        if name not in hints:
             raise ConfigError(f"unknown setting {key}; known: "
-                              + ", ".join(ENV_PREFIX + n.upper() for n in fields))
-        values[name] = _coerce(key, fields[name], raw)
+                              + ", ".join(ENV_PREFIX + n.upper() for n in hints))
+        values[name] = _coerce(key, hints[name], raw)
     for name, value in (overrides or {}).items():
-        if name not in fields:
+        if name not in hints:
             raise ConfigError(f"unknown setting {name!r}")
         if value is not None:
-            values[name] = _coerce(name, fields[name], value)
+            values[name] = _coerce(name, hints[name], value)
     return MeshConfig(**values)

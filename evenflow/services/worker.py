@@ -254,7 +254,7 @@ class WorkerService:
 
 def run_worker(service: WorkerService) -> None:
     """Entry point of a worker process: uvloop when available, one event loop."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    service.config.configure_logging()
     try:
         import uvloop
     except ImportError:

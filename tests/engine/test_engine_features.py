@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from checkpoints import make_checkpoint
 
-from evenflow.proto.messages import BlockRemoved, BlockStored
 from evenflow import LLM, SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.proto.messages import BlockRemoved, BlockStored
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""Mesh configuration: one source of engine defaults, range checks naming the variable, strict
+parsing, and every engine setting reachable from `evenflow up` flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evenflow.cli import build_parser
+from evenflow.engine.config import EngineConfig
+from evenflow.services.config import ConfigError, MeshConfig, load_config
+
+
+def test_the_mesh_runs_the_engine_defaults():
+    engine, mesh = EngineConfig(), MeshConfig().engine_config()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in ("num_threads", "num_ep_ranks", "num_redundant_experts"):
+            assert getattr(mesh, f.name) == getattr(engine, f.name), f.name
+    assert mesh.num_threads == 1  # one thread per worker: several share a small machine
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"EVENFLOW_KV_OVERLAP_WEIGHT": "-5"}, r"\(EVENFLOW_KV_OVERLAP_WEIGHT\) must be >= 0"),
+    ({"EVENFLOW_WORKER_TIMEOUT_S": "0"}, r"\(EVENFLOW_WORKER_TIMEOUT_S\) must be > 0"),
+    ({"EVENFLOW_EPLB_THRESHOLD": "1.5"}, "<= 1"),
+    ({"EVENFLOW_PORT": "70000"}, "EVENFLOW_PORT"),
+    ({"EVENFLOW_ROUTER": "fastest"}, "must be one of kv, least_load, round_robin"),
+    ({"EVENFLOW_KV_CACHE_GB": "0"}, "kv_cache_gb must be > 0"),
+    ({"EVENFLOW_DTYPE": "int3"}, "dtype must be auto or one of"),
+    ({"EVENFLOW_MAX_NUM_SEQS": "abc"}, "cannot parse 'abc' as int"),
+    ({"EVENFLOW_ENABLE_TURBO": "1"}, "unknown setting EVENFLOW_ENABLE_TURBO"),
+])
+def test_bad_settings_are_refused_with_the_variable_named(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=env)
+
+
+def test_values_parse_by_their_type():
+    config = load_config(environ={"EVENFLOW_NATS_URL": "nats://x:1",
+                                  "EVENFLOW_API_KEYS": "a,b", "EVENFLOW_ROUTER_TEMPERATURE": "2"})
+    assert config.nats_url == "nats://x:1" and config.api_keys == ("a", "b")
+    assert config.router_temperature == 2.0
+
+
+def test_up_flags_reach_the_engine_config():
+    args = build_parser().parse_args([
+        "up", "--dtype", "float32", "--threads", "2", "--kv-cache-gb", "0.25",
+        "--max-num-seqs", "8", "--max-model-len", "512", "--router", "least_load",
+        "--log-level", "debug", "--num-kv-blocks", "100"])
+    config = load_config({
+        "dtype": args.dtype, "threads_per_worker": args.threads,
+        "kv_cache_gb": args.kv_cache_gb, "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len, "router": args.router,
+        "log_level": args.log_level, "num_kv_blocks": args.num_kv_blocks}, environ={})
+    engine = config.engine_config()
+    assert (engine.dtype, engine.num_threads, engine.kv_cache_gb, engine.max_num_seqs,
+            engine.max_model_len, engine.num_kv_blocks) == ("float32", 2, 0.25, 8, 512, 100)
+    assert config.router == "least_load" and config.log_level == "debug"
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("evenflow ")
