@@ -39,7 +39,7 @@ from evenflow.proto.messages import (
     TokenDeltas,
     WorkerHeartbeat,
 )
-from evenflow.services.bus import Bus
+from evenflow.services.bus import Bus, MessageBus
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
     CACHED_TOKENS,
@@ -73,11 +73,11 @@ class _Flight:
 
 class GatewayClient:
     def __init__(self, config: MeshConfig, tracer: trace.Tracer, salt: bytes,
-                 bus: Bus | None = None) -> None:
+                 bus: MessageBus | None = None) -> None:
         self.config, self.tracer, self.salt = config, tracer, salt
         self.gateway_id = uuid.uuid4().hex[:12]
         self.inbox = subjects.gateway_inbox(self.gateway_id)
-        self.bus = bus or Bus(f"gateway-{self.gateway_id}")
+        self.bus: MessageBus = bus or Bus(f"gateway-{self.gateway_id}")
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
             config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)

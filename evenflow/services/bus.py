@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import nats
 from nats.aio.client import Client as NATS
@@ -27,6 +28,22 @@ from evenflow.services.tracing import extract_context, inject_headers
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message, Context], Awaitable[None] | None]
+
+
+class MessageBus(Protocol):
+    """What services use of a bus: `Bus` (NATS) and services/memory_bus.py's InMemoryBus."""
+
+    name: str
+    dropped: int
+
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def max_payload(self) -> int: ...
+    async def connect(self, url: str, timeout_s: float = 5.0) -> None: ...
+    async def publish(self, subject: str, message: Message) -> None: ...
+    async def subscribe(self, subject: str, handler: Handler) -> None: ...
+    async def close(self) -> None: ...
 FRAME_HEADER = "Evenflow-Frame"
 FRAME_TIMEOUT_S = 30.0
 

@@ -28,7 +28,7 @@ from evenflow.proto.messages import (
     Role,
     WorkerHeartbeat,
 )
-from evenflow.services.bus import Bus
+from evenflow.services.bus import Bus, MessageBus
 from evenflow.services.config import MeshConfig
 from evenflow.services.engine_api import ServingEngine
 from evenflow.services.engine_thread import (
@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 class WorkerService:
     role: Role
 
-    def __init__(self, config: MeshConfig, worker_id: str) -> None:
+    def __init__(self, config: MeshConfig, worker_id: str, bus: MessageBus | None = None) -> None:
         self.config, self.worker_id = config, worker_id
-        self.bus = Bus(f"{self.role}-{worker_id}")
+        self.bus: MessageBus = bus or Bus(f"{self.role}-{worker_id}")
         self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}")
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index

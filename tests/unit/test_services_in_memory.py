@@ -1,0 +1,180 @@
+"""Services' message handling on the in-memory bus (no nats-server, no subprocesses): a decode
+worker's admission and KV hand-off on the mock engine, and the gateway's retry elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+
+from evenflow.decode.service import DecodeWorker
+from evenflow.gateway.client import GatewayClient
+from evenflow.proto import errors, subjects
+from evenflow.proto.messages import (
+    Cancel,
+    DecodeRequest,
+    ErrorMessage,
+    KVBlockChunk,
+    KVTransferComplete,
+    Message,
+    Role,
+    SamplingSpec,
+    TokenDelta,
+    TokenDeltas,
+    WorkerHeartbeat,
+)
+from evenflow.services.config import MeshConfig
+from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
+
+INBOX = "evenflow.gateway.test"
+GREEDY = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+class Inbox:
+    """A gateway stand-in: collects what arrives on INBOX, per request."""
+
+    def __init__(self, broker: InMemoryBroker) -> None:
+        self.bus = InMemoryBus(broker, "gateway")
+        self.items: asyncio.Queue[Message] = asyncio.Queue()
+        self.heartbeats: list[WorkerHeartbeat] = []
+
+    async def open(self) -> None:
+        await self.bus.connect("memory://")
+        await self.bus.subscribe(INBOX, lambda m, _c: self.items.put_nowait(m))
+        await self.bus.subscribe(subjects.HEARTBEAT, lambda m, _c: self.heartbeats.append(m))
+
+    async def outcome(self, request_id: str) -> tuple[list[int], str]:
+        """Token ids and finish reason of one request, or ([], error code)."""
+        tokens: list[int] = []
+        while True:
+            item = await asyncio.wait_for(self.items.get(), 20)
+            if isinstance(item, ErrorMessage) and item.request_id == request_id:
+                return [], item.code
+            if isinstance(item, TokenDeltas):
+                for delta in item.deltas:
+                    if delta.request_id == request_id:
+                        tokens += delta.token_ids
+                        if delta.finish_reason:
+                            return tokens, delta.finish_reason
+
+
+def test_decode_worker_admits_refuses_and_checks_kv_transfers():
+    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0, num_kv_blocks=8,
+                        heartbeat_interval_s=0.05)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = DecodeWorker(config, "d0", InMemoryBus(broker, "d0"))
+        running = asyncio.create_task(worker.run(install_signals=False))
+        gateway = Inbox(broker)
+        await gateway.open()
+        await asyncio.wait_for(worker.started.wait(), 30)
+        to_worker = subjects.decode_worker("d0")
+        try:
+            # A short prompt, prefilled here (conditional disaggregation).
+            await gateway.bus.publish(to_worker, DecodeRequest(
+                request_id="local", prompt_token_ids=[5] * 20, sampling=GREEDY,
+                reply_subject=INBOX, enqueued_at=0.0))
+            tokens, finish = await gateway.outcome("local")
+            assert len(tokens) == 4 and finish == "length"
+            # More blocks than the whole cache: a retryable refusal, not a hang.
+            await gateway.bus.publish(to_worker, DecodeRequest(
+                request_id="huge", prompt_token_ids=[5] * 200, sampling=GREEDY,
+                reply_subject=INBOX, enqueued_at=0.0))
+            assert await gateway.outcome("huge") == ([], errors.NO_CAPACITY)
+            # A prefilled request: its K/V in two chunks (the mock engine's blocks hold no bytes).
+            for seq in (0, 1):
+                await gateway.bus.publish(to_worker, KVBlockChunk(
+                    request_id="remote", seq=seq, first_block=seq, num_blocks=1, data=b""))
+            await gateway.bus.publish(to_worker, complete("remote", num_chunks=2))
+            tokens, finish = await gateway.outcome("remote")
+            assert tokens and finish == "length"
+            # The same with a chunk sent twice: the request fails, the worker keeps serving.
+            for seq in (0, 0, 1):
+                await gateway.bus.publish(to_worker, KVBlockChunk(
+                    request_id="dup", seq=seq, first_block=0, num_blocks=1, data=b""))
+            await gateway.bus.publish(to_worker, complete("dup", num_chunks=2))
+            assert await gateway.outcome("dup") == ([], errors.KV_TRANSFER_FAILED)
+            # Garbage is dropped and counted; the next request is still served.
+            broker.publish_raw(to_worker, b"\xc1 not msgpack")
+            await gateway.bus.publish(to_worker, DecodeRequest(
+                request_id="after", prompt_token_ids=[6] * 10, sampling=GREEDY,
+                reply_subject=INBOX, enqueued_at=0.0))
+            assert (await gateway.outcome("after"))[1] == "length"
+            assert worker.bus.dropped == 1
+            # Heartbeats say what it is and that every block came back.
+            await asyncio.sleep(0.2)
+            last = gateway.heartbeats[-1]
+            assert last.role is Role.DECODE and not last.draining
+            assert last.free_kv_blocks == last.total_kv_blocks == 8
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(running, 30)
+            await gateway.bus.close()
+
+    asyncio.run(scenario())
+
+
+def complete(request_id: str, num_chunks: int) -> KVTransferComplete:
+    return KVTransferComplete(
+        request_id=request_id, num_chunks=num_chunks, num_blocks=2, dtype="uint8",
+        prompt_token_ids=[7] * 20, first_token_id=9, sampling=GREEDY, reply_subject=INBOX,
+        num_cached_tokens=0, enqueued_at=0.0, export_started_at=0.0)
+
+
+class FakeDecodeWorker:
+    """Answers its first request with NO_CAPACITY if `full`, else with two tokens."""
+
+    def __init__(self, broker: InMemoryBroker, worker_id: str, full: bool) -> None:
+        self.worker_id, self.full = worker_id, full
+        self.bus = InMemoryBus(broker, worker_id)
+        self.requests: list[str] = []
+        self.cancels: list[str] = []
+
+    async def open(self) -> None:
+        await self.bus.connect("memory://")
+        await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_message)
+        await self.bus.publish(subjects.HEARTBEAT, WorkerHeartbeat(
+            worker_id=self.worker_id, role=Role.DECODE, model="tiny-moe", free_kv_blocks=100,
+            total_kv_blocks=100, epoch="e"))
+
+    async def _on_message(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, Cancel):
+            self.cancels.append(message.request_id)
+        elif isinstance(message, DecodeRequest):
+            self.requests.append(message.request_id)
+            reply: Message = ErrorMessage(
+                request_id=message.request_id, code=errors.NO_CAPACITY, description="full",
+                retryable=True) if self.full else TokenDeltas(worker_id=self.worker_id, deltas=[
+                    TokenDelta(request_id=message.request_id, token_ids=[11, 12],
+                               finish_reason="length", num_prompt_tokens=3)])
+            await self.bus.publish(message.reply_subject, reply)
+
+
+def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
+    # least_load breaks ties by worker id, so without the exclusion the retry would go back to
+    # d0, which just said it is full.
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
+                        decode_retries=2)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        workers = [FakeDecodeWorker(broker, "d0", full=True),
+                   FakeDecodeWorker(broker, "d1", full=False)]
+        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+        await client.start()
+        for w in workers:
+            await w.open()
+        while len(client.registry.live(Role.DECODE)) < 2:
+            await asyncio.sleep(0.01)
+        deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
+        assert [t for d in deltas for t in d.token_ids] == [11, 12]
+        assert workers[0].requests == ["r1"] and workers[1].requests == ["r1"]
+        await asyncio.sleep(0.05)
+        assert workers[0].cancels == ["r1"]
+        assert all(s.inflight == 0 for s in client.registry.workers.values())
+        await client.close()
+        for w in workers:
+            await w.bus.close()
+
+    asyncio.run(scenario())
