@@ -1,3 +1,2 @@
-"""Decode service: KV blocks in -> continuous batching -> token deltas out.
-
-Not built yet: this package is reserved by the layout in DESIGN.md."""
+"""Decode service: KV blocks in -> continuous batching -> token deltas out (service.py); also
+prefills short prompts itself (conditional disaggregation). `python -m evenflow.decode ID`."""

@@ -1,3 +1,3 @@
-"""Global KV-block index: events in (NATS) -> Redis; one-round-trip prefix match.
-
-Not built yet: this package is reserved by the layout in DESIGN.md."""
+"""Global KV-block index: KV events in over NATS -> Redis (service.py), the Redis layout and its
+Lua scripts (store.py), and the gateway's read side: one-round-trip prefix match plus
+predictions (client.py). `python -m evenflow.kv_index ID`."""

@@ -1,3 +1,2 @@
-"""Prefill service: prompt -> KV blocks -> decode worker, first token -> gateway.
-
-Not built yet: this package is reserved by the layout in DESIGN.md."""
+"""Prefill service: prompt -> KV blocks -> decode worker, first token -> gateway (service.py).
+`python -m evenflow.prefill ID`."""

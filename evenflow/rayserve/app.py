@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
+from evenflow.rayserve import autoscaling
 from evenflow.services.config import MeshConfig, load_config
 from evenflow.services.worker import WorkerService
 
@@ -88,7 +89,8 @@ def _autoscaling(args: dict[str, Any], policy: str | None,
         look_back_period_s=float(args.get("look_back_period_s", 4.0)),
         upscale_delay_s=float(args.get("upscale_delay_s", 2.0)),
         downscale_delay_s=float(args.get("downscale_delay_s", 10.0)),
-        target_ongoing_requests=float(args.get("target_ongoing_requests", 8)),
+        target_ongoing_requests=float(args.get("target_ongoing_requests",
+                                               autoscaling.TARGET_ONGOING_REQUESTS)),
         **extra)
 
 
@@ -103,10 +105,11 @@ def _service_app(name: str, args: dict[str, Any], policy: str | None,
 
 
 def prefill_app(args: dict[str, Any]):
-    """Scales on queued prompt tokens (arg `target_queued_tokens`, default 256 per replica)."""
+    """Scales on queued prompt tokens (arg `target_queued_tokens`, default 2,048 per replica)."""
     return _service_app("prefill", args,
                         "evenflow.rayserve.autoscaling:PrefillPolicy",
-                        {"target_queued_tokens": float(args.get("target_queued_tokens", 256))})
+                        {"target_queued_tokens": float(args.get("target_queued_tokens",
+                                                                autoscaling.TARGET_QUEUED_TOKENS))})
 
 
 def decode_app(args: dict[str, Any]):
@@ -114,7 +117,8 @@ def decode_app(args: dict[str, Any]):
     KV blocks (below 20% free: one more)."""
     return _service_app("decode", args,
                         "evenflow.rayserve.autoscaling:DecodePolicy",
-                        {"target_running": float(args.get("target_running", 32))})
+                        {"target_running": float(args.get("target_running",
+                                                          autoscaling.TARGET_RUNNING))})
 
 
 def kv_index_app(args: dict[str, Any]):

@@ -11,6 +11,10 @@ from typing import Any
 log = logging.getLogger("ray.serve")
 
 DOWNSCALE_PERIODS = 5  # consecutive decisions below the current count before shrinking
+# Default targets per replica (README's table and deploy/serve.yaml say the same).
+TARGET_ONGOING_REQUESTS = 32.0  # gateway (Serve's own policy)
+TARGET_QUEUED_TOKENS = 2048.0  # prefill
+TARGET_RUNNING = 32.0  # decode
 
 
 def _metric_total(ctx: Any, name: str) -> float:
@@ -37,7 +41,7 @@ def _decide(ctx: Any, desired: int) -> tuple[int, dict[str, Any]]:
 class PrefillPolicy:
     """Prefill scales on queued prompt tokens: one replica per `target_queued_tokens`."""
 
-    def __init__(self, target_queued_tokens: float = 256.0) -> None:
+    def __init__(self, target_queued_tokens: float = TARGET_QUEUED_TOKENS) -> None:
         self.target = target_queued_tokens
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -48,7 +52,8 @@ class PrefillPolicy:
 class DecodePolicy:
     """Decode scales on running sequences, and up when free KV blocks run low."""
 
-    def __init__(self, target_running: float = 32.0, min_free_kv_fraction: float = 0.2) -> None:
+    def __init__(self, target_running: float = TARGET_RUNNING,
+                 min_free_kv_fraction: float = 0.2) -> None:
         self.target, self.min_free = target_running, min_free_kv_fraction
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:

@@ -1,2 +1,3 @@
-"""Shared runtime of the mesh services (config, NATS bus, Redis, tracing, metrics, lifecycle,
-local launcher). Filled in by the mesh issue; nothing here yet."""
+"""Shared runtime of the mesh services: config (the only reader of EVENFLOW_*), the NATS bus and
+its in-memory twin for tests, the engine interface and engine thread, Redis connections,
+tracing, metrics, the worker lifecycle and the local launcher (`evenflow up`)."""
