@@ -30,6 +30,22 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Message, Context], Awaitable[None] | None]
 
 
+async def deliver(subject: str, payload: bytes, context: Context,
+                  handler: Handler) -> str | None:
+    """Decode one payload and hand it to `handler`; why it was dropped if it did not decode. A
+    handler's exception is logged, never raised: it must not stop the listener."""
+    message = decode(payload)
+    if isinstance(message, WireError):
+        return message.reason
+    try:
+        result = handler(message, context)
+        if asyncio.iscoroutine(result):
+            await result
+    except Exception:
+        log.exception("handler for %s failed on %s", subject, type(message).__name__)
+    return None
+
+
 class MessageBus(Protocol):
     """What services use of a bus: `Bus` (NATS) and services/memory_bus.py's InMemoryBus."""
 
@@ -137,16 +153,9 @@ class Bus:
 
     async def _dispatch(self, subject: str, data: bytes, headers: dict | None,
                         handler: Handler) -> None:
-        message = decode(data)
-        if isinstance(message, WireError):
-            self._count_dropped(f"{subject}: {message.reason}")
-            return
-        try:
-            result = handler(message, extract_context(headers))
-            if asyncio.iscoroutine(result):
-                await result
-        except Exception:  # a handler bug must not stop the listener
-            log.exception("handler for %s failed on %s", subject, type(message).__name__)
+        reason = await deliver(subject, data, extract_context(headers), handler)
+        if reason is not None:
+            self._count_dropped(f"{subject}: {reason}")
 
     async def close(self) -> None:
         """Drain: finish delivering what arrived, then close the connection."""

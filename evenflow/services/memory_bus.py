@@ -16,8 +16,8 @@ from collections import defaultdict
 
 from opentelemetry.context import Context
 
-from evenflow.proto.messages import Message, WireError, decode, encode
-from evenflow.services.bus import Handler
+from evenflow.proto.messages import Message, encode
+from evenflow.services.bus import Handler, deliver
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +69,10 @@ class InMemoryBus:
 
     async def _listen(self, subject: str, queue: asyncio.Queue[bytes], handler: Handler) -> None:
         while True:
-            message = decode(await queue.get())
-            if isinstance(message, WireError):
+            reason = await deliver(subject, await queue.get(), Context(), handler)
+            if reason is not None:
                 self.dropped += 1
-                log.warning("dropped a message on %s: %s", subject, message.reason)
-                continue
-            try:
-                result = handler(message, Context())
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:  # a handler bug must not stop the listener
-                log.exception("handler for %s failed on %s", subject, type(message).__name__)
+                log.warning("dropped a message on %s: %s", subject, reason)
 
     async def close(self) -> None:
         for task in self._tasks:
