@@ -43,6 +43,7 @@ from evenflow.services.engine_thread import (
     EngineCommand,
     Rejected,
     StepDone,
+    StepFailed,
 )
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
@@ -173,6 +174,7 @@ class DecodeWorker(WorkerService):
             active.blocks = 0  # the engine holds them now
             if active.queue_span is not None:
                 active.queue_span.end()
+                active.queue_span = None
 
     def on_rejected(self, event: Rejected) -> None:
         active = self.active.pop(event.request_id, None)
@@ -182,6 +184,18 @@ class DecodeWorker(WorkerService):
             active.span.end()
             self._error(active.reply_subject, event.request_id, errors.BAD_REQUEST,
                         event.reason, None)
+
+    def on_step_failed(self, event: StepFailed) -> None:
+        """Requests lost to a failed step: a retryable error each (the gateway moves them to
+        another worker, keeping what was streamed; a poison request fails after its retries)."""
+        for request_id in event.request_ids:
+            active = self.active.pop(request_id, None)
+            if active is not None:
+                if active.queue_span is not None:
+                    active.queue_span.end()
+                active.span.end()
+                self._error(active.reply_subject, request_id, errors.ENGINE_FAILED,
+                            f"the engine step failed: {event.reason}", None)
 
     def _error(self, subject: str, request_id: str, code: str, description: str,
                ctx: Context | None) -> None:

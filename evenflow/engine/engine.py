@@ -262,6 +262,18 @@ class Engine:
         self._aborted.append(self._output(seq, []))
         return True
 
+    def abort_all(self) -> list[str]:
+        """Drop every request (after a failed step, whose state cannot be trusted); their ids.
+        Their blocks are freed; no output is produced for them."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.scheduler.finish(self._requests.pop(request_id), FinishReason.ABORT)
+        for seq in self._exports:
+            self.blocks.free_sequence(seq)
+            ids.append(seq.request_id)
+        self._exports, self._aborted = [], []
+        return ids
+
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._aborted or self._exports)
 

@@ -33,7 +33,8 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
     vocab = logits.shape[-1]
     temps = torch.tensor([s.params.temperature or 1.0 for s in seqs]).unsqueeze(1)
     scaled = logits / temps
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab
+                          for s in seqs])
     top_p = torch.tensor([s.params.top_p for s in seqs])
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)

@@ -35,10 +35,12 @@ class SamplingParams:
               "top_p", f"must be in (0, 1], got {self.top_p!r}")
         check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
               "top_k", f"must be -1 (off), 0 (off) or a positive int, got {self.top_k!r}")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
               "max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
-        check(self.seed is None or isinstance(self.seed, int),
-              "seed", f"must be an int or None, got {self.seed!r}")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                    and -(1 << 63) <= self.seed < (1 << 63)),
+              "seed", f"must be a 64-bit int or None, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         check(all(isinstance(s, str) for s in stop), "stop", "must be strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

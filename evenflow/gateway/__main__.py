@@ -1,13 +1,62 @@
-"""`python -m evenflow.gateway`: the gateway process (config from EVENFLOW_*)."""
+"""`python -m evenflow.gateway`: the gateway process (config from EVENFLOW_*).
+
+SIGTERM drains: new requests get 503, running ones get EVENFLOW_DRAIN_TIMEOUT_S to finish (a
+stream still running then ends with an error event and `data: [DONE]`), then the process exits.
+A second SIGTERM or SIGINT exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
-from evenflow.gateway.app import create_app
-from evenflow.services.config import load_config
+from evenflow.gateway.app import Gateway, create_app
+from evenflow.services.config import MeshConfig, load_config
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.fastapi_app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        gateway: Gateway | None = self.fastapi_app.state.gateway
+        if (sig != signal.SIGTERM or gateway is None or gateway.draining
+                or self._loop is None):
+            super().handle_exit(sig, frame)  # not serving yet, or asked twice: exit now
+            return
+        gateway.begin_drain()
+        self._loop.call_soon_threadsafe(self._start_drain, gateway)
+
+    def _start_drain(self, gateway: Gateway) -> None:
+        self._drain = asyncio.get_running_loop().create_task(self._exit_when_drained(gateway))
+
+    async def _exit_when_drained(self, gateway: Gateway) -> None:
+        # Streams past the deadline end themselves (error event + [DONE]); a moment for that.
+        while gateway.admission.running and time.monotonic() < gateway.drain_deadline + 2:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def main(config: MeshConfig) -> None:
+    config.configure_logging()
+    app = create_app(config)
+    server = DrainingServer(uvicorn.Config(
+        app, host=config.host, port=config.port, loop="uvloop",
+        log_level="warning" if config.log_level == "info" else config.log_level,
+        timeout_graceful_shutdown=5), app)
+    server.run()
+
 
 if __name__ == "__main__":
-    config = load_config()
-    config.configure_logging()
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                log_level="warning" if config.log_level == "info" else config.log_level,
-                timeout_graceful_shutdown=5)
+    main(load_config())

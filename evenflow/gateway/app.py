@@ -6,10 +6,13 @@ detokenization and stop strings happen here; workers only see token ids."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from evenflow import __version__, models
 from evenflow.gateway.client import GatewayClient, RequestFailed
@@ -73,6 +76,7 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    deadline: float  # time.monotonic() by which the request must be done
     usage: Usage = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +97,18 @@ class Gateway:
         self.tracer = setup_tracing("evenflow-gateway")
         # The engine salts block hashes with the checkpoint directory's name; so do we.
         self.client = GatewayClient(config, self.tracer, namespace_salt(model_dir.name))
+        self.admission = Admission(config.max_inflight, config.max_queued)
+        self.drain_deadline = math.inf  # set on SIGTERM: streams must end by then
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline < math.inf
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests (503); running ones get drain_timeout_s to finish,
+        then end with an error event."""
+        if not self.draining:
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
 
     def build_job(self, kind: str, req: CompletionRequest | ChatCompletionRequest) -> Job:
         """Tokenize and check a request against the model; raises APIError."""
@@ -114,6 +130,8 @@ class Gateway:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if any(t >= vocab for t in req.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = req.requested_max_tokens or (16 if kind == "completion" else room)
         if room < 1 or max_tokens > room:
@@ -126,17 +144,32 @@ class Gateway:
                             seed=req.seed, max_tokens=max_tokens,
                             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         return Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
                    req.stop_strings, req.stream,
-                   bool(req.stream_options and req.stream_options.include_usage))
+                   bool(req.stream_options and req.stream_options.include_usage),
+                   time.monotonic() + budget)
 
     async def run(self, job: Job) -> AsyncIterator[tuple[str, str | None]]:
         """Yield (text delta, finish reason or None); job.usage follows along."""
         detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop)
         started = time.monotonic()
+        try:
+            async with aclosing(self._deltas(job, detok, started)) as deltas:
+                async for item in deltas:
+                    yield item
+        except RequestFailed as exc:
+            if exc.code == errors.TIMEOUT and time.monotonic() >= self.drain_deadline:
+                raise RequestFailed(errors.DRAINING, "the gateway shut down before the request "
+                                    "finished") from None
+            raise
+
+    async def _deltas(self, job: Job, detok: IncrementalDetokenizer,
+                      started: float) -> AsyncGenerator[tuple[str, str | None]]:
         first = True
         with self.tracer.start_as_current_span("stream") as span:
-            async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id):
+            async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
+                                                    min(job.deadline, self.drain_deadline)):
                 if first:
                     TTFT.observe(time.monotonic() - started)
                     job.usage.cached_tokens = delta.num_cached_tokens
@@ -156,7 +189,41 @@ class Gateway:
                     yield text, None
 
 
+class Admission:
+    """At most `max_inflight` requests run at once; up to `max_queued` more wait for a slot;
+    beyond that a request is refused at once with 429 and Retry-After, before any stream
+    starts, so memory stays bounded under a burst."""
+
+    def __init__(self, max_inflight: int, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self._slots = asyncio.Semaphore(max_inflight)
+        self.queued = 0
+        self.running = 0
+
+    async def acquire(self) -> None:
+        if self._slots.locked():
+            if self.queued >= self.max_queued:
+                raise APIError(429, "Too many requests are queued at this gateway; retry later.",
+                               "rate_limit_error", code="overloaded",
+                               headers={"Retry-After": "1"})
+            self.queued += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self.queued -= 1
+        else:
+            await self._slots.acquire()
+        self.running += 1
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()
+
+
 def _error_from_failure(exc: RequestFailed) -> APIError:
+    if exc.code == errors.TIMEOUT:
+        return APIError(504, f"The request timed out: {exc.description}", "timeout_error",
+                        code="timeout")
     if exc.code in (errors.NO_CAPACITY, errors.DRAINING):
         return APIError(503, f"The server is overloaded: {exc.description}", "overloaded_error",
                         code="overloaded", headers={"Retry-After": "1"})
@@ -213,7 +280,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 async def _handle(gateway: Gateway, kind: str,
                   body: CompletionRequest | ChatCompletionRequest) -> Response:
+    if gateway.draining:
+        raise APIError(503, "The gateway is shutting down.", "overloaded_error",
+                       code="draining", headers={"Retry-After": "1"})
     job = gateway.build_job(kind, body)
+    # The slot is released exactly once, by whoever ends the response: _complete's finally,
+    # or the streaming response once it is done.
+    await gateway.admission.acquire()
     span = gateway.tracer.start_span(  # ended when the response is complete
         "gateway.request", kind=trace.SpanKind.SERVER,
         attributes={"gen_ai.operation.name": kind, "gen_ai.request.model": job.model,
@@ -221,15 +294,14 @@ async def _handle(gateway: Gateway, kind: str,
                     "gen_ai.usage.input_tokens": len(job.prompt_ids)})
     ctx = trace.set_span_in_context(span)
     if job.stream:
-        return StreamingResponse(_stream(gateway, job, ctx, span),
-                                 media_type="text/event-stream")
+        return _AdmittedStream(_stream(gateway, job, ctx, span), gateway.admission.release)
     return await _complete(gateway, job, ctx, span)
 
 
 async def _complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -> Response:
+    text, finish = "", None
     token = otel_context.attach(ctx)
     INFLIGHT.inc()
-    text, finish = "", None
     try:
         async for delta, finish in gateway.run(job):  # noqa: B007 (the last finish counts)
             text += delta
@@ -240,6 +312,7 @@ async def _complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) 
         INFLIGHT.dec()
         otel_context.detach(token)
         span.end()
+        gateway.admission.release()
     REQUESTS.labels(job.kind, "ok").inc()
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
     if job.kind == "chat":
@@ -292,24 +365,124 @@ async def _stream(gateway: Gateway, job: Job, ctx: Context,
     yield b"data: [DONE]\n\n"
 
 
-# -- the app ----------------------------------------------------------------------------------
-class APIKeyMiddleware:
-    """Bearer-key check on /v1/* before anything reads the body (ASGI, so it also covers
-    streaming responses)."""
+class _AdmittedStream(StreamingResponse):
+    """An SSE response that gives its admission slot back however it ends (finished, failed,
+    or the client gone before the first byte, when the body generator never even starts)."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
-        self.app, self.api_keys = app, api_keys
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.api_keys and scope["path"].startswith("/v1/"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if token not in self.api_keys:
-                error = APIError(401, "Incorrect API key provided.", "authentication_error",
-                                 code="invalid_api_key")
-                await _json(error.body(), 401)(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+# -- the app ----------------------------------------------------------------------------------
+OPEN_PATHS = ("/health",)  # answered without a key (liveness probes)
+DOCS_PATHS = ("/metrics", "/docs", "/redoc", "/openapi.json")  # keyed unless public_metrics
+
+
+class EdgeMiddleware:
+    """The gateway's limits, applied before any handler or body parsing (ASGI, so streaming
+    responses are covered too): header section size (431), the API key (401, compared in
+    constant time, checked before the body is read), and the body size (413, counted as it
+    arrives, so a lying or absent Content-Length cannot get past it)."""
+
+    def __init__(self, app: ASGIApp, config: MeshConfig, api_keys: tuple[str, ...]) -> None:
+        self.app, self.config = app, config
+        self.api_keys = tuple(k.encode() for k in api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if sum(len(k) + len(v) for k, v in headers) > self.config.max_header_bytes:
+            await _reject(send, 431, "Request header fields too large.", "header_too_large")
+            return
+        if self.api_keys and self._needs_key(scope["path"]) and not self._authorized(headers):
+            await _reject(send, 401, "Incorrect API key provided.", "invalid_api_key",
+                          "authentication_error")
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_body(headers, receive)
+            if body is None:
+                await _reject(send, 413, f"The request body exceeds "
+                              f"{self.config.max_body_bytes} bytes.", "body_too_large")
                 return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    def _needs_key(self, path: str) -> bool:
+        if path in OPEN_PATHS:
+            return False
+        return not (self.config.public_metrics and path in DOCS_PATHS)
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        token = value[7:] if value[:7].lower() == b"bearer " else b""
+        found = False
+        for key in self.api_keys:  # every key compared, each in constant time
+            found |= hmac.compare_digest(token, key)
+        return found
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]],
+                         receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit (what came is dropped)."""
+        limit = self.config.max_body_bytes
+        declared = next((v for k, v in headers if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks)  # the client left; the app sees an empty body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that hands the app the body already read, then the server's own messages
+    (a client that goes away still arrives as http.disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _reject(send: Send, status: int, message: str, code: str,
+                  type_: str = "invalid_request_error") -> None:
+    body = orjson.dumps(APIError(status, message, type_, code=code).body())
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def read_api_keys(config: MeshConfig) -> tuple[str, ...]:
+    """EVENFLOW_API_KEYS plus the lines of EVENFLOW_API_KEY_FILE (never argv)."""
+    keys = list(config.api_keys)
+    if config.api_key_file:
+        with open(config.api_key_file) as f:
+            keys += [line.strip() for line in f if line.strip()]
+    return tuple(keys)
 
 
 def create_app(config: MeshConfig) -> FastAPI:
@@ -329,7 +502,7 @@ def create_app(config: MeshConfig) -> FastAPI:
     app = FastAPI(title="evenflow", version=__version__, lifespan=lifespan)
     app.state.gateway = None
     app.include_router(router)
-    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(EdgeMiddleware, config=config, api_keys=read_api_keys(config))
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:

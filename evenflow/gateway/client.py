@@ -6,7 +6,8 @@ Routing state lives with its owners: predictions in the KV index client, this ga
 in-flight load in the worker registry. A retryable error (no room, draining) or a worker that
 stops heartbeating re-sends the request elsewhere; tokens already streamed are kept: the retry
 prefills prompt + those tokens on another decode worker and asks only for the rest. A request
-with no progress for request_timeout_s fails.
+with no progress for stall_timeout_s, or past its deadline, fails with TIMEOUT (and is
+cancelled on the workers).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from evenflow.services.metrics import (
     LIVE_WORKERS,
     PREDICTED_CACHED_TOKENS,
     PROMPT_TOKENS,
+    RETRIES,
     ROUTING_DECISIONS,
 )
 
@@ -203,8 +205,10 @@ class GatewayClient:
 
     # -- one request ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], spec: SamplingSpec,
-                       request_id: str | None = None) -> AsyncIterator[TokenDelta]:
-        """Yield the request's deltas until one carries a finish reason. Raises RequestFailed."""
+                       request_id: str | None = None,
+                       deadline: float | None = None) -> AsyncIterator[TokenDelta]:
+        """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
+        `deadline` (time.monotonic()): past it the request fails with TIMEOUT."""
         request_id = request_id or uuid.uuid4().hex
         flight = self.flights[request_id] = _Flight()
         emitted: list[int] = []
@@ -216,7 +220,9 @@ class GatewayClient:
             last_progress = time.monotonic()
             while True:
                 try:
-                    item = await asyncio.wait_for(flight.queue.get(), timeout=0.5)
+                    wait = 0.5 if deadline is None else max(
+                        0.0, min(0.5, deadline - time.monotonic()))
+                    item = await asyncio.wait_for(flight.queue.get(), timeout=wait)
                 except TimeoutError:
                     dead = [w for w in (flight.prefill, flight.decode)
                             if w and not self.registry.is_live(w)]
@@ -224,14 +230,19 @@ class GatewayClient:
                         item = ErrorMessage(request_id=request_id, code=errors.WORKER_ERROR,
                                             description=f"worker {dead[0]} stopped responding",
                                             retryable=True)
-                    elif time.monotonic() - last_progress > self.config.request_timeout_s:
-                        raise RequestFailed(errors.WORKER_ERROR, "request timed out") from None
+                    elif time.monotonic() - last_progress > self.config.stall_timeout_s:
+                        raise RequestFailed(errors.TIMEOUT, "the request made no progress for "
+                                            f"{self.config.stall_timeout_s:g} s") from None
+                    elif deadline is not None and time.monotonic() > deadline:
+                        raise RequestFailed(errors.TIMEOUT, "the request's deadline passed"
+                                            ) from None
                     else:
                         continue
                 if isinstance(item, ErrorMessage):
                     if not item.retryable or retries <= 0:
                         raise RequestFailed(item.code, item.description)
                     retries -= 1
+                    RETRIES.labels(code=item.code).inc()
                     if flight.decode:  # before _release forgets it: never pick it again
                         exclude.add(flight.decode)
                     self._cancel(request_id, flight)
@@ -241,6 +252,8 @@ class GatewayClient:
                                      force_local=bool(emitted))
                     continue
                 last_progress = time.monotonic()
+                if deadline is not None and last_progress > deadline:
+                    raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 if not emitted:
                     self._count_hits(flight, len(prompt), item.num_cached_tokens)
                     if flight.prefill:

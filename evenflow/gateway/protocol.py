@@ -3,9 +3,19 @@ unknown fields ignored) and OpenAI-style error bodies."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 
 class APIError(Exception):
@@ -24,35 +34,72 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# Edge limits (README "Limits"): what one request may ask for, before any work is done.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKENS_LIMIT = 1 << 20  # the context check comes later; this bounds the number itself
+INT64 = (-(1 << 63), (1 << 63) - 1)
+Number = StrictFloat | StrictInt  # a JSON number; "0.5" (a string) is a 400, not a coercion
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    """Fields both endpoints take, with their types and ranges checked strictly (no coercion
+    from strings): a bad value is a 400 naming the field."""
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    n: int = Field(default=1, ge=1, le=1)
-    ignore_eos: bool = False
-    stream: bool = False
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: Number = Field(default=1.0, ge=0, le=2)
+    top_p: Number = Field(default=1.0, gt=0, le=1)
+    top_k: StrictInt = Field(default=-1, ge=-1, le=(1 << 31) - 1)  # > vocab: all tokens
+    seed: StrictInt | None = Field(default=None, ge=INT64[0], le=INT64[1])
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: StrictStr | None = None
+    # Seconds this request may take in all (vLLM-style extra field); the server's
+    # EVENFLOW_REQUEST_TIMEOUT_S caps it. Past it: 504 (an error event once streaming).
+    timeout: Number | None = Field(default=None, gt=0)
+    # Accepted as OpenAI clients send them, refused when they ask for what is not built yet.
+    logit_bias: dict[str, Number] | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> list[str]:
-        if v is None:
-            return []
-        return [v] if isinstance(v, str) else v
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None,
+                                    info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
 
     @property
     def stop_strings(self) -> list[str]:
@@ -64,7 +111,24 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=0)  # not built yet: only 0
+    echo: StrictBool = Field(default=False)
+    suffix: StrictStr | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return None
 
     @field_validator("prompt")
     @classmethod
@@ -84,7 +148,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: StrictStr | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -94,7 +158,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("logprobs are not supported yet")
+        return v
+
+
+_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def validation_error(exc: Exception) -> APIError:
@@ -105,7 +181,9 @@ def validation_error(exc: Exception) -> APIError:
                              f"{errors[0].get('ctx', {}).get('error', 'invalid JSON')}")
     if errors:
         first = errors[0]
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        # The location without "body" and without the union branch pydantic tried ("float").
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not (
+            isinstance(p, str) and (p in _BRANCHES or "[" in p))) or None
         return APIError(400, f"{param}: {first.get('msg')}" if param else first.get("msg", ""),
                         param=param)
     return APIError(400, str(exc))

@@ -124,10 +124,10 @@ class WorkerRegistry:
         return state is not None and time.monotonic() - state.seen_at < self.timeout_s
 
     def live(self, role: Role) -> list[WorkerState]:
-        """Workers of `role` that heartbeat and take new work (not draining)."""
+        """Workers of `role` that heartbeat and take new work (not draining, not unhealthy)."""
         return sorted((s for s in self.workers.values()
                        if s.heartbeat.role == role and not s.heartbeat.draining
-                       and self.is_live(s.worker_id)),
+                       and not s.heartbeat.unhealthy and self.is_live(s.worker_id)),
                       key=lambda s: s.worker_id)
 
     def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,

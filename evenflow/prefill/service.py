@@ -32,7 +32,14 @@ from evenflow.proto.messages import (
     WorkerHeartbeat,
 )
 from evenflow.services.engine_api import EngineOutput
-from evenflow.services.engine_thread import Abort, AddRequest, Admitted, Rejected, StepDone
+from evenflow.services.engine_thread import (
+    Abort,
+    AddRequest,
+    Admitted,
+    Rejected,
+    StepDone,
+    StepFailed,
+)
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 
@@ -115,6 +122,14 @@ class PrefillWorker(WorkerService):
         if pending is not None:
             pending.queue_span.end()
             self._fail(pending.request, errors.BAD_REQUEST, event.reason, None)
+
+    def on_step_failed(self, event: StepFailed) -> None:
+        for request_id in event.request_ids:
+            pending = self.pending.pop(request_id, None)
+            if pending is not None:
+                pending.queue_span.end()
+                self._fail(pending.request, errors.ENGINE_FAILED,
+                           f"the engine step failed: {event.reason}", None)
 
     def _fail(self, req: PrefillRequest, code: str, description: str,
               ctx: Context | None) -> None:

@@ -7,5 +7,9 @@ BAD_REQUEST = "bad_request"  # the engine rejected the request (length, vocabula
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # a chunk went missing, arrived twice, or timed out
 WORKER_ERROR = "worker_error"  # an unexpected failure inside a worker
 DRAINING = "draining"  # the worker is shutting down: retry elsewhere
+ENGINE_FAILED = "engine_failed"  # an engine step raised; its requests were dropped
+TIMEOUT = "timeout"  # the request's deadline passed, or it stalled (gateway only)
 
-RETRYABLE = frozenset({NO_CAPACITY, DRAINING})
+# Retried by the gateway elsewhere, within its retry budget (a chunk lost or sent twice is a
+# transient transfer fault: a fresh prefill succeeds).
+RETRYABLE = frozenset({NO_CAPACITY, DRAINING, KV_TRANSFER_FAILED, ENGINE_FAILED})

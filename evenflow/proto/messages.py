@@ -272,6 +272,7 @@ class WorkerHeartbeat:
     # queued prompt tokens), so a gateway can add its own fresher count to the others' share.
     load_by_gateway: dict[str, int] = field(default_factory=dict)
     draining: bool = False  # shutting down: route nothing new here (its KV lease holds)
+    unhealthy: str = ""  # why it cannot serve now (its engine keeps failing); empty: healthy
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas

@@ -38,6 +38,9 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "prediction_ttl_ms": (0, None, True), "kv_lookup_timeout_s": (0, None, False),
     "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
     "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
+    "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
+    "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
+    "max_inflight": (1, None, True), "max_queued": (0, None, True),
     "kv_chunk_bytes": (4096, None, True), "num_ep_ranks": (0, None, True),
     "num_redundant_experts": (0, None, True), "eplb_report_interval_s": (0, None, False),
     "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
@@ -73,7 +76,14 @@ class MeshConfig:
     # Gateway
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (see api_key_file)
+    api_key_file: str | None = None  # keys, one per line; read by the gateway at start
+    public_metrics: bool = False  # with keys set, /metrics and /docs need a key unless True
+    # Limits at the HTTP edge (README "Limits")
+    max_body_bytes: int = 4 * 2**20  # larger bodies: 413
+    max_header_bytes: int = 64 * 1024  # larger header sections: 431
+    max_inflight: int = 256  # requests running at once at this gateway
+    max_queued: int = 512  # requests waiting for a slot; beyond: 429 with Retry-After
     # Conditional disaggregation (as Dynamo's max_local_prefill_length): a prompt whose part not
     # cached on its decode worker is shorter than this many tokens is prefilled there, not
     # shipped; a chat's next turn thus reuses the previous answer, which only the decode worker
@@ -94,7 +104,11 @@ class MeshConfig:
     # Timing
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is dead
-    request_timeout_s: float = 120.0  # a request with no progress this long fails
+    # A request's deadline (a request may ask for less with its `timeout` field): past it the
+    # stream ends with a 504 error event and the workers drop the request.
+    request_timeout_s: float = 600.0
+    stall_timeout_s: float = 120.0  # a request with no progress this long fails (504)
+    drain_timeout_s: float = 30.0  # gateway SIGTERM: streams get this long to finish
     kv_transfer_timeout_s: float = 10.0
     kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
     # Expert parallelism and the balancer (MoE models; virtual EP ranks inside each worker)

@@ -85,6 +85,14 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class StepFailed:
+    """A step raised: every request the engine held was dropped (their blocks freed)."""
+
+    request_ids: list[str]
+    reason: str
+
+
+@dataclass(frozen=True)
 class KVEventsTaken:
     events: list[KVCacheEvent]
 
@@ -109,8 +117,10 @@ class PlacementApplied:
     error: str | None = None  # why it was not applied
 
 
-EngineEvent = (Admitted | Rejected | StepDone | KVEventsTaken | KVSnapshotTaken | ExpertLoadTaken
-               | PlacementApplied)
+EngineEvent = (Admitted | Rejected | StepDone | StepFailed | KVEventsTaken | KVSnapshotTaken
+               | ExpertLoadTaken | PlacementApplied)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine reports itself unhealthy
 
 
 class EngineThread:
@@ -119,6 +129,8 @@ class EngineThread:
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.consecutive_failures = 0
+        self.problem: str | None = None  # why this engine cannot serve (None: it can)
 
     def start(self) -> None:
         self._thread.start()
@@ -140,15 +152,15 @@ class EngineThread:
             case AddRequest(request_id, prompt, sampling, export_kv):
                 try:
                     engine.add_request(request_id, prompt, sampling, export_kv)
-                except ValueError as exc:
-                    self._emit(Rejected(request_id, str(exc)))
+                except Exception as exc:  # any failure refuses this request only
+                    self._emit(Rejected(request_id, _reason(exc)))
                 else:
                     self._emit(Admitted(request_id))
             case AddPrefilled(request_id, prompt, first, sampling, kv, cached):
                 try:
                     engine.add_prefilled_request(request_id, prompt, first, sampling, kv, cached)
-                except ValueError as exc:
-                    self._emit(Rejected(request_id, str(exc)))
+                except Exception as exc:
+                    self._emit(Rejected(request_id, _reason(exc)))
                 else:
                     self._emit(Admitted(request_id))
             case Abort(request_id):
@@ -195,11 +207,32 @@ class EngineThread:
                 except Exception:  # a bug in one command must not stop the engine
                     log.exception("engine command %s failed", type(command).__name__)
             if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception:
-                    log.exception("engine step failed")
-                    outputs = []
-                if outputs:
-                    self._emit(StepDone(outputs))
+                self._step()
             self._flush_kv_events()
+
+    def _step(self) -> None:
+        """One step. A step that raises fails the requests it held, never the next step: they
+        are dropped and reported, and the engine goes on; several failures in a row mark it
+        unhealthy (heartbeats say so, and the router stops sending here)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self.consecutive_failures += 1
+            try:
+                dropped = self.engine.abort_all()
+            except Exception:  # nothing more we can do: the worker is unhealthy
+                log.exception("engine could not drop its requests")
+                dropped, self.consecutive_failures = [], MAX_CONSECUTIVE_STEP_FAILURES
+            if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self.problem = (f"engine step failed {self.consecutive_failures} times in a "
+                                f"row: {_reason(exc)}")
+            self._emit(StepFailed(dropped, _reason(exc)))
+            return
+        self.consecutive_failures, self.problem = 0, None
+        if outputs:
+            self._emit(StepDone(outputs))
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -21,6 +21,9 @@ CACHED_TOKENS = Counter("evenflow_cached_prompt_tokens_total",
                         "Prompt tokens served from a prefix cache (actual)", ["worker"])
 PREDICTED_CACHED_TOKENS = Counter("evenflow_predicted_cached_prompt_tokens_total",
                                   "Prompt tokens the router expected to be cached")
+RETRIES = Counter("evenflow_request_retries_total",
+                  "Requests re-sent elsewhere by the gateway, by the error that caused it",
+                  ["code"])
 KV_TRANSFER_BYTES = Counter("evenflow_kv_transfer_bytes_total", "KV bytes shipped", ["service"])
 
 

@@ -43,6 +43,7 @@ from evenflow.services.engine_thread import (
     Rejected,
     SnapshotKV,
     StepDone,
+    StepFailed,
     TakeExpertLoad,
 )
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
@@ -75,15 +76,17 @@ class WorkerService:
         """This service's heartbeat; workers add their load."""
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
-                               epoch=self.epoch, draining=self.draining)
+                               epoch=self.epoch, draining=self.draining,
+                               unhealthy=self.healthy() or "")
 
     def busy(self) -> bool:
         return False
 
     def healthy(self) -> str | None:
         """Why this service cannot do its job right now (None: it can). NATS is checked by
-        the caller; services that need more (Redis) say so here."""
-        return None
+        the caller; services that need more (Redis) say so here. An engine whose steps keep
+        failing makes its worker unhealthy."""
+        return self._thread.problem if self._thread is not None else None
 
     def autoscaling_stats(self) -> dict[str, float]:
         """This replica's load signal for an autoscaler (Ray Serve custom metrics)."""
@@ -100,6 +103,9 @@ class WorkerService:
 
     def on_rejected(self, event: Rejected) -> None:
         """The engine refused a request (its reason names the problem)."""
+
+    def on_step_failed(self, event: StepFailed) -> None:
+        """A step raised and the engine dropped these requests."""
 
     # -- the engine -------------------------------------------------------------------------
     @property
@@ -143,6 +149,10 @@ class WorkerService:
                 self.on_admitted(event)
             case Rejected():
                 self.on_rejected(event)
+            case StepFailed(request_ids, reason):
+                log.error("engine step failed (%s); %d requests failed", reason,
+                          len(request_ids))
+                self.on_step_failed(event)
             case KVEventsTaken(events):
                 self.kv_seq += 1
                 self.send(subjects.KV_EVENTS, KVEvents(

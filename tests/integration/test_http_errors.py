@@ -80,5 +80,6 @@ def test_garbage_on_every_subject_leaves_the_mesh_serving(mesh, client):
     out = client.completions.create(model="tiny-moe", prompt="count from 40 : 40 41 42 43 44 "
                                     "45 46 47 48 49 50 51 52 53", max_tokens=3, temperature=0)
     assert out.choices[0].text.split() == ["54", "55", "56"]
-    metrics = httpx.get(mesh.url + "/metrics").text
+    assert httpx.get(mesh.url + "/metrics").status_code == 401  # behind the key by default
+    metrics = httpx.get(mesh.url + "/metrics", headers=AUTH).text
     assert "evenflow_messages_dropped_total" in metrics

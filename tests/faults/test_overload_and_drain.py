@@ -1,0 +1,96 @@
+"""Overload, deadlines and shutdown at the gateway, on a mock-engine mesh of real processes:
+past the admission queue a request gets 429 with Retry-After before any stream starts; a
+request past its deadline gets 504 (an error event once streaming) and is dropped by the
+workers; SIGTERM drains: new requests 503, running streams end with an error event and
+[DONE] when the drain time is up, and the process exits by itself."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import httpx
+import orjson
+import pytest
+
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import LocalMesh
+
+pytestmark = pytest.mark.slow
+
+LONG = {"model": "tiny-moe", "prompt": "count from 5 :", "max_tokens": 400, "ignore_eos": True,
+        "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def small_mesh():
+    config = MeshConfig(port=0, engine="mock", num_prefill=0, num_decode=1, num_ep_ranks=0,
+                        max_inflight=1, max_queued=1, drain_timeout_s=1.0,
+                        heartbeat_interval_s=0.2, worker_timeout_s=3.0)
+    running = LocalMesh(config)
+    try:
+        running.start(health_timeout_s=120)
+        yield running
+    finally:
+        running.stop()
+
+
+def stream_events(url: str, body: dict, timeout: float = 60) -> tuple[int, list[bytes]]:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=timeout) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, [resp.content]
+        return 200, [line.encode() for line in resp.iter_lines() if line.startswith("data:")]
+
+
+def test_past_the_queue_requests_get_429_with_retry_after(small_mesh):
+    url = small_mesh.url
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        running = pool.submit(stream_events, url, LONG)
+        time.sleep(0.5)  # it holds the one slot
+        queued = pool.submit(stream_events, url, {**LONG, "max_tokens": 5})
+        time.sleep(0.3)  # it holds the one queue place
+        refused = [httpx.post(url + "/v1/completions", json=LONG, timeout=10)
+                   for _ in range(3)]
+        assert all(r.status_code == 429 for r in refused), [r.status_code for r in refused]
+        assert all(r.headers.get("retry-after") == "1" for r in refused)
+        assert refused[0].json()["error"]["type"] == "rate_limit_error"
+        assert running.result()[0] == 200 and queued.result()[0] == 200
+    assert httpx.post(url + "/v1/completions", json={**LONG, "max_tokens": 3},
+                      timeout=30).status_code == 200  # slots came back
+
+
+def test_a_request_past_its_deadline_is_504(small_mesh):
+    started = time.monotonic()
+    resp = httpx.post(small_mesh.url + "/v1/completions", json={**LONG, "timeout": 0.5},
+                      timeout=30)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - started < 5
+    status, events = stream_events(small_mesh.url, {**LONG, "timeout": 0.5})
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    error = orjson.loads(events[-2].removeprefix(b"data: "))
+    assert error["error"]["code"] == "timeout"
+    # The worker dropped it: the next request is served at once.
+    assert httpx.post(small_mesh.url + "/v1/completions", json={**LONG, "max_tokens": 3},
+                      timeout=30).status_code == 200
+
+
+def test_sigterm_drains_the_gateway(small_mesh):
+    gateway = small_mesh.procs[-1]  # spawned last
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(stream_events, small_mesh.url, {**LONG, "max_tokens": 480})
+        time.sleep(0.5)
+        assert not stream.done(), stream.result()
+        gateway.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.post(small_mesh.url + "/v1/completions", json=LONG, timeout=10)
+        assert refused.status_code == 503 and refused.headers.get("retry-after")
+        status, events = stream.result()
+    # The stream either finished within the drain time or ended with an error event; both
+    # close with [DONE].
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    last = orjson.loads(events[-2].removeprefix(b"data: "))
+    assert last.get("error", {}).get("code") == "draining" or last["choices"][0]["finish_reason"]
+    assert gateway.wait(15) == 0

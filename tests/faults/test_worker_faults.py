@@ -1,0 +1,149 @@
+"""One bad request, or one failing step, never takes a worker down: it fails that request (an
+error reply, its KV blocks and load freed) and the worker keeps serving. Runs a decode worker on
+the in-memory bus with the mock engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from evenflow.decode.service import DecodeWorker
+from evenflow.proto import errors, subjects
+from evenflow.proto.messages import (
+    DecodeRequest,
+    ErrorMessage,
+    Message,
+    SamplingSpec,
+    TokenDeltas,
+    WorkerHeartbeat,
+)
+from evenflow.services.config import MeshConfig
+from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
+
+INBOX = "evenflow.gateway.faults"
+POISON = 13  # a prompt token the fault injector fails on
+
+
+async def with_decode_worker(scenario: Callable[[DecodeWorker, InMemoryBus, asyncio.Queue],
+                                                Awaitable[None]]) -> None:
+    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0, num_kv_blocks=16,
+                        heartbeat_interval_s=0.05)
+    broker = InMemoryBroker()
+    worker = DecodeWorker(config, "d0", InMemoryBus(broker, "d0"))
+    running = asyncio.create_task(worker.run(install_signals=False))
+    gateway = InMemoryBus(broker, "gateway")
+    await gateway.connect("memory://")
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    await gateway.subscribe(INBOX, lambda m, _c: inbox.put_nowait(m))
+    await gateway.subscribe(subjects.HEARTBEAT, lambda m, _c: inbox.put_nowait(m))
+    await asyncio.wait_for(worker.started.wait(), 30)
+    try:
+        await scenario(worker, gateway, inbox)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(running, 30)
+        await gateway.close()
+
+
+async def send(gateway: InMemoryBus, request_id: str, prompt: list[int],
+               sampling: SamplingSpec) -> None:
+    await gateway.publish(subjects.decode_worker("d0"), DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, reply_subject=INBOX,
+        enqueued_at=0.0))
+
+
+_ENDED: dict[str, tuple[str, ErrorMessage | None]] = {}  # request id -> how it ended
+
+
+async def outcome(inbox: asyncio.Queue, request_id: str) -> tuple[str, ErrorMessage | None]:
+    """("finished", None) or ("error", the error), within a bounded time (never a hang). One
+    TokenDeltas message may end several requests: every ending seen is remembered."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while request_id not in _ENDED:
+        item = await asyncio.wait_for(inbox.get(), max(0.0, deadline - loop.time()))
+        if isinstance(item, ErrorMessage):
+            _ENDED[item.request_id] = ("error", item)
+        elif isinstance(item, TokenDeltas):
+            _ENDED.update((d.request_id, ("finished", None))
+                          for d in item.deltas if d.finish_reason)
+    return _ENDED.pop(request_id)
+
+
+async def heartbeat(inbox: asyncio.Queue) -> WorkerHeartbeat:
+    while True:
+        item = await asyncio.wait_for(inbox.get(), 10)
+        if isinstance(item, WorkerHeartbeat):
+            return item
+        if isinstance(item, TokenDeltas | ErrorMessage):
+            inbox.put_nowait(item)  # not ours: leave it for outcome()
+            await asyncio.sleep(0.01)
+
+
+GREEDY = SamplingSpec(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def test_invalid_sampling_on_the_wire_fails_only_that_request():
+    """Values the gateway would refuse (a forged or buggy sender): the engine refuses them with
+    an error reply and keeps no block or load for them."""
+    async def scenario(worker, gateway, inbox) -> None:
+        bad = [SamplingSpec(stop_token_ids=[-1]), SamplingSpec(top_p=0.0),
+               SamplingSpec(temperature=-1.0), SamplingSpec(max_tokens=0),
+               SamplingSpec(seed=(1 << 64) - 1)]
+        for i, spec in enumerate(bad):
+            await send(gateway, f"bad{i}", [5] * 20, spec)
+            kind, error = await outcome(inbox, f"bad{i}")
+            assert kind == "error" and error.code == errors.BAD_REQUEST, spec
+        # A huge top_k is legal (all tokens) and is served.
+        await send(gateway, "topk", [5] * 20, SamplingSpec(top_k=(1 << 31) - 1, max_tokens=3,
+                                                            temperature=1.0, seed=1))
+        assert (await outcome(inbox, "topk"))[0] == "finished"
+        await asyncio.sleep(0.1)
+        hb = await heartbeat(inbox)
+        assert hb.free_kv_blocks == hb.total_kv_blocks and not hb.load_by_gateway
+        assert not worker.active
+
+    asyncio.run(with_decode_worker(scenario))
+
+
+def test_a_failing_step_fails_its_requests_and_the_worker_recovers():
+    async def scenario(worker, gateway, inbox) -> None:
+        runner = worker.engine.runner  # the fault injector reaches inside, as faults do
+        run = runner.run
+
+        def run_with_poison(chunks):
+            if any(POISON in c.seq.token_ids for c in chunks):
+                raise RuntimeError("injected fault")
+            return run(chunks)
+
+        runner.run = run_with_poison
+        await send(gateway, "poison", [POISON] * 20, GREEDY)
+        kind, error = await outcome(inbox, "poison")
+        assert kind == "error" and error.code == errors.ENGINE_FAILED and error.retryable
+        # Not stuck: the next requests are served, and nothing leaked.
+        for i in range(3):
+            await send(gateway, f"ok{i}", [5 + i] * 20, GREEDY)
+        for i in range(3):
+            assert (await outcome(inbox, f"ok{i}"))[0] == "finished"
+        await asyncio.sleep(0.1)
+        hb = await heartbeat(inbox)
+        assert hb.free_kv_blocks == hb.total_kv_blocks and not hb.unhealthy
+
+    asyncio.run(with_decode_worker(scenario))
+
+
+def test_an_engine_that_keeps_failing_reports_itself_unhealthy():
+    async def scenario(worker, gateway, inbox) -> None:
+        def always_fail(chunks):
+            raise RuntimeError("broken engine")
+
+        worker.engine.runner.run = always_fail
+        for i in range(3):
+            await send(gateway, f"r{i}", [5] * 20, GREEDY)
+            assert (await outcome(inbox, f"r{i}"))[0] == "error"
+        deadline = asyncio.get_running_loop().time() + 5
+        while not (await heartbeat(inbox)).unhealthy:
+            assert asyncio.get_running_loop().time() < deadline
+        assert "failed 3 times in a row" in worker.healthy()
+
+    asyncio.run(with_decode_worker(scenario))
