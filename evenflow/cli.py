@@ -42,13 +42,14 @@ def _up(args: argparse.Namespace) -> int:
     import time
 
     from evenflow.services.config import ConfigError, load_config
-    from evenflow.services.launcher import LaunchError, LocalMesh, _command
+    from evenflow.services.launcher import LaunchError, LocalMesh
+    from evenflow.services.supervisor import GaveUp
 
     try:
         config = load_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
             "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
-            "host": args.host, "api_keys": args.api_key, "engine": args.engine,
+            "host": args.host, "api_key_file": args.api_key_file, "engine": args.engine,
             "dtype": args.dtype, "threads_per_worker": args.threads,
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
@@ -71,17 +72,22 @@ def _up(args: argparse.Namespace) -> int:
     try:
         mesh.start()
         c = mesh.config
+        from evenflow.services.config import redact
+
         where = "on Ray Serve" if args.ray else f"(gateway, {c.num_prefill} prefill, " \
-            f"{c.num_decode} decode; NATS {c.nats_url}, Redis {c.redis_url})"
+            f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
         print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
         print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)
-        while (dead := mesh.first_exited()) is None:
+        while True:  # restart whatever dies; give up on what keeps dying
+            try:
+                mesh.supervise(report=lambda m: print(f"evenflow up: {m}", file=sys.stderr,
+                                                      flush=True))
+            except GaveUp as exc:
+                print(f"evenflow up: {exc}; stopping", file=sys.stderr)
+                return 1
             time.sleep(0.5)
-        print(f"evenflow up: {_command(dead)} exited ({dead.returncode}); stopping",
-              file=sys.stderr)
-        return 1
     except LaunchError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 1
@@ -146,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--api-key", default=None, help="require this Bearer key")
+    up.add_argument("--api-key-file", default=None,
+                    help="require a Bearer key: one per line in this file (or set "
+                         "EVENFLOW_API_KEYS; keys never go on the command line)")
     up.add_argument("--ray", action="store_true",
                     help="run the services as Ray Serve applications on a local Ray")
     up.add_argument("--engine", default=None, choices=["torch", "mock"],

@@ -51,6 +51,9 @@ class LocalRayMesh:
         """Ray restarts failed replicas itself: no child of ours ever counts as exited."""
         return None
 
+    def supervise(self, report: object = None) -> None:
+        """Ray restarts failed replicas itself: nothing for us to do."""
+
     def stop(self) -> None:
         try:
             import ray

@@ -177,6 +177,14 @@ class MeshConfig:
         return env
 
 
+def redact(url: str | None) -> str:
+    """A URL fit to print: credentials replaced by ***."""
+    if not url or "@" not in url:
+        return url or ""
+    scheme, _, rest = url.rpartition("://")
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}" if scheme else "***@" + url.rsplit("@")[1]
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

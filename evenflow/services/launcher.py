@@ -1,9 +1,11 @@
 """The local launcher behind `evenflow up`: nats-server and redis-server on free ports (unless
-URLs are configured), then the gateway, N prefill and M decode workers as separate processes.
-Everything it starts, it stops: on Ctrl-C / SIGTERM, or when any child dies."""
+URLs are configured), then the gateway, N prefill and M decode workers, the KV index and the
+balancer as separate processes. `supervise()` restarts whatever dies (services/supervisor.py);
+everything it starts, it stops: on Ctrl-C / SIGTERM, or once a child crashed too often."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -20,6 +22,7 @@ from pathlib import Path
 import orjson
 
 from evenflow.services.config import MeshConfig
+from evenflow.services.supervisor import Child, RestartPolicy, Supervisor
 
 
 class LaunchError(RuntimeError):
@@ -157,6 +160,9 @@ class LocalMesh:
     servers: list[LocalServer] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
     child_env: dict[str, str] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    _supervisor: Supervisor | None = None
+    _secrets: str | None = None  # a private directory for the API key file
 
     @property
     def url(self) -> str:
@@ -167,6 +173,7 @@ class LocalMesh:
             cfg = ensure_data_plane(self.config, self.servers)
             if cfg.port == 0:
                 cfg = replace(cfg, port=free_port())
+            cfg = self._keys_to_file(cfg)
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
             self.child_env = child_env | (env or {}) | cfg.to_env()
@@ -182,6 +189,21 @@ class LocalMesh:
         except BaseException:
             self.stop()
             raise
+
+    def _keys_to_file(self, cfg: MeshConfig) -> MeshConfig:
+        """API keys go to the gateway in a file only it reads (mode 0600), never in any
+        process's environment or command line."""
+        if not cfg.api_keys:
+            return cfg
+        self._secrets = tempfile.mkdtemp(prefix="evenflow-secrets-")
+        path = os.path.join(self._secrets, "api_keys")
+        lines = list(cfg.api_keys)
+        if cfg.api_key_file:
+            lines += Path(cfg.api_key_file).read_text().split()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return replace(cfg, api_keys=(), api_key_file=path)
 
     def spawn(self, args: list[str]) -> subprocess.Popen:
         """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config."""
@@ -201,6 +223,33 @@ class LocalMesh:
     def first_exited(self) -> subprocess.Popen | None:
         return next((p for p in self.procs if p.poll() is not None), None)
 
+    def supervise(self, report: Callable[[str], None] | None = None) -> None:
+        """One supervision pass (call it every half second): restart what died, after its
+        backoff; raises GaveUp when something crashed too often."""
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self.restart_policy, report or print)
+            for i, server in enumerate(self.servers):
+                self._supervisor.children.append(Child(
+                    f"{server.kind}-server", functools.partial(self._restart_server, i),
+                    server.proc))
+            for i, proc in enumerate(self.procs):
+                name = _command(proc).split(" -m ", 1)[-1]  # "evenflow.decode d0"
+                self._supervisor.children.append(Child(
+                    name, functools.partial(self._respawn, i), proc))
+        self._supervisor.check()
+
+    def _respawn(self, index: int) -> subprocess.Popen:
+        proc = subprocess.Popen(self.procs[index].args, env=self.child_env)
+        self.procs[index] = proc
+        return proc
+
+    def _restart_server(self, index: int) -> subprocess.Popen:
+        old = self.servers[index]
+        shutil.rmtree(old.workdir, ignore_errors=True)
+        new = (start_nats if old.kind == "nats" else start_redis)(old.port)
+        self.servers[index] = new
+        return new.proc
+
     def stop(self) -> None:
         for proc in reversed(self.procs):  # gateway first, then workers
             if proc.poll() is None:
@@ -211,3 +260,5 @@ class LocalMesh:
             server.stop()
         self.procs.clear()
         self.servers.clear()
+        if self._secrets:
+            shutil.rmtree(self._secrets, ignore_errors=True)
