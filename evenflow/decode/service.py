@@ -117,6 +117,16 @@ class DecodeWorker(WorkerService):
             if message.request_id in self.active:
                 self.engine_thread.submit(Abort(message.request_id))
 
+    def drop_requests_of(self, reply_subjects: set[str]) -> int:
+        orphans = [r for r, a in self.active.items() if a.reply_subject in reply_subjects]
+        for request_id in orphans:
+            active = self.active.pop(request_id)
+            if active.queue_span is not None:
+                active.queue_span.end()
+            active.span.end()
+            self.engine_thread.submit(Abort(request_id))
+        return len(orphans)
+
     def _on_chunk(self, chunk: KVBlockChunk, ctx: Context) -> None:
         transfer = self.transfers.get(chunk.request_id)
         if transfer is None:
@@ -150,6 +160,7 @@ class DecodeWorker(WorkerService):
     def _admit(self, request_id: str, prompt: list[int], spec: SamplingSpec,
                reply_subject: str, ctx: Context, prefilled: AddPrefilled | None) -> None:
         """Admission control, then the engine thread adds it (prefilled: with its K/V)."""
+        self.gateway_alive(reply_subject)
         if self.draining:
             self._error(reply_subject, request_id, errors.DRAINING, "decode worker is draining",
                         ctx)

@@ -87,12 +87,14 @@ class GatewayClient:
                                 config.prediction_ttl_ms) if (
             config.redis_url and config.router == "kv") else None
         self.flights: dict[str, _Flight] = {}
+        self._heartbeats: asyncio.Task | None = None
 
     async def start(self) -> None:
         assert self.config.nats_url, "nats_url is required"
         await self.bus.connect(self.config.nats_url)
         await self.bus.subscribe(self.inbox, self._on_inbox)
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
+        self._heartbeats = asyncio.create_task(self._heartbeat(), name="gateway heartbeats")
         if self.kv is not None:
             try:
                 await self.kv.warm_up()
@@ -100,7 +102,22 @@ class GatewayClient:
                 log.warning("KV index not reachable at start (%s); routing by load until it is",
                             exc)
 
+    async def _heartbeat(self) -> None:
+        """The gateway is alive: workers drop the requests of one that stops saying so."""
+        beat = WorkerHeartbeat(worker_id=self.gateway_id, role=Role.GATEWAY,
+                               model=self.config.model_name)
+        while True:
+            try:
+                await self.bus.publish(subjects.HEARTBEAT, dataclasses.replace(
+                    beat, sent_at=time.time(), running=len(self.flights)))
+            except Exception:  # NATS down: the bus reconnects; try again next beat
+                log.warning("gateway heartbeat failed")
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
     async def close(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
         await self.bus.close()
         if self.kv is not None:
             await self.kv.close()

@@ -100,7 +100,16 @@ class PrefillWorker(WorkerService):
             if self.pending.pop(message.request_id, None) is not None:
                 self.engine_thread.submit(Abort(message.request_id))
 
+    def drop_requests_of(self, reply_subjects: set[str]) -> int:
+        orphans = [r for r, p in self.pending.items()
+                   if p.request.reply_subject in reply_subjects]
+        for request_id in orphans:
+            self.pending.pop(request_id).queue_span.end()
+            self.engine_thread.submit(Abort(request_id))
+        return len(orphans)
+
     def _on_request(self, req: PrefillRequest, ctx: Context) -> None:
+        self.gateway_alive(req.reply_subject)
         if self.draining:
             self._fail(req, errors.DRAINING, "prefill worker is draining", ctx)
             return

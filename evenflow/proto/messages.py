@@ -37,6 +37,7 @@ class Role(StrEnum):
     DECODE = "decode"
     KV_INDEX = "kv_index"
     BALANCER = "balancer"
+    GATEWAY = "gateway"  # heartbeats too, so workers can drop the requests of a dead one
 
 
 WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # the roles that serve requests and hold KV

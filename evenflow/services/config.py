@@ -39,6 +39,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
     "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
     "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
+    "orphan_ttl_s": (0, None, False),
     "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
     "max_inflight": (1, None, True), "max_queued": (0, None, True),
     "kv_chunk_bytes": (4096, None, True), "num_ep_ranks": (0, None, True),
@@ -109,6 +110,8 @@ class MeshConfig:
     request_timeout_s: float = 600.0
     stall_timeout_s: float = 120.0  # a request with no progress this long fails (504)
     drain_timeout_s: float = 30.0  # gateway SIGTERM: streams get this long to finish
+    # Workers drop the requests of a gateway silent this long (its clients are gone with it).
+    orphan_ttl_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
     kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
     # Expert parallelism and the balancer (MoE models; virtual EP ranks inside each worker)

@@ -64,6 +64,7 @@ class WorkerService:
         self._engine: ServingEngine | None = None
         self._thread: EngineThread | None = None
         self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
+        self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
@@ -127,6 +128,8 @@ class WorkerService:
         self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
                                                      name="engine events"))
         await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
+        await self.bus.subscribe(subjects.HEARTBEAT, self._on_gateway_heartbeat)
+        self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
         if engine.uses_placement:
             await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
             self._owned_tasks.append(asyncio.create_task(self._report_expert_load(),
@@ -171,6 +174,32 @@ class WorkerService:
                     log.info("placement %d applied in %.1f ms", version, seconds * 1e3)
                 else:
                     log.warning("placement %d not applied: %s", version, error)
+
+    # -- orphans: requests of a gateway that died ---------------------------------------------
+    def gateway_alive(self, reply_subject: str) -> None:
+        """A sign of life from the gateway behind reply_subject (a heartbeat or a request)."""
+        self._gateways_seen[reply_subject] = time.monotonic()
+
+    def _on_gateway_heartbeat(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, WorkerHeartbeat) and message.role is Role.GATEWAY:
+            self.gateway_alive(subjects.gateway_inbox(message.worker_id))
+
+    async def _sweep_orphans(self) -> None:
+        ttl = self.config.orphan_ttl_s
+        while True:
+            await asyncio.sleep(min(1.0, ttl / 2))
+            cutoff = time.monotonic() - ttl
+            gone = {s for s, seen in self._gateways_seen.items() if seen < cutoff}
+            if gone:
+                for subject in gone:
+                    del self._gateways_seen[subject]
+                dropped = self.drop_requests_of(gone)
+                if dropped:
+                    log.warning("dropped %d requests of %d silent gateways", dropped, len(gone))
+
+    def drop_requests_of(self, reply_subjects: set[str]) -> int:
+        """Abort every request whose gateway is gone; how many (engine workers)."""
+        return 0
 
     # -- expert placement -------------------------------------------------------------------
     def _on_placement(self, message: Message, _ctx: object) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from evenflow.decode.service import DecodeWorker
 from evenflow.proto import errors, subjects
@@ -13,6 +14,7 @@ from evenflow.proto.messages import (
     DecodeRequest,
     ErrorMessage,
     Message,
+    Role,
     SamplingSpec,
     TokenDeltas,
     WorkerHeartbeat,
@@ -25,9 +27,9 @@ POISON = 13  # a prompt token the fault injector fails on
 
 
 async def with_decode_worker(scenario: Callable[[DecodeWorker, InMemoryBus, asyncio.Queue],
-                                                Awaitable[None]]) -> None:
-    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0, num_kv_blocks=16,
-                        heartbeat_interval_s=0.05)
+                                                Awaitable[None]], **settings: Any) -> None:
+    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0, num_kv_blocks=64,
+                        heartbeat_interval_s=0.05, **settings)
     broker = InMemoryBroker()
     worker = DecodeWorker(config, "d0", InMemoryBus(broker, "d0"))
     running = asyncio.create_task(worker.run(install_signals=False))
@@ -147,3 +149,25 @@ def test_an_engine_that_keeps_failing_reports_itself_unhealthy():
         assert "failed 3 times in a row" in worker.healthy()
 
     asyncio.run(with_decode_worker(scenario))
+
+
+def test_requests_of_a_silent_gateway_are_dropped():
+    """A gateway that dies leaves no request running to max_tokens on the workers."""
+    async def scenario(worker, gateway, inbox) -> None:
+        alive = WorkerHeartbeat(worker_id="faults", role=Role.GATEWAY, model="tiny-moe")
+        await gateway.publish(subjects.HEARTBEAT, alive)
+        await send(gateway, "long", [5] * 20, SamplingSpec(temperature=0, max_tokens=450,
+                                                            ignore_eos=True))
+        await asyncio.sleep(0.3)
+        assert "long" in worker.active
+        # The gateway goes silent: within the TTL (0.5 s here) the request is dropped.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while "long" in worker.active:
+            assert loop.time() < deadline, "the orphan kept running"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        hb = await heartbeat(inbox)
+        assert hb.free_kv_blocks == hb.total_kv_blocks and hb.running == 0
+
+    asyncio.run(with_decode_worker(scenario, orphan_ttl_s=0.5))
