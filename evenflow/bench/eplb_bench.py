@@ -156,7 +156,7 @@ def live(seconds: float) -> int:
     stop = threading.Event()
 
     async def listen() -> None:
-        nc = await nats.connect(mesh.config.nats_url or "")
+        nc = await nats.connect(mesh.admin_nats_url or mesh.config.nats_url or "")
 
         async def on_load(msg) -> None:
             m = decode(msg.data)

@@ -62,7 +62,7 @@ async def decode_kv_counters(nats_url: str) -> tuple[int, float]:
     from evenflow.proto.messages import WorkerHeartbeat, decode
 
     nc = await nats.connect(nats_url)
-    sub = await nc.subscribe(subjects.HEARTBEAT)
+    sub = await nc.subscribe(subjects.HEARTBEATS)
     seen: dict[str, WorkerHeartbeat] = {}
     deadline = time.monotonic() + 3
     try:
@@ -170,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name = mesh.config.model_name
         figures = asyncio.run(mesh_figures(
-            mesh.url, name, mesh.config.nats_url or "", offline["vocab"],
+            mesh.url, name, mesh.admin_nats_url or mesh.config.nats_url or "", offline["vocab"],
             args.overhead_prompt_len, args.reps, args.output_len, args.kv_prompt_len))
         per_transfer = figures["kv_bytes"] / max(1, figures["kv_runs"])
-        raw = asyncio.run(raw_nats_bandwidth(mesh.config.nats_url or "", int(per_transfer),
+        admin_url = mesh.admin_nats_url or mesh.config.nats_url or ""
+        raw = asyncio.run(raw_nats_bandwidth(admin_url, int(per_transfer),
                                              config.kv_chunk_bytes, figures["kv_runs"]))
         load = asyncio.run(run_load(
             mesh.url, name, make_prompts(args.num_requests, args.prompt_len, offline["vocab"],

@@ -78,7 +78,8 @@ class DecodeWorker(WorkerService):
         self.active: dict[str, _Active] = {}
         await self.serve_engine(engine)
         self._sweeper = asyncio.create_task(self._sweep_transfers(), name="sweep transfers")
-        await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_message)
+        await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_request)
+        await self.bus.subscribe(subjects.kv_transfer(self.worker_id), self._on_transfer)
 
     def heartbeat(self) -> WorkerHeartbeat:
         return dataclasses.replace(
@@ -104,12 +105,16 @@ class DecodeWorker(WorkerService):
             a.blocks for a in self.active.values() if a.blocks)
 
     # -- inbound ----------------------------------------------------------------------------
-    def _on_message(self, message: Message, ctx: Context) -> None:
+    def _on_transfer(self, message: Message, ctx: Context) -> None:
+        """From prefill workers: a request's K/V, then its completion."""
         if isinstance(message, KVBlockChunk):
             self._on_chunk(message, ctx)
         elif isinstance(message, KVTransferComplete):
             self._on_complete(message, ctx)
-        elif isinstance(message, DecodeRequest):
+
+    def _on_request(self, message: Message, ctx: Context) -> None:
+        """From gateways: requests prefilled here, and cancellations."""
+        if isinstance(message, DecodeRequest):
             self._admit(message.request_id, message.prompt_token_ids, message.sampling,
                         message.reply_subject, ctx, None)
         elif isinstance(message, Cancel):

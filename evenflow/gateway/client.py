@@ -88,13 +88,18 @@ class GatewayClient:
             config.redis_url and config.router == "kv") else None
         self.flights: dict[str, _Flight] = {}
         self._heartbeats: asyncio.Task | None = None
+        self._connecting: asyncio.Task | None = None  # retrying a NATS that was down at start
 
     async def start(self) -> None:
+        """Connect, or keep trying in the background: the HTTP side serves meanwhile, and
+        answers 503 (health and requests) until NATS is there."""
         assert self.config.nats_url, "nats_url is required"
-        await self.bus.connect(self.config.nats_url)
-        await self.bus.subscribe(self.inbox, self._on_inbox)
-        await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
-        self._heartbeats = asyncio.create_task(self._heartbeat(), name="gateway heartbeats")
+        try:
+            await asyncio.wait_for(self._connect(), timeout=3.0)
+        except Exception as exc:  # nats-py retries a first connect forever: stop waiting
+            log.warning("NATS unreachable at start (%s); still trying",
+                        exc or type(exc).__name__)
+            self._connecting = asyncio.create_task(self._connect_until_up(), name="connect")
         if self.kv is not None:
             try:
                 await self.kv.warm_up()
@@ -102,22 +107,42 @@ class GatewayClient:
                 log.warning("KV index not reachable at start (%s); routing by load until it is",
                             exc)
 
+    async def _connect(self) -> None:
+        assert self.config.nats_url
+        await self.bus.connect(self.config.nats_url, timeout_s=2.0,
+                               security=self.config.nats_security())
+        await self.bus.subscribe(self.inbox, self._on_inbox)
+        await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
+        self._heartbeats = asyncio.create_task(self._heartbeat(), name="gateway heartbeats")
+
+    async def _connect_until_up(self) -> None:
+        while True:
+            try:
+                await self._connect()  # retries inside until the server answers
+            except Exception:  # refused outright (say, bad credentials): try again later
+                await asyncio.sleep(1.0)
+                continue
+            log.info("connected to NATS")
+            return
+
     async def _heartbeat(self) -> None:
         """The gateway is alive: workers drop the requests of one that stops saying so."""
         beat = WorkerHeartbeat(worker_id=self.gateway_id, role=Role.GATEWAY,
                                model=self.config.model_name)
         while True:
             try:
-                await self.bus.publish(subjects.HEARTBEAT, dataclasses.replace(
+                await self.bus.publish(subjects.heartbeat(
+                    Role.GATEWAY, self.gateway_id), dataclasses.replace(
                     beat, sent_at=time.time(), running=len(self.flights)))
             except Exception:  # NATS down: the bus reconnects; try again next beat
                 log.warning("gateway heartbeat failed")
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def close(self) -> None:
-        if self._heartbeats is not None:
-            self._heartbeats.cancel()
-            await asyncio.gather(self._heartbeats, return_exceptions=True)
+        for task in (self._heartbeats, self._connecting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.bus.close()
         if self.kv is not None:
             await self.kv.close()

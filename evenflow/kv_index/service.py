@@ -72,7 +72,7 @@ class KVIndexService(WorkerService):
         self._tasks = [asyncio.create_task(self._flusher(), name="kv flush"),
                        asyncio.create_task(self._watch(), name="kv watch")]
         await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv)
-        await self.bus.subscribe(subjects.HEARTBEAT, self._on_heartbeat)
+        await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
 
     def healthy(self) -> str | None:
         return None if self.redis_ok else "Redis is unreachable"

@@ -197,7 +197,7 @@ class PrefillWorker(WorkerService):
         transfer.set_attribute("evenflow.kv.blocks", kv.num_blocks)
         transfer.set_attribute("evenflow.kv.bytes", sum(len(c.data) for c in chunks))
         tctx = trace.set_span_in_context(transfer)
-        decode_subject = subjects.decode_worker(req.decode_worker)
+        decode_subject = subjects.kv_transfer(req.decode_worker)
         for chunk in chunks:
             self.send(decode_subject, KVBlockChunk(
                 request_id=req.request_id, seq=chunk.seq, first_block=chunk.first_block,

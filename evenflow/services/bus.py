@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client as NATS
 from opentelemetry.context import Context
 
-from evenflow.proto.messages import Message, WireError, decode, encode
+from evenflow.proto import subjects
+from evenflow.proto.messages import Message, WireError, WorkerHeartbeat, decode, encode
 from evenflow.services.metrics import MESSAGES_DROPPED
 from evenflow.services.tracing import extract_context, inject_headers
 
@@ -37,6 +40,11 @@ async def deliver(subject: str, payload: bytes, context: Context,
     message = decode(payload)
     if isinstance(message, WireError):
         return message.reason
+    if isinstance(message, WorkerHeartbeat) and subject != subjects.heartbeat(
+            message.role, message.worker_id):
+        # Permissions let a service heartbeat on its own subject only; a heartbeat naming
+        # someone else is a forgery (or a bug) and must not steer routing.
+        return f"heartbeat of {message.role}/{message.worker_id} on {subject}"
     try:
         result = handler(message, context)
         if asyncio.iscoroutine(result):
@@ -44,6 +52,30 @@ async def deliver(subject: str, payload: bytes, context: Context,
     except Exception:
         log.exception("handler for %s failed on %s", subject, type(message).__name__)
     return None
+
+
+@dataclass(frozen=True)
+class NatsSecurity:
+    """How a service authenticates to NATS: a credentials file (services/nats_auth.py) and,
+    optionally, TLS (CA to verify the server; a client certificate and key)."""
+
+    credentials_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        from evenflow.services.nats_auth import read_credentials
+
+        kwargs: dict[str, Any] = {}
+        if self.credentials_file:
+            kwargs["user"], kwargs["password"] = read_credentials(self.credentials_file)
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            kwargs["tls"] = context
+        return kwargs
 
 
 class MessageBus(Protocol):
@@ -56,7 +88,8 @@ class MessageBus(Protocol):
     def connected(self) -> bool: ...
     @property
     def max_payload(self) -> int: ...
-    async def connect(self, url: str, timeout_s: float = 5.0) -> None: ...
+    async def connect(self, url: str, timeout_s: float = 5.0,
+                      security: NatsSecurity | None = None) -> None: ...
     async def publish(self, subject: str, message: Message) -> None: ...
     async def subscribe(self, subject: str, handler: Handler) -> None: ...
     async def close(self) -> None: ...
@@ -69,6 +102,7 @@ class Bus:
         self.name = name
         self.nc: NATS | None = None
         self.dropped = 0  # malformed or unknown messages received
+        self._last_error_log = 0.0
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
 
@@ -81,11 +115,32 @@ class Bus:
         assert self.nc is not None
         return self.nc.max_payload
 
-    async def connect(self, url: str, timeout_s: float = 5.0) -> None:
+    async def connect(self, url: str, timeout_s: float = 5.0,
+                      security: NatsSecurity | None = None) -> None:
+        """Connect (and keep reconnecting). With `security`, as its user and over TLS when it
+        names certificates; never anonymously then."""
+        kwargs: dict[str, Any] = {}
+        if security is not None:
+            kwargs = security.connect_kwargs()
         self.nc = await nats.connect(
-            url, name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25,
+            url, name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, **kwargs,
             max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=3,
-            allow_reconnect=True)
+            allow_reconnect=True, error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect)
+
+    # One line per event, at most one error line per few seconds: an outage must not fill
+    # the log with nats-py's tracebacks (it retries every 0.25 s).
+    async def _on_error(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log > 5.0:
+            self._last_error_log = now
+            log.warning("%s: NATS error: %s", self.name, exc or type(exc).__name__)
+
+    async def _on_disconnect(self) -> None:
+        log.warning("%s: disconnected from NATS; reconnecting", self.name)
+
+    async def _on_reconnect(self) -> None:
+        log.info("%s: reconnected to NATS", self.name)
 
     async def publish(self, subject: str, message: Message) -> None:
         assert self.nc is not None, "connect first"
@@ -114,11 +169,11 @@ class Bus:
         async for raw in sub.messages:
             frame = (raw.headers or {}).get(FRAME_HEADER)
             if frame is None:
-                await self._dispatch(subject, raw.data, raw.headers, handler)
+                await self._dispatch(raw.subject, raw.data, raw.headers, handler)
                 continue
             payload = self._add_frame(frames, frame, raw.data)
             if payload is not None:
-                await self._dispatch(subject, payload, raw.headers, handler)
+                await self._dispatch(raw.subject, payload, raw.headers, handler)
 
     def _add_frame(self, frames: dict[str, tuple[float, list[bytes | None]]], frame: str,
                    data: bytes) -> bytes | None:

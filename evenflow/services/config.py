@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evenflow.engine.config import EngineConfig
+from evenflow.services.bus import NatsSecurity
 
 ENV_PREFIX = "EVENFLOW_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -62,6 +63,14 @@ class MeshConfig:
     # Data plane; None means `evenflow up` starts a local server on a free port.
     nats_url: str | None = None
     redis_url: str | None = None
+    # NATS security. `evenflow up` (starting its own nats-server) creates a user per service
+    # with subject permissions (services/nats_auth.py) unless nats_auth is off; a service
+    # connects with the credentials file it is given, and over TLS when certificates are set.
+    nats_auth: bool = True
+    nats_credentials_file: str | None = None
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
     # Model and engine (every worker uses the same); defaults are EngineConfig's.
     model: str = _ENGINE.model
     engine: str = "torch"  # "torch", or "mock": a timing model over the real block manager
@@ -146,6 +155,10 @@ class MeshConfig:
             self.engine_config()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def nats_security(self) -> NatsSecurity:
+        return NatsSecurity(self.nats_credentials_file, self.nats_tls_ca, self.nats_tls_cert,
+                            self.nats_tls_key)
 
     def configure_logging(self) -> None:
         """The process's log format and level (every service's entry point calls this)."""

@@ -18,9 +18,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from evenflow.services import nats_auth
 from evenflow.services.config import MeshConfig
 from evenflow.services.supervisor import Child, RestartPolicy, Supervisor
 
@@ -80,6 +82,7 @@ class LocalServer:
     port: int
     proc: subprocess.Popen
     workdir: str
+    config_file: str | None = None  # nats-server: its users and permissions
 
     @property
     def url(self) -> str:
@@ -90,13 +93,15 @@ class LocalServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_nats(port: int | None = None) -> LocalServer:
+def start_nats(port: int | None = None, config_file: str | None = None) -> LocalServer:
+    """nats-server on loopback; with `config_file` (services/nats_auth.py), its users only."""
     port = port or free_port()
     workdir = tempfile.mkdtemp(prefix="evenflow-nats-")
-    proc = subprocess.Popen([find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["-c", config_file] if config_file else []
+    proc = subprocess.Popen([find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port),
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, 10, proc)
-    return LocalServer("nats", port, proc, workdir)
+    return LocalServer("nats", port, proc, workdir, config_file)
 
 
 def start_redis(port: int | None = None) -> LocalServer:
@@ -162,7 +167,9 @@ class LocalMesh:
     child_env: dict[str, str] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _supervisor: Supervisor | None = None
-    _secrets: str | None = None  # a private directory for the API key file
+    _secrets: str | None = None  # a private directory: API key file, NATS credentials
+    credentials: dict[tuple[str, str], str] = field(default_factory=dict)  # creds files
+    admin_nats_url: str | None = None  # for operators, benchmarks and tests (full access)
 
     @property
     def url(self) -> str:
@@ -170,7 +177,10 @@ class LocalMesh:
 
     def start(self, env: dict[str, str] | None = None, health_timeout_s: float = 120) -> None:
         try:
-            cfg = ensure_data_plane(self.config, self.servers)
+            cfg = self.config
+            if not cfg.nats_url and cfg.nats_auth:
+                cfg = self._start_secure_nats(cfg)
+            cfg = ensure_data_plane(cfg, self.servers)
             if cfg.port == 0:
                 cfg = replace(cfg, port=free_port())
             cfg = self._keys_to_file(cfg)
@@ -190,26 +200,54 @@ class LocalMesh:
             self.stop()
             raise
 
+    def _secrets_dir(self) -> Path:
+        if self._secrets is None:
+            self._secrets = tempfile.mkdtemp(prefix="evenflow-secrets-")
+        return Path(self._secrets)
+
+    def _start_secure_nats(self, cfg: MeshConfig) -> MeshConfig:
+        """nats-server with a user per service (and an admin), each with its permissions;
+        each service gets a credentials file of its own."""
+        services = [("decode", f"d{i}") for i in range(cfg.num_decode)] + [
+            ("prefill", f"p{i}") for i in range(cfg.num_prefill)] + [
+            ("kv_index", "kv0"), ("balancer", "eplb0"), ("gateway", "gateway"), ("admin", "")]
+        users = {(role, wid): nats_auth.make_user(role, wid) for role, wid in services}
+        port = free_port()
+        conf = nats_auth.write_private(self._secrets_dir() / "nats-server.conf",
+                                       nats_auth.server_config(port, list(users.values())))
+        self.credentials = {key: str(nats_auth.write_credentials(self._secrets_dir(), user))
+                             for key, user in users.items()}
+        admin = users[("admin", "")]
+        self.admin_nats_url = f"nats://{admin.name}:{admin.password}@127.0.0.1:{port}"
+        self.servers.append(start_nats(port, str(conf)))
+        return replace(cfg, nats_url=self.servers[-1].url)
+
     def _keys_to_file(self, cfg: MeshConfig) -> MeshConfig:
         """API keys go to the gateway in a file only it reads (mode 0600), never in any
         process's environment or command line."""
         if not cfg.api_keys:
             return cfg
-        self._secrets = tempfile.mkdtemp(prefix="evenflow-secrets-")
-        path = os.path.join(self._secrets, "api_keys")
+        path = self._secrets_dir() / "api_keys"
         lines = list(cfg.api_keys)
         if cfg.api_key_file:
             lines += Path(cfg.api_key_file).read_text().split()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return replace(cfg, api_keys=(), api_key_file=path)
+        nats_auth.write_private(path, "\n".join(lines) + "\n")
+        return replace(cfg, api_keys=(), api_key_file=str(path))
 
     def spawn(self, args: list[str]) -> subprocess.Popen:
-        """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config."""
-        proc = subprocess.Popen([sys.executable, *args], env=self.child_env)
+        """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config
+        and, on a secured NATS, its own credentials file."""
+        proc = subprocess.Popen([sys.executable, *args], env=self._env_for(args))
         self.procs.append(proc)
         return proc
+
+    def _env_for(self, args: list[str] | Any) -> dict[str, str]:
+        role = str(args[args.index("-m") + 1]).removeprefix("evenflow.") if "-m" in args else ""
+        worker_id = "gateway" if role == "gateway" else str(args[-1])
+        creds = self.credentials.get((role, worker_id))
+        if creds is None:
+            return self.child_env
+        return {**self.child_env, "EVENFLOW_NATS_CREDENTIALS_FILE": creds}
 
     def wait_healthy(self, timeout_s: float) -> None:
         def check_children() -> None:
@@ -239,14 +277,16 @@ class LocalMesh:
         self._supervisor.check()
 
     def _respawn(self, index: int) -> subprocess.Popen:
-        proc = subprocess.Popen(self.procs[index].args, env=self.child_env)
+        args = self.procs[index].args
+        proc = subprocess.Popen(args, env=self._env_for(args))
         self.procs[index] = proc
         return proc
 
     def _restart_server(self, index: int) -> subprocess.Popen:
         old = self.servers[index]
         shutil.rmtree(old.workdir, ignore_errors=True)
-        new = (start_nats if old.kind == "nats" else start_redis)(old.port)
+        new = (start_nats(old.port, old.config_file) if old.kind == "nats"
+               else start_redis(old.port))
         self.servers[index] = new
         return new.proc
 

@@ -4,8 +4,7 @@ on publish, decode on delivery, malformed payloads dropped and counted), in orde
 subscription, each subscription served by one listener task, as on the real bus.
 
 Several `InMemoryBus` objects attached to one `InMemoryBroker` see each other's messages, as
-several processes on one NATS server would. Subjects are matched exactly (no wildcards: the mesh
-uses none).
+several processes on one NATS server would. Subjects match as on NATS (`*` and `>` wildcards).
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from collections import defaultdict
 
 from opentelemetry.context import Context
 
+from evenflow.proto import subjects
 from evenflow.proto.messages import Message, encode
-from evenflow.services.bus import Handler, deliver
+from evenflow.services.bus import Handler, NatsSecurity, deliver
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,14 @@ class InMemoryBroker:
 
     def __init__(self, max_payload: int = 1024 * 1024) -> None:
         self.max_payload = max_payload
-        self.subscriptions: dict[str, list[asyncio.Queue[bytes]]] = defaultdict(list)
+        self.subscriptions: dict[str, list[asyncio.Queue[tuple[str, bytes]]]] = defaultdict(list)
 
     def publish_raw(self, subject: str, payload: bytes) -> None:
-        for queue in self.subscriptions.get(subject, []):
-            queue.put_nowait(payload)
+        """Deliver to every subscription whose subject (NATS wildcards allowed) matches."""
+        for pattern, queues in self.subscriptions.items():
+            if subjects.matches(pattern, subject):
+                for queue in queues:
+                    queue.put_nowait((subject, payload))
 
 
 class InMemoryBus:
@@ -41,7 +44,7 @@ class InMemoryBus:
         self.published: list[tuple[str, Message]] = []  # everything this bus sent, in order
         self._connected = False
         self._tasks: list[asyncio.Task] = []
-        self._queues: list[tuple[str, asyncio.Queue[bytes]]] = []
+        self._queues: list[tuple[str, asyncio.Queue[tuple[str, bytes]]]] = []
 
     @property
     def connected(self) -> bool:
@@ -51,7 +54,8 @@ class InMemoryBus:
     def max_payload(self) -> int:
         return self.broker.max_payload
 
-    async def connect(self, url: str, timeout_s: float = 5.0) -> None:
+    async def connect(self, url: str, timeout_s: float = 5.0,
+                      security: NatsSecurity | None = None) -> None:
         self._connected = True
 
     async def publish(self, subject: str, message: Message) -> None:
@@ -61,15 +65,17 @@ class InMemoryBus:
 
     async def subscribe(self, subject: str, handler: Handler) -> None:
         assert self._connected, "connect first"
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self.broker.subscriptions[subject].append(queue)
         self._queues.append((subject, queue))
         self._tasks.append(asyncio.create_task(self._listen(subject, queue, handler),
                                                name=f"listen {subject}"))
 
-    async def _listen(self, subject: str, queue: asyncio.Queue[bytes], handler: Handler) -> None:
+    async def _listen(self, pattern: str, queue: asyncio.Queue[tuple[str, bytes]],
+                      handler: Handler) -> None:
         while True:
-            reason = await deliver(subject, await queue.get(), Context(), handler)
+            subject, payload = await queue.get()
+            reason = await deliver(subject, payload, Context(), handler)
             if reason is not None:
                 self.dropped += 1
                 log.warning("dropped a message on %s: %s", subject, reason)

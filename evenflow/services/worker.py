@@ -128,7 +128,8 @@ class WorkerService:
         self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
                                                      name="engine events"))
         await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
-        await self.bus.subscribe(subjects.HEARTBEAT, self._on_gateway_heartbeat)
+        await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
+                                 self._on_gateway_heartbeat)
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
         if engine.uses_placement:
             await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
@@ -240,7 +241,8 @@ class WorkerService:
     async def _heartbeats(self) -> None:
         while True:
             try:
-                await self.bus.publish(subjects.HEARTBEAT, self.heartbeat())
+                await self.bus.publish(subjects.heartbeat(self.role, self.worker_id),
+                                       self.heartbeat())
             except Exception:
                 log.warning("heartbeat failed (NATS down?)")
             await asyncio.sleep(self.config.heartbeat_interval_s)
@@ -255,7 +257,7 @@ class WorkerService:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop.set)
         assert self.config.nats_url, "nats_url is required"
-        await self.bus.connect(self.config.nats_url)
+        await self.bus.connect(self.config.nats_url, security=self.config.nats_security())
         await self.start()
         tasks = [asyncio.create_task(self._sender(), name="sender"),
                  asyncio.create_task(self._heartbeats(), name="heartbeats")]

@@ -37,7 +37,7 @@ async def with_decode_worker(scenario: Callable[[DecodeWorker, InMemoryBus, asyn
     await gateway.connect("memory://")
     inbox: asyncio.Queue[Message] = asyncio.Queue()
     await gateway.subscribe(INBOX, lambda m, _c: inbox.put_nowait(m))
-    await gateway.subscribe(subjects.HEARTBEAT, lambda m, _c: inbox.put_nowait(m))
+    await gateway.subscribe(subjects.HEARTBEATS, lambda m, _c: inbox.put_nowait(m))
     await asyncio.wait_for(worker.started.wait(), 30)
     try:
         await scenario(worker, gateway, inbox)
@@ -155,7 +155,7 @@ def test_requests_of_a_silent_gateway_are_dropped():
     """A gateway that dies leaves no request running to max_tokens on the workers."""
     async def scenario(worker, gateway, inbox) -> None:
         alive = WorkerHeartbeat(worker_id="faults", role=Role.GATEWAY, model="tiny-moe")
-        await gateway.publish(subjects.HEARTBEAT, alive)
+        await gateway.publish(subjects.heartbeat(Role.GATEWAY, "faults"), alive)
         await send(gateway, "long", [5] * 20, SamplingSpec(temperature=0, max_tokens=450,
                                                             ignore_eos=True))
         await asyncio.sleep(0.3)

@@ -66,7 +66,7 @@ def observe(nats_url: str, seconds: float) -> tuple[list[ExpertLoad], list[Exper
 def test_balancer_pushes_a_placement_that_workers_apply(ep_mesh):
     before_text = [complete(ep_mesh, p) for p in PROMPTS]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        watcher = pool.submit(observe, ep_mesh.config.nats_url, 12.0)
+        watcher = pool.submit(observe, ep_mesh.admin_nats_url, 12.0)
         deadline = time.monotonic() + 11
         while time.monotonic() < deadline:  # keep the experts busy
             for p in PROMPTS:

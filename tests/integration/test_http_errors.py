@@ -65,12 +65,12 @@ def test_api_key_is_required_except_for_health(mesh):
 
 def test_garbage_on_every_subject_leaves_the_mesh_serving(mesh, client):
     async def spray() -> None:
-        nc = await nats.connect(mesh.config.nats_url)
+        nc = await nats.connect(mesh.admin_nats_url)
         payloads = [b"\x00garbage", b"", msgpack.packb({"t": "prefill_request", "v": 99, "d": []}),
                     msgpack.packb({"t": "kv_chunk", "v": 1, "d": ["r", "x", 0, 0, b""]}),
                     msgpack.packb({"t": "no_such_type", "v": 1, "d": []})]
         for subject in (subjects.prefill_worker("p0"), subjects.decode_worker("d0"),
-                        subjects.HEARTBEAT, subjects.gateway_inbox("nobody")):
+                        subjects.heartbeat("decode", "d0"), subjects.gateway_inbox("nobody")):
             for payload in payloads:
                 await nc.publish(subject, payload)
         await nc.flush()

@@ -81,7 +81,7 @@ def test_gap_resync_and_draining_lease(redis_server):
 
             # A draining worker's heartbeats still renew its lease...
             for _ in range(15):
-                await worker.publish(subjects.HEARTBEAT, WorkerHeartbeat(
+                await worker.publish(subjects.heartbeat(Role.PREFILL, "w1"), WorkerHeartbeat(
                     worker_id="w1", role=Role.PREFILL, model="tiny-moe", epoch="e1",
                     draining=True))
                 await asyncio.sleep(0.1)

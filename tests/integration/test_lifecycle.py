@@ -23,7 +23,7 @@ LONG_PROMPT = "count from 200 : " + " ".join(str(i) for i in range(200, 214))  #
 def decode_heartbeat(nats_url: str) -> WorkerHeartbeat:
     async def one() -> WorkerHeartbeat:
         nc = await nats.connect(nats_url)
-        sub = await nc.subscribe(subjects.HEARTBEAT)
+        sub = await nc.subscribe(subjects.HEARTBEATS)
         try:
             while True:
                 msg = decode((await sub.next_msg(timeout=5)).data)
@@ -45,7 +45,7 @@ def test_client_disconnect_cancels_and_frees_kv(mesh):
         assert len(got) >= 3
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        hb = decode_heartbeat(mesh.config.nats_url)
+        hb = decode_heartbeat(mesh.admin_nats_url)
         if hb.running == 0 and hb.waiting == 0 and hb.free_kv_blocks == hb.total_kv_blocks:
             return
         time.sleep(0.2)

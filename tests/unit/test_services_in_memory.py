@@ -41,7 +41,8 @@ class Inbox:
     async def open(self) -> None:
         await self.bus.connect("memory://")
         await self.bus.subscribe(INBOX, lambda m, _c: self.items.put_nowait(m))
-        await self.bus.subscribe(subjects.HEARTBEAT, lambda m, _c: self.heartbeats.append(m))
+        await self.bus.subscribe(subjects.HEARTBEATS,
+                                 lambda m, _c: self.heartbeats.append(m))
 
     async def outcome(self, request_id: str) -> tuple[list[int], str]:
         """Token ids and finish reason of one request, or ([], error code)."""
@@ -70,6 +71,7 @@ def test_decode_worker_admits_refuses_and_checks_kv_transfers():
         await gateway.open()
         await asyncio.wait_for(worker.started.wait(), 30)
         to_worker = subjects.decode_worker("d0")
+        transfer = subjects.kv_transfer("d0")  # prefill workers' subject
         try:
             # A short prompt, prefilled here (conditional disaggregation).
             await gateway.bus.publish(to_worker, DecodeRequest(
@@ -84,16 +86,16 @@ def test_decode_worker_admits_refuses_and_checks_kv_transfers():
             assert await gateway.outcome("huge") == ([], errors.NO_CAPACITY)
             # A prefilled request: its K/V in two chunks (the mock engine's blocks hold no bytes).
             for seq in (0, 1):
-                await gateway.bus.publish(to_worker, KVBlockChunk(
+                await gateway.bus.publish(transfer, KVBlockChunk(
                     request_id="remote", seq=seq, first_block=seq, num_blocks=1, data=b""))
-            await gateway.bus.publish(to_worker, complete("remote", num_chunks=2))
+            await gateway.bus.publish(transfer, complete("remote", num_chunks=2))
             tokens, finish = await gateway.outcome("remote")
             assert tokens and finish == "length"
             # The same with a chunk sent twice: the request fails, the worker keeps serving.
             for seq in (0, 0, 1):
-                await gateway.bus.publish(to_worker, KVBlockChunk(
+                await gateway.bus.publish(transfer, KVBlockChunk(
                     request_id="dup", seq=seq, first_block=0, num_blocks=1, data=b""))
-            await gateway.bus.publish(to_worker, complete("dup", num_chunks=2))
+            await gateway.bus.publish(transfer, complete("dup", num_chunks=2))
             assert await gateway.outcome("dup") == ([], errors.KV_TRANSFER_FAILED)
             # Garbage is dropped and counted; the next request is still served.
             broker.publish_raw(to_worker, b"\xc1 not msgpack")
@@ -134,7 +136,7 @@ class FakeDecodeWorker:
     async def open(self) -> None:
         await self.bus.connect("memory://")
         await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_message)
-        await self.bus.publish(subjects.HEARTBEAT, WorkerHeartbeat(
+        await self.bus.publish(subjects.heartbeat(Role.DECODE, self.worker_id), WorkerHeartbeat(
             worker_id=self.worker_id, role=Role.DECODE, model="tiny-moe", free_kv_blocks=100,
             total_kv_blocks=100, epoch="e"))
 

@@ -1,0 +1,103 @@
+"""Who may say what on the bus: per-service NATS users with subject permissions, the
+nats-server configuration `evenflow up` writes for them, and the credential files the services
+read (mode 0600; never argv, never the environment: a service gets only the path).
+
+Permissions (`{id}` is the service's own id; P = "evenflow"):
+
+  gateway        pub P.prefill.*, P.decode.*, P.heartbeat.gateway.*
+                 sub P.gateway.*, P.heartbeat.>
+  prefill-{id}   pub P.gateway.*, P.kvx.*, P.kv.events, P.eplb.load, P.heartbeat.prefill.{id}
+                 sub P.prefill.{id}, P.kv.resync.{id}, P.eplb.placement, P.heartbeat.gateway.*
+  decode-{id}    pub P.gateway.*, P.kv.events, P.eplb.load, P.heartbeat.decode.{id}
+                 sub P.decode.{id}, P.kvx.{id}, P.kv.resync.{id}, P.eplb.placement,
+                     P.heartbeat.gateway.*
+  kv_index-{id}  pub P.kv.resync.*, P.heartbeat.kv_index.{id}
+                 sub P.kv.events, P.heartbeat.>
+  balancer-{id}  pub P.eplb.placement, P.heartbeat.balancer.{id}
+                 sub P.eplb.load, P.heartbeat.>
+  admin          pub >  sub >  (operators, benchmarks, tests)
+
+So: only the gateway sends requests to workers; only prefill workers send KV transfers; only
+workers answer a gateway; only the balancer sends placements; a worker heartbeats on its own
+subject only (and the bus drops a heartbeat on any subject but its sender's). A user without a
+password is refused by the server: there is no anonymous access.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from evenflow.proto import subjects
+
+P = subjects.PREFIX
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    name: str
+    password: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(publish, subscribe) subject patterns for one service."""
+    own_heartbeat = subjects.heartbeat(role, worker_id)
+    worker_in = (subjects.kv_resync(worker_id), subjects.EXPERT_PLACEMENT,
+                 subjects.heartbeat("gateway", "*"))
+    worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat)
+    table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+        "gateway": ((f"{P}.prefill.*", f"{P}.decode.*", subjects.heartbeat("gateway", "*")),
+                    (f"{P}.gateway.*", subjects.HEARTBEATS)),
+        "prefill": ((*worker_out, subjects.kv_transfer("*")),
+                    (subjects.prefill_worker(worker_id), *worker_in)),
+        "decode": (worker_out,
+                   (subjects.decode_worker(worker_id), subjects.kv_transfer(worker_id),
+                    *worker_in)),
+        "kv_index": ((subjects.kv_resync("*"), own_heartbeat),
+                     (subjects.KV_EVENTS, subjects.HEARTBEATS)),
+        "balancer": ((subjects.EXPERT_PLACEMENT, own_heartbeat),
+                     (subjects.EXPERT_LOAD, subjects.HEARTBEATS)),
+        "admin": ((">",), (">",)),
+    }
+    return table[role]
+
+
+def make_user(role: str, worker_id: str) -> NatsUser:
+    name = role if role in ("gateway", "admin") else f"{role}-{worker_id}"
+    publish, subscribe = permissions(role, worker_id)
+    return NatsUser(name, secrets.token_urlsafe(24), publish, subscribe)
+
+
+def server_config(port: int, users: list[NatsUser]) -> str:
+    """nats-server configuration: listen on loopback, these users and nobody else."""
+    def entry(u: NatsUser) -> str:
+        allow = {"publish": {"allow": list(u.publish)}, "subscribe": {"allow": list(u.subscribe)}}
+        return json.dumps({"user": u.name, "password": u.password, "permissions": allow})
+
+    entries = ",\n    ".join(entry(u) for u in users)
+    return f'listen: "127.0.0.1:{port}"\nauthorization {{\n  users = [\n    {entries}\n  ]\n}}\n'
+
+
+def write_private(path: Path, text: str) -> Path:
+    """A file only this user can read (0600), created fresh."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def write_credentials(directory: Path, user: NatsUser) -> Path:
+    return write_private(directory / f"nats-{user.name}.creds", f"{user.name}\n{user.password}\n")
+
+
+def read_credentials(path: str) -> tuple[str, str]:
+    """(user, password) from a credentials file: two lines."""
+    lines = Path(path).read_text().split()
+    if len(lines) != 2:
+        raise ValueError(f"{path}: expected two lines, user and password")
+    return lines[0], lines[1]
