@@ -25,7 +25,7 @@ from evenflow.services.redis_conn import connect_redis
 from evenflow.services.worker import WorkerService
 
 log = logging.getLogger(__name__)
-PLACEMENT_KEY = "ev:eplb:placement"
+PLACEMENT_KEY = "eplb:placement"  # under the mesh's Redis prefix (kv_index/store.py's layout)
 
 VERSION = Gauge("evenflow_eplb_placement_version", "Placement version in force")
 BALANCEDNESS = Gauge("evenflow_eplb_balancedness", "Rank balancedness on the load window",
@@ -73,7 +73,7 @@ class BalancerService(WorkerService):
         if self.redis is None:
             return
         try:
-            raw = await self.redis.get(PLACEMENT_KEY)
+            raw = await self.redis.get(self.config.redis_prefix + PLACEMENT_KEY)
         except Exception:  # Redis down: start from what the workers report
             return
         stored = decode_message(raw.encode() if isinstance(raw, str) else raw) if raw else None
@@ -170,7 +170,8 @@ class BalancerService(WorkerService):
                 return
             message = self._message()
             try:
-                await self.redis.set(PLACEMENT_KEY, encode_message(message))
+                await self.redis.set(self.config.redis_prefix + PLACEMENT_KEY,
+                                     encode_message(message))
             except Exception as exc:
                 log.warning("could not store placement %d (%s); retrying later",
                             message.version, exc)

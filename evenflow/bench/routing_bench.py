@@ -179,14 +179,15 @@ async def match_latency(blocks: int, members: int = 16,
 
     server = start_redis()
     try:
-        client = KVIndexClient(server.url)
+        keys = store.Keys("ev:bench:default:")
+        client = KVIndexClient(server.url, keys)
         hashes = chain_hashes(list(range(blocks * 16)), 16)
         pipe = client.redis.pipeline(transaction=False)
         for m in range(members):
             member = store.member_of(f"w{m}", "e")
             for h in hashes[: blocks * (m + 1) // members]:
-                pipe.sadd(store.block_key(h), member)
-            pipe.zadd(store.LEASES, {member: time.time() + 3600})
+                pipe.sadd(keys.block_key(h), member)
+            pipe.zadd(keys.leases, {member: time.time() + 3600})
         await pipe.execute()
         tokens = list(range(blocks * 16))
         times, with_hashing = [], []
@@ -234,7 +235,8 @@ async def write_throughput(events: int = 50_000, per_message: int = 100) -> floa
                 events=[BlockStored(block_hashes=batch)])))
         await nc.flush()
         member = store.member_of("bench", "e1")
-        while not await r.sismember(store.block_key(hashes[-1]), member):
+        keys = store.Keys(config.redis_prefix)
+        while not await r.sismember(keys.block_key(hashes[-1]), member):
             await asyncio.sleep(0.005)
         elapsed = time.perf_counter() - start
         await nc.close()

@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 
 from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState
 from evenflow.kv_index.client import KVIndexClient
+from evenflow.kv_index.store import Keys
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
 from evenflow.proto.messages import (
@@ -83,8 +84,8 @@ class GatewayClient:
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
             config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)
-        self.kv = KVIndexClient(config.redis_url, config.kv_lookup_timeout_s,
-                                config.prediction_ttl_ms) if (
+        self.kv = KVIndexClient(config.redis_url, Keys(config.redis_prefix),
+                                config.kv_lookup_timeout_s, config.prediction_ttl_ms) if (
             config.redis_url and config.router == "kv") else None
         self.flights: dict[str, _Flight] = {}
         self._heartbeats: asyncio.Task | None = None

@@ -18,9 +18,10 @@ MAX_LOCAL_PREDICTIONS = 100_000  # block hashes; past it the expired ones are dr
 
 
 class KVIndexClient:
-    def __init__(self, redis_url: str, lookup_timeout_s: float = 0.05,
+    def __init__(self, redis_url: str, keys: store.Keys, lookup_timeout_s: float = 0.05,
                  prediction_ttl_ms: int = 2000) -> None:
         self.redis: aioredis.Redis = connect_redis(redis_url)
+        self.keys = keys
         self.lookup_timeout_s, self.prediction_ttl_ms = lookup_timeout_s, prediction_ttl_ms
         self._match = self.redis.register_script(store.MATCH)
         self._predict = self.redis.register_script(store.PREDICT)
@@ -41,7 +42,8 @@ class KVIndexClient:
         Raises redis errors (the caller falls back to load-only routing)."""
         if not block_hashes:
             return {}
-        flat = await self._match(args=[time.time(), store.pack_hashes(block_hashes)])
+        flat = await self._match(args=[self.keys.prefix, time.time(),
+                                       store.pack_hashes(block_hashes)])
         return {(m.decode() if isinstance(m, bytes) else m): int(n)
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
@@ -97,7 +99,7 @@ class KVIndexClient:
         task.add_done_callback(self._writes.discard)
 
     async def _write_predictions(self, predictions: dict[str, list[int]]) -> None:
-        args: list[int | str | bytes] = [self.prediction_ttl_ms]
+        args: list[int | str | bytes] = [self.keys.prefix, self.prediction_ttl_ms]
         for member, hashes in predictions.items():
             args += [member, store.pack_hashes(hashes)]
         try:

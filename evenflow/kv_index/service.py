@@ -58,6 +58,7 @@ class KVIndexService(WorkerService):
         assert self.config.redis_url, "the KV index needs redis_url"
         self.redis: aioredis.Redis = connect_redis(self.config.redis_url)
         self._drop = self.redis.register_script(store.DROP_MEMBER)
+        self.keys = store.Keys(self.config.redis_prefix)
         self.instance = uuid.uuid4().hex
         self.members: dict[str, _Member] = {}  # member -> state
         self.pending: list[tuple[str, str, int, int]] = []  # (op, member, hash, events) to write
@@ -65,7 +66,7 @@ class KVIndexService(WorkerService):
         self.events_applied = 0
         self.redis_ok = False
         try:  # plant our marker now, so health reflects Redis from the start
-            await self.redis.set(store.INSTANCE, self.instance)
+            await self.redis.set(self.keys.instance, self.instance)
             self.redis_ok = True
         except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
             log.warning("Redis is unreachable at start; the index waits for it")
@@ -163,16 +164,16 @@ class KVIndexService(WorkerService):
         applied = 0
         for op, member, block_hash, events in ops:
             if op == "add":
-                pipe.sadd(store.block_key(block_hash), member)
-                pipe.sadd(store.member_key(member), store.hash_bytes(block_hash))
+                pipe.sadd(self.keys.block_key(block_hash), member)
+                pipe.sadd(self.keys.member_key(member), store.hash_bytes(block_hash))
             elif op == "rem":
-                pipe.srem(store.block_key(block_hash), member)
-                pipe.srem(store.member_key(member), store.hash_bytes(block_hash))
+                pipe.srem(self.keys.block_key(block_hash), member)
+                pipe.srem(self.keys.member_key(member), store.hash_bytes(block_hash))
             else:  # queued into the pipeline (the await only queues it)
-                await self._drop(args=[member], client=pipe)
+                await self._drop(args=[self.keys.prefix, member], client=pipe)
             applied += events
         if leases:
-            pipe.zadd(store.LEASES, leases)
+            pipe.zadd(self.keys.leases, leases)
         await pipe.execute()
         self.events_applied += applied
         EVENTS_APPLIED.inc(applied)
@@ -183,20 +184,20 @@ class KVIndexService(WorkerService):
         while True:
             await asyncio.sleep(0.5)
             try:
-                marker = await self.redis.get(store.INSTANCE)
+                marker = await self.redis.get(self.keys.instance)
                 if marker != self.instance.encode() or not self.redis_ok:
                     # Restarted (empty) or back from an outage (writes lost): rebuild from
                     # every member's snapshot.
                     reason = "redis_recovered" if marker else "redis_restart"
-                    await self.redis.set(store.INSTANCE, self.instance)
+                    await self.redis.set(self.keys.instance, self.instance)
                     for state in self.members.values():
                         state.resyncing = False
                         self._request_resync(state, reason)
                     self.redis_ok = True
-                expired = await self.redis.zrangebyscore(store.LEASES, "-inf", time.time())
+                expired = await self.redis.zrangebyscore(self.keys.leases, "-inf", time.time())
                 for raw in expired:
                     member = raw.decode() if isinstance(raw, bytes) else str(raw)
-                    await self._drop(args=[member])
+                    await self._drop(args=[self.keys.prefix, member])
                     self.members.pop(member, None)
             except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
                 self.redis_ok = False

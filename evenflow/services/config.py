@@ -63,6 +63,7 @@ class MeshConfig:
     # Data plane; None means `evenflow up` starts a local server on a free port.
     nats_url: str | None = None
     redis_url: str | None = None
+    mesh_name: str = "default"  # Redis keys are per (model, mesh): meshes can share a Redis
     # NATS security. `evenflow up` (starting its own nats-server) creates a user per service
     # with subject permissions (services/nats_auth.py) unless nats_auth is off; a service
     # connects with the credentials file it is given, and over TLS when certificates are set.
@@ -155,6 +156,11 @@ class MeshConfig:
             self.engine_config()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    @property
+    def redis_prefix(self) -> str:
+        """Every Redis key of this mesh starts with this (kv_index/store.py spells the rest)."""
+        return f"ev:{self.model_name}:{self.mesh_name}:"
 
     def nats_security(self) -> NatsSecurity:
         return NatsSecurity(self.nats_credentials_file, self.nats_tls_ca, self.nats_tls_cert,

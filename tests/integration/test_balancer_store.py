@@ -17,7 +17,7 @@ from evenflow.services.redis_conn import connect_redis
 
 
 def stored_version(url: str) -> int:
-    raw = redis.Redis.from_url(url).get(PLACEMENT_KEY)
+    raw = redis.Redis.from_url(url).get(MeshConfig().redis_prefix + PLACEMENT_KEY)
     stored = decode(raw) if raw else None
     return stored.version if isinstance(stored, ExpertPlacement) else 0
 

@@ -87,7 +87,7 @@ def test_balancer_pushes_a_placement_that_workers_apply(ep_mesh):
     r = redis.Redis.from_url(ep_mesh.config.redis_url)
 
     def stored_version() -> int:
-        raw = r.get(PLACEMENT_KEY)
+        raw = r.get(MeshConfig().redis_prefix + PLACEMENT_KEY)
         stored = decode(raw) if raw else None
         return stored.version if isinstance(stored, ExpertPlacement) else -1
     # Stored for a restarted balancer: the newest pushed (or a later one), never an older one.

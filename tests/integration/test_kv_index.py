@@ -27,6 +27,8 @@ from evenflow.proto.messages import (
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import start_nats, start_redis
 
+KEYS = store.Keys(MeshConfig().redis_prefix)  # the default mesh's Redis namespace
+
 
 def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
     nats_server, redis_server = start_nats(), start_redis()
@@ -37,7 +39,7 @@ def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
     member = store.member_of("w1", "e1")
 
     def holds(h: int) -> bool:
-        return bool(r.sismember(store.block_key(h), member))
+        return bool(r.sismember(KEYS.block_key(h), member))
 
     async def until(predicate, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -80,7 +82,7 @@ def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
         # Numbering continues from the snapshot; `cleared` drops everything.
         await send(events(4, AllBlocksCleared()))
         await until(lambda: not holds(11) and not holds(21))
-        assert not r.exists(store.member_key(member))
+        assert not r.exists(KEYS.member_key(member))
         await nc.close()
 
     try:
@@ -101,14 +103,14 @@ def test_predictions_are_shared_through_redis_and_expire():
     server = start_redis()
 
     async def scenario() -> None:
-        routing = KVIndexClient(server.url, lookup_timeout_s=5, prediction_ttl_ms=1500)
-        other = KVIndexClient(server.url)
+        routing = KVIndexClient(server.url, KEYS, lookup_timeout_s=5, prediction_ttl_ms=1500)
+        other = KVIndexClient(server.url, KEYS)
         hashes = chain_hashes(list(range(64 * 16)), 16)
         holder, predicted = store.member_of("p0", "e"), store.member_of("p1", "e")
-        await other.redis.zadd(store.LEASES, {holder: time.time() + 60,
+        await other.redis.zadd(KEYS.leases, {holder: time.time() + 60,
                                               predicted: time.time() + 60})
         for h in hashes[:10]:  # p0 really holds the first 10 blocks
-            await other.redis.sadd(store.block_key(h), holder)
+            await other.redis.sadd(KEYS.block_key(h), holder)
         routing.predict(hashes, {"p1": ("e", 0)})
         await routing.flush_predictions()
         assert await other.match(hashes) == {holder: 10, predicted: 64}
@@ -139,7 +141,7 @@ def test_sigterm_with_nats_and_redis_gone_exits_cleanly():
     try:
         r = redis.Redis.from_url(redis_server.url)
         deadline = time.monotonic() + 15
-        while not r.exists(store.INSTANCE):  # the service is up
+        while not r.exists(KEYS.instance):  # the service is up
             assert time.monotonic() < deadline
             time.sleep(0.05)
         r.close()

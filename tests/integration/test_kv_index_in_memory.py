@@ -27,6 +27,8 @@ from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import start_redis
 from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
 
+KEYS = store.Keys(MeshConfig().redis_prefix)  # the default mesh's Redis namespace
+
 
 @pytest.fixture
 def redis_server():
@@ -48,7 +50,7 @@ def test_gap_resync_and_draining_lease(redis_server):
     member = store.member_of("w1", "e1")
 
     def holds(h: int) -> bool:
-        return bool(r.sismember(store.block_key(h), member))
+        return bool(r.sismember(KEYS.block_key(h), member))
 
     async def scenario() -> None:
         broker = InMemoryBroker()
@@ -97,3 +99,46 @@ def test_gap_resync_and_draining_lease(redis_server):
         asyncio.run(scenario())
     finally:
         r.close()
+
+
+def test_two_meshes_share_one_redis_without_seeing_each_other(redis_server):
+    """Keys are per (model, mesh): two indexes on one Redis neither resync each other forever
+    nor see each other's blocks."""
+    async def scenario() -> None:
+        broker_a, broker_b = InMemoryBroker(), InMemoryBroker()
+        indexes = [KVIndexService(MeshConfig(nats_url="memory://", redis_url=redis_server.url,
+                                             mesh_name=name), f"kv-{name}",
+                                  InMemoryBus(broker, name))
+                   for name, broker in (("a", broker_a), ("b", broker_b))]
+        running = [asyncio.create_task(i.run(install_signals=False)) for i in indexes]
+        workers = [InMemoryBus(broker_a, "wa"), InMemoryBus(broker_b, "wb")]
+        resyncs: list[Message] = []
+        for worker in workers:
+            await worker.connect("memory://")
+            await worker.subscribe(subjects.kv_resync("w1"), lambda m, _c: resyncs.append(m))
+        for index in indexes:
+            await asyncio.wait_for(index.started.wait(), 30)
+        try:
+            await workers[0].publish(subjects.KV_EVENTS, KVEvents(
+                worker_id="w1", role=Role.PREFILL, epoch="e1", seq=1,
+                events=[BlockStored(block_hashes=[77])]))
+            await workers[1].publish(subjects.KV_EVENTS, KVEvents(
+                worker_id="w1", role=Role.PREFILL, epoch="e1", seq=1,
+                events=[BlockStored(block_hashes=[88])]))
+            await asyncio.sleep(2.0)  # four watch periods
+            assert not resyncs, "the two indexes keep asking for snapshots"
+            r = redis.Redis.from_url(redis_server.url)
+            member = store.member_of("w1", "e1")
+            keys_a, keys_b = (store.Keys(i.config.redis_prefix) for i in indexes)
+            assert r.sismember(keys_a.block_key(77), member)
+            assert not r.sismember(keys_a.block_key(88), member)
+            assert r.sismember(keys_b.block_key(88), member)
+            r.close()
+        finally:
+            for index in indexes:
+                index.request_stop()
+            await asyncio.wait_for(asyncio.gather(*running), 30)
+            for worker in workers:
+                await worker.close()
+
+    asyncio.run(scenario())

@@ -19,6 +19,8 @@ from evenflow.proto.hashing import chain_hashes, namespace_salt
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh, start_redis
 
+KEYS = store.Keys(MeshConfig().redis_prefix)  # the default mesh's Redis namespace
+
 SALT = namespace_salt("tiny-moe")
 BS = 16
 
@@ -46,7 +48,7 @@ def complete(mesh, tokens, max_tokens=2):
 
 
 def holders(r: redis.Redis, block_hash: int) -> set[str]:
-    return {m.decode() for m in r.smembers(store.block_key(block_hash))}
+    return {m.decode() for m in r.smembers(KEYS.block_key(block_hash))}
 
 
 def metric(mesh, name: str, **labels) -> float:
@@ -73,14 +75,14 @@ def test_index_follows_store_evict_and_restart(kv_mesh):
         if prefill_member not in holders(r, hashes[0]):
             break
     assert wait_for(lambda: prefill_member not in holders(r, hashes[0]))
-    assert r.scard(store.member_key(prefill_member)) <= 128  # it holds what its cache holds
+    assert r.scard(KEYS.member_key(prefill_member)) <= 128  # it holds what its cache holds
     # Restart the worker: its old member is gone at once, the new one starts empty.
     proc = next(p for p in kv_mesh.procs if p.args[-1] == worker)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     kv_mesh.procs.remove(proc)
     kv_mesh.spawn(["-m", "evenflow.prefill", worker])
-    assert wait_for(lambda: not r.exists(store.member_key(prefill_member)), timeout=10)
+    assert wait_for(lambda: not r.exists(KEYS.member_key(prefill_member)), timeout=10)
 
 
 def test_killed_worker_leaves_within_its_lease(kv_mesh):
