@@ -115,6 +115,10 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.serve_bench import main as bench_serve
 
         return bench_serve(args.rest)
+    if args.what == "soak":
+        from evenflow.bench.soak_bench import main as bench_soak
+
+        return bench_soak(args.rest)
     if args.what == "wire":
         from evenflow.bench.wire_bench import main as bench_wire
 
@@ -179,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire"])
+    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -56,6 +56,9 @@ from evenflow.services.metrics import (
 log = logging.getLogger(__name__)
 
 
+LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the request was lost
+
+
 class RequestFailed(Exception):
     """A request the fleet could not serve; `code` is one of proto.errors."""
 
@@ -253,13 +256,16 @@ class GatewayClient:
         """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
         `deadline` (time.monotonic()): past it the request fails with TIMEOUT."""
         request_id = request_id or uuid.uuid4().hex
-        flight = self.flights[request_id] = _Flight()
+        # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
+        # that still holds an earlier attempt never confuses the two.
+        wire_id, attempt = request_id, 0
+        flight = self.flights[wire_id] = _Flight()
         emitted: list[int] = []
         exclude: set[str] = set()
         retries = self.config.decode_retries
         finished = False
         try:
-            await self._send(request_id, flight, prompt, spec, exclude, False)
+            await self._send(wire_id, flight, prompt, spec, exclude, False)
             last_progress = time.monotonic()
             while True:
                 try:
@@ -269,10 +275,17 @@ class GatewayClient:
                 except TimeoutError:
                     dead = [w for w in (flight.prefill, flight.decode)
                             if w and not self.registry.is_live(w)]
+                    reconnected = self.bus.last_reconnect_at
                     if dead:
-                        item = ErrorMessage(request_id=request_id, code=errors.WORKER_ERROR,
+                        item = ErrorMessage(request_id=wire_id, code=errors.WORKER_ERROR,
                                             description=f"worker {dead[0]} stopped responding",
                                             retryable=True)
+                    elif last_progress < reconnected < time.monotonic() - LOST_IN_OUTAGE_S:
+                        # NATS came back but nothing arrived since: the request or its answer
+                        # was lost in the outage. Send it again (same workers may take it).
+                        last_progress = time.monotonic()
+                        item = ErrorMessage(request_id=wire_id, code=errors.LOST_IN_OUTAGE,
+                                            description="lost in a NATS outage", retryable=True)
                     elif time.monotonic() - last_progress > self.config.stall_timeout_s:
                         raise RequestFailed(errors.TIMEOUT, "the request made no progress for "
                                             f"{self.config.stall_timeout_s:g} s") from None
@@ -286,12 +299,16 @@ class GatewayClient:
                         raise RequestFailed(item.code, item.description)
                     retries -= 1
                     RETRIES.labels(code=item.code).inc()
-                    if flight.decode:  # before _release forgets it: never pick it again
-                        exclude.add(flight.decode)
-                    self._cancel(request_id, flight)
+                    if flight.decode and item.code != errors.LOST_IN_OUTAGE:
+                        exclude.add(flight.decode)  # before _release forgets it: not again
+                    self._cancel(wire_id, flight)
                     self._release(flight)
+                    self.flights.pop(wire_id, None)
+                    attempt += 1
+                    wire_id = f"{request_id}.{attempt}"
+                    self.flights[wire_id] = flight
                     remaining = dataclasses.replace(spec, max_tokens=spec.max_tokens - len(emitted))
-                    await self._send(request_id, flight, prompt + emitted, remaining, exclude,
+                    await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted))
                     continue
                 last_progress = time.monotonic()
@@ -310,9 +327,9 @@ class GatewayClient:
                     return
         finally:
             if not finished:
-                self._cancel(request_id, flight)
+                self._cancel(wire_id, flight)
             self._release(flight)
-            self.flights.pop(request_id, None)
+            self.flights.pop(wire_id, None)
 
     def _cancel(self, request_id: str, flight: _Flight) -> None:
         """Best effort, without waiting: tell the workers to drop the request."""

@@ -9,7 +9,9 @@ WORKER_ERROR = "worker_error"  # an unexpected failure inside a worker
 DRAINING = "draining"  # the worker is shutting down: retry elsewhere
 ENGINE_FAILED = "engine_failed"  # an engine step raised; its requests were dropped
 TIMEOUT = "timeout"  # the request's deadline passed, or it stalled (gateway only)
+LOST_IN_OUTAGE = "lost_in_outage"  # nothing came back after a NATS outage (gateway only)
 
 # Retried by the gateway elsewhere, within its retry budget (a chunk lost or sent twice is a
 # transient transfer fault: a fresh prefill succeeds).
-RETRYABLE = frozenset({NO_CAPACITY, DRAINING, KV_TRANSFER_FAILED, ENGINE_FAILED})
+RETRYABLE = frozenset({NO_CAPACITY, DRAINING, KV_TRANSFER_FAILED, ENGINE_FAILED,
+                       LOST_IN_OUTAGE})

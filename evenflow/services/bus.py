@@ -83,6 +83,7 @@ class MessageBus(Protocol):
 
     name: str
     dropped: int
+    last_reconnect_at: float
 
     @property
     def connected(self) -> bool: ...
@@ -103,6 +104,9 @@ class Bus:
         self.nc: NATS | None = None
         self.dropped = 0  # malformed or unknown messages received
         self._last_error_log = 0.0
+        # When the connection last came back (monotonic): what was published around an outage
+        # may be lost (a server restart forgets subscriptions until clients renew them).
+        self.last_reconnect_at = 0.0
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
 
@@ -140,6 +144,7 @@ class Bus:
         log.warning("%s: disconnected from NATS; reconnecting", self.name)
 
     async def _on_reconnect(self) -> None:
+        self.last_reconnect_at = time.monotonic()
         log.info("%s: reconnected to NATS", self.name)
 
     async def publish(self, subject: str, message: Message) -> None:

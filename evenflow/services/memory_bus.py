@@ -41,6 +41,7 @@ class InMemoryBus:
     def __init__(self, broker: InMemoryBroker, name: str = "memory") -> None:
         self.broker, self.name = broker, name
         self.dropped = 0
+        self.last_reconnect_at = 0.0  # never disconnects
         self.published: list[tuple[str, Message]] = []  # everything this bus sent, in order
         self._connected = False
         self._tasks: list[asyncio.Task] = []

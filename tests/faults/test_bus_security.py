@@ -57,13 +57,16 @@ def refused(mesh, role: str, worker_id: str, subject: str, message) -> tuple[boo
         watcher = await nats.connect(mesh.admin_nats_url)
         sub = await watcher.subscribe(subject)
         sender = await connect_as(mesh, role, worker_id, errors)
-        await sender.publish(subject, encode(message))
+        payload = encode(message)
+        await sender.publish(subject, payload)
         await sender.flush()
-        try:
-            await sub.next_msg(timeout=1.0)
-            delivered = True
-        except nats.errors.TimeoutError:
-            delivered = False
+        delivered = False  # others may publish here legitimately (the balancer re-announces)
+        deadline = asyncio.get_running_loop().time() + 1.0
+        while not delivered and asyncio.get_running_loop().time() < deadline:
+            try:
+                delivered = (await sub.next_msg(timeout=0.2)).data == payload
+            except nats.errors.TimeoutError:
+                pass
         await asyncio.sleep(0.2)  # the server's -ERR arrives asynchronously
         await sender.close()
         await watcher.close()

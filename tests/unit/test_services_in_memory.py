@@ -171,7 +171,7 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
             await asyncio.sleep(0.01)
         deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
         assert [t for d in deltas for t in d.token_ids] == [11, 12]
-        assert workers[0].requests == ["r1"] and workers[1].requests == ["r1"]
+        assert workers[0].requests == ["r1"] and workers[1].requests == ["r1.1"]  # per attempt
         await asyncio.sleep(0.05)
         assert workers[0].cancels == ["r1"]
         assert all(s.inflight == 0 for s in client.registry.workers.values())
