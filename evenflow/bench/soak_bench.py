@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import statistics
 import threading
@@ -203,11 +204,21 @@ def main(argv: list[str] | None = None) -> int:
             w.join(90)
         time.sleep(5)  # let aborted and migrated requests settle
         held = kv_blocks_held(mesh)
+        retries = retries_by_cause(mesh.url)
         report(tally, faults, rss, held, gave_up, args)
+        print("requests the gateway re-sent elsewhere (retried or migrated), by cause: "
+              + (", ".join(f"{code} {n:g}" for code, n in retries.items()) or "none"))
     finally:
         supervising.set()
         mesh.stop()
     return 0
+
+
+def retries_by_cause(url: str) -> dict[str, float]:
+    """The gateway's evenflow_request_retries_total, by error code."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^evenflow_request_retries_total\{code="([^"]+)"\} (\S+)$', text, re.M)}
 
 
 def kv_blocks_held(mesh) -> dict[str, int]:
