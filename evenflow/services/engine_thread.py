@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from evenflow.proto.kv_handoff import KVPayload
@@ -150,19 +150,11 @@ class EngineThread:
         engine = self.engine
         match command:
             case AddRequest(request_id, prompt, sampling, export_kv):
-                try:
-                    engine.add_request(request_id, prompt, sampling, export_kv)
-                except Exception as exc:  # any failure refuses this request only
-                    self._emit(Rejected(request_id, _reason(exc)))
-                else:
-                    self._emit(Admitted(request_id))
+                self._admit(request_id, lambda: engine.add_request(
+                    request_id, prompt, sampling, export_kv))
             case AddPrefilled(request_id, prompt, first, sampling, kv, cached):
-                try:
-                    engine.add_prefilled_request(request_id, prompt, first, sampling, kv, cached)
-                except Exception as exc:
-                    self._emit(Rejected(request_id, _reason(exc)))
-                else:
-                    self._emit(Admitted(request_id))
+                self._admit(request_id, lambda: engine.add_prefilled_request(
+                    request_id, prompt, first, sampling, kv, cached))
             case Abort(request_id):
                 engine.abort(request_id)
             case ApplyPlacement(version, phy2log, shares):
@@ -179,6 +171,15 @@ class EngineThread:
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.cached_block_hashes()))
+
+    def _admit(self, request_id: str, add: Callable[[], None]) -> None:
+        """Admitted, or Rejected with the reason: any failure refuses this request only."""
+        try:
+            add()
+        except Exception as exc:
+            self._emit(Rejected(request_id, _reason(exc)))
+        else:
+            self._emit(Admitted(request_id))
 
     def _flush_kv_events(self) -> None:
         events = self.engine.take_kv_events()
