@@ -131,22 +131,14 @@ class Engine:
     def uses_placement(self) -> bool:
         return self.slot_counts.numel() > 0
 
-    def apply_placement_rows(self, version: int, phy2log: list[int], shares: list[float]) -> None:
+    def apply_expert_placement(self, version: int, phy2log: list[int],
+                               shares: list[float]) -> None:
         """apply_placement from row-major lists, as they come off the wire."""
         shape = tuple(self.slot_counts.shape)
         self.apply_placement(torch.tensor(phy2log).view(shape),
                              torch.tensor(shares, dtype=torch.float32).view(shape), version)
 
-    def apply_expert_placement(self, version: int, phy2log: list[int],
-                               shares: list[float]) -> None:
-        """The serving interface's name for apply_placement_rows."""
-        self.apply_placement_rows(version, phy2log, shares)
-
     def take_expert_load(self) -> tuple[int, int, list[int]]:
-        """The serving interface's name for take_slot_counts_rows."""
-        return self.take_slot_counts_rows()
-
-    def take_slot_counts_rows(self) -> tuple[int, int, list[int]]:
         """(layers, slots, row-major counts) since the last call."""
         counts = self.take_slot_counts()
         return counts.shape[0], counts.shape[1], counts.flatten().tolist()

@@ -180,7 +180,7 @@ class GatewayClient:
             return {}
         started = time.perf_counter()
         try:
-            return await self.kv.lookup(hashes, self.registry.epochs())
+            return await self.kv.lookup(hashes, self.registry.epoch_of)
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
 

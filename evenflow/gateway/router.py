@@ -115,9 +115,10 @@ class WorkerRegistry:
         if prefill_id:
             self.prefill_done(prefill_id, prefill_blocks)
 
-    def epochs(self) -> dict[str, str]:
-        """worker_id -> the epoch it heartbeats under now."""
-        return {w: s.heartbeat.epoch for w, s in self.workers.items()}
+    def epoch_of(self, worker_id: str) -> str | None:
+        """The epoch `worker_id` heartbeats under now (None: unknown)."""
+        state = self.workers.get(worker_id)
+        return state.heartbeat.epoch if state is not None else None
 
     def is_live(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
@@ -48,7 +49,7 @@ class KVIndexClient:
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
     async def lookup(self, block_hashes: list[int],
-                     epochs: dict[str, str]) -> dict[str, int] | None:
+                     epoch_of: Callable[[str], str | None]) -> dict[str, int] | None:
         """worker_id -> cached leading blocks, for workers of the given current epochs, merged
         with this gateway's live predictions; None when Redis is down or slower than the
         lookup timeout (route by load alone)."""
@@ -59,7 +60,7 @@ class KVIndexClient:
         matched: dict[str, int] = {}
         for member, blocks in members.items():
             worker_id, epoch = store.split_member(member)
-            if epochs.get(worker_id) == epoch:
+            if epoch_of(worker_id) == epoch:
                 matched[worker_id] = blocks
         for worker_id, blocks in self._local_prefix(block_hashes).items():
             matched[worker_id] = max(matched.get(worker_id, 0), blocks)

@@ -150,6 +150,8 @@ def _compile_check(hint: Any) -> Check:
     if hint in (int, float, str, bool, bytes):
         return _scalar_check(hint)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        assert issubclass(hint, str), "only str enums cross the wire (packed as strings)"
+
         def check_enum(v: Any) -> Any:
             try:
                 return hint(v)
@@ -175,8 +177,7 @@ def _compile_pack(hint: Any) -> Pack | None:
     """How to turn a field value into plain msgpack data; None: it already is."""
     if is_dataclass(hint) and isinstance(hint, type):
         return to_wire
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return operator.attrgetter("value")
+    # A StrEnum is a str: msgpack packs it as it is.
     if typing.get_origin(hint) is list:
         item = typing.get_args(hint)[0]
         if is_dataclass(item):

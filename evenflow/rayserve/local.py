@@ -47,10 +47,6 @@ class LocalRayMesh:
         serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
         wait_for_health(self.url, health_timeout_s)
 
-    def first_exited(self) -> None:
-        """Ray restarts failed replicas itself: no child of ours ever counts as exited."""
-        return None
-
     def supervise(self, report: object = None) -> None:
         """Ray restarts failed replicas itself: nothing for us to do."""
 

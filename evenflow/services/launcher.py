@@ -258,9 +258,6 @@ class LocalMesh:
         wait_for_health(self.url, timeout_s, check_children,
                         {"prefill": self.config.num_prefill, "decode": self.config.num_decode})
 
-    def first_exited(self) -> subprocess.Popen | None:
-        return next((p for p in self.procs if p.poll() is not None), None)
-
     def supervise(self, report: Callable[[str], None] | None = None) -> None:
         """One supervision pass (call it every half second): restart what died, after its
         backoff; raises GaveUp when something crashed too often."""

@@ -42,7 +42,6 @@ class InMemoryBus:
         self.broker, self.name = broker, name
         self.dropped = 0
         self.last_reconnect_at = 0.0  # never disconnects
-        self.published: list[tuple[str, Message]] = []  # everything this bus sent, in order
         self._connected = False
         self._tasks: list[asyncio.Task] = []
         self._queues: list[tuple[str, asyncio.Queue[tuple[str, bytes]]]] = []
@@ -61,7 +60,6 @@ class InMemoryBus:
 
     async def publish(self, subject: str, message: Message) -> None:
         assert self._connected, "connect first"
-        self.published.append((subject, message))
         self.broker.publish_raw(subject, encode(message))
 
     async def subscribe(self, subject: str, handler: Handler) -> None:
