@@ -133,8 +133,8 @@ def inject_faults(mesh, every_s: float, stop: threading.Event, log: list[str],
                 log.append(f"{at} kill -9 {fault}-server (restarted on its port)")
 
 
-def sample_rss(mesh, stop: threading.Event, samples: dict[str, list[tuple[float, float]]],
-               t0: float) -> None:
+def sample_rss(mesh, stop: threading.Event,
+               samples: dict[str, list[tuple[float, float, int]]], t0: float) -> None:
     import psutil
 
     while not stop.wait(5.0):
@@ -145,7 +145,7 @@ def sample_rss(mesh, stop: threading.Event, samples: dict[str, list[tuple[float,
                 rss = psutil.Process(pid).memory_info().rss / 2**20
             except psutil.Error:
                 continue
-            samples.setdefault(name, []).append((time.monotonic() - t0, rss))
+            samples.setdefault(name, []).append((time.monotonic() - t0, rss, pid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             references = {p: stream(client, {"model": "tiny-moe", "prompt": p, "max_tokens": 24,
                                              "temperature": 0})[1] for p in PROMPTS}
         tally, faults = Tally(), list[str]()
-        rss: dict[str, list[tuple[float, float]]] = {}
+        rss: dict[str, list[tuple[float, float, int]]] = {}
         t0 = time.monotonic()
         workers = [threading.Thread(target=client_loop, args=(mesh.url, references, tally,
                                                               stop, i, t0), daemon=True)
@@ -248,7 +248,21 @@ def kv_blocks_held(mesh) -> dict[str, int]:
     return asyncio.run(read())
 
 
-def report(tally: Tally, faults: list[str], rss: dict[str, list[tuple[float, float]]],
+WARM_UP_S = 30.0
+LONG_LIFE_S = 180.0
+
+
+def incarnations(points: list[tuple[float, float, int]]) -> list[tuple[int, list]]:
+    """Split one process name's samples by pid, in order: each restart starts a new life."""
+    lives: list[tuple[int, list]] = []
+    for point in points:
+        if not lives or lives[-1][0] != point[2]:
+            lives.append((point[2], []))
+        lives[-1][1].append(point)
+    return lives
+
+
+def report(tally: Tally, faults: list[str], rss: dict[str, list[tuple[float, float, int]]],
            held: dict[str, int], gave_up: list[str], args: argparse.Namespace) -> None:
     from evenflow.bench.png import line_chart
 
@@ -271,14 +285,26 @@ def report(tally: Tally, faults: list[str], rss: dict[str, list[tuple[float, flo
     for w, values in sorted(windows.items()):
         p99 = statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
         print(f"  {w * 30:>5}-{w * 30 + 30:<5}s  n={len(values):<5} p99 {p99 * 1e3:8.1f} ms")
-    print("\nRSS (MiB): first sample after warm-up, last, growth")
+    print("\nRSS (MiB) per process incarnation (a restart is a new pid): first sample after "
+          "warm-up, last, growth")
+    worst: list[float] = []
     for name, points in sorted(rss.items()):
-        settled = [p for p in points if p[0] >= 30] or points
-        first, last = settled[0][1], settled[-1][1]
-        print(f"  {name:<16}{first:>9.1f}{last:>9.1f}{(last / first - 1) * 100:>+8.1f}%")
+        for pid, life in incarnations(points):
+            span = life[-1][0] - life[0][0]
+            warm = life[0][0] + max(WARM_UP_S, 0.2 * span)
+            settled = [p for p in life if p[0] >= warm] or life
+            first, last = settled[0][1], settled[-1][1]
+            growth = (last / first - 1) * 100
+            if span >= LONG_LIFE_S:
+                worst.append(growth)
+            print(f"  {name:<16}pid {pid:<8}{span:>6.0f} s"
+                  f"{first:>9.1f}{last:>9.1f}{growth:>+8.1f}%")
+    if worst:
+        print(f"  largest growth of an incarnation that lived >= {LONG_LIFE_S:.0f} s: "
+              f"{max(worst):+.1f}%")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "rss.png")
-    line_chart(path, [points for _, points in sorted(rss.items())])
+    line_chart(path, [[(t, r) for t, r, _ in points] for _, points in sorted(rss.items())])
     print(f"  (chart: {path}; one line per process, in the order above)")
     print(f"\nKV blocks still held at the end: {sum(held.values())} {held}")
     if gave_up:

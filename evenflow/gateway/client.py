@@ -83,7 +83,8 @@ class GatewayClient:
         self.config, self.tracer, self.salt = config, tracer, salt
         self.gateway_id = uuid.uuid4().hex[:12]
         self.inbox = subjects.gateway_inbox(self.gateway_id)
-        self.bus: MessageBus = bus or Bus(f"gateway-{self.gateway_id}")
+        self.bus: MessageBus = bus or Bus(f"gateway-{self.gateway_id}",
+                                              config.reassembly_budget())
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
             config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)

@@ -5,7 +5,7 @@ injects the current trace context into NATS headers on publish and hands the ext
 handlers. Each subscription has one listener task; a payload that does not decode is dropped and
 counted, and the listener keeps serving. A message larger than the server's max_payload travels
 as numbered frames (header `Evenflow-Frame: <id> <index> <count>`) and is reassembled before
-decoding; frames of a message that never completes are dropped after a timeout.
+decoding under a memory budget per peer and in total (`services/reassembly.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from opentelemetry.context import Context
 from evenflow.proto import subjects
 from evenflow.proto.messages import Message, WireError, WorkerHeartbeat, decode, encode
 from evenflow.services.metrics import MESSAGES_DROPPED
+from evenflow.services.reassembly import Reassembly, ReassemblyBudget
 from evenflow.services.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
@@ -94,13 +95,15 @@ class MessageBus(Protocol):
     async def publish(self, subject: str, message: Message) -> None: ...
     async def subscribe(self, subject: str, handler: Handler) -> None: ...
     async def close(self) -> None: ...
+
+
 FRAME_HEADER = "Evenflow-Frame"
-FRAME_TIMEOUT_S = 30.0
 
 
 class Bus:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, budget: ReassemblyBudget | None = None) -> None:
         self.name = name
+        self.budget = budget or ReassemblyBudget()
         self.nc: NATS | None = None
         self.dropped = 0  # malformed or unknown messages received
         self._last_error_log = 0.0
@@ -158,7 +161,8 @@ class Bus:
         view = memoryview(payload)
         for index in range(count):
             await self.nc.publish(subject, bytes(view[index * limit : (index + 1) * limit]),
-                                  headers={**headers, FRAME_HEADER: f"{frame_id} {index} {count}"})
+                                  headers={**headers,
+                                           FRAME_HEADER: f"{frame_id} {index} {count} {self.name}"})
 
     async def subscribe(self, subject: str, handler: Handler) -> None:
         """Route every message on `subject` to `handler(message, trace_context)`, in order."""
@@ -170,41 +174,15 @@ class Bus:
                                                name=f"listen {subject}"))
 
     async def _listen(self, subject: str, sub, handler: Handler) -> None:
-        frames: dict[str, tuple[float, list[bytes | None]]] = {}  # frame id -> (started, parts)
+        frames = Reassembly(self.budget, on_drop=self._count_dropped)
         async for raw in sub.messages:
             frame = (raw.headers or {}).get(FRAME_HEADER)
             if frame is None:
                 await self._dispatch(raw.subject, raw.data, raw.headers, handler)
                 continue
-            payload = self._add_frame(frames, frame, raw.data)
+            payload = frames.add(frame, raw.data)
             if payload is not None:
                 await self._dispatch(raw.subject, payload, raw.headers, handler)
-
-    def _add_frame(self, frames: dict[str, tuple[float, list[bytes | None]]], frame: str,
-                   data: bytes) -> bytes | None:
-        """Store one frame; the whole payload once every frame of its message is there."""
-        now = time.monotonic()
-        for stale in [k for k, (t, _) in frames.items() if now - t > FRAME_TIMEOUT_S]:
-            del frames[stale]
-            self._count_dropped("incomplete framed message")
-        try:
-            frame_id, index_s, count_s = frame.split()
-            index, count = int(index_s), int(count_s)
-            if not 0 <= index < count <= 100_000:
-                raise ValueError(frame)
-        except ValueError:
-            self._count_dropped(f"bad frame header {frame!r}")
-            return None
-        _, parts = frames.setdefault(frame_id, (now, [None] * count))
-        if len(parts) != count or parts[index] is not None:
-            del frames[frame_id]
-            self._count_dropped("inconsistent or repeated frame")
-            return None
-        parts[index] = data
-        if any(p is None for p in parts):
-            return None
-        del frames[frame_id]
-        return b"".join(p for p in parts if p is not None)
 
     def _count_dropped(self, reason: str) -> None:
         self.dropped += 1

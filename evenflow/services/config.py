@@ -19,6 +19,7 @@ from typing import Any
 
 from evenflow.engine.config import EngineConfig
 from evenflow.services.bus import NatsSecurity
+from evenflow.services.reassembly import ReassemblyBudget
 
 ENV_PREFIX = "EVENFLOW_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -43,7 +44,8 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "orphan_ttl_s": (0, None, False),
     "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
     "max_inflight": (1, None, True), "max_queued": (0, None, True),
-    "kv_chunk_bytes": (4096, None, True), "num_ep_ranks": (0, None, True),
+    "kv_chunk_bytes": (4096, None, True), "bus_peer_reassembly_mb": (1, None, True),
+    "bus_total_reassembly_mb": (1, None, True), "num_ep_ranks": (0, None, True),
     "num_redundant_experts": (0, None, True), "eplb_report_interval_s": (0, None, False),
     "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
     "eplb_window_reports": (1, None, True), "balancer_metrics_port": (0, 65535, True),
@@ -124,6 +126,9 @@ class MeshConfig:
     orphan_ttl_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
     kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
+    # Incomplete framed bus messages a process holds, per sending peer and in total
+    bus_peer_reassembly_mb: int = 64
+    bus_total_reassembly_mb: int = 256
     # Expert parallelism and the balancer (MoE models; virtual EP ranks inside each worker)
     num_ep_ranks: int = 4  # 0: no expert placement, no balancer
     num_redundant_experts: int = 4  # extra slots for replicas of hot experts
@@ -165,6 +170,10 @@ class MeshConfig:
     def nats_security(self) -> NatsSecurity:
         return NatsSecurity(self.nats_credentials_file, self.nats_tls_ca, self.nats_tls_cert,
                             self.nats_tls_key)
+
+    def reassembly_budget(self) -> ReassemblyBudget:
+        return ReassemblyBudget(peer_bytes=self.bus_peer_reassembly_mb * 2**20,
+                                total_bytes=self.bus_total_reassembly_mb * 2**20)
 
     def configure_logging(self) -> None:
         """The process's log format and level (every service's entry point calls this)."""

@@ -56,7 +56,8 @@ class WorkerService:
 
     def __init__(self, config: MeshConfig, worker_id: str, bus: MessageBus | None = None) -> None:
         self.config, self.worker_id = config, worker_id
-        self.bus: MessageBus = bus or Bus(f"{self.role}-{worker_id}")
+        self.bus: MessageBus = bus or Bus(f"{self.role}-{worker_id}",
+                                              config.reassembly_budget())
         self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}")
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index

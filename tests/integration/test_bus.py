@@ -69,3 +69,37 @@ def test_redis_client_fails_fast_when_redis_is_gone():
     up, down, took = asyncio.run(scenario())
     assert up and not down
     assert took < 1.0
+
+
+def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats_server):
+    from evenflow.services.reassembly import ReassemblyBudget
+
+    async def scenario():
+        budget = ReassemblyBudget(peer_bytes=4 * 2**20, total_bytes=8 * 2**20)
+        rogue, sender, receiver = Bus("rogue"), Bus("sender"), Bus("receiver", budget)
+        for bus in (rogue, sender, receiver):
+            await bus.connect(nats_server.url)
+        got: list = []
+        arrived = asyncio.Event()
+
+        def on_message(message, _ctx):
+            got.append(message)
+            arrived.set()
+
+        await receiver.subscribe("t.flood", on_message)
+        await receiver.nc.flush()
+        for i in range(200):  # 200 x 64 KiB announced as 100,000-part messages
+            await rogue.nc.publish("t.flood", bytes(64 * 1024),
+                                   headers={"Evenflow-Frame": f"f{i} 0 100000 rogue"})
+        await rogue.nc.flush()
+        big = KVBlockChunk(request_id="r", seq=0, first_block=0, num_blocks=1,
+                           data=bytes(3 * sender.max_payload))
+        await sender.publish("t.flood", big)
+        await asyncio.wait_for(arrived.wait(), 10)
+        for bus in (rogue, sender, receiver):
+            await bus.close()
+        return got, receiver.dropped
+
+    got, dropped = asyncio.run(scenario())
+    assert len(got[0].data) == 3 * 1024 * 1024
+    assert dropped >= 200 - 64  # at most 4 MiB of the rogue's frames held at a time
