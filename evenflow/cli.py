@@ -1,4 +1,5 @@
-"""The `evenflow` command: `up` (the local mesh), `generate` (offline) and `bench`."""
+"""The `evenflow` command: `up` (the local mesh), `generate` (offline), `bench` and
+`bus-secrets` (NATS users per service role, for deployments)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 2
 
 
+def _bus_secrets(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from evenflow.services.nats_auth import write_role_secrets
+
+    paths = write_role_secrets(Path(args.directory), args.port, args.host)
+    print(f"wrote {Path(args.directory) / 'nats-server.conf'} (start nats-server with -c) and "
+          f"credentials (mode 0600) for: {', '.join(paths)}")
+    print("give each service its role's file: EVENFLOW_NATS_CREDENTIALS_FILE=<dir>/nats-<role>"
+          ".creds")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="evenflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
@@ -181,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the gateway picks workers (default kv)")
     engine.add_argument("--log-level", default=None, choices=list(LOG_LEVELS))
     up.set_defaults(func=_up)
+
+    secrets = sub.add_parser(
+        "bus-secrets", help="write a nats-server config with a user per service role, and each "
+                            "role's credentials file (for compose, KubeRay, your own NATS)")
+    secrets.add_argument("directory", help="where to write them (created with mode 0700)")
+    secrets.add_argument("--port", type=int, default=4222, help="nats-server's port")
+    secrets.add_argument("--host", default="0.0.0.0", help="nats-server's listen address")
+    secrets.set_defaults(func=_bus_secrets)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
     bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak"])

@@ -1,19 +1,34 @@
 """`evenflow up --ray`: the mesh as Ray Serve applications on a local Ray instance, with
-nats-server and redis-server started on free ports unless URLs are configured."""
+nats-server and redis-server started on free ports unless URLs are configured. The NATS it
+starts has a user per service role (replica ids are not known in advance: see
+services/nats_auth.py); each application gets its role's credentials file."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from evenflow.services import nats_auth
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalServer, ensure_data_plane, wait_for_health
+from evenflow.services.launcher import (
+    LocalServer,
+    ensure_data_plane,
+    free_port,
+    start_nats,
+    wait_for_health,
+)
 
 
 class LocalRayMesh:
     def __init__(self, config: MeshConfig) -> None:
         self.config = config
         self.servers: list[LocalServer] = []
+        self.credentials: dict[str, str] = {}  # role -> credentials file
+        self._secrets: str | None = None
 
     @property
     def url(self) -> str:
@@ -25,7 +40,10 @@ class LocalRayMesh:
 
         from evenflow.rayserve import app
 
-        cfg = self.config = ensure_data_plane(self.config, self.servers)
+        cfg = self.config
+        if not cfg.nats_url and cfg.nats_auth:
+            cfg = self._start_secure_nats(cfg)
+        cfg = self.config = ensure_data_plane(cfg, self.servers)
         args: dict[str, Any] = {k.removeprefix("EVENFLOW_").lower(): v
                                 for k, v in cfg.to_env().items()}
         # Logical CPUs, not cores: the services mostly wait on the network, and each replica
@@ -34,18 +52,33 @@ class LocalRayMesh:
                  ignore_reinit_error=True)
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         args = {**args, "num_cpus": 0.25}
-        scaled = {**args, "max_replicas": 4}
-        serve.run(app.decode_app({**scaled, "min_replicas": cfg.num_decode}), name="decode",
-                  route_prefix=None, blocking=False)
+
+        def of(role: str, **extra: Any) -> dict[str, Any]:
+            creds = self.credentials.get(role)
+            return {**args, **extra, **({"nats_credentials_file": creds} if creds else {})}
+
+        serve.run(app.decode_app(of("decode", max_replicas=4, min_replicas=cfg.num_decode)),
+                  name="decode", route_prefix=None, blocking=False)
         if cfg.num_prefill:
-            serve.run(app.prefill_app({**scaled, "min_replicas": cfg.num_prefill}),
+            serve.run(app.prefill_app(of("prefill", max_replicas=4,
+                                         min_replicas=cfg.num_prefill)),
                       name="prefill", route_prefix=None, blocking=False)
-        serve.run(app.kv_index_app(args), name="kv_index", route_prefix=None, blocking=False)
+        serve.run(app.kv_index_app(of("kv_index")), name="kv_index", route_prefix=None,
+                  blocking=False)
         if cfg.num_ep_ranks:
-            serve.run(app.balancer_app(args), name="balancer", route_prefix=None,
+            serve.run(app.balancer_app(of("balancer")), name="balancer", route_prefix=None,
                       blocking=False)
-        serve.run(app.gateway_app(args), name="gateway", route_prefix="/", blocking=False)
+        serve.run(app.gateway_app(of("gateway")), name="gateway", route_prefix="/",
+                  blocking=False)
         wait_for_health(self.url, health_timeout_s)
+
+    def _start_secure_nats(self, cfg: MeshConfig) -> MeshConfig:
+        self._secrets = tempfile.mkdtemp(prefix="evenflow-secrets-")
+        port = free_port()
+        paths = nats_auth.write_role_secrets(Path(self._secrets), port, "127.0.0.1")
+        self.credentials = {role: str(path) for role, path in paths.items()}
+        self.servers.append(start_nats(port, str(Path(self._secrets) / "nats-server.conf")))
+        return replace(cfg, nats_url=self.servers[-1].url)
 
     def supervise(self, report: object = None) -> None:
         """Ray restarts failed replicas itself: nothing for us to do."""
@@ -61,3 +94,5 @@ class LocalRayMesh:
             for server in self.servers:
                 server.stop()
             self.servers.clear()
+            if self._secrets:
+                shutil.rmtree(self._secrets, ignore_errors=True)

@@ -17,6 +17,11 @@ Permissions (`{id}` is the service's own id; P = "evenflow"):
                  sub P.eplb.load, P.heartbeat.>
   admin          pub >  sub >  (operators, benchmarks, tests)
 
+Deployments whose worker ids are not known in advance (Ray Serve replicas, compose, KubeRay)
+use one user per role instead (`role_users`: `{id}` becomes `*`, the user is named after the
+role): roles stay apart, though a worker could then heartbeat as another worker of its role.
+`evenflow bus-secrets DIR` writes that server configuration and the role credential files.
+
 So: only the gateway sends requests to workers; only prefill workers send KV transfers; only
 workers answer a gateway; only the balancer sends placements; a worker heartbeats on its own
 subject only (and the bus drops a heartbeat on any subject but its sender's). A user without a
@@ -67,20 +72,28 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
     return table[role]
 
 
+ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer", "admin")
+
+
 def make_user(role: str, worker_id: str) -> NatsUser:
-    name = role if role in ("gateway", "admin") else f"{role}-{worker_id}"
+    name = role if role in ("gateway", "admin") or worker_id == "*" else f"{role}-{worker_id}"
     publish, subscribe = permissions(role, worker_id)
     return NatsUser(name, secrets.token_urlsafe(24), publish, subscribe)
 
 
-def server_config(port: int, users: list[NatsUser]) -> str:
-    """nats-server configuration: listen on loopback, these users and nobody else."""
+def role_users() -> dict[str, NatsUser]:
+    """One user per role, for any worker id of that role."""
+    return {role: make_user(role, "*") for role in ROLES}
+
+
+def server_config(port: int, users: list[NatsUser], host: str = "127.0.0.1") -> str:
+    """nats-server configuration: listen on `host`, these users and nobody else."""
     def entry(u: NatsUser) -> str:
         allow = {"publish": {"allow": list(u.publish)}, "subscribe": {"allow": list(u.subscribe)}}
         return json.dumps({"user": u.name, "password": u.password, "permissions": allow})
 
     entries = ",\n    ".join(entry(u) for u in users)
-    return f'listen: "127.0.0.1:{port}"\nauthorization {{\n  users = [\n    {entries}\n  ]\n}}\n'
+    return f'listen: "{host}:{port}"\nauthorization {{\n  users = [\n    {entries}\n  ]\n}}\n'
 
 
 def write_private(path: Path, text: str) -> Path:
@@ -101,3 +114,13 @@ def read_credentials(path: str) -> tuple[str, str]:
     if len(lines) != 2:
         raise ValueError(f"{path}: expected two lines, user and password")
     return lines[0], lines[1]
+
+
+def write_role_secrets(directory: Path, port: int = 4222,
+                       host: str = "0.0.0.0") -> dict[str, Path]:
+    """nats-server.conf and a credentials file per role in `directory` (created 0700);
+    returns the credentials paths by role."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    users = role_users()
+    write_private(directory / "nats-server.conf", server_config(port, list(users.values()), host))
+    return {role: write_credentials(directory, user) for role, user in users.items()}

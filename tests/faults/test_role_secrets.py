@@ -1,0 +1,89 @@
+"""`evenflow bus-secrets` (the deploy/ configuration): a nats-server started with the written
+config refuses anonymous clients and keeps the roles apart; the files are private."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+
+import nats
+import pytest
+
+from evenflow.cli import main as cli
+from evenflow.proto import subjects
+from evenflow.services.launcher import free_port, start_nats
+from evenflow.services.nats_auth import read_credentials
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("secrets") / "bus"
+    port = free_port()
+    assert cli(["bus-secrets", str(directory), "--port", str(port), "--host", "127.0.0.1"]) == 0
+    server = start_nats(port, str(directory / "nats-server.conf"))
+    yield server, directory
+    server.stop()
+
+
+def publish_as(server, directory, role: str, subject: str) -> tuple[bool, list[str]]:
+    errors: list[str] = []
+
+    async def scenario() -> bool:
+        admin_user, admin_password = read_credentials(str(directory / "nats-admin.creds"))
+        watcher = await nats.connect(server.url, user=admin_user, password=admin_password)
+        sub = await watcher.subscribe(subject)
+        user, password = read_credentials(str(directory / f"nats-{role}.creds"))
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        sender = await nats.connect(server.url, user=user, password=password, error_cb=on_error,
+                                    allow_reconnect=False)
+        await sender.publish(subject, b"x")
+        await sender.flush()
+        try:
+            await sub.next_msg(timeout=0.5)
+            delivered = True
+        except nats.errors.TimeoutError:
+            delivered = False
+        await asyncio.sleep(0.2)
+        await sender.close()
+        await watcher.close()
+        return delivered
+
+    return asyncio.run(scenario()), errors
+
+
+def test_files_are_private(secured):
+    _, directory = secured
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for path in directory.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_anonymous_clients_are_refused(secured):
+    server, _ = secured
+
+    async def attempt() -> None:
+        await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=3)
+
+    with pytest.raises(Exception, match="(?i)authorization|no servers"):
+        asyncio.run(attempt())
+
+
+@pytest.mark.parametrize(("role", "subject", "allowed"), [
+    ("gateway", subjects.EXPERT_PLACEMENT, False),
+    ("decode", subjects.prefill_worker("p-any"), False),
+    ("prefill", subjects.decode_worker("d-any"), False),
+    ("balancer", subjects.EXPERT_PLACEMENT, True),
+    ("gateway", subjects.decode_worker("d-any"), True),
+    ("decode", subjects.heartbeat("decode", "d-any"), True),
+    ("decode", subjects.heartbeat("gateway", "g"), False),
+])
+def test_each_role_publishes_only_its_part(secured, role, subject, allowed):
+    server, directory = secured
+    delivered, errors = publish_as(server, directory, role, subject)
+    assert delivered == allowed
+    if not allowed:
+        assert any("permissions violation" in e.lower() for e in errors)
