@@ -19,6 +19,8 @@ from typing import Any
 from evenflow import models
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANT_METHODS = ("int8", "int4")  # engine/quant.py implements them (this module is torch-free)
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 def cpu_has_bf16() -> bool:
@@ -48,6 +50,13 @@ class EngineConfig:
     # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
     num_ep_ranks: int = 0
     num_redundant_experts: int = 0
+    # Weight-only quantization at load (engine/quant.py): None, "int8" (per output channel) or
+    # "int4" (groups of quant_group_size input channels, with zero points unless symmetric).
+    # A GPTQ checkpoint is loaded quantized as it is, whatever this says.
+    quantization: str | None = None
+    quant_group_size: int = 64
+    quant_symmetric: bool = False
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -63,6 +72,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
+        if self.quantization is not None:
+            if self.quantization not in QUANT_METHODS:
+                raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, got "
+                                 f"{self.quantization!r}")
+            if self.quantization == "int4" and self.quant_group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"quant_group_size must be one of {list(INT4_GROUP_SIZES)}, "
+                                 f"got {self.quant_group_size}")
 
 
 class ModelLoadError(ValueError):

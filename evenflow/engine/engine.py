@@ -16,6 +16,7 @@ from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.loader import load_model
+from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -105,7 +106,10 @@ class Engine:
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         """Load the weights; return the model's config."""
-        self.model = load_model(self.model_dir, dtype)
+        c = self.config
+        quant = None if c.quantization is None else QuantConfig(
+            c.quantization, c.quant_group_size, c.quant_symmetric, c.quantize_lm_head)
+        self.model = load_model(self.model_dir, dtype, quant)
         return self.model.config
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:

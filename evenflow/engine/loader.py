@@ -1,18 +1,27 @@
 """Loading HF-format checkpoints: config.json + model.safetensors (single or sharded with an
-index) into a CausalLM, stacking per-expert weights into the model's grouped layout."""
+index) into a CausalLM, stacking per-expert weights into the model's grouped layout.
+
+Quantized loads (an unquantized checkpoint with a QuantConfig, or a GPTQ checkpoint) go one
+decoder layer at a time: read the layer's tensors, fill the layer, quantize it, drop the
+originals; peak memory stays near the quantized model's size.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from evenflow.engine import gptq
 from evenflow.engine.config import ModelConfig, ModelLoadError, load_config
 from evenflow.engine.model import CausalLM
+from evenflow.engine.quant import QuantConfig
+from evenflow.engine.quantize_model import quantize_head, quantize_layer
 
 # Per-expert tensors in HF checkpoints, Mixtral and Qwen naming.
 _EXPERT = re.compile(
@@ -43,20 +52,26 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path]) -> dict[str, Tensor]:
+def _read_tensors(files: list[Path], wanted: Callable[[str], bool] = lambda name: True
+                  ) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    if wanted(name):
+                        tensors[name] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
     return tensors
 
 
-def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename HF tensors to this model's parameters, stacking experts into w13 / w2."""
+def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor],
+                    layers: Iterable[int] | None = None,
+                    quantized_experts: bool = False) -> dict[str, Tensor]:
+    """Rename HF tensors to this model's parameters, stacking experts into w13 / w2 (for
+    `layers`, default all; not when the experts come quantized)."""
+    layers = range(cfg.num_layers) if layers is None else list(layers)
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
     for name, t in tensors.items():
@@ -68,7 +83,7 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, T
             state[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
         else:
             state[name] = t
-    for layer in range(cfg.num_layers):
+    for layer in layers:
         attn = f"model.layers.{layer}.self_attn."
         for kind in ("weight", "bias"):
             parts = [state.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
@@ -76,8 +91,9 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, T
                 state[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
             elif any(t is not None for t in parts):
                 raise ModelLoadError(f"checkpoint has only some of {attn}q/k/v_proj.{kind}")
-    for layer, sparse in enumerate(cfg.sparse_layers):
-        if not sparse or f"model.layers.{layer}.mlp.w13" in state:
+    for layer in layers:
+        if not cfg.sparse_layers[layer] or f"model.layers.{layer}.mlp.w13" in state or \
+                quantized_experts:
             continue
         try:
             gate_up = [torch.cat([experts[(layer, e, "gate")], experts[(layer, e, "up")]])
@@ -92,30 +108,95 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, T
     return state
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype) -> CausalLM:
-    """Build the model described by config.json and fill it from the safetensors files."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    cfg = load_config(model_dir)
-    state = _to_model_names(cfg, _read_tensors(_checkpoint_files(model_dir)))
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    expected = dict(model.state_dict())
-    missing = sorted(set(expected) - set(state))
+def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
+             covered: set[str] = frozenset()) -> dict[str, Tensor]:  # type: ignore[assignment]
+    """`state` in `dtype` after checking it against the model's parameters (`covered`: ones
+    that come quantized instead)."""
+    missing = sorted(set(expected) - set(state) - covered)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise ModelLoadError(f"checkpoint has unknown tensor(s), e.g. {unexpected[:3]}")
-    for name, param in expected.items():
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise ModelLoadError(
-                f"tensor {name} has shape {tuple(state[name].shape)}, config implies "
-                f"{tuple(param.shape)}"
-            )
-        state[name] = state[name].to(dtype)
-    model.load_state_dict(state, assign=True, strict=True)
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, config "
+                                 f"implies {tuple(expected[name].shape)}")
+    return {name: tensor.to(dtype) for name, tensor in state.items()}
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype,
+               quantization: QuantConfig | None = None) -> CausalLM:
+    """Build the model described by config.json and fill it from the safetensors files,
+    quantizing as it goes when asked (or when the checkpoint is GPTQ)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    cfg = load_config(model_dir)
+    spec = gptq.read_quant_config(json.loads((model_dir / "config.json").read_text()))
+    files = _checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = dict(model.state_dict())
+    if spec is None and quantization is None:
+        model.load_state_dict(_checked(_to_model_names(cfg, _read_tensors(files)), expected,
+                                       dtype), assign=True, strict=True)
+    else:
+        _load_by_layer(model, files, expected, dtype, spec, quantization)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tensor],
+                   dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None
+                   ) -> None:
+    cfg = model.config
+    if quantization is None:  # a GPTQ checkpoint: quantized as it says, the rest as it is
+        assert spec is not None
+        quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
+                                   max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
+    layer_of = re.compile(r"^model\.layers\.(\d+)\.")
+    for layer in range(cfg.num_layers):
+        prefix = f"model.layers.{layer}."
+        tensors = _read_tensors(files, _starts_with(prefix))
+        given_hf = gptq.take_quantized(tensors, spec) if spec else {}
+        given = gptq.to_model_values(cfg, layer, given_hf)
+        covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
+                   f"{prefix}{name}" for name in given}
+        state = _checked(_to_model_names(cfg, tensors, [layer], "mlp.w13" in given),
+                         {k: v for k, v in expected.items() if k.startswith(prefix)}, dtype,
+                         covered)
+        module = model.model.layers[layer]
+        module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
+                               assign=True, strict=False)
+        _drop_covered(module, covered, prefix, dtype)
+        quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
+    tensors = _read_tensors(files, lambda name: layer_of.match(name) is None)
+    given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
+    covered = {"lm_head.weight"} if given_head is not None else set()
+    rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
+    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered),
+                          assign=True, strict=False)
+    if given_head is not None:
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+    quantize_head(model, quantization, dtype, given_head)
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
+                             f"{on_meta[:3]}")
+
+
+def _starts_with(prefix: str) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefix)
+
+
+def _drop_covered(layer: torch.nn.Module, covered: set[str], prefix: str,
+                  dtype: torch.dtype) -> None:
+    """Parameters that come quantized get an empty placeholder (they are replaced next)."""
+    for name in covered:
+        parent_name, _, attr = name.removeprefix(prefix).rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        shape = getattr(parent, attr).shape
+        setattr(parent, attr, torch.nn.Parameter(torch.empty(0, *shape[1:], dtype=dtype),
+                                                 requires_grad=False))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
+from evenflow.engine.quant import QuantStack
 
 
 @dataclass
@@ -163,12 +164,25 @@ class MoE(nn.Module):
         self.slot_counts: Tensor | None = None  # a row of the engine's (layers, P) counter
         self._slot_w13: Tensor | None = None
         self._slot_w2: Tensor | None = None
+        # Quantized experts (engine/quantize_model.py): w13 and w2 are then empty.
+        self.quantized: tuple[QuantStack, QuantStack] | None = None
+        self._slot_quantized: tuple[QuantStack, QuantStack] | None = None
 
     def set_placement(self, placement: SlotPlacement) -> None:
         """Copy each slot's expert weights into place (between steps)."""
-        self._slot_w13 = self.w13.index_select(0, placement.phy2log)
-        self._slot_w2 = self.w2.index_select(0, placement.phy2log)
+        if self.quantized is not None:
+            q13, q2 = self.quantized
+            self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
+        else:
+            self._slot_w13 = self.w13.index_select(0, placement.phy2log)
+            self._slot_w2 = self.w2.index_select(0, placement.phy2log)
         self.placement = placement
+
+    @property
+    def num_slots(self) -> int:
+        if self.placement is not None:
+            return len(self.placement.phy2log)
+        return self.num_experts
 
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
         probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
@@ -185,7 +199,7 @@ class MoE(nn.Module):
             groups = self.placement.slots_for(flat_experts)
             assert self._slot_w13 is not None and self._slot_w2 is not None
             w13, w2 = self._slot_w13, self._slot_w2
-        counts = torch.bincount(groups, minlength=w13.shape[0])
+        counts = torch.bincount(groups, minlength=self.num_slots)
         if self.placement is not None and self.slot_counts is not None:
             self.slot_counts += counts
         order = torch.argsort(groups, stable=True)
@@ -195,7 +209,11 @@ class MoE(nn.Module):
         active = sum(1 for n in counts_list if n)
         sorted_groups = groups[order]
         width = max(counts_list)
-        if 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
+        if self.quantized is not None:
+            stacks = self._slot_quantized if self.placement is not None else self.quantized
+            assert stacks is not None
+            ys = self._run_quantized_experts(xs, counts_list, *stacks)
+        elif 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
         else:
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, w13, w2)
@@ -239,6 +257,20 @@ class MoE(nn.Module):
             h = F.linear(grouped[start : start + n], w13[e])  # (n, 2I)
             gate, up = h.chunk(2, dim=-1)
             ys[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
+            start += n
+        return ys
+
+    @staticmethod
+    def _run_quantized_experts(grouped: Tensor, counts: list[int], q13: QuantStack,
+                               q2: QuantStack) -> Tensor:
+        """Only the experts that have tokens are read, each by its own quantized kernel."""
+        ys = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = q13.linear(grouped[start : start + n], e).chunk(2, dim=-1)
+            ys[start : start + n] = q2.linear(F.silu(gate) * up, e)
             start += n
         return ys
 
