@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from evenflow import __version__
-from evenflow.engine.config import DTYPES, EngineConfig
+from evenflow.engine.config import DTYPES, INT4_GROUP_SIZES, QUANT_METHODS, EngineConfig
 from evenflow.services.config import LOG_LEVELS
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -22,7 +22,9 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens, stop=args.stop or (), ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
+        quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
+        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
+                  quantization=args.quantization, **quant)
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
@@ -54,7 +56,8 @@ def _up(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "threads_per_worker": args.threads,
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-            "router": args.router, "log_level": args.log_level})
+            "router": args.router, "log_level": args.log_level,
+            "quantization": args.quantization, "quant_group_size": args.quant_group_size})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -120,12 +123,45 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.soak_bench import main as bench_soak
 
         return bench_soak(args.rest)
+    if args.what == "quant":
+        from evenflow.bench.quant_bench import main as bench_quant
+
+        return bench_quant(args.rest)
     if args.what == "wire":
         from evenflow.bench.wire_bench import main as bench_wire
 
         return bench_wire(args.rest)
     print(f"evenflow bench: unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
+
+
+def _quantization_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
+                        help="weight-only quantization at load: int8 (per output channel) or "
+                             "int4 (groups, with zero points); a GPTQ checkpoint needs none")
+    parser.add_argument("--quant-group-size", type=int, default=None,
+                        choices=list(INT4_GROUP_SIZES), help="int4 group size (default 64)")
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from evenflow import models
+    from evenflow.engine.config import ModelLoadError
+    from evenflow.engine.gptq import write_gptq
+    from evenflow.engine.quant import QuantConfig
+
+    source = models.resolve_model(args.model)
+    if source is None:
+        print(f"evenflow quantize: error: no model {args.model!r}", file=sys.stderr)
+        return 2
+    try:
+        out = write_gptq(source, args.out, QuantConfig(args.quantization, args.group_size,
+                                                       args.symmetric))
+    except (ValueError, ModelLoadError, OSError) as exc:
+        print(f"evenflow quantize: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a GPTQ checkpoint ({args.quantization}) to {out}; serve it with "
+          f"`evenflow up --model {out}`")
+    return 0
 
 
 def _bus_secrets(args: argparse.Namespace) -> int:
@@ -159,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
     gen.add_argument("--threads", type=int, default=None, help="torch threads")
+    _quantization_args(gen)
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
 
@@ -194,7 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--router", default=None, choices=["kv", "least_load", "round_robin"],
                         help="how the gateway picks workers (default kv)")
     engine.add_argument("--log-level", default=None, choices=list(LOG_LEVELS))
+    _quantization_args(engine)
     up.set_defaults(func=_up)
+
+    quant = sub.add_parser("quantize", help="write a GPTQ-format quantized copy of a checkpoint")
+    quant.add_argument("model", help="built-in model name or checkpoint dir (bf16/fp32)")
+    quant.add_argument("out", help="directory for the quantized checkpoint")
+    quant.add_argument("--quantization", default="int4", choices=list(QUANT_METHODS))
+    quant.add_argument("--group-size", type=int, default=64, choices=list(INT4_GROUP_SIZES))
+    quant.add_argument("--symmetric", action="store_true", help="int4 without zero points")
+    quant.set_defaults(func=_quantize)
 
     secrets = sub.add_parser(
         "bus-secrets", help="write a nats-server config with a user per service role, and each "
@@ -205,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.set_defaults(func=_bus_secrets)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak"])
+    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak",
+                                        "quant"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

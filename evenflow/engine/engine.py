@@ -44,6 +44,13 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def quant_config(config: EngineConfig) -> QuantConfig | None:
+    if config.quantization is None:
+        return None
+    return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
+                       config.quantize_lm_head)
+
+
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
@@ -106,10 +113,7 @@ class Engine:
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         """Load the weights; return the model's config."""
-        c = self.config
-        quant = None if c.quantization is None else QuantConfig(
-            c.quantization, c.quant_group_size, c.quant_symmetric, c.quantize_lm_head)
-        self.model = load_model(self.model_dir, dtype, quant)
+        self.model = load_model(self.model_dir, dtype, quant_config(self.config))
         return self.model.config
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config import QUANT_METHODS, EngineConfig
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
 
@@ -53,7 +53,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
-    "log_level": LOG_LEVELS,
+    "log_level": LOG_LEVELS, "quantization": ("", *QUANT_METHODS),
 }
 
 
@@ -85,6 +85,10 @@ class MeshConfig:
     kv_cache_gb: float = _ENGINE.kv_cache_gb
     num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
     threads_per_worker: int = 1  # torch threads of each worker's engine
+    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant.py)
+    quantization: str = ""
+    quant_group_size: int = _ENGINE.quant_group_size
+    quant_symmetric: bool = _ENGINE.quant_symmetric
     log_level: str = "info"
     # Gateway
     host: str = "127.0.0.1"
@@ -194,6 +198,7 @@ class MeshConfig:
         values["num_kv_blocks"] = self.num_kv_blocks or None
         values["max_model_len"] = self.max_model_len or None
         values["num_threads"] = self.threads_per_worker
+        values["quantization"] = self.quantization or None
         return EngineConfig(**values)
 
     def to_env(self) -> dict[str, str]:

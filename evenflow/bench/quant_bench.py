@@ -1,0 +1,238 @@
+"""`evenflow bench quant`: INT8 and INT4 weight-only quantization against the unquantized model in
+the machine's native dtype, all measured in one run.
+
+Speed and memory, on the random Mixtral-style 110M checkpoint (each variant in its own
+subprocess, same threads): decode ms/step at batch 1, 8 and 32 (128-token prompts), prefill of
+512 tokens, and the peak RSS the model load adds to the process.
+
+Quality, two tables:
+- the 110M model, 200 random prompts: greedy agreement with the unquantized model (share of
+  prompts whose 64 greedy tokens all agree, mean first-divergence position, mean share of
+  agreeing positions) and mean cosine of the first token's logits;
+- tiny-moe's checkable tasks, 300 prompts each: exact-match accuracy of counting, counting down
+  and reversing, unquantized vs int8 vs int4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {"native": {}, "int8": {"quantization": "int8"},
+            "int4-g64": {"quantization": "int4", "quant_group_size": 64}}
+FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512, quality_prompts=200,
+            quality_tokens=64, task_prompts=300)
+QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64, quality_prompts=8,
+             quality_tokens=8, task_prompts=10)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[g.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> dict:
+    import torch
+
+    from evenflow.engine.engine import (
+        Engine,
+        EngineConfig,
+        quant_config,
+        resolve_model,
+        torch_dtype,
+    )
+    from evenflow.engine.loader import load_model
+    from evenflow.engine.quantize_model import quantized_bytes
+    from evenflow.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
+                          max_num_batched_tokens=4096, num_kv_blocks=2048, **VARIANTS[variant])
+    before = _rss_mb()
+    load_model(resolve_model(ckpt), torch_dtype(config), quant_config(config))  # alone, first
+    load_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    engine = Engine(config)
+    weights_mb = quantized_bytes(engine.model) / 2**20
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        order = []
+        for p in prompts:
+            order.append(str(next(ids)))
+            engine.add_request(order[-1], p, params)
+        steps: list[float] = []
+        tokens: dict[str, list[int]] = {rid: [] for rid in order}
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+            steps.append(time.perf_counter() - t0)
+        return steps, [tokens[rid] for rid in order]
+
+    run(_random_prompts(2, 32, vocab, 99), 4)  # warm-up
+    result: dict = {"load_peak_mb": load_peak_mb, "weights_mb": weights_mb, "decode_ms": {}}
+    run(_random_prompts(1, plan["prefill"], vocab, 5), 1)
+    result["prefill_ms"] = statistics.median(
+        sum(run(_random_prompts(1, plan["prefill"], vocab, 6 + r), 1)[0]) for r in range(3)) * 1e3
+    for b in plan["batches"]:
+        steps, _ = run(_random_prompts(b, plan["prompt"], vocab, b), plan["output"])
+        result["decode_ms"][b] = statistics.median(steps[1:]) * 1e3
+    prompts = _random_prompts(plan["quality_prompts"], 32, vocab, 1234)
+    _, result["greedy"] = run(prompts, plan["quality_tokens"])
+    captured: list = []
+    forward = engine.model.forward
+
+    def capture(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        captured.append(logits[0].float())
+        return logits
+
+    engine.model.forward = capture  # type: ignore[method-assign]
+    for p in prompts:
+        run([p], 1)
+    engine.model.forward = forward  # type: ignore[method-assign]
+    torch.save(torch.stack(captured), os.environ["EVENFLOW_BENCH_LOGITS"])
+    return result
+
+
+def run_tasks(variant: str, threads: int, plan: dict) -> dict:
+    from evenflow import LLM, SamplingParams
+
+    llm = LLM("tiny-moe", num_threads=threads, **VARIANTS[variant])
+    rng = random.Random(7)
+    tasks: dict[str, list[tuple[str, list[str]]]] = {"count": [], "count down": [],
+                                                      "reverse": []}
+    for _ in range(plan["task_prompts"]):
+        n = rng.randint(0, 480)
+        tasks["count"].append((f"count from {n} :", [str(i) for i in range(n, n + 8)]))
+        n = rng.randint(20, 499)
+        tasks["count down"].append((f"count down from {n} :",
+                                    [str(i) for i in range(n, n - 8, -1)]))
+        letters = [rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))]
+        tasks["reverse"].append((f"reverse : {' '.join(letters)} =", letters[::-1]))
+    accuracy = {}
+    for name, items in tasks.items():
+        outs = llm.generate([p for p, _ in items],
+                            [SamplingParams(temperature=0, max_tokens=len(a)) for _, a in items])
+        hits = sum(o.text.split()[: len(a)] == a for o, (_, a) in zip(outs, items, strict=True))
+        accuracy[name] = 100.0 * hits / len(items)
+    return accuracy
+
+
+def _worker(argv: list[str]) -> int:
+    kind, variant, threads, plan = argv[0], argv[1], int(argv[2]), json.loads(argv[4])
+    if kind == "speed":
+        print(json.dumps(run_speed_and_quality(argv[3], variant, threads, plan)))
+    else:
+        print(json.dumps(run_tasks(variant, threads, plan)))
+    return 0
+
+
+def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits: str
+           ) -> dict | None:
+    cmd = [sys.executable, "-m", "evenflow.bench.quant_bench", "--worker", kind, variant,
+           str(threads), ckpt, json.dumps(plan)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), EVENFLOW_BENCH_LOGITS=logits)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        print(f"[{kind} {variant}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
+    """(% prompts identical, mean first-divergence position, mean % positions agreeing)."""
+    same, first, share = 0, [], []
+    for a, b in zip(ref, other, strict=True):
+        diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same += diverge == len(a)
+        first.append(diverge)
+        share.append(sum(x == y for x, y in zip(a, b, strict=True)) / len(a))
+    return 100.0 * same / len(ref), statistics.mean(first), 100.0 * statistics.mean(share)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    ap = argparse.ArgumentParser(prog="evenflow bench quant", description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
+    ap.add_argument("--checkpoint-dir", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+    from evenflow.bench.machine import machine_line
+    from evenflow.engine.config import cpu_has_bf16
+
+    plan = QUICK if args.quick else FULL
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    print(machine_line(dtype, args.threads))
+    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
+                                    QUICK_MODEL if args.quick else None))
+    print(f"checkpoint: {ckpt} (random Mixtral-style MoE); activations in {dtype}")
+    results, logits = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in VARIANTS:
+            path = os.path.join(tmp, f"{variant}.pt")
+            result = _spawn("speed", variant, ckpt, args.threads, plan, path)
+            if result is None:
+                return 1
+            results[variant], logits[variant] = result, torch.load(path)
+        tasks = {v: _spawn("tasks", v, ckpt, args.threads, plan, "") for v in VARIANTS}
+    base = results["native"]
+    print(f"\nspeed and memory ({dtype} activations; ratio = unquantized / quantized time)")
+    header = f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS)
+    print(header)
+
+    def row(name: str, values: list[float], ratio_of: float | None = None) -> None:
+        cells = "".join(f"{v:12.2f}" for v in values)
+        ratios = "" if ratio_of is None else "   " + " ".join(
+            f"{ratio_of / v:5.2f}x" for v in values[1:])
+        print(f"{name:34}{cells}{ratios}")
+
+    for b in plan["batches"]:
+        row(f"decode batch {b} (ms/step)", [results[v]["decode_ms"][str(b)] for v in VARIANTS],
+            base["decode_ms"][str(b)])
+    row(f"prefill {plan['prefill']} tokens (ms)", [results[v]["prefill_ms"] for v in VARIANTS],
+        base["prefill_ms"])
+    row("weights (MiB)", [results[v]["weights_mb"] for v in VARIANTS], base["weights_mb"])
+    row("peak RSS added by the load (MiB)", [results[v]["load_peak_mb"] for v in VARIANTS],
+        base["load_peak_mb"])
+    print(f"\nquality on the 110M model: {plan['quality_prompts']} prompts, "
+          f"{plan['quality_tokens']} greedy tokens, against the unquantized model in {dtype}")
+    print(f"{'variant':12}{'identical %':>13}{'first div.':>12}{'agree %':>10}{'cosine':>10}")
+    for v in list(VARIANTS)[1:]:
+        same, first, share = _agreement(base["greedy"], results[v]["greedy"])
+        cos = torch.nn.functional.cosine_similarity(logits["native"], logits[v], dim=-1).mean()
+        print(f"{v:12}{same:13.1f}{first:12.1f}{share:10.1f}{cos.item():10.5f}")
+    print(f"\ntiny-moe tasks: exact-match accuracy %, {plan['task_prompts']} prompts each")
+    print(f"{'task':12}" + "".join(f"{v:>12}" for v in VARIANTS))
+    for task in ("count", "count down", "reverse"):
+        cells = [tasks[v] for v in VARIANTS]
+        print(f"{task:12}" + "".join(f"{c[task]:12.1f}" if c else f"{'failed':>12}"
+                                     for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
