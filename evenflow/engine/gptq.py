@@ -130,6 +130,7 @@ def _concat(parts: list[QuantValues]) -> QuantValues:
                        torch.cat([p.scale for p in parts]), zero)
 
 
+_EXPERT_OF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.")
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|"
                      r"down_proj)$")
 
@@ -174,11 +175,17 @@ def write_gptq(source: str | Path, out: str | Path, config: QuantConfig) -> Path
     for path in sorted(source.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                t = f.get_tensor(name)
-                if QUANTIZABLE.search(name) and t.dim() == 2 and config.fits(t.shape):
-                    tensors |= _gptq_tensors(name.removesuffix(".weight"), t, config, bits)
-                else:
-                    tensors[name] = t
+                tensors[name] = f.get_tensor(name)
+    # A layer's experts are quantized all or none (the engine runs them as one stack).
+    unfit_layers = {m[1] for name, t in tensors.items()
+                    if (m := _EXPERT_OF_LAYER.search(name)) and not config.fits(t.shape)}
+    for name in list(tensors):
+        t = tensors[name]
+        m = _EXPERT_OF_LAYER.search(name)
+        if QUANTIZABLE.search(name) and t.dim() == 2 and config.fits(t.shape) and not (
+                m and m[1] in unfit_layers):
+            tensors |= _gptq_tensors(name.removesuffix(".weight"), tensors.pop(name), config,
+                                     bits)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for path in source.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors") and \

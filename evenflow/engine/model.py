@@ -197,8 +197,9 @@ class MoE(nn.Module):
         groups = flat_experts
         if self.placement is not None:  # each pair goes to one physical slot of its expert
             groups = self.placement.slots_for(flat_experts)
-            assert self._slot_w13 is not None and self._slot_w2 is not None
-            w13, w2 = self._slot_w13, self._slot_w2
+            if self.quantized is None:
+                assert self._slot_w13 is not None and self._slot_w2 is not None
+                w13, w2 = self._slot_w13, self._slot_w2
         counts = torch.bincount(groups, minlength=self.num_slots)
         if self.placement is not None and self.slot_counts is not None:
             self.slot_counts += counts

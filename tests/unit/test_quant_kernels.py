@@ -1,0 +1,120 @@
+"""Quantized weights compute what their dequantized values say, in every stored form and
+kernel (torch's packed int8/int4 kernels and our dequantize-then-matmul), in fp32 and bf16;
+the GPTQ layout packs and unpacks as the format says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evenflow.engine import gptq
+from evenflow.engine.quant import (
+    Int4Stack,
+    Int8Stack,
+    KernelChoice,
+    QuantConfig,
+    QuantValues,
+    quantize,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def weights(experts: int = 3, n: int = 96, k: int = 128, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, k, generator=g) * 0.02 for _ in range(experts)]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    scale = expected.abs().max().item()
+    assert (actual.float() - expected).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed_rows", [0, 64])
+def test_int8_both_kernels_match_the_dequantized_weight(dtype, packed_rows):
+    values = [quantize(w, QuantConfig("int8")) for w in weights()]
+    stack = Int8Stack.build(values, dtype)
+    stack = Int8Stack(stack.q, stack.scale, KernelChoice(packed_rows))
+    for m in (1, 5, 33):
+        x = torch.randn(m, 128)
+        for e, v in enumerate(values):
+            expected = F.linear(x.to(dtype).float(), v.dequantize())
+            close(stack.linear(x.to(dtype), e), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["packed", "plain"])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_both_forms_match_the_dequantized_weight(dtype, form, symmetric, group):
+    values = [quantize(w, QuantConfig("int4", group, symmetric)) for w in weights()]
+    scale = torch.stack([v.scale for v in values])
+    zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
+                        for v in values])
+    build = Int4Stack._packed if form == "packed" else Int4Stack._plain
+    stack = build(values, scale, -zero * scale, dtype)
+    for m in (1, 7):
+        x = torch.randn(m, 128)
+        for e, v in enumerate(values):
+            close(stack.linear(x.to(dtype), e), F.linear(x.to(dtype).float(), v.dequantize()),
+                  dtype)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_select_builds_the_slot_stack_of_an_expert_placement(method):
+    values = [quantize(w, QuantConfig(method)) for w in weights(experts=4)]
+    from evenflow.engine.quant import build_stack
+
+    stack = build_stack(values, torch.float32)
+    slots = stack.select(torch.tensor([2, 0, 2, 3, 1]))
+    x = torch.randn(3, 128)
+    assert slots.num == 5
+    for slot, expert in enumerate([2, 0, 2, 3, 1]):
+        assert torch.equal(slots.linear(x, slot), stack.linear(x, expert))
+
+
+def test_quantization_error_is_what_the_method_promises():
+    w = weights(experts=1, n=256, k=256)[0]
+    err8 = (quantize(w, QuantConfig("int8")).dequantize() - w).abs()
+    err4 = (quantize(w, QuantConfig("int4", 64)).dequantize() - w).abs()
+    row_max = w.abs().amax(dim=1, keepdim=True)
+    assert (err8 <= row_max / 127 / 2 + 1e-7).all()  # half a step of a per-row scale
+    assert err4.mean() < 0.1 * w.abs().mean()
+    assert err8.mean() < err4.mean()
+
+
+def test_config_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="int3"):
+        QuantConfig("int3")
+    with pytest.raises(ValueError, match="group size"):
+        QuantConfig("int4", group_size=48)
+    assert not QuantConfig("int4", 64).fits((128, 96))  # K not a multiple of the group
+    assert QuantConfig("int8").fits((128, 96))
+
+
+def test_gptq_packs_the_lowest_k_in_the_lowest_bits():
+    q = torch.zeros(16, 2, dtype=torch.int64)  # (K, N)
+    q[0, 0], q[1, 0], q[7, 1], q[8, 1] = 1, 2, 15, 3
+    packed = gptq._pack_rows(q, 4)  # (K / 8, N)
+    assert packed.shape == (2, 2) and packed.dtype == torch.int32
+    assert packed[0, 0].item() == 1 | (2 << 4)
+    assert packed[0, 1].item() == -(1 << 28)  # 15 << 28 as a signed int32
+    assert packed[1, 1].item() == 3
+    assert torch.equal(gptq._unpack_rows(packed, 4), q.to(torch.int32))
+
+
+@pytest.mark.parametrize(("method", "symmetric"), [("int4", False), ("int4", True),
+                                                   ("int8", True)])
+def test_gptq_tensors_read_back_to_the_same_values(method, symmetric):
+    config = QuantConfig(method, 64, symmetric)
+    w = weights(experts=1)[0]
+    bits = 8 if method == "int8" else 4
+    tensors = gptq._gptq_tensors("layer", w, config, bits)
+    spec = {"bits": bits, "group_size": 64 if bits == 4 else -1, "sym": symmetric}
+    got: QuantValues = gptq.to_values(tensors, "layer", spec)
+    want = quantize(w, config)
+    assert torch.equal(got.q, want.q)
+    assert torch.allclose(got.dequantize(), want.dequantize(), rtol=1e-3, atol=1e-6)
