@@ -31,10 +31,10 @@ from typing import Any
 VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
     "int4-g64": {"quantization": "int4", "quant_group_size": 64}}
-FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512, quality_prompts=200,
-            quality_tokens=64, task_prompts=300)
-QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64, quality_prompts=8,
-             quality_tokens=8, task_prompts=10)
+FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512,
+                            quality_prompts=200, quality_tokens=64, task_prompts=300)
+QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64,
+                             quality_prompts=8, quality_tokens=8, task_prompts=10)
 
 
 def _rss_mb() -> float:
