@@ -40,11 +40,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(ckpt: str, threads: int, plan: dict) -> dict:
+def run_ours(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
     from evenflow.engine.engine import Engine, EngineConfig
     from evenflow.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=ckpt, dtype="bfloat16", num_threads=threads,
+    engine = Engine(EngineConfig(model=ckpt, dtype=dtype, num_threads=threads,
                                  max_num_batched_tokens=max(4096, plan["prefix"] + 64),
                                  max_num_seqs=64))
     vocab = engine.model_config.vocab_size
@@ -89,12 +89,12 @@ def run_ours(ckpt: str, threads: int, plan: dict) -> dict:
     return result
 
 
-def run_transformers(ckpt: str, threads: int, plan: dict) -> dict:
+def run_transformers(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
     vocab = model.config.vocab_size
 
     @torch.inference_mode()
@@ -133,13 +133,13 @@ def run_transformers(ckpt: str, threads: int, plan: dict) -> dict:
 def _worker(argv: list[str]) -> int:
     engine, ckpt, threads, plan = argv[0], argv[1], int(argv[2]), json.loads(argv[3])
     run = run_ours if engine == "evenflow" else run_transformers
-    print(json.dumps(run(ckpt, threads, plan)))
+    print(json.dumps(run(ckpt, threads, plan, argv[4])))
     return 0
 
 
-def _spawn(engine: str, ckpt: Path, threads: int, plan: dict) -> dict | None:
+def _spawn(engine: str, ckpt: Path, threads: int, plan: dict, dtype: str) -> dict | None:
     cmd = [sys.executable, "-m", "evenflow.bench.engine_bench", "--worker", engine, str(ckpt),
-           str(threads), json.dumps(plan)]
+           str(threads), json.dumps(plan), dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -188,18 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: the dtype this CPU computes natively (bf16 needs AVX512-BF16)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
     args = ap.parse_args(argv)
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+    from evenflow.bench.machine import machine_line
+    from evenflow.engine.config import cpu_has_bf16
 
     plan = QUICK if args.quick else FULL
     name = "mixtral-quick" if args.quick else "mixtral-110m"
     root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
     ckpt = write_random_mixtral(root / name, QUICK_MODEL if args.quick else None)
-    print(f"checkpoint: {ckpt} (random Mixtral-style MoE, bfloat16), threads: {args.threads}")
-    ours = _spawn("evenflow", ckpt, args.threads, plan)
+    dtype = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if cpu_has_bf16() else "float32")
+    print(machine_line(dtype, args.threads))
+    print(f"checkpoint: {ckpt} (random Mixtral-style MoE), both engines compute in {dtype}")
+    ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)
     if ours is None:
         return 1
     ref = None
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("transformers is not installed: printing evenflow only", file=sys.stderr)
         else:
-            ref = _spawn("transformers", ckpt, args.threads, plan)
+            ref = _spawn("transformers", ckpt, args.threads, plan, dtype)
     print(_table(ours, ref, plan))
     return 0
 
