@@ -39,6 +39,7 @@ class Tally:
     outcomes: Counter = field(default_factory=Counter)  # "ok", "error:<code>", "lost", ...
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (t, seconds)
     mismatches: int = 0
+    mismatched: list[tuple[str, str, str]] = field(default_factory=list)  # prompt, want, got
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, outcome: str, ttft: tuple[float, float] | None = None) -> None:
@@ -93,6 +94,7 @@ def client_loop(url: str, references: dict[str, str], tally: Tally, stop: thread
                 if outcome == "ok" and text != references[prompt]:
                     with tally.lock:
                         tally.mismatches += 1
+                        tally.mismatched.append((prompt, references[prompt], text))
             elif kind < 0.75:
                 outcome, text, ttft = stream(client, {"model": "tiny-moe", "prompt": LONG,
                                                    "max_tokens": 8, "temperature": 0})
@@ -144,6 +146,8 @@ def sample_rss(mesh, stop: threading.Event,
             try:
                 rss = psutil.Process(pid).memory_info().rss / 2**20
             except psutil.Error:
+                continue
+            if rss == 0:  # killed, not yet reaped
                 continue
             samples.setdefault(name, []).append((time.monotonic() - t0, rss, pid))
 
@@ -278,6 +282,8 @@ def report(tally: Tally, faults: list[str], rss: dict[str, list[tuple[float, flo
     lost = sum(n for o, n in tally.outcomes.items() if o in ("lost",) or o.startswith("transport"))
     print(f"lost without an error event: {lost}")
     print(f"completed greedy streams differing from their fault-free text: {tally.mismatches}")
+    for prompt, want, got in tally.mismatched[:5]:
+        print(f"  {prompt!r}\n    fault-free: {want!r}\n    this run:   {got!r}")
     print("\np99 TTFT per 30 s window:")
     windows: dict[int, list[float]] = {}
     for t, ttft in tally.ttfts:
