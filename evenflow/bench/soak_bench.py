@@ -67,6 +67,8 @@ def stream(client: httpx.Client, body: dict, disconnect_after: int = 0) -> tuple
                 if data == "[DONE]":
                     return "ok" if not text.startswith("\0") else "error", text, ttft
                 event = orjson.loads(data)
+                if "id" in event:
+                    stream.last_id = event["id"]  # type: ignore[attr-defined]
                 if "error" in event:
                     text = "\0" + str(event["error"].get("code"))
                     continue
@@ -94,7 +96,8 @@ def client_loop(url: str, references: dict[str, str], tally: Tally, stop: thread
                 if outcome == "ok" and text != references[prompt]:
                     with tally.lock:
                         tally.mismatches += 1
-                        tally.mismatched.append((prompt, references[prompt], text))
+                        tally.mismatched.append((prompt, references[prompt],
+                                                 f"{text} [{getattr(stream, 'last_id', '')}]"))
             elif kind < 0.75:
                 outcome, text, ttft = stream(client, {"model": "tiny-moe", "prompt": LONG,
                                                    "max_tokens": 8, "temperature": 0})

@@ -64,6 +64,7 @@ class _Active:
     span: trace.Span  # decode.generate
     blocks: int  # KV blocks promised until the engine admits it
     queue_span: trace.Span | None = None
+    sent: int = 0  # output tokens of the request already sent (the prefill worker's first: 1)
 
 
 class DecodeWorker(WorkerService):
@@ -180,7 +181,8 @@ class DecodeWorker(WorkerService):
                                             attributes={"gen_ai.request.id": request_id})
         span = self.tracer.start_span("decode.generate", context=ctx,
                                       attributes={"gen_ai.request.id": request_id})
-        self.active[request_id] = _Active(reply_subject, span, needed, queue_span)
+        self.active[request_id] = _Active(reply_subject, span, needed, queue_span,
+                                          sent=1 if prefilled else 0)
         command: EngineCommand = prefilled or AddRequest(request_id, prompt, spec)
         self.engine_thread.submit(command)
 
@@ -238,7 +240,8 @@ class DecodeWorker(WorkerService):
             by_gateway[active.reply_subject].append(TokenDelta(
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens))
+                num_cached_tokens=out.num_cached_tokens, first_index=active.sent))
+            active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]
                 active.span.end()

@@ -259,7 +259,7 @@ class GatewayClient:
         request_id = request_id or uuid.uuid4().hex
         # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
         # that still holds an earlier attempt never confuses the two.
-        wire_id, attempt = request_id, 0
+        wire_id, attempt, attempt_start = request_id, 0, 0
         flight = self.flights[wire_id] = _Flight()
         emitted: list[int] = []
         exclude: set[str] = set()
@@ -295,17 +295,25 @@ class GatewayClient:
                                             ) from None
                     else:
                         continue
+                if isinstance(item, TokenDelta) and item.first_index >= 0:
+                    checked = _in_order(item, len(emitted) - attempt_start, wire_id)
+                    if checked is None:
+                        continue
+                    item = checked
                 if isinstance(item, ErrorMessage):
                     if not item.retryable or retries <= 0:
                         raise RequestFailed(item.code, item.description)
                     retries -= 1
                     RETRIES.labels(code=item.code).inc()
+                    log.info("request %s: %s (%s) after %d tokens; sending it again",
+                             request_id, item.code, item.description, len(emitted))
                     if flight.decode and item.code != errors.LOST_IN_OUTAGE:
                         exclude.add(flight.decode)  # before _release forgets it: not again
                     self._cancel(wire_id, flight)
                     self._release(flight)
                     self.flights.pop(wire_id, None)
                     attempt += 1
+                    attempt_start = len(emitted)
                     wire_id = f"{request_id}.{attempt}"
                     self.flights[wire_id] = flight
                     remaining = dataclasses.replace(spec, max_tokens=spec.max_tokens - len(emitted))
@@ -338,3 +346,19 @@ class GatewayClient:
                 [subjects.decode_worker(flight.decode)] if flight.decode else []):
             task = asyncio.ensure_future(self.bus.publish(subject, Cancel(request_id=request_id)))
             task.add_done_callback(lambda t: t.exception())  # owned: result observed
+
+
+def _in_order(delta: TokenDelta, expected: int, wire_id: str) -> TokenDelta | ErrorMessage | None:
+    """A delta checked against the attempt's output so far (`expected` tokens): as it is when
+    it follows on; trimmed (or None) when it repeats tokens already had; a retryable error when
+    tokens before it never arrived (lost in a NATS outage: the stream must not skip them)."""
+    if delta.first_index == expected:
+        return delta
+    if delta.first_index > expected:
+        return ErrorMessage(request_id=wire_id, code=errors.LOST_IN_OUTAGE,
+                            description=f"tokens {expected}..{delta.first_index - 1} never "
+                                        "arrived", retryable=True)
+    skip = expected - delta.first_index
+    if skip >= len(delta.token_ids) and delta.finish_reason is None:
+        return None
+    return dataclasses.replace(delta, token_ids=delta.token_ids[skip:], first_index=expected)

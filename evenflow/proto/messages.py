@@ -121,6 +121,9 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Position of token_ids[0] in this request's output (the prefill worker's first token is
+    # 0), so a gateway sees a delta lost in a NATS outage as a gap; -1: the sender did not say.
+    first_index: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +131,7 @@ class TokenDeltas:
     """Every delta a worker produced for one gateway in one engine step."""
 
     TYPE: ClassVar[str] = "token_deltas"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: TokenDelta.first_index
     worker_id: str
     deltas: list[TokenDelta]
 

@@ -180,3 +180,53 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
             await w.bus.close()
 
     asyncio.run(scenario())
+
+
+class GappyDecodeWorker(FakeDecodeWorker):
+    """Its first answer loses a delta on the way (as a NATS restart can): tokens 0 and 2 of
+    the output arrive, token 1 never does. Later attempts answer whole, continuing from the
+    prompt they are given (each output token is the last prompt token + 1)."""
+
+    async def _on_message(self, message: Message, _ctx: object) -> None:
+        if not isinstance(message, DecodeRequest):
+            return await super()._on_message(message, _ctx)
+        self.requests.append(message.request_id)
+        start = message.prompt_token_ids[-1] + 1
+        n = message.sampling.max_tokens
+        tokens = list(range(start, start + n))
+        if len(self.requests) == 1:
+            sent = [TokenDelta(request_id=message.request_id, token_ids=[tokens[0]],
+                               first_index=0),
+                    TokenDelta(request_id=message.request_id, token_ids=[tokens[2]],
+                               first_index=2)]
+        else:
+            sent = [TokenDelta(request_id=message.request_id, token_ids=[t], first_index=i,
+                               finish_reason="length" if i == n - 1 else None)
+                    for i, t in enumerate(tokens)]
+        for delta in sent:
+            await self.bus.publish(message.reply_subject,
+                                   TokenDeltas(worker_id=self.worker_id, deltas=[delta]))
+
+
+def test_a_lost_delta_is_a_gap_the_gateway_fills_instead_of_skipping_tokens():
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
+                        decode_retries=2)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = GappyDecodeWorker(broker, "d0", full=False)
+        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+        await client.start()
+        await worker.open()
+        while not client.registry.live(Role.DECODE):
+            await asyncio.sleep(0.01)
+        spec = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
+        deltas = [d async for d in client.generate([1, 2, 10], spec, "r1")]
+        # 11 arrived, 12 was lost, 13 showed the gap: sent again from 11, the stream goes on
+        # with 12 and never skips a token.
+        assert [t for d in deltas for t in d.token_ids] == [11, 12, 13, 14]
+        assert worker.requests == ["r1", "r1.1"]
+        await client.close()
+        await worker.bus.close()
+
+    asyncio.run(scenario())
