@@ -1,13 +1,14 @@
 """Loading HF-format checkpoints: config.json + model.safetensors (single or sharded with an
 index) into a CausalLM, stacking per-expert weights into the model's grouped layout.
 
-Quantized loads (an unquantized checkpoint with a QuantConfig, or a GPTQ checkpoint) go one
-decoder layer at a time: read the layer's tensors, fill the layer, quantize it, drop the
-originals; peak memory stays near the quantized model's size.
+Loading goes one decoder layer at a time: read the layer's tensors, fill the layer, quantize it
+when asked (a QuantConfig, or a GPTQ checkpoint), drop what was read; so peak memory stays near
+the (quantized) model's size plus one layer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -109,9 +110,11 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor],
 
 
 def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
-             covered: set[str] = frozenset()) -> dict[str, Tensor]:  # type: ignore[assignment]
+             covered: set[str] = frozenset(),  # type: ignore[assignment]
+             copy: bool = False) -> dict[str, Tensor]:
     """`state` in `dtype` after checking it against the model's parameters (`covered`: ones
-    that come quantized instead)."""
+    that come quantized instead). copy: tensors get memory of their own (safetensors hands
+    out views of its file mapping, which would keep every page read so far resident)."""
     missing = sorted(set(expected) - set(state) - covered)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -122,7 +125,7 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, config "
                                  f"implies {tuple(expected[name].shape)}")
-    return {name: tensor.to(dtype) for name, tensor in state.items()}
+    return {name: tensor.to(dtype, copy=copy) for name, tensor in state.items()}
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,
@@ -138,11 +141,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.state_dict())
-    if spec is None and quantization is None:
-        model.load_state_dict(_checked(_to_model_names(cfg, _read_tensors(files)), expected,
-                                       dtype), assign=True, strict=True)
-    else:
-        _load_by_layer(model, files, expected, dtype, spec, quantization)
+    _load_by_layer(model, files, expected, dtype, spec, quantization)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
@@ -152,8 +151,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                    dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None
                    ) -> None:
     cfg = model.config
-    if quantization is None:  # a GPTQ checkpoint: quantized as it says, the rest as it is
-        assert spec is not None
+    if quantization is None and spec is not None:  # GPTQ: quantized as it says, the rest as is
         quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
                                    max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
@@ -166,25 +164,38 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                    f"{prefix}{name}" for name in given}
         state = _checked(_to_model_names(cfg, tensors, [layer], "mlp.w13" in given),
                          {k: v for k, v in expected.items() if k.startswith(prefix)}, dtype,
-                         covered)
+                         covered, copy=True)
         module = model.model.layers[layer]
         module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
                                assign=True, strict=False)
         _drop_covered(module, covered, prefix, dtype)
-        quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
+        if quantization is not None:
+            quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
+        del tensors, state, given, given_hf
+        _return_freed_memory()
     tensors = _read_tensors(files, lambda name: layer_of.match(name) is None)
     given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
     rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
-    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered),
-                          assign=True, strict=False)
+    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered,
+                                   copy=True), assign=True, strict=False)
     if given_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
-    quantize_head(model, quantization, dtype, given_head)
+    if quantization is not None:
+        quantize_head(model, quantization, dtype, given_head)
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if on_meta:
         raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
                              f"{on_meta[:3]}")
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc keeps them otherwise, and the layer's
+    full-precision copies would stay in the process's RSS after they are freed)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:

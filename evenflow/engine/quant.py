@@ -166,14 +166,16 @@ class Int8Stack(QuantStack):
         scale = torch.stack([v.scale[:, 0] for v in values]).to(dtype).contiguous()
         n, k = q.shape[1:]
         choice = _choose(("int8", n, k, dtype), lambda x: torch._weight_int8pack_mm(
-            x, q[0], scale[0]), lambda x: F.linear(x, q[0].to(dtype) * scale[0, :, None]), k,
+            x, q[0], scale[0]), lambda x: F.linear(x, q[0].to(dtype)) * scale[0], k,
             dtype, _PROBE_ROWS)
         return cls(q, scale, choice)
 
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         if x.shape[0] <= self.choice.packed_max_rows:
             return torch._weight_int8pack_mm(x, self.q[e], self.scale[e])
-        return F.linear(x, self.q[e].to(x.dtype) * self.scale[e, :, None])
+        # int8 values are exact in bf16: the per-channel scale goes on the output (one pass
+        # over the weight fewer)
+        return F.linear(x, self.q[e].to(x.dtype)) * self.scale[e]
 
     def select(self, index: Tensor) -> Int8Stack:
         return Int8Stack(self.q.index_select(0, index), self.scale.index_select(0, index),
