@@ -21,7 +21,7 @@ from torch import Tensor
 from evenflow.engine import gptq
 from evenflow.engine.config import ModelConfig, ModelLoadError, load_config
 from evenflow.engine.model import CausalLM
-from evenflow.engine.quant import QuantConfig
+from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 from evenflow.engine.quantize_model import quantize_head, quantize_layer
 
 # Per-expert tensors in HF checkpoints, Mixtral and Qwen naming.
@@ -61,7 +61,9 @@ def _read_tensors(files: list[Path], wanted: Callable[[str], bool] = lambda name
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     if wanted(name):
-                        tensors[name] = f.get_tensor(name)
+                        # a copy: safetensors hands out views of its file mapping, which
+                        # would keep every page read so far resident
+                        tensors[name] = f.get_tensor(name).clone()
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
     return tensors
@@ -110,11 +112,9 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor],
 
 
 def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
-             covered: set[str] = frozenset(),  # type: ignore[assignment]
-             copy: bool = False) -> dict[str, Tensor]:
+             covered: set[str] = frozenset()) -> dict[str, Tensor]:  # type: ignore[assignment]
     """`state` in `dtype` after checking it against the model's parameters (`covered`: ones
-    that come quantized instead). copy: tensors get memory of their own (safetensors hands
-    out views of its file mapping, which would keep every page read so far resident)."""
+    that come quantized instead)."""
     missing = sorted(set(expected) - set(state) - covered)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -125,7 +125,7 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, config "
                                  f"implies {tuple(expected[name].shape)}")
-    return {name: tensor.to(dtype, copy=copy) for name, tensor in state.items()}
+    return {name: tensor.to(dtype) for name, tensor in state.items()}
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,
@@ -160,11 +160,15 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         tensors = _read_tensors(files, _starts_with(prefix))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
+        if quantization is not None and cfg.sparse_layers[layer] and "mlp.w13" not in given:
+            given.update(_quantize_experts_as_read(cfg, layer, tensors, quantization))
         covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
                    f"{prefix}{name}" for name in given}
-        state = _checked(_to_model_names(cfg, tensors, [layer], "mlp.w13" in given),
-                         {k: v for k, v in expected.items() if k.startswith(prefix)}, dtype,
-                         covered, copy=True)
+        renamed = _to_model_names(cfg, tensors, [layer], "mlp.w13" in given)
+        tensors.clear()  # the per-expert originals: stacked copies are in `renamed` now
+        state = _checked(renamed, {k: v for k, v in expected.items() if k.startswith(prefix)},
+                         dtype, covered)
+        del renamed
         module = model.model.layers[layer]
         module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
                                assign=True, strict=False)
@@ -177,8 +181,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
     rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
-    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered,
-                                   copy=True), assign=True, strict=False)
+    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered),
+                          assign=True, strict=False)
     if given_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
     if quantization is not None:
@@ -187,6 +191,24 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     if on_meta:
         raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
                              f"{on_meta[:3]}")
+
+
+def _quantize_experts_as_read(cfg: ModelConfig, layer: int, tensors: dict[str, Tensor],
+                              config: QuantConfig) -> dict[str, list[QuantValues]]:
+    """One layer's per-expert HF weights quantized straight away, each original dropped as
+    soon as it is done (no full-precision stack of the layer's experts is ever built);
+    nothing when they are stored stacked or a shape does not fit (all or none)."""
+    found = {(int(m[2]), _ROLE[m[3]]): name for name in tensors
+             if (m := _EXPERT.match(name)) and int(m[1]) == layer}
+    if len(found) != 3 * cfg.num_experts or not all(
+            config.fits(tensors[name].shape) for name in found.values()):
+        return {}
+    w13, w2 = [], []
+    for e in range(cfg.num_experts):
+        gate, up = tensors.pop(found[(e, "gate")]), tensors.pop(found[(e, "up")])
+        w13.append(quantize(torch.cat([gate, up]), config))
+        w2.append(quantize(tensors.pop(found[(e, "down")]), config))
+    return {"mlp.w13": w13, "mlp.w2": w2}
 
 
 def _return_freed_memory() -> None:
