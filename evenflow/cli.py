@@ -123,6 +123,10 @@ def _bench(args: argparse.Namespace) -> int:
         from evenflow.bench.soak_bench import main as bench_soak
 
         return bench_soak(args.rest)
+    if args.what == "comm":
+        from evenflow.bench.comm_bench import main as bench_comm
+
+        return bench_comm(args.rest)
     if args.what == "quant":
         from evenflow.bench.quant_bench import main as bench_quant
 
@@ -252,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
     bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak",
-                                        "quant"])
+                                        "quant", "comm"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

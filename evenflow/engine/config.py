@@ -73,12 +73,16 @@ class EngineConfig:
         if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
         if self.quantization is not None:
-            if self.quantization not in QUANT_METHODS:
-                raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, got "
-                                 f"{self.quantization!r}")
-            if self.quantization == "int4" and self.quant_group_size not in INT4_GROUP_SIZES:
-                raise ValueError(f"quant_group_size must be one of {list(INT4_GROUP_SIZES)}, "
-                                 f"got {self.quant_group_size}")
+            check_quantization(self.quantization, self.quant_group_size)
+
+
+def check_quantization(method: str, group_size: int) -> None:
+    """ValueError unless engine/quant.py implements `method` with this (int4) group size."""
+    if method not in QUANT_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, got {method!r}")
+    if method == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size (quant_group_size) must be one of "
+                         f"{list(INT4_GROUP_SIZES)}, got {group_size}")
 
 
 class ModelLoadError(ValueError):

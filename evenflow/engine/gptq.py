@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from evenflow.engine.config import ModelConfig, ModelLoadError
-from evenflow.engine.quant import INT4_GROUP_SIZES, QuantConfig, QuantValues, quantize
+from evenflow.engine.config import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
+from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 
 QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
                          r"\.weight$")

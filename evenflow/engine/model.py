@@ -8,6 +8,8 @@ Module names follow the HF checkpoints, so loading is a rename only where expert
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -213,11 +215,14 @@ class MoE(nn.Module):
         if self.quantized is not None:
             stacks = self._slot_quantized if self.placement is not None else self.quantized
             assert stacks is not None
-            ys = self._run_quantized_experts(xs, counts_list, *stacks)
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list,
+                                      functools.partial(self._run_quantized_experts,
+                                                        q13=stacks[0], q2=stacks[1]))
         elif 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
         else:
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, w13, w2)
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list,
+                                      functools.partial(self._run_experts, w13=w13, w2=w2))
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, ys)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -236,16 +241,18 @@ class MoE(nn.Module):
     ALIGN_ABOVE = 128
 
     def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
-                        counts_list: list[int], w13: Tensor, w2: Tensor) -> Tensor:
+                        counts_list: list[int], run: Callable[[Tensor, list[int]], Tensor]
+                        ) -> Tensor:
+        """run(grouped rows, rows per expert): the experts' matmuls, dense or quantized."""
         if len(xs) <= self.ALIGN_ABOVE:
-            return self._run_experts(xs, counts_list, w13, w2)
+            return run(xs, counts_list)
         align = self.ROW_ALIGN
         padded = [-(-n // align) * align for n in counts_list]
         starts = torch.cumsum(counts, 0) - counts
         padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
         rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
         grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
-        return self._run_experts(grouped, padded, w13, w2).index_select(0, rows)
+        return run(grouped, padded).index_select(0, rows)
 
     def _run_experts(self, grouped: Tensor, counts: list[int], w13: Tensor, w2: Tensor
                      ) -> Tensor:

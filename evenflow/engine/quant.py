@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from evenflow.engine.config import INT4_GROUP_SIZES, QUANT_METHODS
+from evenflow.engine.config import check_quantization
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,7 @@ class QuantConfig:
     quantize_lm_head: bool = False  # the embedding and lm_head stay unquantized by default
 
     def __post_init__(self) -> None:
-        if self.method not in QUANT_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, "
-                             f"got {self.method!r}")
-        if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group size must be one of {list(INT4_GROUP_SIZES)}, "
-                             f"got {self.group_size}")
+        check_quantization(self.method, self.group_size)
 
     def fits(self, weight_shape: tuple[int, ...]) -> bool:
         """Whether a weight (..., N, K) can take this method (else it stays unquantized)."""

@@ -17,9 +17,9 @@ No leaked segments: once every rank has mapped the segment, its name is unlinked
 lives on until the last rank exits, SIGKILL included); a rank that never joins makes the others
 fail within the timeout and the creator unlinks it then.
 
-Waits spin briefly, then sleep in short steps; every `liveness_every_s` they check that the
-other ranks' processes are alive (PeerLost), and they give up after `timeout_s`
-(CollectiveTimeout).
+Waits spin briefly, then yield the CPU (another rank may need it), then sleep in short steps;
+every `liveness_every_s` they check that the other ranks' processes are alive (PeerLost), and
+they give up after `timeout_s` (CollectiveTimeout).
 """
 
 from __future__ import annotations
@@ -110,8 +110,10 @@ class ShmGroup:
         spins = 0
         while not all(header[r * 8] >= k for r in ranks):
             spins += 1
-            if spins > 2000:
+            if spins > 20_000:
                 time.sleep(0.00005)
+            elif spins > 100:
+                os.sched_yield()  # oversubscribed: let the rank we wait for run
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + self.liveness_every_s
