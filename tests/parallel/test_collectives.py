@@ -130,3 +130,12 @@ def test_a_killed_peer_is_an_error_within_a_bounded_time_and_leaves_no_segment()
     assert killed is None and outcome.startswith("peer lost after")
     assert float(outcome.split()[3]) < 2.0  # its timeout is 20 s: the liveness check saw it
     assert leftovers(name) == []
+
+
+def test_bench_comm_prints_shm_and_gloo_side_by_side(capsys):
+    from evenflow.bench.comm_bench import main
+
+    assert main(["--quick", "--ranks", "2", "--meta-ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu:" in out and "gloo/shm" in out and "all_to_all" in out
+    assert "step-metadata all-reduce" in out

@@ -30,6 +30,9 @@ def test_the_mesh_runs_the_engine_defaults():
     ({"EVENFLOW_DTYPE": "int3"}, "dtype must be auto or one of"),
     ({"EVENFLOW_MAX_NUM_SEQS": "abc"}, "cannot parse 'abc' as int"),
     ({"EVENFLOW_ENABLE_TURBO": "1"}, "unknown setting EVENFLOW_ENABLE_TURBO"),
+    ({"EVENFLOW_QUANTIZATION": "int3"}, "quantization"),
+    ({"EVENFLOW_QUANTIZATION": "int4", "EVENFLOW_QUANT_GROUP_SIZE": "48"}, "group size"),
+    ({"EVENFLOW_BUS_PEER_REASSEMBLY_MB": "0"}, "EVENFLOW_BUS_PEER_REASSEMBLY_MB"),
 ])
 def test_bad_settings_are_refused_with_the_variable_named(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -57,6 +60,17 @@ def test_up_flags_reach_the_engine_config():
     assert (engine.dtype, engine.num_threads, engine.kv_cache_gb, engine.max_num_seqs,
             engine.max_model_len, engine.num_kv_blocks) == ("float32", 2, 0.25, 8, 512, 100)
     assert config.router == "least_load" and config.log_level == "debug"
+
+
+def test_quantization_reaches_the_engine_and_the_bus_budget_the_bus():
+    args = build_parser().parse_args(["up", "--quantization", "int4", "--quant-group-size", "32"])
+    config = load_config({"quantization": args.quantization,
+                          "quant_group_size": args.quant_group_size},
+                         environ={"EVENFLOW_BUS_PEER_REASSEMBLY_MB": "8"})
+    engine = config.engine_config()
+    assert (engine.quantization, engine.quant_group_size) == ("int4", 32)
+    assert load_config(environ={}).engine_config().quantization is None
+    assert config.reassembly_budget().peer_bytes == 8 * 2**20
 
 
 def test_version_flag(capsys):
