@@ -53,17 +53,31 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path], wanted: Callable[[str], bool] = lambda name: True
-                  ) -> dict[str, Tensor]:
-    tensors: dict[str, Tensor] = {}
+def _tensor_names(files: list[Path]) -> dict[Path, list[str]]:
+    """Each file's tensor names (read once: a load then opens only the files it needs)."""
+    names: dict[Path, list[str]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if wanted(name):
-                        # a copy: safetensors hands out views of its file mapping, which
-                        # would keep every page read so far resident
-                        tensors[name] = f.get_tensor(name).clone()
+                names[path] = list(f.keys())
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
+    return names
+
+
+def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
+                  ) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    for path, in_file in names.items():
+        chosen = [name for name in in_file if wanted(name)]
+        if not chosen:
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in chosen:
+                    # a copy: safetensors hands out views of its file mapping, which would
+                    # keep every page read so far resident
+                    tensors[name] = f.get_tensor(name).clone()
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
     return tensors
@@ -155,9 +169,10 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
                                    max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
+    names = _tensor_names(files)
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
-        tensors = _read_tensors(files, _starts_with(prefix))
+        tensors = _read_tensors(names, _starts_with(prefix))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
         if quantization is not None and cfg.sparse_layers[layer] and "mlp.w13" not in given:
@@ -177,7 +192,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
             quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
         del tensors, state, given, given_hf
         _return_freed_memory()
-    tensors = _read_tensors(files, lambda name: layer_of.match(name) is None)
+    tensors = _read_tensors(names, lambda name: layer_of.match(name) is None)
     given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
     rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
