@@ -259,7 +259,8 @@ class GatewayClient:
         request_id = request_id or uuid.uuid4().hex
         # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
         # that still holds an earlier attempt never confuses the two.
-        wire_id, attempt, attempt_start = request_id, 0, 0
+        wire_id, attempt = request_id, 0
+        ordering = _Ordering()
         flight = self.flights[wire_id] = _Flight()
         emitted: list[int] = []
         exclude: set[str] = set()
@@ -269,11 +270,22 @@ class GatewayClient:
             await self._send(wire_id, flight, prompt, spec, exclude, False)
             last_progress = time.monotonic()
             while True:
+                held = ordering.next_held(len(emitted))
+                item: TokenDelta | ErrorMessage
                 try:
-                    wait = 0.5 if deadline is None else max(
-                        0.0, min(0.5, deadline - time.monotonic()))
-                    item = await asyncio.wait_for(flight.queue.get(), timeout=wait)
+                    if held is not None:
+                        item = held
+                    elif ordering.lost(time.monotonic()):
+                        item = ErrorMessage(request_id=wire_id, code=errors.LOST_IN_OUTAGE,
+                                            description="a token delta never arrived",
+                                            retryable=True)
+                    else:
+                        wait = 0.25 if deadline is None else max(
+                            0.0, min(0.25, deadline - time.monotonic()))
+                        item = await asyncio.wait_for(flight.queue.get(), timeout=wait)
                 except TimeoutError:
+                    if ordering.held:
+                        continue  # waiting for a delta's predecessor: ordering.lost decides
                     dead = [w for w in (flight.prefill, flight.decode)
                             if w and not self.registry.is_live(w)]
                     reconnected = self.bus.last_reconnect_at
@@ -295,11 +307,11 @@ class GatewayClient:
                                             ) from None
                     else:
                         continue
-                if isinstance(item, TokenDelta) and item.first_index >= 0:
-                    checked = _in_order(item, len(emitted) - attempt_start, wire_id)
-                    if checked is None:
+                if isinstance(item, TokenDelta) and item.first_index >= 0 and item is not held:
+                    admitted = ordering.admit(item, len(emitted), time.monotonic())
+                    if admitted is None:
                         continue
-                    item = checked
+                    item = admitted
                 if isinstance(item, ErrorMessage):
                     if not item.retryable or retries <= 0:
                         raise RequestFailed(item.code, item.description)
@@ -313,7 +325,7 @@ class GatewayClient:
                     self._release(flight)
                     self.flights.pop(wire_id, None)
                     attempt += 1
-                    attempt_start = len(emitted)
+                    ordering.reset(len(emitted))
                     wire_id = f"{request_id}.{attempt}"
                     self.flights[wire_id] = flight
                     remaining = dataclasses.replace(spec, max_tokens=spec.max_tokens - len(emitted))
@@ -348,17 +360,44 @@ class GatewayClient:
             task.add_done_callback(lambda t: t.exception())  # owned: result observed
 
 
-def _in_order(delta: TokenDelta, expected: int, wire_id: str) -> TokenDelta | ErrorMessage | None:
-    """A delta checked against the attempt's output so far (`expected` tokens): as it is when
-    it follows on; trimmed (or None) when it repeats tokens already had; a retryable error when
-    tokens before it never arrived (lost in a NATS outage: the stream must not skip them)."""
-    if delta.first_index == expected:
+
+GAP_WAIT_S = 1.0  # a delta ahead of its predecessor waits this long for it before it counts lost
+
+
+class _Ordering:
+    """One attempt's deltas in output order (TokenDelta.first_index). A delta that arrives
+    ahead of its predecessor is held until the predecessor comes, for at most GAP_WAIT_S (two
+    workers answer one request: the prefill worker's first token and the decode worker's
+    next ones); a hole that stays means a delta was lost (a NATS restart) and the request is
+    sent again. Repeated tokens are trimmed."""
+
+    def __init__(self) -> None:
+        self.reset(0)
+
+    def reset(self, base: int) -> None:
+        self.base = base  # tokens streamed before this attempt
+        self.held: dict[int, TokenDelta] = {}
+        self.hole_since: float | None = None
+
+    def next_held(self, emitted: int) -> TokenDelta | None:
+        delta = self.held.pop(emitted - self.base, None)
+        if not self.held:
+            self.hole_since = None
         return delta
-    if delta.first_index > expected:
-        return ErrorMessage(request_id=wire_id, code=errors.LOST_IN_OUTAGE,
-                            description=f"tokens {expected}..{delta.first_index - 1} never "
-                                        "arrived", retryable=True)
-    skip = expected - delta.first_index
-    if skip >= len(delta.token_ids) and delta.finish_reason is None:
-        return None
-    return dataclasses.replace(delta, token_ids=delta.token_ids[skip:], first_index=expected)
+
+    def lost(self, now: float) -> bool:
+        return self.hole_since is not None and now - self.hole_since > GAP_WAIT_S
+
+    def admit(self, delta: TokenDelta, emitted: int, now: float) -> TokenDelta | None:
+        """The delta to stream now (trimmed of repeats), or None (held, or nothing new)."""
+        expected = emitted - self.base
+        if delta.first_index > expected:
+            self.held.setdefault(delta.first_index, delta)
+            self.hole_since = self.hole_since or now
+            return None
+        skip = expected - delta.first_index
+        if skip == 0:
+            return delta
+        if skip >= len(delta.token_ids) and delta.finish_reason is None:
+            return None
+        return dataclasses.replace(delta, token_ids=delta.token_ids[skip:], first_index=expected)

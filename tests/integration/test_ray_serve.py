@@ -81,6 +81,8 @@ def test_serve_app_scales_prefill_on_queued_tokens():
             r = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": "tiny-moe", "prompt": prompt + f" {_ % 7}", "max_tokens": 2,
                 "temperature": 0})
+            if r.status_code != 200:
+                print("failed:", r.status_code, r.text[:300])
             return r.status_code
 
         started = time.monotonic()

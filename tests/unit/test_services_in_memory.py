@@ -230,3 +230,40 @@ def test_a_lost_delta_is_a_gap_the_gateway_fills_instead_of_skipping_tokens():
         await worker.bus.close()
 
     asyncio.run(scenario())
+
+
+class ReorderingDecodeWorker(FakeDecodeWorker):
+    """Sends the output's second delta before its first (two workers answer one request: the
+    prefill worker's first token may arrive after the decode worker's next one)."""
+
+    async def _on_message(self, message: Message, _ctx: object) -> None:
+        if not isinstance(message, DecodeRequest):
+            return await super()._on_message(message, _ctx)
+        self.requests.append(message.request_id)
+        deltas = [TokenDelta(request_id=message.request_id, token_ids=[21], first_index=1),
+                  TokenDelta(request_id=message.request_id, token_ids=[20], first_index=0),
+                  TokenDelta(request_id=message.request_id, token_ids=[21, 22], first_index=1,
+                             finish_reason="length")]  # a repeat of 21: trimmed
+        for delta in deltas:
+            await self.bus.publish(message.reply_subject,
+                                   TokenDeltas(worker_id=self.worker_id, deltas=[delta]))
+
+
+def test_deltas_out_of_order_are_streamed_in_order_without_a_retry():
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = ReorderingDecodeWorker(broker, "d0", full=False)
+        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+        await client.start()
+        await worker.open()
+        while not client.registry.live(Role.DECODE):
+            await asyncio.sleep(0.01)
+        deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
+        assert [t for d in deltas for t in d.token_ids] == [20, 21, 22]
+        assert worker.requests == ["r1"]
+        await client.close()
+        await worker.bus.close()
+
+    asyncio.run(scenario())
