@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from evenflow.engine.config import QUANT_METHODS, EngineConfig
+from evenflow.engine.config import EngineConfig
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
 
@@ -53,7 +53,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
-    "log_level": LOG_LEVELS, "quantization": ("", *QUANT_METHODS),
+    "log_level": LOG_LEVELS,
 }
 
 
@@ -85,7 +85,8 @@ class MeshConfig:
     kv_cache_gb: float = _ENGINE.kv_cache_gb
     num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
     threads_per_worker: int = 1  # torch threads of each worker's engine
-    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant.py)
+    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant.py; EngineConfig
+    # checks the value)
     quantization: str = ""
     quant_group_size: int = _ENGINE.quant_group_size
     quant_symmetric: bool = _ENGINE.quant_symmetric
