@@ -12,7 +12,8 @@ form its kernel reads, and `linear(x, e)` computes x @ w[e].T.
 Kernels. torch has CPU weight-only kernels: `_weight_int8pack_mm` (int8, per-channel scales) and
 `_weight_int4pack_mm_for_cpu` over `_convert_weight_to_int4pack_for_cpu`'s opaque blocked
 layout. They win for few rows in bf16 and can lose badly elsewhere (many rows, or float32 on
-some builds), so each shape is measured once on this machine at load (`KernelChoice`):
+some builds), so each shape is measured once on this machine at load (`KernelChoice`; kept in
+a cache file, so every process on the machine makes the same choice):
 - int8 keeps one stored form; up to `packed_max_rows` rows use the packed kernel, more rows
   dequantize the weight (one expert's, never all experts) and use the dense matmul.
 - int4 must choose its stored form: the packed layout (kernel only) or plain nibbles (two
@@ -21,8 +22,12 @@ some builds), so each shape is measured once on this machine at load (`KernelCho
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +109,39 @@ _CHOICES: dict[tuple, KernelChoice] = {}
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _time(fn, reps: int = 5) -> float:
+def _choices_file() -> Path:
+    """Where this machine's measurements are kept, so every worker process on it makes the
+    same choices (the kernels round differently: two workers must agree for a request that
+    moves between them to continue identically). Keyed by CPU, torch version and threads."""
+    try:  # the first processor's description: model name and flags
+        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        cpu = ""
+    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}".encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evenflow"
+    return cache / f"kernel-choices-{key.hexdigest()[:16]}.json"
+
+
+def _load_choices() -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in json.loads(_choices_file().read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_choice(key: str, value: int) -> None:
+    try:
+        path = _choices_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        known = _load_choices() | {key: value}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured again next time
+        pass
+
+
+def _time(fn, reps: int = 7) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -117,12 +154,16 @@ def _time(fn, reps: int = 5) -> float:
 def _choose(key: tuple, packed_fn, dense_fn, k: int, dtype: torch.dtype,
             rows: tuple[int, ...]) -> KernelChoice:
     if key not in _CHOICES:
-        limit = 0
-        for m in rows:
-            x = torch.randn(m, k).to(dtype)
-            if _time(lambda x=x: packed_fn(x)) > _time(lambda x=x: dense_fn(x)):
-                break
-            limit = m
+        name = "|".join(map(str, key))
+        limit = _load_choices().get(name)
+        if limit is None:
+            limit = 0
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
+                if _time(lambda x=x: packed_fn(x)) > _time(lambda x=x: dense_fn(x)):
+                    break
+                limit = m
+            _save_choice(name, limit)
         _CHOICES[key] = KernelChoice(limit)
     return _CHOICES[key]
 
