@@ -4,6 +4,7 @@ config refuses anonymous clients and keeps the roles apart; the files are privat
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 
 import nats
@@ -87,3 +88,35 @@ def test_each_role_publishes_only_its_part(secured, role, subject, allowed):
     assert delivered == allowed
     if not allowed:
         assert any("permissions violation" in e.lower() for e in errors)
+
+
+def test_evenflow_up_ray_starts_a_secured_nats_and_hands_each_role_its_file():
+    from evenflow.rayserve.local import LocalRayMesh
+    from evenflow.services.config import MeshConfig
+
+    mesh = LocalRayMesh(MeshConfig())
+    try:
+        cfg = mesh._start_secure_nats(mesh.config)
+        assert set(mesh.credentials) == {"gateway", "prefill", "decode", "kv_index", "balancer",
+                                         "admin"}
+        for path in mesh.credentials.values():
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+        async def attempt(**kwargs):
+            nc = await nats.connect(cfg.nats_url, allow_reconnect=False,
+                                    max_reconnect_attempts=0, connect_timeout=3, **kwargs)
+            await nc.close()
+
+        with pytest.raises(Exception, match="(?i)authorization|no servers"):
+            asyncio.run(attempt())
+        user, password = read_credentials(mesh.credentials["decode"])
+        asyncio.run(attempt(user=user, password=password))
+    finally:
+        secrets_dir = mesh._secrets
+        for server in mesh.servers:
+            server.stop()
+        mesh.servers.clear()
+        if secrets_dir:
+            import shutil
+
+            shutil.rmtree(secrets_dir, ignore_errors=True)
