@@ -182,6 +182,19 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
     asyncio.run(scenario())
 
 
+async def one_worker_and_a_gateway(worker_cls: type[FakeDecodeWorker], config: MeshConfig
+                                   ) -> tuple[FakeDecodeWorker, GatewayClient]:
+    """A fake decode worker "d0" and a gateway client that sees it live, on one broker."""
+    broker = InMemoryBroker()
+    worker = worker_cls(broker, "d0", full=False)
+    client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+    await client.start()
+    await worker.open()
+    while not client.registry.live(Role.DECODE):
+        await asyncio.sleep(0.01)
+    return worker, client
+
+
 class GappyDecodeWorker(FakeDecodeWorker):
     """Its first answer loses a delta on the way (as a NATS restart can): tokens 0 and 2 of
     the output arrive, token 1 never does. Later attempts answer whole, continuing from the
@@ -213,13 +226,7 @@ def test_a_lost_delta_is_a_gap_the_gateway_fills_instead_of_skipping_tokens():
                         decode_retries=2)
 
     async def scenario() -> None:
-        broker = InMemoryBroker()
-        worker = GappyDecodeWorker(broker, "d0", full=False)
-        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-        await client.start()
-        await worker.open()
-        while not client.registry.live(Role.DECODE):
-            await asyncio.sleep(0.01)
+        worker, client = await one_worker_and_a_gateway(GappyDecodeWorker, config)
         spec = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
         deltas = [d async for d in client.generate([1, 2, 10], spec, "r1")]
         # 11 arrived, 12 was lost, 13 showed the gap: sent again from 11, the stream goes on
@@ -253,13 +260,7 @@ def test_deltas_out_of_order_are_streamed_in_order_without_a_retry():
     config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0)
 
     async def scenario() -> None:
-        broker = InMemoryBroker()
-        worker = ReorderingDecodeWorker(broker, "d0", full=False)
-        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-        await client.start()
-        await worker.open()
-        while not client.registry.live(Role.DECODE):
-            await asyncio.sleep(0.01)
+        worker, client = await one_worker_and_a_gateway(ReorderingDecodeWorker, config)
         deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
         assert [t for d in deltas for t in d.token_ids] == [20, 21, 22]
         assert worker.requests == ["r1"]
