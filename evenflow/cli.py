@@ -102,41 +102,15 @@ def _up(args: argparse.Namespace) -> int:
         mesh.stop()
 
 
+# `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
+BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm")
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "engine":
-        from evenflow.bench.engine_bench import main as bench_engine
+    import importlib
 
-        return bench_engine(args.rest)
-    if args.what == "eplb":
-        from evenflow.bench.eplb_bench import main as bench_eplb
-
-        return bench_eplb(args.rest)
-    if args.what == "routing":
-        from evenflow.bench.routing_bench import main as bench_routing
-
-        return bench_routing(args.rest)
-    if args.what == "serve":
-        from evenflow.bench.serve_bench import main as bench_serve
-
-        return bench_serve(args.rest)
-    if args.what == "soak":
-        from evenflow.bench.soak_bench import main as bench_soak
-
-        return bench_soak(args.rest)
-    if args.what == "comm":
-        from evenflow.bench.comm_bench import main as bench_comm
-
-        return bench_comm(args.rest)
-    if args.what == "quant":
-        from evenflow.bench.quant_bench import main as bench_quant
-
-        return bench_quant(args.rest)
-    if args.what == "wire":
-        from evenflow.bench.wire_bench import main as bench_wire
-
-        return bench_wire(args.rest)
-    print(f"evenflow bench: unknown benchmark {args.what!r}", file=sys.stderr)
-    return 2
+    module = importlib.import_module(f"evenflow.bench.{args.what}_bench")
+    return int(module.main(args.rest))
 
 
 def _quantization_args(parser: argparse._ActionsContainer) -> None:
@@ -255,8 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.set_defaults(func=_bus_secrets)
 
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=["engine", "serve", "routing", "eplb", "wire", "soak",
-                                        "quant", "comm"])
+    bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
