@@ -213,13 +213,11 @@ class LocalMesh:
             ("kv_index", "kv0"), ("balancer", "eplb0"), ("gateway", "gateway"), ("admin", "")]
         users = {(role, wid): nats_auth.make_user(role, wid) for role, wid in services}
         port = free_port()
-        conf = nats_auth.write_private(self._secrets_dir() / "nats-server.conf",
-                                       nats_auth.server_config(port, list(users.values())))
-        self.credentials = {key: str(nats_auth.write_credentials(self._secrets_dir(), user))
-                             for key, user in users.items()}
+        paths = nats_auth.write_secrets(self._secrets_dir(), users, port)
+        self.credentials = {key: str(path) for key, path in paths.items()}
         admin = users[("admin", "")]
         self.admin_nats_url = f"nats://{admin.name}:{admin.password}@127.0.0.1:{port}"
-        self.servers.append(start_nats(port, str(conf)))
+        self.servers.append(start_nats(port, str(self._secrets_dir() / "nats-server.conf")))
         return replace(cfg, nats_url=self.servers[-1].url)
 
     def _keys_to_file(self, cfg: MeshConfig) -> MeshConfig:

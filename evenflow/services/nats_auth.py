@@ -35,10 +35,12 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from evenflow.proto import subjects
 
 P = subjects.PREFIX
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -116,11 +118,16 @@ def read_credentials(path: str) -> tuple[str, str]:
     return lines[0], lines[1]
 
 
+def write_secrets(directory: Path, users: dict[K, NatsUser], port: int,
+                  host: str = "127.0.0.1") -> dict[K, Path]:
+    """nats-server.conf for these users and a credentials file per user in `directory`
+    (created 0700, files 0600); the credentials paths by the users' keys."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_private(directory / "nats-server.conf", server_config(port, list(users.values()), host))
+    return {key: write_credentials(directory, user) for key, user in users.items()}
+
+
 def write_role_secrets(directory: Path, port: int = 4222,
                        host: str = "0.0.0.0") -> dict[str, Path]:
-    """nats-server.conf and a credentials file per role in `directory` (created 0700);
-    returns the credentials paths by role."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    users = role_users()
-    write_private(directory / "nats-server.conf", server_config(port, list(users.values()), host))
-    return {role: write_credentials(directory, user) for role, user in users.items()}
+    """The deployment's secrets: one user per role."""
+    return write_secrets(directory, role_users(), port, host)
