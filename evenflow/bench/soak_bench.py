@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import httpx
 import orjson
@@ -49,26 +50,33 @@ class Tally:
                 self.ttfts.append(ttft)
 
 
-def stream(client: httpx.Client, body: dict, disconnect_after: int = 0) -> tuple[str, str, float]:
-    """(outcome, text, ttft seconds) of one streamed completion."""
+class Streamed(NamedTuple):
+    outcome: str
+    text: str
+    ttft: float  # seconds
+    request_id: str = ""  # the gateway's id (its logs name retries by it)
+
+
+def stream(client: httpx.Client, body: dict, disconnect_after: int = 0) -> Streamed:
+    """One streamed completion."""
     started = time.monotonic()
-    text, ttft = "", 0.0
+    text, ttft, request_id = "", 0.0, ""
     try:
         with client.stream("POST", "/v1/completions", json={**body, "stream": True},
                            timeout=60) as resp:
             if resp.status_code != 200:
                 resp.read()
-                return f"http:{resp.status_code}", "", 0.0
+                return Streamed(f"http:{resp.status_code}", "", 0.0)
             events = 0
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 data = line.removeprefix("data: ")
                 if data == "[DONE]":
-                    return "ok" if not text.startswith("\0") else "error", text, ttft
+                    outcome = "ok" if not text.startswith("\0") else "error"
+                    return Streamed(outcome, text, ttft, request_id)
                 event = orjson.loads(data)
-                if "id" in event:
-                    stream.last_id = event["id"]  # type: ignore[attr-defined]
+                request_id = event.get("id", request_id)
                 if "error" in event:
                     text = "\0" + str(event["error"].get("code"))
                     continue
@@ -77,10 +85,10 @@ def stream(client: httpx.Client, body: dict, disconnect_after: int = 0) -> tuple
                 text += event["choices"][0]["text"]
                 events += 1
                 if disconnect_after and events >= disconnect_after:
-                    return "disconnected", text, ttft
+                    return Streamed("disconnected", text, ttft, request_id)
     except httpx.HTTPError as exc:
-        return f"transport:{type(exc).__name__}", "", 0.0
-    return "lost", text, ttft
+        return Streamed(f"transport:{type(exc).__name__}", "", 0.0)
+    return Streamed("lost", text, ttft, request_id)
 
 
 def client_loop(url: str, references: dict[str, str], tally: Tally, stop: threading.Event,
@@ -91,18 +99,19 @@ def client_loop(url: str, references: dict[str, str], tally: Tally, stop: thread
             kind, text = rng.random(), ""
             if kind < 0.6:
                 prompt = rng.choice(PROMPTS)
-                outcome, text, ttft = stream(client, {"model": "tiny-moe", "prompt": prompt,
-                                                      "max_tokens": 24, "temperature": 0})
+                body = {"model": "tiny-moe", "prompt": prompt, "max_tokens": 24,
+                        "temperature": 0}
+                outcome, text, ttft, request_id = stream(client, body)
                 if outcome == "ok" and text != references[prompt]:
                     with tally.lock:
                         tally.mismatches += 1
                         tally.mismatched.append((prompt, references[prompt],
-                                                 f"{text} [{getattr(stream, 'last_id', '')}]"))
+                                                 f"{text} [{request_id}]"))
             elif kind < 0.75:
-                outcome, text, ttft = stream(client, {"model": "tiny-moe", "prompt": LONG,
+                outcome, text, ttft, _ = stream(client, {"model": "tiny-moe", "prompt": LONG,
                                                    "max_tokens": 8, "temperature": 0})
             elif kind < 0.85:
-                outcome, _, ttft = stream(client, {"model": "tiny-moe", "prompt": PROMPTS[0],
+                outcome, _, ttft, _ = stream(client, {"model": "tiny-moe", "prompt": PROMPTS[0],
                                                    "max_tokens": 200, "ignore_eos": True},
                                           disconnect_after=3)
             else:
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with httpx.Client(base_url=mesh.url) as client:
             references = {p: stream(client, {"model": "tiny-moe", "prompt": p, "max_tokens": 24,
-                                             "temperature": 0})[1] for p in PROMPTS}
+                                             "temperature": 0}).text for p in PROMPTS}
         tally, faults = Tally(), list[str]()
         rss: dict[str, list[tuple[float, float, int]]] = {}
         t0 = time.monotonic()
