@@ -22,6 +22,7 @@ a cache file, so every process on the machine makes the same choice):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -109,7 +110,8 @@ _CHOICES: dict[tuple, KernelChoice] = {}
 _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _choices_file() -> Path:
+@functools.cache
+def _choices_file(threads: int) -> Path:
     """Where this machine's measurements are kept, so every worker process on it makes the
     same choices (the kernels round differently: two workers must agree for a request that
     moves between them to continue identically). Keyed by CPU, torch version and threads."""
@@ -117,26 +119,29 @@ def _choices_file() -> Path:
         cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
         cpu = ""
-    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}".encode())
+    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}".encode()).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evenflow"
-    return cache / f"kernel-choices-{key.hexdigest()[:16]}.json"
+    return cache / f"kernel-choices-{key[:16]}.json"
 
 
-def _load_choices() -> dict[str, int]:
+@functools.cache
+def _stored_choices(threads: int) -> dict[str, int]:
+    """The file's choices, read once per process (and added to as shapes are measured)."""
     try:
-        return {k: int(v) for k, v in json.loads(_choices_file().read_text()).items()}
+        return {k: int(v) for k, v in json.loads(_choices_file(threads).read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
 
 
-def _save_choice(key: str, value: int) -> None:
+def _save_choice(threads: int, key: str, value: int) -> None:
+    known = _stored_choices(threads)
+    known[key] = value
     try:
-        path = _choices_file()
+        path = _choices_file(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
-        known = _load_choices() | {key: value}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known))
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # atomic: another process reads a whole file or the old one
     except OSError:  # a read-only home: measured again next time
         pass
 
@@ -154,8 +159,8 @@ def _time(fn, reps: int = 7) -> float:
 def _choose(key: tuple, packed_fn, dense_fn, k: int, dtype: torch.dtype,
             rows: tuple[int, ...]) -> KernelChoice:
     if key not in _CHOICES:
-        name = "|".join(map(str, key))
-        limit = _load_choices().get(name)
+        name, threads = "|".join(map(str, key)), torch.get_num_threads()
+        limit = _stored_choices(threads).get(name)
         if limit is None:
             limit = 0
             for m in rows:
@@ -163,7 +168,7 @@ def _choose(key: tuple, packed_fn, dense_fn, k: int, dtype: torch.dtype,
                 if _time(lambda x=x: packed_fn(x)) > _time(lambda x=x: dense_fn(x)):
                     break
                 limit = m
-            _save_choice(name, limit)
+            _save_choice(threads, name, limit)
         _CHOICES[key] = KernelChoice(limit)
     return _CHOICES[key]
 
