@@ -9,9 +9,10 @@ the (quantized) model's size plus one layer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -83,12 +84,11 @@ def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
     return tensors
 
 
-def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor],
-                    layers: Iterable[int] | None = None,
+def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterable[int],
                     quantized_experts: bool = False) -> dict[str, Tensor]:
-    """Rename HF tensors to this model's parameters, stacking experts into w13 / w2 (for
-    `layers`, default all; not when the experts come quantized)."""
-    layers = range(cfg.num_layers) if layers is None else list(layers)
+    """Rename HF tensors to this model's parameters, fusing q/k/v and stacking experts into
+    w13 / w2 for `layers` (not when their experts come quantized)."""
+    layers = list(layers)
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
     for name, t in tensors.items():
@@ -126,10 +126,10 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor],
 
 
 def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
-             covered: set[str] = frozenset()) -> dict[str, Tensor]:  # type: ignore[assignment]
+             covered: Collection[str] = ()) -> dict[str, Tensor]:
     """`state` in `dtype` after checking it against the model's parameters (`covered`: ones
     that come quantized instead)."""
-    missing = sorted(set(expected) - set(state) - covered)
+    missing = sorted(set(expected) - set(state) - set(covered))
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     unexpected = sorted(set(state) - set(expected))
@@ -226,13 +226,21 @@ def _quantize_experts_as_read(cfg: ModelConfig, layer: int, tensors: dict[str, T
     return {"mlp.w13": w13, "mlp.w2": w2}
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
 def _return_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc keeps them otherwise, and the layer's
     full-precision copies would stay in the process's RSS after they are freed)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:
