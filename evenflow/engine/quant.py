@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,12 +157,18 @@ def _time(fn, reps: int = 7) -> float:
     return best
 
 
-def _choose(key: tuple, packed_fn, dense_fn, k: int, dtype: torch.dtype,
-            rows: tuple[int, ...]) -> KernelChoice:
+Kernel = Callable[[Tensor], Tensor]
+
+
+def _choose(key: tuple, candidates: Callable[[], tuple[Kernel, Kernel]], k: int,
+            dtype: torch.dtype, rows: tuple[int, ...]) -> KernelChoice:
+    """The choice for `key`: remembered, stored on disk, or measured with `candidates()`
+    (packed kernel, alternative), built only when a measurement is needed."""
     if key not in _CHOICES:
         name, threads = "|".join(map(str, key)), torch.get_num_threads()
         limit = _stored_choices(threads).get(name)
         if limit is None:
+            packed_fn, dense_fn = candidates()
             limit = 0
             for m in rows:
                 x = torch.randn(m, k).to(dtype)
@@ -206,10 +213,11 @@ class Int8Stack(QuantStack):
         q = torch.stack([v.q for v in values]).contiguous()
         scale = torch.stack([v.scale[:, 0] for v in values]).to(dtype).contiguous()
         n, k = q.shape[1:]
-        choice = _choose(("int8", n, k, dtype), lambda x: torch._weight_int8pack_mm(
-            x, q[0], scale[0]), lambda x: F.linear(x, q[0].to(dtype)) * scale[0], k,
-            dtype, _PROBE_ROWS)
-        return cls(q, scale, choice)
+        stack = cls(q, scale, KernelChoice(0))
+        stack.choice = _choose(("int8", n, k, dtype), lambda: (
+            lambda x: torch._weight_int8pack_mm(x, q[0], scale[0]),
+            lambda x: F.linear(x, q[0].to(dtype)) * scale[0]), k, dtype, _PROBE_ROWS)
+        return stack
 
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         if x.shape[0] <= self.choice.packed_max_rows:
@@ -249,12 +257,10 @@ class Int4Stack(QuantStack):
         zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
                             for v in values])
         offset = -zero * scale  # w = q * scale + offset
-        key = ("int4", n, k, g, dtype)
-        if key not in _CHOICES:
-            packed = cls._packed(values[:1], scale[:1], offset[:1], dtype)
-            plain = cls._plain(values[:1], scale[:1], offset[:1], dtype)
-            _choose(key, lambda x: packed.linear(x), lambda x: plain.linear(x), k, dtype, (1,))
-        if _CHOICES[key].packed_max_rows:
+        choice = _choose(("int4", n, k, g, dtype), lambda: (
+            cls._packed(values[:1], scale[:1], offset[:1], dtype).linear,
+            cls._plain(values[:1], scale[:1], offset[:1], dtype).linear), k, dtype, (1,))
+        if choice.packed_max_rows:
             return cls._packed(values, scale, offset, dtype)
         return cls._plain(values, scale, offset, dtype)
 
