@@ -158,8 +158,10 @@ class ShmGroup:
             self._publish(k)
             self._wait(k)
             views = [self._slot(k, r, nbytes).view(piece.dtype) for r in range(self.world_size)]
-            torch.add(views[0], views[1], out=piece) if self.world_size > 1 else piece.copy_(
-                views[0])
+            if len(views) == 1:
+                piece.copy_(views[0])
+            else:  # rank order on every rank: bitwise the same sum everywhere
+                torch.add(views[0], views[1], out=piece)
             for view in views[2:]:
                 piece.add_(view)
         if not tensor.is_contiguous():
@@ -169,7 +171,8 @@ class ShmGroup:
     def all_gather(self, tensor: Tensor) -> Tensor:
         src = tensor.contiguous().view(-1)
         out = torch.empty(self.world_size, src.numel(), dtype=tensor.dtype)
-        for piece, lo in zip(self._pieces(src), _offsets(self._pieces(src)), strict=True):
+        pieces = self._pieces(src)
+        for piece, lo in zip(pieces, _offsets(pieces), strict=True):
             nbytes = piece.numel() * piece.element_size()
             k = self._begin()
             self._slot(k, self.rank, nbytes).copy_(piece.view(torch.uint8))
