@@ -45,6 +45,10 @@ class AttentionMetadata:
     decode_mask: Tensor | None  # (B_dec, 1, 1, L) True where a context slot is real
 
 
+# (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
+ExpertLinear = Callable[[Tensor, int], Tensor]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -215,14 +219,13 @@ class MoE(nn.Module):
         if self.quantized is not None:
             stacks = self._slot_quantized if self.placement is not None else self.quantized
             assert stacks is not None
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list,
-                                      functools.partial(self._run_quantized_experts,
-                                                        q13=stacks[0], q2=stacks[1]))
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
+                self._run_experts, gate_up=stacks[0].linear, down=stacks[1].linear))
         elif 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
         else:
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list,
-                                      functools.partial(self._run_experts, w13=w13, w2=w2))
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
+                self._run_experts, gate_up=_dense_expert(w13), down=_dense_expert(w2)))
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, ys)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -254,31 +257,18 @@ class MoE(nn.Module):
         grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
         return run(grouped, padded).index_select(0, rows)
 
-    def _run_experts(self, grouped: Tensor, counts: list[int], w13: Tensor, w2: Tensor
-                     ) -> Tensor:
-        """grouped (N, H): rows sorted by expert, counts[e] rows for expert e."""
-        ys = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            h = F.linear(grouped[start : start + n], w13[e])  # (n, 2I)
-            gate, up = h.chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
-            start += n
-        return ys
-
     @staticmethod
-    def _run_quantized_experts(grouped: Tensor, counts: list[int], q13: QuantStack,
-                               q2: QuantStack) -> Tensor:
-        """Only the experts that have tokens are read, each by its own quantized kernel."""
+    def _run_experts(grouped: Tensor, counts: list[int], gate_up: ExpertLinear,
+                     down: ExpertLinear) -> Tensor:
+        """grouped (N, H): rows sorted by expert, counts[e] rows for expert e; only experts
+        with rows are computed (and, quantized, read)."""
         ys = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = q13.linear(grouped[start : start + n], e).chunk(2, dim=-1)
-            ys[start : start + n] = q2.linear(F.silu(gate) * up, e)
+            gate, up = gate_up(grouped[start : start + n], e).chunk(2, dim=-1)  # (n, 2I)
+            ys[start : start + n] = down(F.silu(gate) * up, e)
             start += n
         return ys
 
@@ -292,6 +282,11 @@ class MoE(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
         return out[sorted_experts, slot]
+
+
+def _dense_expert(weights: Tensor) -> ExpertLinear:
+    """x @ weights[e].T for a stack of expert weights (E, out, in)."""
+    return lambda x, e: F.linear(x, weights[e])
 
 
 class DecoderLayer(nn.Module):
