@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from evenflow.engine.config import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
+from evenflow.engine.hf_names import EXPERT, ROLE
 from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 
 QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
@@ -130,11 +131,6 @@ def _concat(parts: list[QuantValues]) -> QuantValues:
                        torch.cat([p.scale for p in parts]), zero)
 
 
-_EXPERT_OF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.")
-_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|"
-                     r"down_proj)$")
-
-
 def to_model_values(cfg: ModelConfig, layer: int, values: dict[str, QuantValues]
                     ) -> dict[str, list[QuantValues]]:
     """GPTQ layers of one decoder layer, renamed (and fused) to the model's modules, relative
@@ -150,10 +146,8 @@ def to_model_values(cfg: ModelConfig, layer: int, values: dict[str, QuantValues]
         raise ModelLoadError(f"{prefix}self_attn: only some of q/k/v are quantized")
     experts: dict[tuple[int, str], QuantValues] = {}
     for name in list(local):
-        if m := _EXPERT.match(name):
-            role = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(
-                m[2], "down")
-            experts[(int(m[1]), role)] = local.pop(name)
+        if m := EXPERT.match(prefix + name):
+            experts[(int(m[2]), ROLE[m[3]])] = local.pop(name)
     if experts:
         try:
             out["mlp.w13"] = [_concat([experts[(e, "gate")], experts[(e, "up")]])
@@ -178,10 +172,10 @@ def write_gptq(source: str | Path, out: str | Path, config: QuantConfig) -> Path
                 tensors[name] = f.get_tensor(name)
     # A layer's experts are quantized all or none (the engine runs them as one stack).
     unfit_layers = {m[1] for name, t in tensors.items()
-                    if (m := _EXPERT_OF_LAYER.search(name)) and not config.fits(t.shape)}
+                    if (m := EXPERT.match(name)) and not config.fits(t.shape)}
     for name in list(tensors):
         t = tensors[name]
-        m = _EXPERT_OF_LAYER.search(name)
+        m = EXPERT.match(name)
         if QUANTIZABLE.search(name) and t.dim() == 2 and config.fits(t.shape) and not (
                 m and m[1] in unfit_layers):
             tensors |= _gptq_tensors(name.removesuffix(".weight"), tensors.pop(name), config,

@@ -21,19 +21,13 @@ from torch import Tensor
 
 from evenflow.engine import gptq
 from evenflow.engine.config import ModelConfig, ModelLoadError, load_config
+from evenflow.engine.hf_names import EXPERT, ROLE
 from evenflow.engine.model import CausalLM
 from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 from evenflow.engine.quantize_model import quantize_head, quantize_layer
 
-# Per-expert tensors in HF checkpoints, Mixtral and Qwen naming.
-_EXPERT = re.compile(
-    r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
-    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
-)
 # Already-stacked experts (transformers' in-memory layout, found in some exports).
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
-         "down_proj": "down"}
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -92,8 +86,8 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
     for name, t in tensors.items():
-        if m := _EXPERT.match(name):
-            experts[(int(m[1]), int(m[2]), _ROLE[m[3]])] = t
+        if m := EXPERT.match(name):
+            experts[(int(m[1]), int(m[2]), ROLE[m[3]])] = t
         elif m := _STACKED.match(name):
             state[f"model.layers.{m[1]}.mlp.{'w13' if m[2] == 'gate_up_proj' else 'w2'}"] = t
         elif ".block_sparse_moe.gate." in name:
@@ -213,8 +207,8 @@ def _quantize_experts_as_read(cfg: ModelConfig, layer: int, tensors: dict[str, T
     """One layer's per-expert HF weights quantized straight away, each original dropped as
     soon as it is done (no full-precision stack of the layer's experts is ever built);
     nothing when they are stored stacked or a shape does not fit (all or none)."""
-    found = {(int(m[2]), _ROLE[m[3]]): name for name in tensors
-             if (m := _EXPERT.match(name)) and int(m[1]) == layer}
+    found = {(int(m[2]), ROLE[m[3]]): name for name in tensors
+             if (m := EXPERT.match(name)) and int(m[1]) == layer}
     if len(found) != 3 * cfg.num_experts or not all(
             config.fits(tensors[name].shape) for name in found.values()):
         return {}
