@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from evenflow.bench.machine import run_worker
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
             reps=3)
@@ -138,14 +138,8 @@ def _worker(argv: list[str]) -> int:
 
 
 def _spawn(engine: str, ckpt: Path, threads: int, plan: dict, dtype: str) -> dict | None:
-    cmd = [sys.executable, "-m", "evenflow.bench.engine_bench", "--worker", engine, str(ckpt),
-           str(threads), json.dumps(plan), dtype]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        print(f"[{engine}] failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("evenflow.bench.engine_bench",
+                      [engine, str(ckpt), str(threads), json.dumps(plan), dtype], threads, engine)
 
 
 def _table(ours: dict, ref: dict | None, plan: dict) -> str:

@@ -30,3 +30,20 @@ def machine_line(dtype: str, threads: int | None = None) -> str:
     model, flags = cpu_model_and_flags()
     return (f"cpu: {model}; flags: {' '.join(flags) or 'none of ' + ','.join(RELEVANT_FLAGS)}; "
             f"cores: {os.cpu_count()}; threads: {threads or 1}; dtype: {dtype}")
+
+
+def run_worker(module: str, args: list[str], threads: int, label: str,
+               env: dict[str, str] | None = None) -> dict | None:
+    """`python -m module --worker args...` in its own process (its own peak RSS, the same
+    thread count): the JSON object on its last stdout line, or None (stderr's tail printed)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", module, "--worker", *args]
+    run_env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+    if proc.returncode != 0:
+        print(f"[{label}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -22,12 +22,13 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from evenflow.bench.machine import run_worker
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
@@ -154,14 +155,9 @@ def _worker(argv: list[str]) -> int:
 
 def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits: str
            ) -> dict | None:
-    cmd = [sys.executable, "-m", "evenflow.bench.quant_bench", "--worker", kind, variant,
-           str(threads), ckpt, json.dumps(plan)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), EVENFLOW_BENCH_LOGITS=logits)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        print(f"[{kind} {variant}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("evenflow.bench.quant_bench",
+                      [kind, variant, str(threads), ckpt, json.dumps(plan)], threads,
+                      f"{kind} {variant}", {"EVENFLOW_BENCH_LOGITS": logits})
 
 
 def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
