@@ -57,6 +57,10 @@ class EngineConfig:
     quant_group_size: int = 64
     quant_symmetric: bool = False
     quantize_lm_head: bool = False
+    # Tensor parallelism: this many rank processes on this host, each holding 1/N of every
+    # layer's heads and MLP/expert columns (engine/tensor_parallel.py). Rank 0 is this process.
+    # num_threads is then per rank (default: cores / N).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -74,6 +78,9 @@ class EngineConfig:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
         if self.quantization is not None:
             check_quantization(self.quantization, self.quant_group_size)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
 
 
 def check_quantization(method: str, group_size: int) -> None:

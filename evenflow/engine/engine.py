@@ -21,6 +21,8 @@ from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
+from evenflow.engine.tp_runner import TPGroup, TPLeaderRunner, threads_per_rank
+from evenflow.engine.tp_shard import TPShard
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
@@ -73,8 +75,11 @@ class Engine:
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
                  collect_kv_events: bool = False):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self._tp: TPGroup | None = None
+        self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
+                            else config.num_threads)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
         self.model_dir = resolve_model(config.model)
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
@@ -112,27 +117,48 @@ class Engine:
         self._exports: list[Sequence] = []  # finished export_kv requests, blocks still held
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
-        """Load the weights; return the model's config."""
-        self.model = load_model(self.model_dir, dtype, quant_config(self.config))
+        """Load the weights (this rank's shard, starting the other ranks, under tensor
+        parallelism); return the model's config."""
+        world = self.config.tensor_parallel_size
+        if world == 1:
+            self.model = load_model(self.model_dir, dtype, quant_config(self.config))
+            return self.model.config
+        self._tp = TPGroup(self.config, str(self.model_dir), dtype)
+        try:
+            self.model = load_model(self.model_dir, dtype, quant_config(self.config),
+                                    TPShard(0, world))
+        except BaseException:
+            self._tp.close()
+            raise
+        self._tp.wait_loaded()
+        self.model.set_tensor_parallel(self._tp.group)
         return self.model.config
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
+        if self._tp is not None:
+            return TPLeaderRunner(self._tp, self.model, num_blocks, self.config.block_size,
+                                  self.max_model_len, dtype)
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
                            dtype)
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Set when the engine can never step again (a tensor-parallel rank is gone)."""
+        return self._tp.fatal_error if self._tp is not None else None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
+        if self._tp is not None:
+            self._tp.close()
 
     def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
                         version: int) -> None:
         """Put every MoE layer under a new expert placement (call between steps): phy2log
         (moe_layers, slots), share (moe_layers, slots) or None for even replica shares."""
-        from evenflow.engine.placement import SlotPlacement
-
-        cfg = self.model_config
         assert self.config.num_ep_ranks, "the engine runs without expert parallelism"
         assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
-        for row, layer in enumerate(self.model.moe_layers()):
-            layer.set_placement(SlotPlacement.build(
-                phy2log[row], cfg.num_experts, self.config.num_ep_ranks,
-                None if share is None else share[row]))
+        assert isinstance(self.runner, ModelRunner)
+        self.runner.apply_placement(phy2log, share, self.config.num_ep_ranks)
         self.placement_version = version
 
     @property
@@ -160,8 +186,8 @@ class Engine:
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,
         so an engine stepped from a thread other than its creator's must call this there."""
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -25,6 +25,7 @@ from evenflow.engine.hf_names import EXPERT, ROLE
 from evenflow.engine.model import CausalLM
 from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 from evenflow.engine.quantize_model import quantize_head, quantize_layer
+from evenflow.engine.tp_shard import TPShard
 
 # Already-stacked experts (transformers' in-memory layout, found in some exports).
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -137,9 +138,11 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,
-               quantization: QuantConfig | None = None) -> CausalLM:
+               quantization: QuantConfig | None = None, shard: TPShard | None = None
+               ) -> CausalLM:
     """Build the model described by config.json and fill it from the safetensors files,
-    quantizing as it goes when asked (or when the checkpoint is GPTQ)."""
+    quantizing as it goes when asked (or when the checkpoint is GPTQ). With a TPShard, only
+    that tensor-parallel rank's part of each layer is kept (cut before quantizing)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -149,15 +152,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.state_dict())
-    _load_by_layer(model, files, expected, dtype, spec, quantization)
+    if shard is not None:
+        shard.check(cfg)
+        if spec is not None:
+            raise ModelLoadError("tensor parallelism over a pre-quantized (GPTQ) checkpoint is "
+                                 "not supported: load the unquantized one with quantization=")
+    _load_by_layer(model, files, expected, dtype, spec, quantization, shard)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
 
 
 def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tensor],
-                   dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None
-                   ) -> None:
+                   dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None,
+                   shard: TPShard | None) -> None:
     cfg = model.config
     if quantization is None and spec is not None:  # GPTQ: quantized as it says, the rest as is
         quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
@@ -169,7 +177,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         tensors = _read_tensors(names, _starts_with(prefix))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
-        if quantization is not None and cfg.sparse_layers[layer] and "mlp.w13" not in given:
+        if quantization is not None and cfg.sparse_layers[layer] and "mlp.w13" not in given \
+                and shard is None:
             given.update(_quantize_experts_as_read(cfg, layer, tensors, quantization))
         covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
                    f"{prefix}{name}" for name in given}
@@ -182,6 +191,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
                                assign=True, strict=False)
         _drop_covered(module, covered, prefix, dtype)
+        if shard is not None:
+            shard.shard_layer(module, cfg)  # type: ignore[arg-type]
         if quantization is not None:
             quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
         del tensors, state, given, given_hf
@@ -194,6 +205,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                           assign=True, strict=False)
     if given_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+    if shard is not None:
+        shard.shard_vocab(model)
     if quantization is not None:
         quantize_head(model, quantization, dtype, given_head)
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]

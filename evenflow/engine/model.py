@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.quant import QuantStack
+from evenflow.parallel.group import ProcessGroup
 
 
 @dataclass
@@ -296,11 +297,19 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Tensor parallel (engine/tp_shard.py): attention and MLP give partial sums
+        self.tp: ProcessGroup | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv[0], kv[1], meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv[0], kv[1], meta)
+        if self.tp is not None:
+            self.tp.all_reduce(attn)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        if self.tp is not None:
+            self.tp.all_reduce(mlp)
+        return x + mlp
 
 
 class Backbone(nn.Module):
@@ -321,6 +330,22 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
+        # Tensor parallel: this rank's vocabulary rows of embed_tokens and lm_head
+        self.tp: ProcessGroup | None = None
+        self.vocab_start, self.vocab_rows = 0, cfg.vocab_size
+
+    def set_tensor_parallel(self, group: ProcessGroup) -> None:
+        self.tp = group
+        for layer in self.decoder_layers():
+            layer.tp = group
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank's cache holds."""
+        return self.decoder_layers()[0].self_attn.num_kv_heads
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
@@ -344,8 +369,24 @@ class CausalLM(nn.Module):
         assert self._cos is not None and self._sin is not None, "call init_rope first"
         cos = self._cos[positions].unsqueeze(1)  # (T, 1, hd)
         sin = self._sin[positions].unsqueeze(1)
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
         x = self.model.norm(x[logit_rows])
-        return self.lm_head(x).float()
+        return self._logits(x)
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start  # rows outside this rank's slice contribute 0
+        inside = (local >= 0) & (local < self.vocab_rows)
+        x = self.model.embed_tokens(local.clamp(0, self.vocab_rows - 1))
+        return self.tp.all_reduce(x * inside.unsqueeze(1).to(x.dtype))
+
+    def _logits(self, x: Tensor) -> Tensor:
+        logits = self.lm_head(x).float()
+        if self.tp is None:
+            return logits
+        parts = self.tp.all_gather(logits)  # (N, S, rows)
+        full = parts.transpose(0, 1).reshape(len(x), -1)
+        return full[:, : self.config.vocab_size]

@@ -3,12 +3,32 @@ flat input tensors and attention metadata, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from evenflow.engine.model import AttentionMetadata, CausalLM, PrefillSegment
+from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """What the forward pass needs of one scheduled chunk: plain values, so that a
+    tensor-parallel leader can send a step to its followers (engine/tp_runner.py)."""
+
+    token_ids: list[int]  # the chunk's new tokens
+    start: int  # tokens of its sequence already in the cache
+    block_table: list[int]
+    samples: bool
+
+    @classmethod
+    def of(cls, chunk: ScheduledChunk) -> ChunkInput:
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        return cls(seq.token_ids[start : start + chunk.num_tokens], start, seq.block_table,
+                   chunk.samples)
 
 
 class ModelRunner:
@@ -22,9 +42,9 @@ class ModelRunner:
         # attention positions read it, never uninitialised memory (0 * NaN would poison a row).
         self.null_slot = slots
         self.kv_caches = []
-        for _ in range(cfg.num_layers):
-            k = torch.empty(slots + 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-            v = torch.empty(slots + 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+        for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
+            k = torch.empty(slots + 1, model.num_kv_heads, cfg.head_dim, dtype=dtype)
+            v = torch.empty(slots + 1, model.num_kv_heads, cfg.head_dim, dtype=dtype)
             k[slots].zero_()
             v[slots].zero_()
             self.kv_caches.append((k, v))
@@ -63,25 +83,25 @@ class ModelRunner:
         table = torch.tensor(block_table)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def prepare(self, chunks: list[ScheduledChunk]
+    def prepare(self, chunks: list[ChunkInput]
                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Prefill chunks come first, then the decodes (one token each)."""
         input_ids: list[int] = []
         slot_parts: list[Tensor] = []
         position_parts: list[Tensor] = []
         prefills: list[PrefillSegment] = []
         logit_rows: list[int] = []
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
         for c in chunks:
-            if c.num_tokens == 1:
+            if len(c.token_ids) == 1:
                 break
-            seq, start = c.seq, c.seq.num_computed_tokens
-            end = start + c.num_tokens
+            start, end = c.start, c.start + len(c.token_ids)
             q_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(c.token_ids)
             position_parts.append(torch.arange(start, end))
-            ctx_slots = self._slots(seq.block_table, 0, end)
+            ctx_slots = self._slots(c.block_table, 0, end)
             slot_parts.append(ctx_slots[start:])
-            prefills.append(PrefillSegment(q_start, c.num_tokens, end,
+            prefills.append(PrefillSegment(q_start, len(c.token_ids), end,
                                            ctx_slots if start else None))
             if c.samples:
                 logit_rows.append(len(input_ids) - 1)
@@ -89,9 +109,9 @@ class ModelRunner:
         decode_slots = decode_mask = None
         if decodes:
             bs = self.block_size
-            ctx = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes])  # (B,)
-            width = max(len(c.seq.block_table) for c in decodes)
-            table = torch.tensor([c.seq.block_table + [0] * (width - len(c.seq.block_table))
+            ctx = torch.tensor([c.start + 1 for c in decodes])  # (B,)
+            width = max(len(c.block_table) for c in decodes)
+            table = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
                                   for c in decodes])  # (B, blocks)
             max_ctx = int(ctx.max())
             all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
@@ -99,7 +119,7 @@ class ModelRunner:
             decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)  # (B, L)
             positions = ctx - 1
             decode_mask = real.view(len(decodes), 1, 1, max_ctx)
-            input_ids.extend(c.seq.token_ids[c.seq.num_computed_tokens] for c in decodes)
+            input_ids.extend(c.token_ids[0] for c in decodes)
             position_parts.append(positions)
             slot_parts.append(decode_slots.gather(1, positions.unsqueeze(1)).squeeze(1))
             logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
@@ -110,9 +130,21 @@ class ModelRunner:
         return (torch.tensor(input_ids), torch.cat(position_parts), meta,
                 torch.tensor(logit_rows, dtype=torch.long))
 
-    @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the step; return one sampled token per chunk whose `samples` is True."""
-        input_ids, positions, meta, logit_rows = self.prepare(chunks)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        logits = self.forward([ChunkInput.of(c) for c in chunks])
         return sample(logits, [c.seq for c in chunks if c.samples])
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ChunkInput]) -> Tensor:
+        """(sampled chunks, vocab) float32 logits."""
+        input_ids, positions, meta, logit_rows = self.prepare(chunks)
+        return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+
+    def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
+        """Every MoE layer under a new expert placement: phy2log (moe_layers, slots), share
+        (moe_layers, slots) or None for even replica shares."""
+        num_experts = self.model.config.num_experts
+        for row, layer in enumerate(self.model.moe_layers()):
+            layer.set_placement(SlotPlacement.build(
+                phy2log[row], num_experts, num_ep_ranks, None if share is None else share[row]))

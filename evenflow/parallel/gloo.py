@@ -67,7 +67,8 @@ class GlooGroup:
         self._run(dist.all_to_all, outs, sends)
         return torch.cat([out[:n] for out, n in zip(outs, incoming, strict=True)])
 
-    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+    def broadcast(self, tensor: Tensor, src: int = 0, patient: bool = False) -> Tensor:
+        # patient: gloo cannot wait without its group's timeout; that timeout applies
         self._run(dist.broadcast, tensor, src=self.ranks[src])
         return tensor
 

@@ -47,8 +47,10 @@ class ProcessGroup(Protocol):
         every rank sent here, concatenated by source rank."""
         ...
 
-    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
-        """`src`'s tensor, into `tensor` in place on every rank (and returned)."""
+    def broadcast(self, tensor: Tensor, src: int = 0, patient: bool = False) -> Tensor:
+        """`src`'s tensor, into `tensor` in place on every rank (and returned). patient: the
+        receivers may wait indefinitely while `src` is alive (a follower idling until its
+        leader's next command), sleeping rather than spinning once the wait grows long."""
         ...
 
     def barrier(self) -> None: ...

@@ -37,6 +37,8 @@ from evenflow.parallel.group import CollectiveTimeout, PeerLost
 LINE = 64  # bytes of header per rank
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 DEFAULT_SLOT_BYTES = 4 * 2**20
+PATIENT_AFTER_S = 0.05
+PATIENT_SLEEP_S = 0.001
 
 
 def segment_path(name: str) -> Path:
@@ -99,8 +101,11 @@ class ShmGroup:
     def _seq_of(self, r: int) -> int:
         return self._header[r * 8]
 
-    def _wait(self, k: int, ranks: range | list[int] | None = None) -> None:
-        """Until every rank in `ranks` (default all) has published op k."""
+    def _wait(self, k: int, ranks: range | list[int] | None = None, patient: bool = False
+              ) -> None:
+        """Until every rank in `ranks` (default all) has published op k. patient: no timeout
+        (peers are still checked for liveness), and sleeps of PATIENT_SLEEP_S once the wait
+        has lasted PATIENT_AFTER_S (a follower waiting for its leader's next command)."""
         ranks = range(self.world_size) if ranks is None else ranks
         header = self._header
         if all(header[r * 8] >= k for r in ranks):
@@ -110,7 +115,9 @@ class ShmGroup:
         spins = 0
         while not all(header[r * 8] >= k for r in ranks):
             spins += 1
-            if spins > 20_000:
+            if patient and spins > 20_000 and time.monotonic() - start > PATIENT_AFTER_S:
+                time.sleep(PATIENT_SLEEP_S)
+            elif spins > 20_000:
                 time.sleep(0.00005)
             elif spins > 100:
                 os.sched_yield()  # oversubscribed: let the rank we wait for run
@@ -118,7 +125,7 @@ class ShmGroup:
             if now >= next_check:
                 next_check = now + self.liveness_every_s
                 self._check_peers(ranks, k)
-                if now - start > self.timeout_s:
+                if now - start > self.timeout_s and not patient:
                     late = [r for r in ranks if header[r * 8] < k]
                     raise CollectiveTimeout(f"shm group {self.name}: ranks {late} did not "
                                             f"reach op {k} within {self.timeout_s:g} s")
@@ -208,7 +215,7 @@ class ShmGroup:
             parts.append(data.view(rows.dtype).view(counts[self.rank], *rows.shape[1:]).clone())
         return torch.cat(parts) if parts else rows[:0]
 
-    def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
+    def broadcast(self, tensor: Tensor, src: int = 0, patient: bool = False) -> Tensor:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         for piece in self._pieces(flat):
             nbytes = piece.numel() * piece.element_size()
@@ -216,7 +223,7 @@ class ShmGroup:
             if self.rank == src:
                 self._slot(k, src, nbytes).copy_(piece.view(torch.uint8))
             self._publish(k)
-            self._wait(k, [src])
+            self._wait(k, [src], patient)
             if self.rank != src:
                 piece.copy_(self._slot(k, src, nbytes).view(piece.dtype))
         if not tensor.is_contiguous():
