@@ -1,5 +1,6 @@
-"""The import DAG of DESIGN.md: proto imports nothing of ours; engine only proto and torch;
-services never import engine; the gateway never imports torch or the engine."""
+"""The import DAG of DESIGN.md: proto imports nothing of ours; engine only proto, parallel and
+torch; parallel only torch; services never import engine; the gateway never imports torch or
+the engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "evenflow"
 SERVICES = ["gateway", "prefill", "decode", "kv_index", "balancer"]
 ALLOWED = {
     "proto": set(),
-    "engine": {"proto"},
+    "engine": {"proto", "parallel"},
+    "parallel": set(),
     "services": {"proto"},
     "gateway": {"proto", "services", "kv_index"},
     "prefill": {"proto", "services", "engine"},
