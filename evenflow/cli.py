@@ -24,7 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, stop=args.stop or (), ignore_eos=args.ignore_eos)
         quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
-                  quantization=args.quantization, **quant)
+                  quantization=args.quantization, tensor_parallel_size=args.tp, **quant)
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
@@ -57,7 +57,8 @@ def _up(args: argparse.Namespace) -> int:
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
-            "quantization": args.quantization, "quant_group_size": args.quant_group_size})
+            "quantization": args.quantization, "quant_group_size": args.quant_group_size,
+            "tensor_parallel_size": args.tensor_parallel_size})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -172,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
-    gen.add_argument("--threads", type=int, default=None, help="torch threads")
+    gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
     _quantization_args(gen)
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
@@ -197,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
                         help="auto: bfloat16 where the CPU has native bf16 math, else float32")
     engine.add_argument("--threads", type=int, default=None,
-                        help="torch threads per worker (default 1)")
+                        help="torch threads per worker (per rank with --tp; default 1)")
+    engine.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size",
+                        help="tensor parallelism: each worker is this many rank processes "
+                             "(default 1)")
     engine.add_argument("--kv-cache-gb", type=float, default=None,
                         help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
     engine.add_argument("--num-kv-blocks", type=int, default=None,

@@ -90,6 +90,8 @@ class MeshConfig:
     quantization: str = ""
     quant_group_size: int = _ENGINE.quant_group_size
     quant_symmetric: bool = _ENGINE.quant_symmetric
+    # Tensor parallelism: every worker is this many rank processes (threads_per_worker each)
+    tensor_parallel_size: int = _ENGINE.tensor_parallel_size
     log_level: str = "info"
     # Gateway
     host: str = "127.0.0.1"

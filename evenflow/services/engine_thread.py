@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -121,11 +122,22 @@ EngineEvent = (Admitted | Rejected | StepDone | StepFailed | KVEventsTaken | KVS
                | ExpertLoadTaken | PlacementApplied)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine reports itself unhealthy
+EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step again
+
+
+def exit_worker(reason: str) -> None:
+    """An engine that lost a part of itself (a tensor-parallel rank) cannot be repaired in
+    place: the worker process ends, its heartbeats stop, the gateway moves its streams as for
+    any dead worker and the supervisor starts a new one."""
+    log.critical("engine lost: %s; the worker exits (status %d)", reason, EXIT_ENGINE_LOST)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_LOST)
 
 
 class EngineThread:
-    def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self._loop = engine, loop
+    def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop,
+                 on_fatal: Callable[[str], None] = exit_worker) -> None:
+        self.engine, self._loop, self._on_fatal = engine, loop, on_fatal
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -210,6 +222,9 @@ class EngineThread:
             if self.engine.has_unfinished():
                 self._step()
             self._flush_kv_events()
+            if self.engine.fatal_error is not None:
+                self._on_fatal(self.engine.fatal_error)
+                return
 
     def _step(self) -> None:
         """One step. A step that raises fails the requests it held, never the next step: they
