@@ -1,4 +1,7 @@
-"""`evenflow bench engine`: our engine side by side with transformers' generate on one checkpoint.
+"""`evenflow bench engine`: our engine side by side with transformers' generate on one checkpoint,
+and optionally with vLLM's CPU build (`--vllm-python`, its own venv) and with evenflow split
+over tensor-parallel ranks (`--tp N`: N rank processes of threads/N threads each, next to one
+process with all the threads).
 
 Each engine runs in its own subprocess (same thread count) so peak RSS is its own, and gets the
 same warm-up: one run at each prefill size before the timed ones (oneDNN builds a kernel for each
@@ -40,13 +43,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
+def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> dict:
     from evenflow.engine.engine import Engine, EngineConfig
     from evenflow.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(model=ckpt, dtype=dtype, num_threads=threads,
+    engine = Engine(EngineConfig(model=ckpt, dtype=dtype, num_threads=max(1, threads // tp),
                                  max_num_batched_tokens=max(4096, plan["prefix"] + 64),
-                                 max_num_seqs=64))
+                                 max_num_seqs=64, tensor_parallel_size=tp))
     vocab = engine.model_config.vocab_size
     ids = iter(range(10**9))
 
@@ -132,38 +135,61 @@ def run_transformers(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
 
 def _worker(argv: list[str]) -> int:
     engine, ckpt, threads, plan = argv[0], argv[1], int(argv[2]), json.loads(argv[3])
-    run = run_ours if engine == "evenflow" else run_transformers
-    print(json.dumps(run(ckpt, threads, plan, argv[4])))
+    if engine.startswith("evenflow"):
+        result = run_ours(ckpt, threads, plan, argv[4], int(argv[5]))
+    else:
+        result = run_transformers(ckpt, threads, plan, argv[4])
+    print(json.dumps(result))
     return 0
 
 
-def _spawn(engine: str, ckpt: Path, threads: int, plan: dict, dtype: str) -> dict | None:
+def _spawn(engine: str, ckpt: Path, threads: int, plan: dict, dtype: str,
+           tp: int = 1) -> dict | None:
     return run_worker("evenflow.bench.engine_bench",
-                      [engine, str(ckpt), str(threads), json.dumps(plan), dtype], threads, engine)
+                      [engine, str(ckpt), str(threads), json.dumps(plan), dtype, str(tp)],
+                      threads, engine)
 
 
-def _table(ours: dict, ref: dict | None, plan: dict) -> str:
-    rows: list[tuple[str, float, Any, bool]] = []  # name, ours, ref or None, lower is better
+def _spawn_vllm(python: str, ckpt: Path, threads: int, plan: dict, dtype: str) -> dict | None:
+    script = str(Path(__file__).with_name("vllm_worker.py"))
+    return run_worker("", [str(ckpt), str(threads), json.dumps(plan), dtype], threads,
+                      "vLLM-CPU", command=[python, script])
+
+
+def _rows(plan: dict) -> list[tuple[str, Any, bool]]:
+    """(label, how to read the figure from a result, lower is better)."""
+    rows: list[tuple[str, Any, bool]] = []
     for n in plan["prefill"]:
-        rows.append((f"prefill {n} tokens (ms)", ours["prefill_ms"][str(n)],
-                     ref and ref["prefill_ms"][str(n)], True))
+        rows.append((f"prefill {n} tokens (ms)", lambda r, n=n: r["prefill_ms"][str(n)], True))
     for b in plan["batches"]:
-        rows.append((f"decode batch {b} (ms/step)", ours["decode_ms"][str(b)],
-                     ref and ref["decode_ms"][str(b)], True))
-        rows.append((f"decode batch {b} (output tok/s)", ours["tok_s"][str(b)],
-                     ref and ref["tok_s"][str(b)], False))
-    rows.append(("peak RSS (MB)", ours["peak_rss_mb"], ref and ref["peak_rss_mb"], True))
-    rows.append((f"TTFT {plan['prefix']}+64, uncached (ms)", ours["ttft_uncached_ms"],
-                 ref and ref["ttft_uncached_ms"], True))
-    rows.append((f"TTFT {plan['prefix']}+64, prefix cached (ms)", ours["ttft_cached_ms"],
-                 ref and ref["ttft_cached_ms"], True))
-    lines = [f"{'metric':40} {'evenflow':>10} {'transformers':>13} {'speedup':>8}"]
-    for name, mine, theirs, lower in rows:
-        if theirs is None:
-            lines.append(f"{name:40} {mine:10.1f} {'-':>13} {'-':>8}")
-            continue
-        speedup = theirs / mine if lower else mine / theirs
-        lines.append(f"{name:40} {mine:10.1f} {theirs:13.1f} {speedup:7.2f}x")
+        rows.append((f"decode batch {b} (ms/step)", lambda r, b=b: r["decode_ms"][str(b)], True))
+        rows.append((f"decode batch {b} (output tok/s)", lambda r, b=b: r["tok_s"][str(b)],
+                     False))
+    rows.append(("peak RSS (MB, this process)", lambda r: r["peak_rss_mb"], True))
+    rows.append((f"TTFT {plan['prefix']}+64, uncached (ms)", lambda r: r["ttft_uncached_ms"],
+                 True))
+    rows.append((f"TTFT {plan['prefix']}+64, prefix cached (ms)", lambda r: r["ttft_cached_ms"],
+                 True))
+    return rows
+
+
+def _table(ours: dict, others: dict[str, dict], plan: dict) -> str:
+    """Every engine's figures, then for each other engine how many times faster evenflow (one
+    process) is: its time / ours, or our tok/s / its (> 1: evenflow faster)."""
+    names = list(others)
+    head = f"{'metric':42} {'evenflow':>10}" + "".join(f" {n:>14}" for n in names)
+    head += "".join(f" {'vs ' + n:>16}" for n in names)
+    lines = [head]
+    for label, get, lower in _rows(plan):
+        mine = get(ours)
+        line = f"{label:42} {mine:10.1f}" + "".join(f" {get(others[n]):14.1f}" for n in names)
+        for n in names:
+            theirs = get(others[n])
+            line += f" {(theirs / mine if lower else mine / theirs):15.2f}x"
+        lines.append(line)
+    lines.append("vs X: X's time / evenflow's (tok/s rows: evenflow's / X's); > 1 means "
+                 "evenflow in one process is faster. For TP=N it is the cost of the split: "
+                 "TP time / one-process time.")
     cache_speedup = ours["ttft_uncached_ms"] / ours["ttft_cached_ms"]
     lines.append(f"prefix cache: cached TTFT is {cache_speedup:.1f}x"
                  " faster than uncached (same engine, same prompt length)")
@@ -182,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vLLM's CPU build: adds its column")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="also run evenflow with this many tensor-parallel ranks "
+                         "(threads / tp threads each)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: the dtype this CPU computes natively (bf16 needs AVX512-BF16)")
     ap.add_argument("--checkpoint-dir", default=None,
@@ -203,15 +234,25 @@ def main(argv: list[str] | None = None) -> int:
     ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)
     if ours is None:
         return 1
-    ref = None
+    others: dict[str, dict] = {}
+    if args.tp > 1:
+        tp_result = _spawn(f"evenflow-tp{args.tp}", ckpt, args.threads, plan, dtype, args.tp)
+        if tp_result is not None:
+            others[f"TP={args.tp}"] = tp_result
     if not args.no_reference:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            print("transformers is not installed: printing evenflow only", file=sys.stderr)
+            print("transformers is not installed: no transformers column", file=sys.stderr)
         else:
             ref = _spawn("transformers", ckpt, args.threads, plan, dtype)
-    print(_table(ours, ref, plan))
+            if ref is not None:
+                others["transformers"] = ref
+    if args.vllm_python:
+        vllm = _spawn_vllm(args.vllm_python, ckpt, args.threads, plan, dtype)
+        if vllm is not None:
+            others["vLLM-CPU"] = vllm
+    print(_table(ours, others, plan))
     return 0
 
 

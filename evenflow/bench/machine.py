@@ -33,14 +33,16 @@ def machine_line(dtype: str, threads: int | None = None) -> str:
 
 
 def run_worker(module: str, args: list[str], threads: int, label: str,
-               env: dict[str, str] | None = None) -> dict | None:
-    """`python -m module --worker args...` in its own process (its own peak RSS, the same
-    thread count): the JSON object on its last stdout line, or None (stderr's tail printed)."""
+               env: dict[str, str] | None = None, command: list[str] | None = None
+               ) -> dict | None:
+    """`python -m module --worker args...` (or `command` + args) in its own process (its own
+    peak RSS, the same thread count): the JSON object on its last stdout line, or None
+    (stderr's tail printed)."""
     import json
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", module, "--worker", *args]
+    cmd = [*(command or [sys.executable, "-m", module, "--worker"]), *args]
     run_env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
     if proc.returncode != 0:
