@@ -61,6 +61,9 @@ class EngineConfig:
     # layer's heads and MLP/expert columns (engine/tensor_parallel.py). Rank 0 is this process.
     # num_threads is then per rank (default: cores / N).
     tensor_parallel_size: int = 1
+    # Reorder float weights once into oneDNN's blocked layout (engine/prepack.py): decode's
+    # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -16,6 +16,7 @@ from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.loader import load_model
+from evenflow.engine.prepack import prepack_model
 from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
@@ -122,6 +123,8 @@ class Engine:
         world = self.config.tensor_parallel_size
         if world == 1:
             self.model = load_model(self.model_dir, dtype, quant_config(self.config))
+            if self.config.prepack_weights:
+                prepack_model(self.model, dtype)
             return self.model.config
         self._tp = TPGroup(self.config, str(self.model_dir), dtype)
         try:
@@ -130,6 +133,8 @@ class Engine:
         except BaseException:
             self._tp.close()
             raise
+        if self.config.prepack_weights:
+            prepack_model(self.model, dtype)
         self._tp.wait_loaded()
         self.model.set_tensor_parallel(self._tp.group)
         return self.model.config

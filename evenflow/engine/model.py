@@ -174,10 +174,26 @@ class MoE(nn.Module):
         # Quantized experts (engine/quantize_model.py): w13 and w2 are then empty.
         self.quantized: tuple[QuantStack, QuantStack] | None = None
         self._slot_quantized: tuple[QuantStack, QuantStack] | None = None
+        # Per-expert weights packed for oneDNN (engine/prepack.py): w13 and w2 are then empty.
+        self.packed: tuple[list[Tensor], list[Tensor]] | None = None
+        self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
+
+    def set_packed(self, w13: list[Tensor], w2: list[Tensor]) -> None:
+        self.packed = (w13, w2)
+        empty = torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype)
+        self.w13 = nn.Parameter(empty, requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
+                               requires_grad=False)
+        if self.placement is not None:
+            self.set_placement(self.placement)
 
     def set_placement(self, placement: SlotPlacement) -> None:
         """Copy each slot's expert weights into place (between steps)."""
-        if self.quantized is not None:
+        if self.packed is not None:  # a list of references: no copies
+            slots = placement.phy2log.tolist()
+            self._slot_packed = ([self.packed[0][e] for e in slots],
+                                 [self.packed[1][e] for e in slots])
+        elif self.quantized is not None:
             q13, q2 = self.quantized
             self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
         else:
@@ -204,7 +220,7 @@ class MoE(nn.Module):
         groups = flat_experts
         if self.placement is not None:  # each pair goes to one physical slot of its expert
             groups = self.placement.slots_for(flat_experts)
-            if self.quantized is None:
+            if self.quantized is None and self.packed is None:
                 assert self._slot_w13 is not None and self._slot_w2 is not None
                 w13, w2 = self._slot_w13, self._slot_w2
         counts = torch.bincount(groups, minlength=self.num_slots)
@@ -217,7 +233,13 @@ class MoE(nn.Module):
         active = sum(1 for n in counts_list if n)
         sorted_groups = groups[order]
         width = max(counts_list)
-        if self.quantized is not None:
+        if self.packed is not None:
+            packed = self._slot_packed if self.placement is not None else self.packed
+            assert packed is not None
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
+                self._run_experts, gate_up=_packed_expert(packed[0]),
+                down=_packed_expert(packed[1])))
+        elif self.quantized is not None:
             stacks = self._slot_quantized if self.placement is not None else self.quantized
             assert stacks is not None
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
@@ -288,6 +310,11 @@ class MoE(nn.Module):
 def _dense_expert(weights: Tensor) -> ExpertLinear:
     """x @ weights[e].T for a stack of expert weights (E, out, in)."""
     return lambda x, e: F.linear(x, weights[e])
+
+
+def _packed_expert(weights: list[Tensor]) -> ExpertLinear:
+    """x @ expert e's weight.T, the weights packed for oneDNN (engine/prepack.py)."""
+    return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, weights[e], None, "none", [], "")
 
 
 class DecoderLayer(nn.Module):

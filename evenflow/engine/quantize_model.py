@@ -93,12 +93,16 @@ def quantize_head(model: CausalLM, config: QuantConfig, dtype: torch.dtype,
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of every weight, quantized ones at their stored size (for reports)."""
+    """Bytes of every weight, quantized ones at their stored size, packed ones (engine/prepack.py)
+    included (for reports)."""
     total = sum(t.nbytes for t in model.state_dict().values())
+    total += sum(t.nbytes for name, t in model.named_buffers() if name.endswith(".packed"))
     for module in model.modules():
         if isinstance(module, QuantLinear):
             total += module.weight_q.nbytes()
         elif isinstance(module, MoE) and module.quantized is not None:
             total += sum(s.nbytes() for s in module.quantized)
+        elif isinstance(module, MoE) and module.packed is not None:
+            total += sum(t.nbytes for stack in module.packed for t in stack)
     return total
 

@@ -212,6 +212,10 @@ def follower_main(config: EngineConfig, model_dir: str, dtype_name: str, group_n
 
         shard = TPShard(rank, world)
         model = load_model(model_dir, dtype, quant_config(config), shard)
+        if config.prepack_weights:
+            from evenflow.engine.prepack import prepack_model
+
+            prepack_model(model, dtype)
         model.set_tensor_parallel(group)
         group.barrier()  # loaded (the leader's wait_loaded)
         group.timeout_s = STEP_TIMEOUT_S
