@@ -60,11 +60,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     """q, k and v come from one fused projection (qkv_proj: the loader concatenates the
     checkpoint's q_proj, k_proj and v_proj)."""
@@ -85,7 +80,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,  # (T, H)
         cos: Tensor,  # (T, 1, hd)
-        sin: Tensor,
+        sin: Tensor,  # (T, 1, hd), first half negated
         k_cache: Tensor,  # (num_slots, n_kv, hd)
         v_cache: Tensor,
         meta: AttentionMetadata,
@@ -95,7 +90,9 @@ class Attention(nn.Module):
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
-        qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k heads at once
+        # rotary on q and k heads at once: rotate_half(x) * sin == roll(x, hd/2) * signed sin
+        # (bitwise; one op instead of four)
+        qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin
         q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -215,17 +212,54 @@ class MoE(nn.Module):
         flat_experts = experts.flatten()  # (T*k,)
         if self.counts is not None:
             self.counts += torch.bincount(flat_experts, minlength=self.num_experts)
-        w13: Tensor = self.w13
-        w2: Tensor = self.w2
         groups = flat_experts
+        counts: Tensor | None = None
         if self.placement is not None:  # each pair goes to one physical slot of its expert
             groups = self.placement.slots_for(flat_experts)
-            if self.quantized is None and self.packed is None:
-                assert self._slot_w13 is not None and self._slot_w2 is not None
-                w13, w2 = self._slot_w13, self._slot_w2
-        counts = torch.bincount(groups, minlength=self.num_slots)
-        if self.placement is not None and self.slot_counts is not None:
-            self.slot_counts += counts
+            if self.slot_counts is not None:
+                counts = torch.bincount(groups, minlength=self.num_slots)
+                self.slot_counts += counts
+        gate_up, down = self._expert_linears()
+        if x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
+            out = self._one_token(x, groups.tolist(), weights[0].tolist(), gate_up, down)
+        else:
+            if counts is None:
+                counts = torch.bincount(groups, minlength=self.num_slots)
+            out = self._grouped(x, groups, counts, weights, gate_up, down)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
+        """The experts' (gate_up, down) for the current slots: packed, quantized or plain."""
+        placed = self.placement is not None
+        if self.packed is not None:
+            packed = self._slot_packed if placed else self.packed
+            assert packed is not None
+            return _packed_expert(packed[0]), _packed_expert(packed[1])
+        if self.quantized is not None:
+            stacks = self._slot_quantized if placed else self.quantized
+            assert stacks is not None
+            return stacks[0].linear, stacks[1].linear
+        w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
+        assert w13 is not None and w2 is not None
+        return _dense_expert(w13), _dense_expert(w2)
+
+    @staticmethod
+    def _one_token(x: Tensor, slots: list[int], weights: list[float], gate_up: ExpertLinear,
+                   down: ExpertLinear) -> Tensor:
+        """x (1, H) through its k experts (distinct slots), weighted and summed in float."""
+        out: Tensor | None = None
+        for j, slot in enumerate(slots):
+            gate, up = gate_up(x, slot).chunk(2, dim=-1)
+            y = down(F.silu(gate) * up, slot).float() * weights[j]
+            out = y if out is None else out + y
+        assert out is not None
+        return out.to(x.dtype)
+
+    def _grouped(self, x: Tensor, groups: Tensor, counts: Tensor, weights: Tensor,
+                 gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
+        """Tokens sorted by slot, each slot's rows through its expert in one matmul."""
         order = torch.argsort(groups, stable=True)
         token_of = order // self.top_k  # token index of each sorted (token, expert) pair
         xs = x[token_of]  # (T*k, H) grouped by expert
@@ -233,27 +267,17 @@ class MoE(nn.Module):
         active = sum(1 for n in counts_list if n)
         sorted_groups = groups[order]
         width = max(counts_list)
-        if self.packed is not None:
-            packed = self._slot_packed if self.placement is not None else self.packed
-            assert packed is not None
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
-                self._run_experts, gate_up=_packed_expert(packed[0]),
-                down=_packed_expert(packed[1])))
-        elif self.quantized is not None:
-            stacks = self._slot_quantized if self.placement is not None else self.quantized
-            assert stacks is not None
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
-                self._run_experts, gate_up=stacks[0].linear, down=stacks[1].linear))
-        elif 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
+        plain = self.packed is None and self.quantized is None
+        if plain and 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
+            placed = self.placement is not None
+            w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
+            assert w13 is not None and w2 is not None
             ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
         else:
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
-                self._run_experts, gate_up=_dense_expert(w13), down=_dense_expert(w2)))
+                self._run_experts, gate_up=gate_up, down=down))
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, ys)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
 
     # When most experts are busy with at most this many tokens each (decode batches), all
     # experts run in one padded bmm: the step is bound by reading expert weights, and one call
@@ -383,7 +407,9 @@ class CausalLM(nn.Module):
         inv_freq = 1.0 / (self.config.rope_theta ** exponents)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, hd)
-        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : hd // 2].neg_()  # signed for the roll in Attention.forward
+        self._cos, self._sin = emb.cos().to(dtype), sin.to(dtype)
 
     def forward(
         self,
