@@ -61,6 +61,10 @@ class EngineConfig:
     # layer's heads and MLP/expert columns (engine/tensor_parallel.py). Rank 0 is this process.
     # num_threads is then per rank (default: cores / N).
     tensor_parallel_size: int = 1
+    # Expert parallelism with data-parallel attention (engine/ep_runner.py, offline LLM only
+    # for now): N lockstep rank processes, each with its own requests and KV cache, each
+    # computing its share of the expert slots; implies num_ep_ranks = N.
+    expert_parallel_size: int = 1
     # Reorder float weights once into oneDNN's blocked layout (engine/prepack.py): decode's
     # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
     prepack_weights: bool = True
@@ -81,9 +85,10 @@ class EngineConfig:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
         if self.quantization is not None:
             check_quantization(self.quantization, self.quant_group_size)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got "
-                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and expert_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
+            raise ValueError("tensor and expert parallelism together are not supported yet")
 
 
 def check_quantization(method: str, group_size: int) -> None:

@@ -24,6 +24,7 @@ from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
 from evenflow.engine.tp_runner import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.tp_shard import TPShard
+from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
@@ -74,7 +75,9 @@ class Engine:
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
-                 collect_kv_events: bool = False):
+                 collect_kv_events: bool = False, ep_group: ProcessGroup | None = None):
+        if config.expert_parallel_size > 1 and ep_group is None:
+            raise ValueError("expert_parallel_size > 1 runs through LLM (engine/ep_runner.py)")
         self.config = config
         self._tp: TPGroup | None = None
         self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
@@ -84,6 +87,9 @@ class Engine:
         self.model_dir = resolve_model(config.model)
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
+        if ep_group is not None:
+            for layer in self.model.moe_layers():
+                layer.ep = ep_group
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
         bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, cast
 
 from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.ep_runner import DEPEngine
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -35,7 +36,9 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"unknown LLM argument(s) {unknown}; known: {sorted(known)}")
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        self.engine: Engine | DEPEngine = (
+            DEPEngine(config) if config.expert_parallel_size > 1 else Engine(config))
         self.tokenizer = Tokenizer(self.engine.model_dir)
         self._ids = itertools.count()
 

@@ -8,8 +8,6 @@ Module names follow the HF checkpoints, so loading is a rename only where expert
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
-from evenflow.engine.placement import SlotPlacement
-from evenflow.engine.quant import QuantStack
+from evenflow.engine.ffn import MLP, MoE
 from evenflow.parallel.group import ProcessGroup
 
 
@@ -44,10 +41,6 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
     decode_mask: Tensor | None  # (B_dec, 1, 1, L) True where a context slot is real
-
-
-# (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
-ExpertLinear = Callable[[Tensor, int], Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -129,216 +122,6 @@ class Attention(nn.Module):
             outs.append(o.reshape(B, self.num_heads, self.head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoE(nn.Module):
-    """Top-k routed experts (plus an optional gated shared expert, as in Qwen2-MoE).
-
-    Expert weights are stacked: w13 (E, 2I, H) holds gate and up, w2 (E, H, I) holds down.
-    Each call adds its tokens-per-expert to `counts` (E,), which the engine exposes.
-    """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.num_experts, self.top_k = E, cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = nn.Linear(H, E, bias=False)  # the router
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
-        self.w2 = nn.Parameter(torch.empty(E, H, inter))
-        self.shared_expert: MLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
-        self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
-        # Under an expert placement: physical slots, their weights, their token counts.
-        self.placement: SlotPlacement | None = None
-        self.slot_counts: Tensor | None = None  # a row of the engine's (layers, P) counter
-        self._slot_w13: Tensor | None = None
-        self._slot_w2: Tensor | None = None
-        # Quantized experts (engine/quantize_model.py): w13 and w2 are then empty.
-        self.quantized: tuple[QuantStack, QuantStack] | None = None
-        self._slot_quantized: tuple[QuantStack, QuantStack] | None = None
-        # Per-expert weights packed for oneDNN (engine/prepack.py): w13 and w2 are then empty.
-        self.packed: tuple[list[Tensor], list[Tensor]] | None = None
-        self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
-
-    def set_packed(self, w13: list[Tensor], w2: list[Tensor]) -> None:
-        self.packed = (w13, w2)
-        empty = torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype)
-        self.w13 = nn.Parameter(empty, requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
-                               requires_grad=False)
-        if self.placement is not None:
-            self.set_placement(self.placement)
-
-    def set_placement(self, placement: SlotPlacement) -> None:
-        """Copy each slot's expert weights into place (between steps)."""
-        if self.packed is not None:  # a list of references: no copies
-            slots = placement.phy2log.tolist()
-            self._slot_packed = ([self.packed[0][e] for e in slots],
-                                 [self.packed[1][e] for e in slots])
-        elif self.quantized is not None:
-            q13, q2 = self.quantized
-            self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
-        else:
-            self._slot_w13 = self.w13.index_select(0, placement.phy2log)
-            self._slot_w2 = self.w2.index_select(0, placement.phy2log)
-        self.placement = placement
-
-    @property
-    def num_slots(self) -> int:
-        if self.placement is not None:
-            return len(self.placement.phy2log)
-        return self.num_experts
-
-    def forward(self, x: Tensor) -> Tensor:  # (T, H)
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat_experts = experts.flatten()  # (T*k,)
-        if self.counts is not None:
-            self.counts += torch.bincount(flat_experts, minlength=self.num_experts)
-        groups = flat_experts
-        counts: Tensor | None = None
-        if self.placement is not None:  # each pair goes to one physical slot of its expert
-            groups = self.placement.slots_for(flat_experts)
-            if self.slot_counts is not None:
-                counts = torch.bincount(groups, minlength=self.num_slots)
-                self.slot_counts += counts
-        gate_up, down = self._expert_linears()
-        if x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
-            out = self._one_token(x, groups.tolist(), weights[0].tolist(), gate_up, down)
-        else:
-            if counts is None:
-                counts = torch.bincount(groups, minlength=self.num_slots)
-            out = self._grouped(x, groups, counts, weights, gate_up, down)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
-
-    def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
-        """The experts' (gate_up, down) for the current slots: packed, quantized or plain."""
-        placed = self.placement is not None
-        if self.packed is not None:
-            packed = self._slot_packed if placed else self.packed
-            assert packed is not None
-            return _packed_expert(packed[0]), _packed_expert(packed[1])
-        if self.quantized is not None:
-            stacks = self._slot_quantized if placed else self.quantized
-            assert stacks is not None
-            return stacks[0].linear, stacks[1].linear
-        w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
-        assert w13 is not None and w2 is not None
-        return _dense_expert(w13), _dense_expert(w2)
-
-    @staticmethod
-    def _one_token(x: Tensor, slots: list[int], weights: list[float], gate_up: ExpertLinear,
-                   down: ExpertLinear) -> Tensor:
-        """x (1, H) through its k experts (distinct slots), weighted and summed in float."""
-        out: Tensor | None = None
-        for j, slot in enumerate(slots):
-            gate, up = gate_up(x, slot).chunk(2, dim=-1)
-            y = down(F.silu(gate) * up, slot).float() * weights[j]
-            out = y if out is None else out + y
-        assert out is not None
-        return out.to(x.dtype)
-
-    def _grouped(self, x: Tensor, groups: Tensor, counts: Tensor, weights: Tensor,
-                 gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
-        """Tokens sorted by slot, each slot's rows through its expert in one matmul."""
-        order = torch.argsort(groups, stable=True)
-        token_of = order // self.top_k  # token index of each sorted (token, expert) pair
-        xs = x[token_of]  # (T*k, H) grouped by expert
-        counts_list = counts.tolist()
-        active = sum(1 for n in counts_list if n)
-        sorted_groups = groups[order]
-        width = max(counts_list)
-        plain = self.packed is None and self.quantized is None
-        if plain and 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
-            placed = self.placement is not None
-            w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
-            assert w13 is not None and w2 is not None
-            ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
-        else:
-            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
-                self._run_experts, gate_up=gate_up, down=down))
-        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
-
-    # When most experts are busy with at most this many tokens each (decode batches), all
-    # experts run in one padded bmm: the step is bound by reading expert weights, and one call
-    # streams them faster than a loop of small matmuls. Larger or sparser groups loop.
-    BATCHED_MAX_ROWS = 16
-
-    # With more than ALIGN_ABOVE pairs (prefill), each expert's row count is rounded up to a
-    # multiple of ROW_ALIGN: oneDNN builds a kernel per matmul shape, and a few recurring shapes
-    # beat a new one per step. Small decode groups take few shapes anyway and skip the padding.
-    ROW_ALIGN = 16
-    ALIGN_ABOVE = 128
-
-    def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
-                        counts_list: list[int], run: Callable[[Tensor, list[int]], Tensor]
-                        ) -> Tensor:
-        """run(grouped rows, rows per expert): the experts' matmuls, dense or quantized."""
-        if len(xs) <= self.ALIGN_ABOVE:
-            return run(xs, counts_list)
-        align = self.ROW_ALIGN
-        padded = [-(-n // align) * align for n in counts_list]
-        starts = torch.cumsum(counts, 0) - counts
-        padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
-        rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
-        grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
-        return run(grouped, padded).index_select(0, rows)
-
-    @staticmethod
-    def _run_experts(grouped: Tensor, counts: list[int], gate_up: ExpertLinear,
-                     down: ExpertLinear) -> Tensor:
-        """grouped (N, H): rows sorted by expert, counts[e] rows for expert e; only experts
-        with rows are computed (and, quantized, read)."""
-        ys = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            gate, up = gate_up(grouped[start : start + n], e).chunk(2, dim=-1)  # (n, 2I)
-            ys[start : start + n] = down(F.silu(gate) * up, e)
-            start += n
-        return ys
-
-    def _experts_batched(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
-                         width: int, w13: Tensor, w2: Tensor) -> Tensor:
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(len(xs)) - starts[sorted_experts]  # position within its expert
-        padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])  # (E, width, H)
-        padded[sorted_experts, slot] = xs
-        h = torch.bmm(padded, w13.transpose(1, 2))  # (E, width, 2I)
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
-        return out[sorted_experts, slot]
-
-
-def _dense_expert(weights: Tensor) -> ExpertLinear:
-    """x @ weights[e].T for a stack of expert weights (E, out, in)."""
-    return lambda x, e: F.linear(x, weights[e])
-
-
-def _packed_expert(weights: list[Tensor]) -> ExpertLinear:
-    """x @ expert e's weight.T, the weights packed for oneDNN (engine/prepack.py)."""
-    return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, weights[e], None, "none", [], "")
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from evenflow.engine.model import CausalLM, MoE
+from evenflow.engine.ffn import MoE
+from evenflow.engine.model import CausalLM
 
 
 def available(dtype: torch.dtype) -> bool:

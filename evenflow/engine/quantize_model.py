@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from evenflow.engine.model import MLP, CausalLM, DecoderLayer, MoE
+from evenflow.engine.ffn import MLP, MoE
+from evenflow.engine.model import CausalLM, DecoderLayer
 from evenflow.engine.quant import QuantConfig, QuantStack, QuantValues, build_stack, quantize
 
 

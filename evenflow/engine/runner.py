@@ -41,6 +41,7 @@ class ModelRunner:
         # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
         # attention positions read it, never uninitialised memory (0 * NaN would poison a row).
         self.null_slot = slots
+        self.forward_calls = 0  # expert-parallel ranks check that each step ran one
         self.kv_caches = []
         for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
             k = torch.empty(slots + 1, model.num_kv_heads, cfg.head_dim, dtype=dtype)
@@ -138,6 +139,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:
         """(sampled chunks, vocab) float32 logits."""
+        self.forward_calls += 1
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
 

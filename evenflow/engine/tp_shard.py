@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig, ModelLoadError
-from evenflow.engine.model import MLP, Attention, CausalLM, DecoderLayer, MoE
+from evenflow.engine.ffn import MLP, MoE
+from evenflow.engine.model import Attention, CausalLM, DecoderLayer
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ they give up after `timeout_s` (CollectiveTimeout).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -196,7 +197,7 @@ class ShmGroup:
     def all_to_all(self, tensor: Tensor, send_counts: list[int]) -> Tensor:
         assert len(send_counts) == self.world_size and sum(send_counts) == tensor.shape[0]
         rows = tensor.contiguous()
-        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() else 0
+        row_bytes = rows.element_size() * math.prod(rows.shape[1:])  # also with no rows
         head = 8 * self.world_size
         if head + rows.numel() * rows.element_size() > self.slot_bytes:
             raise ValueError(f"all_to_all of {rows.numel() * rows.element_size()} bytes passes "

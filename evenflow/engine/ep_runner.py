@@ -1,0 +1,269 @@
+"""Expert-parallel ranks with data-parallel attention (DEP), offline: `LLM(model=...,
+expert_parallel_size=N)`.
+
+Each rank is a whole `Engine` of its own (scheduler, KV cache, sequences) in its own process,
+except rank 0, which lives in the caller's process. Attention is data-parallel: a request
+lives on one rank (the one with the fewest live requests when it arrives). MoE layers are
+expert-parallel: under the expert placement (num_ep_ranks = N, slots rank-major) each rank
+computes only its slots, and tokens travel to them and back by all-to-all (engine/ffn.py).
+
+The ranks step in lockstep, as vLLM's and SGLang's DP attention do. Each step:
+1. rank 0 broadcasts the step's command (new requests per rank, aborts, a placement) as a header
+   and a msgpack payload; the others wait for it patiently (an idle group sleeps, no spin);
+2. every rank steps its engine; a rank that ran no forward pass runs a dummy one (one token
+   into the cache's spare slot), so every MoE layer's collectives meet;
+3. the ranks' outputs are gathered to rank 0 (lengths, then msgpack bytes).
+
+Not yet: serving DEP ranks through the mesh (`evenflow up --ep`, each rank a mesh worker),
+moving expert weights between ranks on a placement change (every rank loads every expert and
+computes only its slots' share), per-rank MoE and wait timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+import weakref
+from typing import Any
+
+import msgpack
+import torch
+
+from evenflow.engine.config import EngineConfig, ModelLoadError
+from evenflow.engine.runner import ChunkInput
+from evenflow.engine.sampling_params import SamplingParams
+from evenflow.engine.sequence import FinishReason
+from evenflow.parallel.group import CollectiveError, ProcessGroup
+from evenflow.parallel.shm import ShmGroup
+
+LOAD_TIMEOUT_S = 600.0
+STEP_TIMEOUT_S = 60.0
+STEP, PLACEMENT, STOP = range(3)
+_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
+           "ignore_eos")
+
+
+def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
+    """A shm slot that holds a full step's dispatch (every token to one rank) in float32."""
+    rows = config.max_num_batched_tokens * max(1, top_k)
+    return max(4 << 20, -(-(rows * hidden_size * 4 + 4096) // 64) * 64)
+
+
+def _params_wire(p: SamplingParams) -> list:
+    return [getattr(p, name) for name in _PARAMS]
+
+
+def _params(values: list) -> SamplingParams:
+    kwargs = dict(zip(_PARAMS, values, strict=True))
+    kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+    return SamplingParams(**kwargs)
+
+
+class LockstepRank:
+    """One rank's engine and the per-step protocol every rank runs."""
+
+    def __init__(self, config: EngineConfig, group: ProcessGroup) -> None:
+        from evenflow.engine.engine import Engine
+
+        self.group = group
+        self.engine = Engine(config, ep_group=group)
+        self._dummy = ChunkInput([0], 0, [self.engine.blocks.num_blocks], False)
+
+    def run_step(self, adds: list, aborts: list[str]) -> list:
+        """Apply this rank's share of the command, step, and return its outputs (wire form)."""
+        engine, out = self.engine, []
+        for request_id in aborts:
+            engine.abort(request_id)
+        for request_id, prompt, params in adds:
+            try:
+                engine.add_request(request_id, prompt, _params(params))
+            except ValueError as exc:
+                out.append([request_id, None, str(exc)])
+        before = engine.runner.forward_calls
+        steps = engine.step() if engine.has_unfinished() else []
+        if engine.runner.forward_calls == before:  # the collectives need a forward from us
+            engine.runner.forward([self._dummy])
+        for s in steps:
+            out.append([s.request_id, s.new_token_ids, s.finished,
+                        s.finish_reason.value if s.finish_reason else None,
+                        s.num_prompt_tokens, s.num_cached_tokens])
+        return out
+
+    def gather(self, outputs: list) -> list:
+        """Every rank's outputs, concatenated, on every rank."""
+        data = msgpack.packb(outputs)
+        sizes = self.group.all_gather(torch.tensor([len(data)], dtype=torch.int64)).view(-1)
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = self.group.all_gather(mine)
+        merged: list = []
+        for r, size in enumerate(sizes.tolist()):
+            merged += msgpack.unpackb(every[r, :size].numpy().tobytes())
+        return merged
+
+    def apply_placement(self, payload: list) -> None:
+        shape, phy2log, share, version = payload
+        share_t = None if share is None else torch.tensor(share, dtype=torch.float32).view(shape)
+        self.engine.apply_placement(torch.tensor(phy2log).view(shape), share_t, version)
+
+
+def _send(group: ProcessGroup, kind: int, payload: Any = None) -> None:
+    data = msgpack.packb(payload)
+    group.broadcast(torch.tensor([kind, len(data)], dtype=torch.int64))
+    group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def _receive(group: ProcessGroup) -> tuple[int, Any]:
+    header = group.broadcast(torch.zeros(2, dtype=torch.int64), patient=True)
+    kind, size = header.tolist()
+    data = group.broadcast(torch.empty(size, dtype=torch.uint8))
+    return kind, msgpack.unpackb(data.numpy().tobytes())
+
+
+@dataclasses.dataclass
+class DEPOutput:
+    """One step's news for one request (the fields `LLM` reads of a StepOutput)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class DEPEngine:
+    """Rank 0 of N lockstep DEP ranks: the add / abort / step / has_unfinished surface of an
+    Engine, over the whole group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from evenflow.engine.config import load_config
+        from evenflow.engine.engine import resolve_model
+
+        world = config.expert_parallel_size
+        self.model_dir = resolve_model(config.model)
+        cfg = load_config(self.model_dir)
+        if not cfg.is_moe:
+            raise ModelLoadError("expert_parallel_size needs a MoE model")
+        config = dataclasses.replace(config, num_ep_ranks=world)
+        slots = cfg.num_experts + config.num_redundant_experts
+        if slots % world:
+            raise ValueError(f"{slots} expert slots (experts + num_redundant_experts) do not "
+                             f"split over expert_parallel_size {world}")
+        name = f"ep-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        slot_bytes = slot_bytes_for(config, cfg.hidden_size, cfg.num_experts_per_tok)
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, name=f"evenflow-ep-rank{r}",
+                                  args=(config, name, r, slot_bytes), daemon=True)
+                      for r in range(1, world)]
+        for proc in self.procs:
+            proc.start()
+        group = ShmGroup(name, 0, world, slot_bytes=slot_bytes, timeout_s=LOAD_TIMEOUT_S)
+        self.group = group
+        self._finalizer = weakref.finalize(self, _stop, self.procs, group)
+        try:
+            self.rank = LockstepRank(config, group)
+            group.barrier()  # every rank loaded
+        except BaseException:
+            self.close()
+            raise
+        group.timeout_s = STEP_TIMEOUT_S
+        self.model_config = self.rank.engine.model_config
+        self.world_size = world
+        self._owner: dict[str, int] = {}  # live request -> its rank
+        self._adds: list[list] = []
+        self._aborts: list[str] = []
+
+    @property
+    def engine(self) -> Any:
+        """Rank 0's own engine (its placement, counters, model)."""
+        return self.rank.engine
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        load = [0] * self.world_size
+        for r in self._owner.values():
+            load[r] += 1
+        rank = load.index(min(load))
+        self._owner[request_id] = rank
+        self._adds.append([rank, request_id, list(prompt_token_ids), _params_wire(params)])
+
+    def abort(self, request_id: str) -> bool:
+        if self._owner.pop(request_id, None) is None:
+            return False
+        self._aborts.append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._owner or self._aborts)
+
+    def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
+                        version: int) -> None:
+        """A new expert placement on every rank, before the next step."""
+        payload = [list(phy2log.shape), phy2log.flatten().tolist(),
+                   None if share is None else share.flatten().tolist(), version]
+        _send(self.group, PLACEMENT, payload)
+        self.rank.apply_placement(payload)
+
+    def step(self) -> list[DEPOutput]:
+        adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
+        _send(self.group, STEP, [adds, aborts])
+        mine = [a[1:] for a in adds if a[0] == 0]
+        outputs = self.rank.gather(self.rank.run_step(mine, aborts))
+        result = []
+        for item in outputs:
+            if item[1] is None:  # refused by its rank
+                self._owner.pop(item[0], None)
+                raise ValueError(item[2])
+            request_id, tokens, finished, reason, prompt, cached = item
+            if finished:
+                self._owner.pop(request_id, None)
+            result.append(DEPOutput(request_id, tokens, finished,
+                                    FinishReason(reason) if reason else None, prompt, cached))
+        return result
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs: list[Any], group: ShmGroup) -> None:
+    if all(p.exitcode is None for p in procs):
+        try:
+            group.timeout_s = 2.0
+            _send(group, STOP, None)
+        except Exception:  # gone or stuck: killed below
+            pass
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    group.close()
+
+
+def follower_main(config: EngineConfig, group_name: str, rank: int, slot_bytes: int) -> None:
+    """A rank other than 0: load, then run rank 0's steps until STOP or until it is gone."""
+    group = ShmGroup(group_name, rank, config.expert_parallel_size, slot_bytes=slot_bytes,
+                     timeout_s=LOAD_TIMEOUT_S)
+    try:
+        me = LockstepRank(config, group)
+        group.barrier()
+        group.timeout_s = STEP_TIMEOUT_S
+        while True:
+            kind, payload = _receive(group)
+            if kind == STOP:
+                return
+            if kind == PLACEMENT:
+                me.apply_placement(payload)
+                continue
+            adds, aborts = payload
+            mine = [a[1:] for a in adds if a[0] == rank]
+            me.gather(me.run_step(mine, aborts))
+    except CollectiveError:
+        pass  # rank 0 is gone or stopped answering
+    finally:
+        group.close()
