@@ -31,6 +31,7 @@ import msgpack
 import torch
 
 from evenflow.engine.config import EngineConfig, ModelLoadError
+from evenflow.engine.ffn import EPTimer
 from evenflow.engine.runner import ChunkInput
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import FinishReason
@@ -39,7 +40,7 @@ from evenflow.parallel.shm import ShmGroup
 
 LOAD_TIMEOUT_S = 600.0
 STEP_TIMEOUT_S = 60.0
-STEP, PLACEMENT, STOP = range(3)
+STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
 _PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
            "ignore_eos")
 
@@ -69,9 +70,13 @@ class LockstepRank:
         self.group = group
         self.engine = Engine(config, ep_group=group)
         self._dummy = ChunkInput([0], 0, [self.engine.blocks.num_blocks], False)
+        self.timer = EPTimer()
+        for layer in self.engine.model.moe_layers():
+            layer.ep_timer = self.timer
 
-    def run_step(self, adds: list, aborts: list[str]) -> list:
-        """Apply this rank's share of the command, step, and return its outputs (wire form)."""
+    def run_step(self, adds: list, aborts: list[str]) -> dict:
+        """Apply this rank's share of the command, step, and return its outputs (wire form)
+        and its MoE timing for the step."""
         engine, out = self.engine, []
         for request_id in aborts:
             engine.abort(request_id)
@@ -88,20 +93,22 @@ class LockstepRank:
             out.append([s.request_id, s.new_token_ids, s.finished,
                         s.finish_reason.value if s.finish_reason else None,
                         s.num_prompt_tokens, s.num_cached_tokens])
-        return out
+        return {"out": out, "moe": self.timer.take()}
 
-    def gather(self, outputs: list) -> list:
-        """Every rank's outputs, concatenated, on every rank."""
+    def gather(self, outputs: Any) -> list:
+        """Every rank's payload, by rank, on every rank."""
         data = msgpack.packb(outputs)
         sizes = self.group.all_gather(torch.tensor([len(data)], dtype=torch.int64)).view(-1)
         width = int(sizes.max())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         every = self.group.all_gather(mine)
-        merged: list = []
-        for r, size in enumerate(sizes.tolist()):
-            merged += msgpack.unpackb(every[r, :size].numpy().tobytes())
-        return merged
+        return [msgpack.unpackb(every[r, :size].numpy().tobytes())
+                for r, size in enumerate(sizes.tolist())]
+
+    def take_slot_counts(self) -> torch.Tensor:
+        """Tokens per (MoE layer, slot) since the last call, summed over the ranks."""
+        return self.group.all_reduce(self.engine.take_slot_counts())
 
     def apply_placement(self, payload: list) -> None:
         shape, phy2log, share, version = payload
@@ -160,7 +167,15 @@ class DEPEngine:
                       for r in range(1, world)]
         for proc in self.procs:
             proc.start()
-        group = ShmGroup(name, 0, world, slot_bytes=slot_bytes, timeout_s=LOAD_TIMEOUT_S)
+        try:
+            group = ShmGroup(name, 0, world, slot_bytes=slot_bytes, timeout_s=LOAD_TIMEOUT_S,
+                             peers_alive=lambda: all(p.exitcode is None for p in self.procs))
+        except CollectiveError as exc:
+            for proc in self.procs:
+                proc.kill()
+            raise ModelLoadError(f"expert-parallel ranks did not start: {exc} (a script that "
+                                 f"starts ranks needs an `if __name__ == \"__main__\":` "
+                                 f"guard)") from exc
         self.group = group
         self._finalizer = weakref.finalize(self, _stop, self.procs, group)
         try:
@@ -175,6 +190,13 @@ class DEPEngine:
         self._owner: dict[str, int] = {}  # live request -> its rank
         self._adds: list[list] = []
         self._aborts: list[str] = []
+        # per step, per rank: [MoE compute s, collective s (incl. waiting), rows computed]
+        self.moe_times: list[list[list[float]]] = []
+
+    def take_slot_counts(self) -> torch.Tensor:
+        """Tokens per (MoE layer, physical slot) since the last call, over every rank."""
+        _send(self.group, TAKE_LOAD, None)
+        return self.rank.take_slot_counts()
 
     @property
     def engine(self) -> Any:
@@ -213,9 +235,10 @@ class DEPEngine:
         adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
         _send(self.group, STEP, [adds, aborts])
         mine = [a[1:] for a in adds if a[0] == 0]
-        outputs = self.rank.gather(self.rank.run_step(mine, aborts))
+        ranks = self.rank.gather(self.rank.run_step(mine, aborts))
+        self.moe_times.append([r["moe"] for r in ranks])
         result = []
-        for item in outputs:
+        for item in (item for r in ranks for item in r["out"]):
             if item[1] is None:  # refused by its rank
                 self._owner.pop(item[0], None)
                 raise ValueError(item[2])
@@ -259,6 +282,9 @@ def follower_main(config: EngineConfig, group_name: str, rank: int, slot_bytes: 
                 return
             if kind == PLACEMENT:
                 me.apply_placement(payload)
+                continue
+            if kind == TAKE_LOAD:
+                me.take_slot_counts()
                 continue
             adds, aborts = payload
             mine = [a[1:] for a in adds if a[0] == rank]

@@ -8,7 +8,9 @@ stacks, packed per expert for oneDNN (engine/prepack.py) or quantized (engine/qu
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,28 @@ from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
 ExpertLinear = Callable[[Tensor, int], Tensor]
+
+
+@dataclass
+class EPTimer:
+    """One expert-parallel rank's MoE time, split into its own experts' compute and the
+    dispatch/combine collectives (which include waiting for the slowest rank), and the
+    (token, expert) rows it computed; summed over layers until taken."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    rows: int = 0
+
+    def add(self, compute_s: float, wait_s: float, rows: int) -> None:
+        self.compute_s += compute_s
+        self.wait_s += wait_s
+        self.rows += rows
+
+    def take(self) -> list[float]:
+        values = [self.compute_s, self.wait_s, float(self.rows)]
+        self.compute_s = self.wait_s = 0.0
+        self.rows = 0
+        return values
 
 
 class MLP(nn.Module):
@@ -69,6 +93,7 @@ class MoE(nn.Module):
         # Expert parallel (engine/ep_runner.py): this rank computes only its share of the
         # placement's slots (rank-major); tokens travel to them and back by all-to-all.
         self.ep: ProcessGroup | None = None
+        self.ep_timer: EPTimer | None = None  # shared by a rank's MoE layers
 
     def set_packed(self, w13: list[Tensor], w2: list[Tensor]) -> None:
         self.packed = (w13, w2)
@@ -161,6 +186,7 @@ class MoE(nn.Module):
         calls this once per layer and step, with or without tokens (collectives must meet)."""
         ep = self.ep
         assert ep is not None
+        started = time.perf_counter()
         per_rank = self.num_slots // ep.world_size
         first = ep.rank * per_rank
         dest = groups // per_rank
@@ -170,6 +196,7 @@ class MoE(nn.Module):
         sent = send.tolist()
         rows = ep.all_to_all(x[order // self.top_k], sent)
         local = ep.all_to_all(groups[order], sent) - first
+        dispatched = time.perf_counter()
         ys = torch.empty_like(rows)
         if len(rows):
             by_slot = torch.argsort(local, stable=True)
@@ -178,7 +205,11 @@ class MoE(nn.Module):
                 rows[by_slot], local[by_slot], counts, counts.tolist(), functools.partial(
                     self._run_experts, gate_up=lambda h, e: gate_up(h, first + e),
                     down=lambda h, e: down(h, first + e)))
+        computed = time.perf_counter()
         back = ep.all_to_all(ys, receive)
+        if self.ep_timer is not None:
+            self.ep_timer.add(computed - dispatched, dispatched - started
+                              + time.perf_counter() - computed, len(rows))
         back = (back.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, order // self.top_k, back)
 

@@ -73,10 +73,13 @@ class TPGroup:
             proc.start()
         self.fatal_error: str | None = None
         try:
-            self.group = ShmGroup(name, 0, world, timeout_s=LOAD_TIMEOUT_S)
+            self.group = ShmGroup(name, 0, world, timeout_s=LOAD_TIMEOUT_S, peers_alive=lambda: all(
+                p.exitcode is None for p in self.procs))
         except CollectiveError as exc:
             _stop(self.procs, None)
-            raise ModelLoadError(f"tensor-parallel ranks did not start: {exc}") from exc
+            raise ModelLoadError(f"tensor-parallel ranks did not start: {exc} (a script that "
+                                 f"starts ranks needs an `if __name__ == \"__main__\":` "
+                                 f"guard)") from exc
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tp watchdog",
                          daemon=True).start()

@@ -28,6 +28,7 @@ import math
 import mmap
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +50,10 @@ def segment_path(name: str) -> Path:
 class ShmGroup:
     def __init__(self, name: str, rank: int, world_size: int,
                  slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 30.0,
-                 liveness_every_s: float = 0.1) -> None:
+                 liveness_every_s: float = 0.1,
+                 peers_alive: Callable[[], bool] | None = None) -> None:
+        """peers_alive: rank 0 may say whether the ranks it started still run, so that one
+        that died before joining fails the join at once instead of at the timeout."""
         assert 0 <= rank < world_size and slot_bytes % LINE == 0
         self.name, self.rank, self.world_size = name, rank, world_size
         self.slot_bytes, self.timeout_s, self.liveness_every_s = slot_bytes, timeout_s, \
@@ -83,16 +87,19 @@ class ShmGroup:
         self._pids: list[int] = [0] * world_size
         self._header[rank * 8 + 1] = os.getpid()
         try:
-            self._join(deadline)
+            self._join(deadline, peers_alive)
         finally:
             if rank == 0 or all(self._pids):
                 path.unlink(missing_ok=True)  # mapped by all (or failed): the name can go
 
-    def _join(self, deadline: float) -> None:
+    def _join(self, deadline: float, peers_alive: Callable[[], bool] | None) -> None:
         while True:
             self._pids = [self._header[r * 8 + 1] for r in range(self.world_size)]
             if all(self._pids):
                 return
+            if peers_alive is not None and not peers_alive():
+                missing = [r for r, p in enumerate(self._pids) if not p]
+                raise PeerLost(f"shm group {self.name}: ranks {missing} exited before joining")
             if time.monotonic() > deadline:
                 missing = [r for r, p in enumerate(self._pids) if not p]
                 raise CollectiveTimeout(f"shm group {self.name}: ranks {missing} never joined")

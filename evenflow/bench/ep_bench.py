@@ -1,0 +1,209 @@
+"""`evenflow bench ep`: does the balancer's placement remove a measured straggler between real
+expert-parallel ranks?
+
+On a skewed workload (tiny-moe's own routing, and a random 110M Mixtral whose router favours
+two experts), N=2 DEP ranks of 1 thread each (offline, engine/ep_runner.py) run batch-32 decode
+and a 2,048-token prefill per rank, first under the initial placement (experts in order, the
+redundant slots on copies of the first experts), then under the placement the balancer computes
+from the load it saw (balancer/eplb.py: replicate hot experts, pack ranks evenly, replica
+shares). Printed per phase: step time p50/p99, each rank's MoE compute and collective time per
+step (the collective time includes waiting for the slowest rank), balancedness (mean/max over
+ranks) in rows and in time, decode throughput, prefill step time, and the pause to apply the
+placement; plus one process with 2 threads and no EP, for reference. All in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from evenflow.bench.machine import run_worker
+
+FULL = dict(batch=32, prompt=128, output=64, prefill=2048, ranks=2)
+QUICK = dict(batch=8, prompt=16, output=8, prefill=64, ranks=2)
+REDUNDANT = 2  # slots beyond the experts, for replicas of hot experts
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def _drive(engine, prompts: list[list[int]], max_tokens: int, ids) -> list[float]:
+    from evenflow.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(str(next(ids)), p, params)
+    steps = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def _phase(engine, plan: dict, vocab: int, ids) -> dict:
+    """Decode at the plan's batch, then one prefill of plan['prefill'] tokens per rank."""
+    _drive(engine, _prompts(plan["ranks"], 16, vocab, 5), 4, ids)  # warm-up
+    engine.moe_times.clear()
+    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, 1), plan["output"],
+                   ids)
+    decode = steps[2:]  # past the prefill steps
+    moe = engine.moe_times[2:]
+    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, 2), 1, ids)
+
+    def per_rank(index: int) -> list[float]:
+        return [statistics.median(step[r][index] for step in moe) * 1e3
+                for r in range(plan["ranks"])]
+
+    def balance(index: int) -> float:
+        return statistics.fmean(statistics.fmean(s[index] for s in step)
+                                / max(max(s[index] for s in step), 1e-12) for step in moe)
+
+    return {"step_p50": statistics.median(decode) * 1e3,
+            "step_p99": sorted(decode)[int(0.99 * (len(decode) - 1))] * 1e3,
+            "compute": per_rank(0), "wait": per_rank(1), "rows": per_rank(2),
+            "balance_rows": balance(2), "balance_time": balance(0),
+            "tok_s": plan["batch"] * plan["output"] / sum(steps),
+            "prefill_ms": max(prefill) * 1e3}
+
+
+def run_ep(ckpt: str, plan: dict) -> dict:
+    import torch
+
+    from evenflow.balancer.eplb import rebalance_experts, replica_shares
+    from evenflow.engine.engine import EngineConfig
+    from evenflow.engine.ep_runner import DEPEngine
+
+    engine = DEPEngine(EngineConfig(model=ckpt, num_threads=1, expert_parallel_size=plan["ranks"],
+                                    num_redundant_experts=REDUNDANT, max_num_seqs=64))
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+    try:
+        initial = _phase(engine, plan, vocab, ids)
+        slots = engine.take_slot_counts()  # (layers, slots) tokens per physical slot
+        phy2log = engine.engine.model.moe_layers()[0].placement.phy2log
+        E = engine.model_config.num_experts
+        load = torch.zeros(slots.shape[0], E).index_add_(1, phy2log, slots.float())
+        placement = rebalance_experts(load, slots.shape[1], 1, 1, plan["ranks"])
+        shares = replica_shares(load, placement.phy2log, plan["ranks"])
+        t0 = time.perf_counter()
+        engine.apply_placement(placement.phy2log, shares, version=1)
+        pause = time.perf_counter() - t0
+        balanced = _phase(engine, plan, vocab, ids)
+    finally:
+        engine.close()
+    return {"initial": initial, "balanced": balanced, "pause_ms": pause * 1e3}
+
+
+def run_single(ckpt: str, plan: dict) -> dict:
+    from evenflow.engine.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=ckpt, num_threads=2, max_num_seqs=64,
+                                 max_num_batched_tokens=plan["ranks"] * plan["prefill"]))
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+    _drive(engine, _prompts(2, 16, vocab, 5), 4, ids)
+    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, 1), plan["output"],
+                   ids)
+    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, 2), 1, ids)
+    return {"step_p50": statistics.median(steps[1:]) * 1e3,
+            "step_p99": sorted(steps[1:])[int(0.99 * (len(steps) - 2))] * 1e3,
+            "tok_s": plan["batch"] * plan["output"] / sum(steps), "prefill_ms": max(prefill) * 1e3}
+
+
+def skewed_mixtral(root: Path) -> Path:
+    """The bench's random 110M Mixtral with the router rows of experts 0 and 1 scaled up 4x:
+    their logits vary 4x as much, so top-2 picks them far more often (both start on rank 0)."""
+    from safetensors.torch import load_file, save_file
+
+    from evenflow.bench.checkpoint import write_random_mixtral
+
+    base = write_random_mixtral(root / "mixtral-110m")
+    out = root / "mixtral-110m-skewed"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(base / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            t[:2] *= 4
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def _worker(argv: list[str]) -> int:
+    kind, ckpt, plan = argv[0], argv[1], json.loads(argv[2])
+    print(json.dumps(run_ep(ckpt, plan) if kind == "ep" else run_single(ckpt, plan)))
+    return 0
+
+
+def _table(name: str, ep: dict, single: dict | None) -> str:
+    ranks = len(ep["initial"]["compute"])
+    lines = [f"{name}: {ranks} DEP ranks x 1 thread"
+             f"{'' if single is None else ', and 1 process x 2 threads without EP'}",
+             f"  {'placement':12} {'step p50':>9} {'p99':>7} {'MoE ms/rank':>16} "
+             f"{'collect. ms/rank':>17} {'bal. rows':>9} {'bal. time':>9} {'tok/s':>8} "
+             f"{'prefill ms':>10}"]
+    for phase in ("initial", "balanced"):
+        r = ep[phase]
+        lines.append(
+            f"  {phase:12} {r['step_p50']:9.2f} {r['step_p99']:7.2f} "
+            f"{' / '.join(f'{v:.2f}' for v in r['compute']):>16} "
+            f"{' / '.join(f'{v:.2f}' for v in r['wait']):>17} {r['balance_rows']:9.3f} "
+            f"{r['balance_time']:9.3f} {r['tok_s']:8.1f} {r['prefill_ms']:10.1f}")
+    if single is not None:
+        lines.append(f"  {'1 proc, 2 thr':12} {single['step_p50']:9.2f} {single['step_p99']:7.2f}"
+                     f" {'-':>16} {'-':>17} {'-':>9} {'-':>9} {single['tok_s']:8.1f} "
+                     f"{single['prefill_ms']:10.1f}")
+    a, b = ep["initial"], ep["balanced"]
+    lines.append(f"  balanced vs initial: decode step {b['step_p50'] / a['step_p50']:.2f}x the "
+                 f"time, prefill {b['prefill_ms'] / a['prefill_ms']:.2f}x; largest serving "
+                 f"pause to apply the placement {ep['pause_ms']:.1f} ms "
+                 f"(a decode step: {a['step_p50']:.1f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    ap = argparse.ArgumentParser(prog="evenflow bench ep", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="tiny-moe only, small sizes")
+    args = ap.parse_args(argv)
+
+    from evenflow.bench.machine import machine_line
+    from evenflow.engine.config import cpu_has_bf16
+
+    plan = QUICK if args.quick else FULL
+    print(machine_line("bfloat16" if cpu_has_bf16() else "float32", 2))
+    root = Path(tempfile.gettempdir()) / "evenflow-bench"
+    models = [("tiny-moe", "tiny-moe")]
+    if not args.quick:
+        models.append(("random 110M Mixtral, router skewed to experts 0 and 1",
+                       str(skewed_mixtral(root))))
+    for name, ckpt in models:
+        model_plan = dict(plan, prefill=min(plan["prefill"], 448)) if ckpt == "tiny-moe" else plan
+        ep = run_worker("evenflow.bench.ep_bench", ["ep", ckpt, json.dumps(model_plan)], 1, name)
+        single = run_worker("evenflow.bench.ep_bench", ["single", ckpt, json.dumps(model_plan)],
+                            2, name)
+        if ep is None:
+            return 1
+        print(_table(name, ep, single))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
