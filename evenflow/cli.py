@@ -58,7 +58,8 @@ def _up(args: argparse.Namespace) -> int:
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
             "quantization": args.quantization, "quant_group_size": args.quant_group_size,
-            "tensor_parallel_size": args.tensor_parallel_size})
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "expert_parallel_size": args.expert_parallel_size})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size",
                         help="tensor parallelism: each worker is this many rank processes "
                              "(default 1)")
+    engine.add_argument("--ep", type=int, default=None, dest="expert_parallel_size",
+                        help="DEP: each worker is a group of this many rank processes, each a "
+                             "worker of its own, with expert-parallel MoE layers (default 1)")
     engine.add_argument("--kv-cache-gb", type=float, default=None,
                         help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
     engine.add_argument("--num-kv-blocks", type=int, default=None,

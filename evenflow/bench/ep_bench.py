@@ -2,9 +2,10 @@
 expert-parallel ranks?
 
 On a skewed workload (tiny-moe's own routing, and a random 110M Mixtral whose router favours
-two experts), N=2 DEP ranks of 1 thread each (offline, engine/ep_runner.py) run batch-32 decode
-and a 2,048-token prefill per rank, first under the initial placement (experts in order, the
-redundant slots on copies of the first experts), then under the placement the balancer computes
+experts 2 and 3, which the initial placement puts on one rank without replicas), N=2 DEP ranks
+of 1 thread each (offline, engine/ep_runner.py) run batch-32 decode and a 2,048-token prefill
+per rank, first under the initial placement (experts in order, the redundant slots on copies of
+the first experts), then under the placement the balancer computes
 from the load it saw (balancer/eplb.py: replicate hot experts, pack ranks evenly, replica
 shares). Printed per phase: step time p50/p99, each rank's MoE compute and collective time per
 step (the collective time includes waiting for the slowest rank), balancedness (mean/max over
@@ -50,15 +51,16 @@ def _drive(engine, prompts: list[list[int]], max_tokens: int, ids) -> list[float
     return steps
 
 
-def _phase(engine, plan: dict, vocab: int, ids) -> dict:
-    """Decode at the plan's batch, then one prefill of plan['prefill'] tokens per rank."""
-    _drive(engine, _prompts(plan["ranks"], 16, vocab, 5), 4, ids)  # warm-up
+def _phase(engine, plan: dict, vocab: int, ids, seed: int) -> dict:
+    """Decode at the plan's batch, then one prefill of plan['prefill'] tokens per rank (new
+    prompts each phase: nothing comes from the prefix cache)."""
+    _drive(engine, _prompts(plan["ranks"], 16, vocab, seed + 5), 4, ids)  # warm-up
     engine.moe_times.clear()
-    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, 1), plan["output"],
-                   ids)
+    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, seed + 1),
+                   plan["output"], ids)
     decode = steps[2:]  # past the prefill steps
     moe = engine.moe_times[2:]
-    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, 2), 1, ids)
+    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, seed + 2), 1, ids)
 
     def per_rank(index: int) -> list[float]:
         return [statistics.median(step[r][index] for step in moe) * 1e3
@@ -88,7 +90,7 @@ def run_ep(ckpt: str, plan: dict) -> dict:
     vocab = engine.model_config.vocab_size
     ids = iter(range(10**9))
     try:
-        initial = _phase(engine, plan, vocab, ids)
+        initial = _phase(engine, plan, vocab, ids, 100)
         slots = engine.take_slot_counts()  # (layers, slots) tokens per physical slot
         phy2log = engine.engine.model.moe_layers()[0].placement.phy2log
         E = engine.model_config.num_experts
@@ -98,7 +100,7 @@ def run_ep(ckpt: str, plan: dict) -> dict:
         t0 = time.perf_counter()
         engine.apply_placement(placement.phy2log, shares, version=1)
         pause = time.perf_counter() - t0
-        balanced = _phase(engine, plan, vocab, ids)
+        balanced = _phase(engine, plan, vocab, ids, 200)
     finally:
         engine.close()
     return {"initial": initial, "balanced": balanced, "pause_ms": pause * 1e3}
@@ -121,21 +123,22 @@ def run_single(ckpt: str, plan: dict) -> dict:
 
 
 def skewed_mixtral(root: Path) -> Path:
-    """The bench's random 110M Mixtral with the router rows of experts 0 and 1 scaled up 4x:
-    their logits vary 4x as much, so top-2 picks them far more often (both start on rank 0)."""
+    """The bench's random 110M Mixtral with the router rows of experts 2 and 3 scaled up 6x:
+    their logits vary 6x as much, so top-2 picks them far more often. Both start on rank 0 and
+    without a replica (the initial placement's redundant slots copy experts 0 and 1)."""
     from safetensors.torch import load_file, save_file
 
     from evenflow.bench.checkpoint import write_random_mixtral
 
     base = write_random_mixtral(root / "mixtral-110m")
-    out = root / "mixtral-110m-skewed"
+    out = root / "mixtral-110m-skewed-2-3"
     if (out / "model.safetensors").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(base / "model.safetensors"))
     for name, t in tensors.items():
         if name.endswith("block_sparse_moe.gate.weight"):
-            t[:2] *= 4
+            t[2:4] *= 6
     for f in base.iterdir():
         if f.name != "model.safetensors":
             (out / f.name).write_bytes(f.read_bytes())
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.gettempdir()) / "evenflow-bench"
     models = [("tiny-moe", "tiny-moe")]
     if not args.quick:
-        models.append(("random 110M Mixtral, router skewed to experts 0 and 1",
+        models.append(("random 110M Mixtral, router skewed to experts 2 and 3",
                        str(skewed_mixtral(root))))
     for name, ckpt in models:
         model_plan = dict(plan, prefill=min(plan["prefill"], 448)) if ckpt == "tiny-moe" else plan

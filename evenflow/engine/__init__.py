@@ -12,9 +12,16 @@ if TYPE_CHECKING:
 
 def create_engine(kind: str, config: EngineConfig,
                   kv_event_listener: KVEventListener | None = None,
-                  collect_kv_events: bool = False) -> Engine:
+                  collect_kv_events: bool = False, ep_rank: int = 0,
+                  ep_group: str = "") -> Engine:
     """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model.
-    A serving engine collects its KV events for take_kv_events() (collect_kv_events)."""
+    A serving engine collects its KV events for take_kv_events() (collect_kv_events). With
+    config.expert_parallel_size > 1, this is rank `ep_rank` of the DEP group named `ep_group`
+    (engine/lockstep.py)."""
+    if kind == "torch" and config.expert_parallel_size > 1:
+        from evenflow.engine.lockstep import LockstepEngine
+
+        return LockstepEngine(config, kv_event_listener, collect_kv_events, ep_rank, ep_group)
     if kind == "torch":
         from evenflow.engine.engine import Engine
 

@@ -74,6 +74,8 @@ class Engine:
     """The real engine; it implements services/engine_api.py's ServingEngine (what services may
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 
+    idle_poll_s = 0.5  # how long its thread waits for work when idle
+
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
                  collect_kv_events: bool = False, ep_group: ProcessGroup | None = None):
         if config.expert_parallel_size > 1 and ep_group is None:

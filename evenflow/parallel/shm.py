@@ -109,11 +109,13 @@ class ShmGroup:
     def _seq_of(self, r: int) -> int:
         return self._header[r * 8]
 
-    def _wait(self, k: int, ranks: range | list[int] | None = None, patient: bool = False
-              ) -> None:
+    def _wait(self, k: int, ranks: range | list[int] | None = None, patient: bool = False,
+              nap_after_s: float = 0.0) -> None:
         """Until every rank in `ranks` (default all) has published op k. patient: no timeout
         (peers are still checked for liveness), and sleeps of PATIENT_SLEEP_S once the wait
-        has lasted PATIENT_AFTER_S (a follower waiting for its leader's next command)."""
+        has lasted PATIENT_AFTER_S (a follower waiting for its leader's next command).
+        nap_after_s > 0: sleep in PATIENT_SLEEP_S steps after that long instead of spinning
+        (ranks agreeing whether there is work, while the group may be idle)."""
         ranks = range(self.world_size) if ranks is None else ranks
         header = self._header
         if all(header[r * 8] >= k for r in ranks):
@@ -123,7 +125,9 @@ class ShmGroup:
         spins = 0
         while not all(header[r * 8] >= k for r in ranks):
             spins += 1
-            if patient and spins > 20_000 and time.monotonic() - start > PATIENT_AFTER_S:
+            if nap_after_s and spins > 100 and time.monotonic() - start > nap_after_s:
+                time.sleep(PATIENT_SLEEP_S)
+            elif patient and spins > 20_000 and time.monotonic() - start > PATIENT_AFTER_S:
                 time.sleep(PATIENT_SLEEP_S)
             elif spins > 20_000:
                 time.sleep(0.00005)
@@ -183,7 +187,8 @@ class ShmGroup:
             tensor.copy_(flat.view(tensor.shape))
         return tensor
 
-    def all_gather(self, tensor: Tensor) -> Tensor:
+    def all_gather(self, tensor: Tensor, nap_after_s: float = 0.0) -> Tensor:
+        """nap_after_s: see _wait (the lockstep engines' idle agreement)."""
         src = tensor.contiguous().view(-1)
         out = torch.empty(self.world_size, src.numel(), dtype=tensor.dtype)
         pieces = self._pieces(src)
@@ -192,7 +197,7 @@ class ShmGroup:
             k = self._begin()
             self._slot(k, self.rank, nbytes).copy_(piece.view(torch.uint8))
             self._publish(k)
-            self._wait(k)
+            self._wait(k, nap_after_s=nap_after_s)
             for r in range(self.world_size):
                 out[r, lo : lo + piece.numel()].copy_(self._slot(k, r, nbytes).view(piece.dtype))
         return out.view(self.world_size, *tensor.shape)

@@ -147,6 +147,13 @@ class MeshConfig:
     # Fleet (for `evenflow up`)
     num_prefill: int = 1
     num_decode: int = 1
+    # DEP (engine/lockstep.py): every worker is a group of this many rank processes, each a
+    # worker of its own (d0r0, d0r1, ...) whose MoE layers are expert-parallel over the group;
+    # then num_ep_ranks is the group size. ep_rank / ep_group are set per process by the
+    # launcher (EVENFLOW_EP_RANK, EVENFLOW_EP_GROUP).
+    expert_parallel_size: int = 1
+    ep_rank: int = 0
+    ep_group: str = ""
 
     def __post_init__(self) -> None:
         for name, (low, high, inclusive) in _RANGES.items():
@@ -162,6 +169,8 @@ class MeshConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} ({ENV_PREFIX}{name.upper()}) must be one of "
                                   f"{', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.expert_parallel_size > 1 and self.num_ep_ranks != self.expert_parallel_size:
+            object.__setattr__(self, "num_ep_ranks", self.expert_parallel_size)
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
         try:

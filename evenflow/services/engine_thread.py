@@ -207,7 +207,7 @@ class EngineThread:
                 if self.engine.has_unfinished():
                     commands.append(self._commands.get_nowait())
                 else:
-                    commands.append(self._commands.get(timeout=0.5))
+                    commands.append(self._commands.get(timeout=self.engine.idle_poll_s))
                 while True:
                     commands.append(self._commands.get_nowait())
             except queue.Empty:

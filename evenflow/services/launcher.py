@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -157,6 +158,16 @@ def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None
     raise LaunchError(f"the mesh at {url} did not become healthy within {timeout_s}s")
 
 
+_EP_WORKER = re.compile(r"^([dp]\d+)r(\d+)$")  # rank r of DEP worker group d3 / p0
+
+
+def worker_ids(prefix: str, count: int, ep: int) -> list[str]:
+    """d0, d1, ... or, with DEP groups of ep ranks, d0r0, d0r1, d1r0, ..."""
+    if ep <= 1:
+        return [f"{prefix}{i}" for i in range(count)]
+    return [f"{prefix}{i}r{r}" for i in range(count) for r in range(ep)]
+
+
 @dataclass
 class LocalMesh:
     """A running local mesh: servers and service processes, stopped together."""
@@ -187,10 +198,10 @@ class LocalMesh:
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
             self.child_env = child_env | (env or {}) | cfg.to_env()
-            for i in range(cfg.num_decode):
-                self.spawn(["-m", "evenflow.decode", f"d{i}"])
-            for i in range(cfg.num_prefill):
-                self.spawn(["-m", "evenflow.prefill", f"p{i}"])
+            for worker in worker_ids("d", cfg.num_decode, cfg.expert_parallel_size):
+                self.spawn(["-m", "evenflow.decode", worker])
+            for worker in worker_ids("p", cfg.num_prefill, cfg.expert_parallel_size):
+                self.spawn(["-m", "evenflow.prefill", worker])
             self.spawn(["-m", "evenflow.kv_index", "kv0"])
             if cfg.num_ep_ranks and cfg.engine == "torch":
                 self.spawn(["-m", "evenflow.balancer", "eplb0"])
@@ -208,8 +219,9 @@ class LocalMesh:
     def _start_secure_nats(self, cfg: MeshConfig) -> MeshConfig:
         """nats-server with a user per service (and an admin), each with its permissions;
         each service gets a credentials file of its own."""
-        services = [("decode", f"d{i}") for i in range(cfg.num_decode)] + [
-            ("prefill", f"p{i}") for i in range(cfg.num_prefill)] + [
+        ep = cfg.expert_parallel_size
+        services = [("decode", w) for w in worker_ids("d", cfg.num_decode, ep)] + [
+            ("prefill", w) for w in worker_ids("p", cfg.num_prefill, ep)] + [
             ("kv_index", "kv0"), ("balancer", "eplb0"), ("gateway", "gateway"), ("admin", "")]
         users = {(role, wid): nats_auth.make_user(role, wid) for role, wid in services}
         port = free_port()
@@ -242,10 +254,13 @@ class LocalMesh:
     def _env_for(self, args: list[str] | Any) -> dict[str, str]:
         role = str(args[args.index("-m") + 1]).removeprefix("evenflow.") if "-m" in args else ""
         worker_id = "gateway" if role == "gateway" else str(args[-1])
+        env = dict(self.child_env)
+        if (m := _EP_WORKER.match(worker_id)) and self.config.expert_parallel_size > 1:
+            env |= {"EVENFLOW_EP_RANK": m[2], "EVENFLOW_EP_GROUP": f"{os.getpid()}-{m[1]}"}
         creds = self.credentials.get((role, worker_id))
-        if creds is None:
-            return self.child_env
-        return {**self.child_env, "EVENFLOW_NATS_CREDENTIALS_FILE": creds}
+        if creds is not None:
+            env["EVENFLOW_NATS_CREDENTIALS_FILE"] = creds
+        return env
 
     def wait_healthy(self, timeout_s: float) -> None:
         def check_children() -> None:
@@ -253,8 +268,10 @@ class LocalMesh:
             if dead:
                 raise LaunchError(f"{_command(dead[0])} exited with {dead[0].returncode}")
 
+        ep = self.config.expert_parallel_size
         wait_for_health(self.url, timeout_s, check_children,
-                        {"prefill": self.config.num_prefill, "decode": self.config.num_decode})
+                        {"prefill": self.config.num_prefill * ep,
+                         "decode": self.config.num_decode * ep})
 
     def supervise(self, report: Callable[[str], None] | None = None) -> None:
         """One supervision pass (call it every half second): restart what died, after its

@@ -1,0 +1,78 @@
+"""`evenflow up --decode 1 --ep 2`: a DEP group of two decode ranks, each a worker of its own,
+serves the API; kill -9 one rank mid-stream and the stream ends with an error event (the only
+decode group is gone) within 10 s, the other rank leaves the group within 10 s, no shm segment
+is left, and the supervisor brings the group back, serving again."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from meshutil import wait_for
+from test_tp_rank_death import stream
+
+from evenflow.parallel.shm import SHM_DIR
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import LocalMesh
+from evenflow.services.supervisor import GaveUp, RestartPolicy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ep_mesh():
+    config = MeshConfig(port=0, num_prefill=1, num_decode=1, expert_parallel_size=2,
+                        heartbeat_interval_s=0.2, worker_timeout_s=2.0)
+    mesh = LocalMesh(config, restart_policy=RestartPolicy(backoff_s=0.2))
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                mesh.supervise(report=lambda m: None)
+            except GaveUp as exc:
+                problems.append(str(exc))
+                return
+            time.sleep(0.1)
+
+    try:
+        mesh.start(health_timeout_s=180)
+        threading.Thread(target=loop, daemon=True).start()
+        yield mesh
+        assert not problems
+    finally:
+        stop.set()
+        mesh.stop()
+        assert not [p.name for p in SHM_DIR.iterdir() if p.name.startswith("evenflow-")]
+
+
+def worker(mesh: LocalMesh, name: str):
+    return next(p for p in mesh.procs if p.args[-1] == name)
+
+
+def test_the_group_serves_and_health_counts_every_rank(ep_mesh):
+    health = httpx.get(ep_mesh.url + "/health", timeout=10).json()
+    assert health["workers"] == {"prefill": 2, "decode": 2}
+    text, tokens, error = stream(ep_mesh, "count from 17 : 17 18")
+    assert error is None and tokens == 200 and text.split()[:4] == ["19", "20", "21", "22"]
+
+
+def test_killing_a_rank_ends_the_group_and_it_comes_back(ep_mesh):
+    rank0, rank1 = worker(ep_mesh, "d0r0"), worker(ep_mesh, "d0r1")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(stream, ep_mesh, "count from 5 : 5 6 7")
+        time.sleep(1.5)
+        rank1.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_for(lambda: rank0.poll() is not None, timeout=10), "rank 0 stayed"
+        _, tokens, error = pending.result(timeout=30)
+        assert time.monotonic() - killed < 10
+    assert error is not None or tokens == 200  # an error event, never a silent cut
+    assert wait_for(lambda: worker(ep_mesh, "d0r0").pid != rank0.pid
+                    and worker(ep_mesh, "d0r1").pid != rank1.pid, timeout=15)
+    assert wait_for(lambda: stream(ep_mesh, "count from 9 : 9 10")[2] is None, timeout=90)
