@@ -82,7 +82,9 @@ class ServingEngine(Protocol):
     def has_unfinished(self) -> bool: ...
     def step(self) -> Sequence[EngineOutput]: ...
     def configure_current_thread(self) -> None: ...
-    idle_poll_s: float  # how long the engine thread may wait for commands when idle
+    @property
+    def idle_poll_s(self) -> float:
+        """How long the engine thread may wait for commands when idle."""
     @property
     def fatal_error(self) -> str | None:
         """Set when the engine can never step again (a tensor-parallel rank is gone)."""
