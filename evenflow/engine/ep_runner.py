@@ -14,9 +14,12 @@ The ranks step in lockstep, as vLLM's and SGLang's DP attention do. Each step:
    into the cache's spare slot), so every MoE layer's collectives meet;
 3. the ranks' outputs are gathered to rank 0 (lengths, then msgpack bytes).
 
-Not yet: serving DEP ranks through the mesh (`evenflow up --ep`, each rank a mesh worker),
-moving expert weights between ranks on a placement change (every rank loads every expert and
-computes only its slots' share), per-rank MoE and wait timings.
+Each rank also times its MoE layers per step (its experts' compute, and the dispatch/combine
+collectives including the wait for the slowest rank): `DEPEngine.moe_times`.
+
+The mesh runs DEP ranks differently (engine/lockstep.py: each rank a worker of its own, no
+leader). Not yet: moving expert weights between ranks on a placement change (every rank loads
+every expert and computes only its slots' share, so a placement change is a re-labelling).
 """
 
 from __future__ import annotations
