@@ -37,6 +37,7 @@ from torch import Tensor
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from evenflow.engine.model import CausalLM
 from evenflow.engine.runner import ChunkInput, ModelRunner
+from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
 from evenflow.engine.tp_shard import TPShard
 from evenflow.parallel.group import CollectiveError
@@ -158,8 +159,6 @@ class TPLeaderRunner(ModelRunner):
         inputs = [ChunkInput.of(c) for c in chunks]
         wire = [[c.token_ids, c.start, c.block_table, c.samples] for c in inputs]
         self._guard(self.tp.send, RUN, wire)
-        from evenflow.engine.sampler import sample
-
         logits = self._guard(self.forward, inputs)
         return sample(logits, [c.seq for c in chunks if c.samples])
 
