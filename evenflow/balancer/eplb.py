@@ -111,7 +111,7 @@ def _inverse(perm: Tensor) -> Tensor:
 
 
 def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
-                  num_gpus: int) -> tuple[Tensor, Tensor, Tensor]:
+                  num_gpus: int, refine_steps: int = 64) -> tuple[Tensor, Tensor, Tensor]:
     L, n_log = weight.shape
     assert n_log % num_groups == 0 and num_groups % num_nodes == 0
     assert num_gpus % num_nodes == 0 and num_phy % num_gpus == 0
@@ -120,7 +120,7 @@ def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
     per_gpu = num_phy // num_gpus
     # 1. groups -> nodes
     group_w = weight.unflatten(-1, (num_groups, group_size)).sum(-1)  # [L, G]
-    gpack, grank = balanced_packing(group_w, num_nodes)
+    gpack, grank = balanced_packing(group_w, num_nodes, refine_steps)
     log2mlog = (((gpack * groups_per_node + grank) * group_size).unsqueeze(-1)
                 + torch.arange(group_size)).flatten(-2)  # node-major "meta-logical" order
     mlog2log = _inverse(log2mlog)
@@ -129,7 +129,7 @@ def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
     phy2mlog, phyrank, mlogcnt = replicate_experts(mlog_w, num_phy // num_nodes)
     # 3. replicas -> the node's GPUs
     phy_w = (mlog_w / mlogcnt).gather(-1, phy2mlog)
-    pack, rank = balanced_packing(phy_w, num_gpus // num_nodes)
+    pack, rank = balanced_packing(phy_w, num_gpus // num_nodes, refine_steps)
     pphy2phy = _inverse(pack * per_gpu + rank)
     pphy2mlog = phy2mlog.gather(-1, pphy2phy)
     pphy2mlog = (pphy2mlog.view(L, num_nodes, -1)
@@ -141,15 +141,17 @@ def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
 
 
 def rebalance_experts(weight: Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int) -> Placement:
-    """DeepSeek EPLB's interface (see the module docstring)."""
+                      num_gpus: int, refine_steps: int = 64) -> Placement:
+    """DeepSeek EPLB's interface (see the module docstring). refine_steps=0 leaves out our
+    refinement: DeepSeek's reference policy (greedy packing only)."""
     assert weight.dim() == 2 and num_replicas >= weight.shape[1]
     weight = weight.float().cpu()
     if num_groups % num_nodes == 0:
         phy2log, rank, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes,
-                                              num_gpus)
+                                              num_gpus, refine_steps)
     else:
-        phy2log, rank, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_gpus)
+        phy2log, rank, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_gpus,
+                                              refine_steps)
     return Placement(phy2log, _log2phy(phy2log, rank, logcnt), logcnt)
 
 

@@ -185,7 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(argv[1:])
     ap = argparse.ArgumentParser(prog="evenflow bench ep", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny-moe only, small sizes")
+    ap.add_argument("--simulate", action="store_true",
+                    help="the timing model of an EP step at scale instead (bench/ep_sim.py)")
+    ap.add_argument("--ranks", default="8,32,64", help="--simulate: EP rank counts")
+    ap.add_argument("--experts", type=int, default=256, help="--simulate: experts per layer")
+    ap.add_argument("--layers", type=int, default=58, help="--simulate: MoE layers")
+    ap.add_argument("--zipf", type=float, default=1.0, help="--simulate: Zipf exponent")
     args = ap.parse_args(argv)
+    if args.simulate:
+        from evenflow.bench.ep_sim import Shape, simulate
+
+        shape = Shape(layers=args.layers, experts=args.experts)
+        print("\n".join(simulate([int(r) for r in args.ranks.split(",")], shape, args.zipf)))
+        return 0
 
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
