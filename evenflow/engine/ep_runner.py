@@ -34,7 +34,9 @@ import msgpack
 import torch
 
 from evenflow.engine.config import EngineConfig, ModelLoadError
+from evenflow.engine.engine import StepOutput
 from evenflow.engine.ffn import EPTimer
+from evenflow.engine.rank_commands import receive_command, send_command, stop_ranks
 from evenflow.engine.runner import ChunkInput
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import FinishReason
@@ -119,31 +121,6 @@ class LockstepRank:
         self.engine.apply_placement(torch.tensor(phy2log).view(shape), share_t, version)
 
 
-def _send(group: ProcessGroup, kind: int, payload: Any = None) -> None:
-    data = msgpack.packb(payload)
-    group.broadcast(torch.tensor([kind, len(data)], dtype=torch.int64))
-    group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-
-
-def _receive(group: ProcessGroup) -> tuple[int, Any]:
-    header = group.broadcast(torch.zeros(2, dtype=torch.int64), patient=True)
-    kind, size = header.tolist()
-    data = group.broadcast(torch.empty(size, dtype=torch.uint8))
-    return kind, msgpack.unpackb(data.numpy().tobytes())
-
-
-@dataclasses.dataclass
-class DEPOutput:
-    """One step's news for one request (the fields `LLM` reads of a StepOutput)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
 class DEPEngine:
     """Rank 0 of N lockstep DEP ranks: the add / abort / step / has_unfinished surface of an
     Engine, over the whole group."""
@@ -180,7 +157,7 @@ class DEPEngine:
                                  f"starts ranks needs an `if __name__ == \"__main__\":` "
                                  f"guard)") from exc
         self.group = group
-        self._finalizer = weakref.finalize(self, _stop, self.procs, group)
+        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, group, STOP)
         try:
             self.rank = LockstepRank(config, group)
             group.barrier()  # every rank loaded
@@ -198,7 +175,7 @@ class DEPEngine:
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call, over every rank."""
-        _send(self.group, TAKE_LOAD, None)
+        send_command(self.group, TAKE_LOAD, None)
         return self.rank.take_slot_counts()
 
     @property
@@ -231,12 +208,12 @@ class DEPEngine:
         """A new expert placement on every rank, before the next step."""
         payload = [list(phy2log.shape), phy2log.flatten().tolist(),
                    None if share is None else share.flatten().tolist(), version]
-        _send(self.group, PLACEMENT, payload)
+        send_command(self.group, PLACEMENT, payload)
         self.rank.apply_placement(payload)
 
-    def step(self) -> list[DEPOutput]:
+    def step(self) -> list[StepOutput]:
         adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
-        _send(self.group, STEP, [adds, aborts])
+        send_command(self.group, STEP, [adds, aborts])
         mine = [a[1:] for a in adds if a[0] == 0]
         ranks = self.rank.gather(self.rank.run_step(mine, aborts))
         self.moe_times.append([r["moe"] for r in ranks])
@@ -248,27 +225,12 @@ class DEPEngine:
             request_id, tokens, finished, reason, prompt, cached = item
             if finished:
                 self._owner.pop(request_id, None)
-            result.append(DEPOutput(request_id, tokens, finished,
+            result.append(StepOutput(request_id, tokens, finished,
                                     FinishReason(reason) if reason else None, prompt, cached))
         return result
 
     def close(self) -> None:
         self._finalizer()
-
-
-def _stop(procs: list[Any], group: ShmGroup) -> None:
-    if all(p.exitcode is None for p in procs):
-        try:
-            group.timeout_s = 2.0
-            _send(group, STOP, None)
-        except Exception:  # gone or stuck: killed below
-            pass
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-    group.close()
 
 
 def follower_main(config: EngineConfig, group_name: str, rank: int, slot_bytes: int) -> None:
@@ -280,7 +242,7 @@ def follower_main(config: EngineConfig, group_name: str, rank: int, slot_bytes: 
         group.barrier()
         group.timeout_s = STEP_TIMEOUT_S
         while True:
-            kind, payload = _receive(group)
+            kind, payload = receive_command(group)
             if kind == STOP:
                 return
             if kind == PLACEMENT:

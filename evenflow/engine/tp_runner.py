@@ -30,12 +30,12 @@ import uuid
 import weakref
 from typing import Any
 
-import msgpack
 import torch
 from torch import Tensor
 
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from evenflow.engine.model import CausalLM
+from evenflow.engine.rank_commands import receive_command, send_command, stop_ranks
 from evenflow.engine.runner import ChunkInput, ModelRunner
 from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
@@ -77,11 +77,11 @@ class TPGroup:
             self.group = ShmGroup(name, 0, world, timeout_s=LOAD_TIMEOUT_S, peers_alive=lambda: all(
                 p.exitcode is None for p in self.procs))
         except CollectiveError as exc:
-            _stop(self.procs, None)
+            stop_ranks(self.procs, None, STOP)
             raise ModelLoadError(f"tensor-parallel ranks did not start: {exc} (a script that "
                                  f"starts ranks needs an `if __name__ == \"__main__\":` "
                                  f"guard)") from exc
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
+        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, self.group, STOP)
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tp watchdog",
                          daemon=True).start()
 
@@ -96,11 +96,7 @@ class TPGroup:
         self.group.timeout_s = STEP_TIMEOUT_S
 
     def send(self, kind: int, payload: Any = None) -> None:
-        data = msgpack.packb(payload)
-        header = torch.tensor([kind, len(data)], dtype=torch.int64)
-        self.group.broadcast(header)
-        if data:
-            self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        send_command(self.group, kind, payload)
 
     def close(self) -> None:
         self._finalizer()
@@ -115,23 +111,6 @@ def _watch(ref: weakref.ref[TPGroup]) -> None:
                 log.error("%s", tp.fatal_error)
         del tp
         threading.Event().wait(0.5)
-
-
-def _stop(procs: list[Any], group: ShmGroup | None) -> None:
-    """Tell the followers to stop (if they can hear it), then make sure they are gone."""
-    if group is not None and all(p.exitcode is None for p in procs):
-        try:
-            group.timeout_s = 2.0
-            group.broadcast(torch.tensor([STOP, 0], dtype=torch.int64))
-        except Exception:  # they are gone or stuck: killed below
-            pass
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-    if group is not None:
-        group.close()
 
 
 class TPLeaderRunner(ModelRunner):
@@ -233,15 +212,8 @@ def follower_main(config: EngineConfig, model_dir: str, dtype_name: str, group_n
 
 def _serve(group: ShmGroup, model: CausalLM, shard: TPShard, dtype: torch.dtype) -> None:
     runner: ModelRunner | None = None
-    header = torch.zeros(2, dtype=torch.int64)
     while True:
-        group.broadcast(header, patient=True)
-        kind, size = header.tolist()
-        payload: Any = None
-        if size:
-            data = torch.empty(size, dtype=torch.uint8)
-            group.broadcast(data)
-            payload = msgpack.unpackb(data.numpy().tobytes())
+        kind, payload = receive_command(group)
         if kind == STOP:
             return
         if kind == INIT:

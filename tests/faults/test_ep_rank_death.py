@@ -6,19 +6,17 @@ is left, and the supervisor brings the group back, serving again."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from meshutil import wait_for
+from meshutil import supervised_mesh, wait_for
 from test_tp_rank_death import stream
 
 from evenflow.parallel.shm import SHM_DIR
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh
-from evenflow.services.supervisor import GaveUp, RestartPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -27,27 +25,10 @@ pytestmark = pytest.mark.slow
 def ep_mesh():
     config = MeshConfig(port=0, num_prefill=1, num_decode=1, expert_parallel_size=2,
                         heartbeat_interval_s=0.2, worker_timeout_s=2.0)
-    mesh = LocalMesh(config, restart_policy=RestartPolicy(backoff_s=0.2))
-    stop = threading.Event()
-    problems: list[str] = []
-
-    def loop() -> None:
-        while not stop.is_set():
-            try:
-                mesh.supervise(report=lambda m: None)
-            except GaveUp as exc:
-                problems.append(str(exc))
-                return
-            time.sleep(0.1)
-
     try:
-        mesh.start(health_timeout_s=180)
-        threading.Thread(target=loop, daemon=True).start()
-        yield mesh
-        assert not problems
+        with supervised_mesh(config) as mesh:
+            yield mesh
     finally:
-        stop.set()
-        mesh.stop()
         assert not [p.name for p in SHM_DIR.iterdir() if p.name.startswith("evenflow-")]
 
 

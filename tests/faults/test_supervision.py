@@ -9,16 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from meshutil import wait_for
+from meshutil import supervised_mesh, wait_for
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalMesh
 from evenflow.services.supervisor import GaveUp, RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.slow
@@ -45,28 +43,8 @@ def test_supervisor_backs_off_and_gives_up():
 def supervised():
     config = MeshConfig(port=0, engine="mock", num_prefill=1, num_decode=1, num_ep_ranks=0,
                         api_keys=(KEY,), heartbeat_interval_s=0.2, worker_timeout_s=2.0)
-    mesh = LocalMesh(config, restart_policy=RestartPolicy(backoff_s=0.2))
-    stop = threading.Event()
-    problems: list[str] = []
-
-    def loop() -> None:
-        while not stop.is_set():
-            try:
-                mesh.supervise(report=lambda m: None)
-            except GaveUp as exc:
-                problems.append(str(exc))
-                return
-            time.sleep(0.1)
-
-    try:
-        mesh.start(health_timeout_s=120)
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
+    with supervised_mesh(config) as mesh:
         yield mesh
-        assert not problems
-    finally:
-        stop.set()
-        mesh.stop()
 
 
 def complete(mesh) -> int:

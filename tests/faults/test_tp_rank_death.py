@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,12 +14,11 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from meshutil import wait_for
+from meshutil import supervised_mesh, wait_for
 
 from evenflow.parallel.shm import SHM_DIR
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh
-from evenflow.services.supervisor import GaveUp, RestartPolicy
 
 pytestmark = pytest.mark.slow
 TOKENS = 200
@@ -50,27 +48,10 @@ def tp_mesh():
     # recomputation can flip a near-tie in the model's free-running tail
     config = MeshConfig(port=0, num_prefill=1, num_decode=2, tensor_parallel_size=2,
                         dtype="float32", heartbeat_interval_s=0.2, worker_timeout_s=2.0)
-    mesh = LocalMesh(config, restart_policy=RestartPolicy(backoff_s=0.2))
-    stop = threading.Event()
-    problems: list[str] = []
-
-    def loop() -> None:
-        while not stop.is_set():
-            try:
-                mesh.supervise(report=lambda m: None)
-            except GaveUp as exc:
-                problems.append(str(exc))
-                return
-            time.sleep(0.1)
-
     try:
-        mesh.start(health_timeout_s=180)
-        threading.Thread(target=loop, daemon=True).start()
-        yield mesh
-        assert not problems
+        with supervised_mesh(config) as mesh:
+            yield mesh
     finally:
-        stop.set()
-        mesh.stop()
         assert not [p.name for p in SHM_DIR.iterdir() if p.name.startswith("evenflow-tp-")]
 
 

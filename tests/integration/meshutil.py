@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 API_KEY = "test-key"  # the integration mesh requires it
@@ -15,3 +17,33 @@ def wait_for(predicate, timeout: float = 8.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+@contextlib.contextmanager
+def supervised_mesh(config, backoff_s: float = 0.2, health_timeout_s: float = 180):
+    """A LocalMesh started on `config` with a supervision loop in a thread (what `evenflow up`
+    does), stopped at the end; fails if the supervisor gave up on a child meanwhile."""
+    from evenflow.services.launcher import LocalMesh
+    from evenflow.services.supervisor import GaveUp, RestartPolicy
+
+    mesh = LocalMesh(config, restart_policy=RestartPolicy(backoff_s=backoff_s))
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                mesh.supervise(report=lambda m: None)
+            except GaveUp as exc:
+                problems.append(str(exc))
+                return
+            time.sleep(0.1)
+
+    try:
+        mesh.start(health_timeout_s=health_timeout_s)
+        threading.Thread(target=loop, daemon=True).start()
+        yield mesh
+        assert not problems
+    finally:
+        stop.set()
+        mesh.stop()
