@@ -35,9 +35,13 @@ def test_serve_app_scales_prefill_on_queued_tokens():
     port = free_port()
     # Least-load routing: this test is about scaling, and a KV-aware router would rightly keep
     # sending these shared-prefix prompts to the replica that has them cached.
+    # worker_timeout_s 10: while Ray starts the second prefill replica (a new process loading
+    # torch and the model) a 2-core CI machine can starve the decode replica's heartbeats for
+    # seconds, and a gateway that then counts it dead answers 503 "no decode worker has room";
+    # that is liveness detection, which this test is not about.
     args = {"nats_url": nats_server.url, "redis_url": redis_server.url, "num_ep_ranks": "0",
-            "heartbeat_interval_s": "0.2", "local_prefill_threshold": "0",
-            "router": "least_load"}
+            "heartbeat_interval_s": "0.2", "worker_timeout_s": "10",
+            "local_prefill_threshold": "0", "router": "least_load"}
     scaling = {"metrics_interval_s": 0.3, "look_back_period_s": 1.0, "upscale_delay_s": 0.5,
                "downscale_delay_s": 2.0, "num_cpus": 0.1, "target_queued_tokens": 64}
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -81,8 +85,9 @@ def test_serve_app_scales_prefill_on_queued_tokens():
             r = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": "tiny-moe", "prompt": prompt + f" {_ % 7}", "max_tokens": 2,
                 "temperature": 0})
-            if r.status_code != 200:
-                print("failed:", r.status_code, r.text[:300])
+            if r.status_code != 200:  # and which workers the gateway counted live then
+                health = httpx.get(url + "/health", timeout=10).text
+                print("failed:", r.status_code, r.text[:300], "health:", health)
             return r.status_code
 
         started = time.monotonic()
