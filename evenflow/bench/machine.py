@@ -7,6 +7,9 @@ import os
 import platform
 from pathlib import Path
 
+# Environment variables that hold oneDNN / MKL / ATen below the CPU's instruction set (an
+# AVX2 machine's kernels on an AVX-512 one)
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni",
                   "avx_vnni")
 
@@ -28,7 +31,9 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
 
 def machine_line(dtype: str, threads: int | None = None) -> str:
     model, flags = cpu_model_and_flags()
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
     return (f"cpu: {model}; flags: {' '.join(flags) or 'none of ' + ','.join(RELEVANT_FLAGS)}; "
+            f"{'kernels capped: ' + ' '.join(caps) + '; ' if caps else ''}"
             f"cores: {os.cpu_count()}; threads: {threads or 1}; dtype: {dtype}")
 
 
