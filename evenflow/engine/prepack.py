@@ -22,7 +22,15 @@ from evenflow.engine.model import CausalLM
 
 
 def available(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """oneDNN can pack this dtype here (bf16 needs the CPU's bf16 support, which an AVX2
+    machine, or ONEDNN_MAX_CPU_ISA=AVX2, lacks: then the weights stay plain)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        pack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: Tensor) -> Tensor:
