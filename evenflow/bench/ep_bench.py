@@ -59,7 +59,7 @@ def _phase(engine, plan: dict, vocab: int, ids, seed: int) -> dict:
     steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, seed + 1),
                    plan["output"], ids)
     decode = steps[2:]  # past the prefill steps
-    moe = engine.moe_times[2:]
+    moe = list(engine.moe_times)[2:]
     prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, seed + 2), 1, ids)
 
     def per_rank(index: int) -> list[float]:

@@ -16,6 +16,7 @@ from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.loader import load_model
+from evenflow.engine.model import CausalLM
 from evenflow.engine.prepack import prepack_model
 from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
@@ -53,6 +54,16 @@ def quant_config(config: EngineConfig) -> QuantConfig | None:
         return None
     return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
                        config.quantize_lm_head)
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,
+                 shard: TPShard | None = None) -> CausalLM:
+    """The model as one rank holds it: loaded (its tensor-parallel shard, if any), quantized
+    and prepacked as the config says."""
+    model = load_model(model_dir, dtype, quant_config(config), shard)
+    if config.prepack_weights:
+        prepack_model(model, dtype)
+    return model
 
 
 @dataclass(frozen=True)
@@ -129,22 +140,17 @@ class Engine:
         """Load the weights (this rank's shard, starting the other ranks, under tensor
         parallelism); return the model's config."""
         world = self.config.tensor_parallel_size
-        if world == 1:
-            self.model = load_model(self.model_dir, dtype, quant_config(self.config))
-            if self.config.prepack_weights:
-                prepack_model(self.model, dtype)
-            return self.model.config
-        self._tp = TPGroup(self.config, str(self.model_dir), dtype)
+        if world > 1:
+            self._tp = TPGroup(self.config, str(self.model_dir), dtype)
         try:
-            self.model = load_model(self.model_dir, dtype, quant_config(self.config),
-                                    TPShard(0, world))
+            self.model = load_weights(self.model_dir, dtype, self.config,
+                                      TPShard(0, world) if world > 1 else None)
         except BaseException:
-            self._tp.close()
+            self.close()
             raise
-        if self.config.prepack_weights:
-            prepack_model(self.model, dtype)
-        self._tp.wait_loaded()
-        self.model.set_tensor_parallel(self._tp.group)
+        if self._tp is not None:
+            self._tp.wait_loaded()
+            self.model.set_tensor_parallel(self._tp.group)
         return self.model.config
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
@@ -366,6 +372,16 @@ class Engine:
             self.kv_event_listener(events)
         elif events and self.collect_kv_events:
             self._kv_events.extend(events)
+        return outputs
+
+    def step_in_lockstep(self) -> list[StepOutput]:
+        """A step that runs exactly one forward pass, a dummy one when this engine has nothing
+        to run: expert-parallel ranks' MoE collectives must meet every step. (Engine's own
+        has_unfinished/step, whatever a subclass makes of them.)"""
+        before = self.runner.forward_calls
+        outputs = Engine.step(self) if Engine.has_unfinished(self) else []
+        if self.runner.forward_calls == before:
+            self.runner.forward_dummy()
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -28,24 +28,29 @@ import dataclasses
 import os
 import uuid
 import weakref
+from collections import deque
 from typing import Any
 
 import msgpack
 import torch
 
 from evenflow.engine.config import EngineConfig, ModelLoadError
-from evenflow.engine.engine import StepOutput
+from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.ffn import EPTimer
-from evenflow.engine.rank_commands import receive_command, send_command, stop_ranks
-from evenflow.engine.runner import ChunkInput
+from evenflow.engine.rank_commands import (
+    LOAD_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    receive_command,
+    send_command,
+    stop_ranks,
+)
 from evenflow.engine.sampling_params import SamplingParams
 from evenflow.engine.sequence import FinishReason
 from evenflow.parallel.group import CollectiveError, ProcessGroup
 from evenflow.parallel.shm import ShmGroup
 
-LOAD_TIMEOUT_S = 600.0
-STEP_TIMEOUT_S = 60.0
 STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
+MOE_TIMES_KEPT = 100_000
 _PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
            "ignore_eos")
 
@@ -70,11 +75,8 @@ class LockstepRank:
     """One rank's engine and the per-step protocol every rank runs."""
 
     def __init__(self, config: EngineConfig, group: ProcessGroup) -> None:
-        from evenflow.engine.engine import Engine
-
         self.group = group
         self.engine = Engine(config, ep_group=group)
-        self._dummy = ChunkInput([0], 0, [self.engine.blocks.num_blocks], False)
         self.timer = EPTimer()
         for layer in self.engine.model.moe_layers():
             layer.ep_timer = self.timer
@@ -90,11 +92,7 @@ class LockstepRank:
                 engine.add_request(request_id, prompt, _params(params))
             except ValueError as exc:
                 out.append([request_id, None, str(exc)])
-        before = engine.runner.forward_calls
-        steps = engine.step() if engine.has_unfinished() else []
-        if engine.runner.forward_calls == before:  # the collectives need a forward from us
-            engine.runner.forward([self._dummy])
-        for s in steps:
+        for s in engine.step_in_lockstep():
             out.append([s.request_id, s.new_token_ids, s.finished,
                         s.finish_reason.value if s.finish_reason else None,
                         s.num_prompt_tokens, s.num_cached_tokens])
@@ -170,8 +168,9 @@ class DEPEngine:
         self._owner: dict[str, int] = {}  # live request -> its rank
         self._adds: list[list] = []
         self._aborts: list[str] = []
-        # per step, per rank: [MoE compute s, collective s (incl. waiting), rows computed]
-        self.moe_times: list[list[list[float]]] = []
+        # per step (the latest MOE_TIMES_KEPT), per rank: [MoE compute s, collective s (incl.
+        # waiting), rows computed]
+        self.moe_times: deque[list[list[float]]] = deque(maxlen=MOE_TIMES_KEPT)
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call, over every rank."""

@@ -22,14 +22,12 @@ from evenflow.engine.block_manager import KVEventListener
 from evenflow.engine.config import EngineConfig, ModelLoadError
 from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.ep_runner import slot_bytes_for
-from evenflow.engine.runner import ChunkInput
+from evenflow.engine.rank_commands import LOAD_TIMEOUT_S, STEP_TIMEOUT_S
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.shm import ShmGroup
 
 log = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 600.0  # every rank of the group started and loaded
-STEP_TIMEOUT_S = 60.0
 
 
 class LockstepEngine(Engine):
@@ -49,7 +47,7 @@ class LockstepEngine(Engine):
             raise ModelLoadError("expert parallelism needs a MoE model")
         world = config.expert_parallel_size
         try:
-            self.group = ShmGroup(group_name, ep_rank, world, timeout_s=JOIN_TIMEOUT_S,
+            self.group = ShmGroup(group_name, ep_rank, world, timeout_s=LOAD_TIMEOUT_S,
                                   slot_bytes=slot_bytes_for(config, cfg.hidden_size,
                                                             cfg.num_experts_per_tok))
         except CollectiveError as exc:
@@ -57,7 +55,6 @@ class LockstepEngine(Engine):
         super().__init__(config, kv_event_listener, collect_kv_events, ep_group=self.group)
         self.group.barrier()  # every rank loaded
         self.group.timeout_s = STEP_TIMEOUT_S
-        self._dummy = ChunkInput([0], 0, [self.blocks.num_blocks], False)
         self._pending: tuple[int, list[int], list[float]] | None = None
         self._fatal: str | None = None
         self._last_busy = time.monotonic()
@@ -101,15 +98,11 @@ class LockstepEngine(Engine):
         """This rank's step, or a dummy forward pass when it has nothing to run."""
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
-        before = self.runner.forward_calls
         try:
-            outputs = super().step() if super().has_unfinished() else []
-            if self.runner.forward_calls == before:
-                self.runner.forward([self._dummy])
+            return self.step_in_lockstep()
         except CollectiveError as exc:
             self._lost(exc)
             raise RuntimeError(self._fatal) from exc
-        return outputs
 
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None:

@@ -12,6 +12,9 @@ import torch
 
 from evenflow.parallel.group import ProcessGroup
 
+LOAD_TIMEOUT_S = 600.0  # every rank of a group started, joined and loaded its weights
+STEP_TIMEOUT_S = 60.0  # any one collective once serving
+
 
 def send_command(group: ProcessGroup, kind: int, payload: Any = None) -> None:
     data = msgpack.packb(payload)

@@ -143,6 +143,11 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
 
+    def forward_dummy(self) -> None:
+        """One token into the spare (null) slot, nothing sampled: a pass whose only use is to
+        meet the other expert-parallel ranks' collectives. The slot is read only where masked."""
+        self.forward([ChunkInput([0], 0, [self.null_slot // self.block_size], False)])
+
     def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
         """Every MoE layer under a new expert placement: phy2log (moe_layers, slots), share
         (moe_layers, slots) or None for even replica shares."""

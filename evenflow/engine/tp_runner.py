@@ -35,7 +35,13 @@ from torch import Tensor
 
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError
 from evenflow.engine.model import CausalLM
-from evenflow.engine.rank_commands import receive_command, send_command, stop_ranks
+from evenflow.engine.rank_commands import (
+    LOAD_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    receive_command,
+    send_command,
+    stop_ranks,
+)
 from evenflow.engine.runner import ChunkInput, ModelRunner
 from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
@@ -45,15 +51,11 @@ from evenflow.parallel.shm import ShmGroup
 
 log = logging.getLogger(__name__)
 
-LOAD_TIMEOUT_S = 600.0  # joining the group and loading a shard
-STEP_TIMEOUT_S = 60.0  # any one collective once serving
 INIT, RUN, READ_KV, WRITE_KV, PLACEMENT, STOP = range(6)
 
 
 class TensorParallelLost(RuntimeError):
-    """A rank of the group is gone: the engine cannot step again."""
-
-    fatal = True
+    """A rank of the group is gone: the engine cannot step again (Engine.fatal_error)."""
 
 
 def threads_per_rank(config: EngineConfig) -> int:
@@ -182,21 +184,15 @@ def own_heads(kv: Tensor, shard: TPShard, cfg: ModelConfig) -> Tensor:
 def follower_main(config: EngineConfig, model_dir: str, dtype_name: str, group_name: str,
                   rank: int) -> None:
     """A follower rank's process: join, load the shard, execute commands until STOP."""
-    from evenflow.engine.loader import load_model
-
     torch.set_num_threads(threads_per_rank(config))
     world = config.tensor_parallel_size
     group = ShmGroup(group_name, rank, world, timeout_s=LOAD_TIMEOUT_S)
     try:
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        from evenflow.engine.engine import quant_config
+        from evenflow.engine.engine import load_weights  # (engine.py imports this module)
 
         shard = TPShard(rank, world)
-        model = load_model(model_dir, dtype, quant_config(config), shard)
-        if config.prepack_weights:
-            from evenflow.engine.prepack import prepack_model
-
-            prepack_model(model, dtype)
+        model = load_weights(model_dir, dtype, config, shard)
         model.set_tensor_parallel(group)
         group.barrier()  # loaded (the leader's wait_loaded)
         group.timeout_s = STEP_TIMEOUT_S
