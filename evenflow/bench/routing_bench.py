@@ -213,7 +213,7 @@ async def write_throughput(events: int = 50_000, per_message: int = 100) -> floa
     from evenflow.proto import subjects
     from evenflow.proto.messages import BlockStored, KVEvents, Role, encode
     from evenflow.services.config import MeshConfig
-    from evenflow.services.launcher import start_nats, start_redis
+    from evenflow.services.launcher import start_nats, start_redis, stop_process
 
     nats_server, redis_server = start_nats(), start_redis()
     config = MeshConfig(nats_url=nats_server.url, redis_url=redis_server.url)
@@ -243,8 +243,7 @@ async def write_throughput(events: int = 50_000, per_message: int = 100) -> floa
         await r.aclose()
         return events / elapsed
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, timeout_s=30)  # a starved machine may take a while; then kill
         nats_server.stop()
         redis_server.stop()
 

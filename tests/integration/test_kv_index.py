@@ -25,7 +25,7 @@ from evenflow.proto.messages import (
     encode,
 )
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import start_nats, start_redis
+from evenflow.services.launcher import start_nats, start_redis, stop_process
 
 KEYS = store.Keys(MeshConfig().redis_prefix)  # the default mesh's Redis namespace
 
@@ -88,8 +88,7 @@ def test_gap_resyncs_from_a_snapshot_and_cleared_empties_the_worker():
     try:
         asyncio.run(scenario())
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, timeout_s=30)
         r.close()
         nats_server.stop()
         redis_server.stop()
