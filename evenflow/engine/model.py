@@ -40,7 +40,7 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     num_prefill_tokens: int
     decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
-    decode_mask: Tensor | None  # (B_dec, 1, 1, L) True where a context slot is real
+    decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a context slot is real, -inf else
 
 
 class RMSNorm(nn.Module):

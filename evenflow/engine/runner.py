@@ -35,7 +35,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
                  dtype: torch.dtype) -> None:
         cfg = model.config
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.dtype = model, block_size, dtype
         slots = num_blocks * block_size
         # One (K, V) pair per layer, (num_slots + 1, n_kv, hd). torch.empty: pages are only
         # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
@@ -119,7 +119,10 @@ class ModelRunner:
             real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
             decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)  # (B, L)
             positions = ctx - 1
-            decode_mask = real.view(len(decodes), 1, 1, max_ctx)
+            # Additive mask in the model's dtype, made once per step: torch's CPU attention
+            # turns a bool mask into this in every layer (measured 1.3x slower at batch 32).
+            decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype).masked_fill_(
+                ~real.view(len(decodes), 1, 1, max_ctx), float("-inf"))
             input_ids.extend(c.token_ids[0] for c in decodes)
             position_parts.append(positions)
             slot_parts.append(decode_slots.gather(1, positions.unsqueeze(1)).squeeze(1))
