@@ -7,6 +7,7 @@ Token ids in, token ids out: tokenization and stop strings belong to the caller.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
+from evenflow.engine.expert_store import PlacementMoves, StagedPlacement, read_missing_experts
 from evenflow.engine.loader import load_model
 from evenflow.engine.model import CausalLM
 from evenflow.engine.prepack import prepack_model
@@ -103,6 +105,8 @@ class Engine:
         if ep_group is not None:
             for layer in self.model.moe_layers():
                 layer.ep = ep_group
+            # each rank keeps only its own slots' experts (from the initial placement on)
+            read_missing_experts(self.model, self.model_dir, dtype, quant_config(config))
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
         bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
@@ -119,6 +123,8 @@ class Engine:
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
         self.placement_version = 0
+        self._staged: StagedPlacement | None = None
+        self.placement_moves = PlacementMoves()
         self.slot_counts = torch.zeros(0, 0, dtype=torch.int64)
         if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
             slots = cfg.num_experts + config.num_redundant_experts
@@ -179,6 +185,29 @@ class Engine:
         assert isinstance(self.runner, ModelRunner)
         self.runner.apply_placement(phy2log, share, self.config.num_ep_ranks)
         self.placement_version = version
+
+    def begin_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
+                        version: int) -> None:
+        """Start taking a placement one MoE layer per advance_placement() call (between
+        steps): expert-parallel ranks call both at the same points, so each layer switches on
+        every rank before the same step, and no step waits for more than one layer's reads."""
+        assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
+        self._staged = StagedPlacement(phy2log, share, version)
+
+    def advance_placement(self) -> None:
+        """Switch the next layer of a placement begun with begin_placement."""
+        staged = self._staged
+        if staged is None:
+            return
+        assert isinstance(self.runner, ModelRunner)
+        row, started = staged.next_row, time.perf_counter()
+        read = self.runner.apply_layer_placement(
+            row, staged.phy2log[row], None if staged.share is None else staged.share[row],
+            self.config.num_ep_ranks)
+        self.placement_moves.add(time.perf_counter() - started, read)
+        staged.next_row += 1
+        if staged.next_row == staged.phy2log.shape[0]:
+            self.placement_version, self._staged = staged.version, None
 
     @property
     def uses_placement(self) -> bool:

@@ -17,9 +17,10 @@ The ranks step in lockstep, as vLLM's and SGLang's DP attention do. Each step:
 Each rank also times its MoE layers per step (its experts' compute, and the dispatch/combine
 collectives including the wait for the slowest rank): `DEPEngine.moe_times`.
 
-The mesh runs DEP ranks differently (engine/lockstep.py: each rank a worker of its own, no
-leader). Not yet: moving expert weights between ranks on a placement change (every rank loads
-every expert and computes only its slots' share, so a placement change is a re-labelling).
+Each rank keeps only the experts its slots hold; a placement change moves one MoE layer before
+each of the next steps, every rank reading the experts it newly needs from the checkpoint
+(engine/expert_store.py). The mesh runs DEP ranks differently (engine/lockstep.py: each rank a
+worker of its own, no leader).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class LockstepRank:
         """Apply this rank's share of the command, step, and return its outputs (wire form)
         and its MoE timing for the step."""
         engine, out = self.engine, []
+        engine.advance_placement()  # one MoE layer of a new placement, on every rank alike
         for request_id in aborts:
             engine.abort(request_id)
         for request_id, prompt, params in adds:
@@ -116,7 +118,7 @@ class LockstepRank:
     def apply_placement(self, payload: list) -> None:
         shape, phy2log, share, version = payload
         share_t = None if share is None else torch.tensor(share, dtype=torch.float32).view(shape)
-        self.engine.apply_placement(torch.tensor(phy2log).view(shape), share_t, version)
+        self.engine.begin_placement(torch.tensor(phy2log).view(shape), share_t, version)
 
 
 class DEPEngine:
@@ -204,7 +206,8 @@ class DEPEngine:
 
     def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
                         version: int) -> None:
-        """A new expert placement on every rank, before the next step."""
+        """A new expert placement on every rank, taken one MoE layer before each of the next
+        steps (each rank reads the experts its slots newly hold: engine/expert_store.py)."""
         payload = [list(phy2log.shape), phy2log.flatten().tolist(),
                    None if share is None else share.flatten().tolist(), version]
         send_command(self.group, PLACEMENT, payload)

@@ -11,6 +11,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,12 @@ class MoE(nn.Module):
         # placement's slots (rank-major); tokens travel to them and back by all-to-all.
         self.ep: ProcessGroup | None = None
         self.ep_timer: EPTimer | None = None  # shared by a rank's MoE layers
+        # Set on expert-parallel ranks that keep only their own slots' experts: fetch(e) reads
+        # logical expert e (engine/expert_store.py) when a placement brings it to this rank.
+        self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
+        self.resident: dict[int, tuple[Any, Any]] | None = None  # logical expert -> weights
+        self._local: list[tuple[Any, Any]] | None = None  # this rank's slots' weights, in order
+        self._local_form = "plain"
 
     def set_packed(self, w13: list[Tensor], w2: list[Tensor]) -> None:
         self.packed = (w13, w2)
@@ -104,8 +111,11 @@ class MoE(nn.Module):
         if self.placement is not None:
             self.set_placement(self.placement)
 
-    def set_placement(self, placement: SlotPlacement) -> None:
-        """Copy each slot's expert weights into place (between steps)."""
+    def set_placement(self, placement: SlotPlacement) -> int:
+        """Put each slot's expert weights in place (between steps); how many experts had to be
+        read (only ranks that keep just their own experts read any)."""
+        if self.ep is not None and self.fetch_expert is not None:
+            return self._place_own_slots(placement)
         if self.packed is not None:  # a list of references: no copies
             slots = placement.phy2log.tolist()
             self._slot_packed = ([self.packed[0][e] for e in slots],
@@ -117,6 +127,64 @@ class MoE(nn.Module):
             self._slot_w13 = self.w13.index_select(0, placement.phy2log)
             self._slot_w2 = self.w2.index_select(0, placement.phy2log)
         self.placement = placement
+        return 0
+
+    @property
+    def form(self) -> str:
+        """How expert weights are stored: "packed", "quantized" or "plain"."""
+        if self.resident is not None:
+            return self._local_form
+        return "packed" if self.packed else "quantized" if self.quantized else "plain"
+
+    def _expert_weights(self, e: int) -> tuple[Any, Any]:
+        """Logical expert e's (gate_up, down) in the stored form, owning its memory."""
+        if self.resident is not None:
+            return self.resident[e]
+        if self.packed is not None:
+            return self.packed[0][e], self.packed[1][e]
+        if self.quantized is not None:
+            index = torch.tensor([e])
+            return self.quantized[0].select(index), self.quantized[1].select(index)
+        return self.w13[e].clone(), self.w2[e].clone()
+
+    def _place_own_slots(self, placement: SlotPlacement) -> int:
+        """Keep exactly the experts this rank's slots hold under `placement`: the ones it
+        has stay, the missing ones are read, the rest are dropped."""
+        assert self.ep is not None and self.fetch_expert is not None
+        per_rank = placement.num_slots // self.ep.world_size
+        first = self.ep.rank * per_rank
+        needed = placement.phy2log[first : first + per_rank].tolist()
+        form = self.form
+        kept = {e: self._expert_weights(e) for e in set(needed)
+                if self.resident is None or e in self.resident}
+        missing = sorted(set(needed) - set(kept))
+        for e in missing:
+            kept[e] = self.fetch_expert(e)
+        self.resident, self._local_form = kept, form
+        self._local = [kept[e] for e in needed]
+        # the full stacks (every expert) are gone for good
+        self.packed = self._slot_packed = None
+        self.quantized = self._slot_quantized = None
+        self._slot_w13 = self._slot_w2 = None
+        self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
+                               requires_grad=False)
+        self.placement = placement
+        return len(missing)
+
+    def resident_bytes(self) -> int:
+        """Bytes of expert weights this layer holds."""
+        def size(w: Any) -> int:
+            return w.nbytes() if isinstance(w, QuantStack) else w.untyped_storage().nbytes()
+
+        if self.resident is not None:
+            return sum(size(a) + size(b) for a, b in self.resident.values())
+        if self.packed is not None:
+            return sum(size(w) for w in self.packed[0] + self.packed[1])
+        if self.quantized is not None:
+            return self.quantized[0].nbytes() + self.quantized[1].nbytes()
+        return self.w13.nbytes + self.w2.nbytes
 
     @property
     def num_slots(self) -> int:
@@ -153,7 +221,11 @@ class MoE(nn.Module):
         return out
 
     def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
-        """The experts' (gate_up, down) for the current slots: packed, quantized or plain."""
+        """The experts' (gate_up, down) for the current slots: packed, quantized or plain
+        (a rank that keeps only its own experts: indexed by its own slots, from 0)."""
+        if self._local is not None:
+            return _local_expert(self._local, 0, self._local_form), \
+                _local_expert(self._local, 1, self._local_form)
         placed = self.placement is not None
         if self.packed is not None:
             packed = self._slot_packed if placed else self.packed
@@ -197,14 +269,15 @@ class MoE(nn.Module):
         rows = ep.all_to_all(x[order // self.top_k], sent)
         local = ep.all_to_all(groups[order], sent) - first
         dispatched = time.perf_counter()
+        base = 0 if self._local is not None else first  # own-slot weights start at 0
         ys = torch.empty_like(rows)
         if len(rows):
             by_slot = torch.argsort(local, stable=True)
             counts = torch.bincount(local, minlength=per_rank)
             ys[by_slot] = self._experts_looped(
                 rows[by_slot], local[by_slot], counts, counts.tolist(), functools.partial(
-                    self._run_experts, gate_up=lambda h, e: gate_up(h, first + e),
-                    down=lambda h, e: down(h, first + e)))
+                    self._run_experts, gate_up=lambda h, e: gate_up(h, base + e),
+                    down=lambda h, e: down(h, base + e)))
         computed = time.perf_counter()
         back = ep.all_to_all(ys, receive)
         if self.ep_timer is not None:
@@ -290,6 +363,16 @@ class MoE(nn.Module):
 def _dense_expert(weights: Tensor) -> ExpertLinear:
     """x @ weights[e].T for a stack of expert weights (E, out, in)."""
     return lambda x, e: F.linear(x, weights[e])
+
+
+def _local_expert(slots: list[tuple[Any, Any]], part: int, form: str) -> ExpertLinear:
+    """x @ a rank's own slot e's gate_up (part 0) or down (part 1) weight.T."""
+    if form == "quantized":
+        return lambda x, e: slots[e][part].linear(x, 0)
+    if form == "packed":
+        return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, slots[e][part], None, "none",
+                                                               [], "")
+    return lambda x, e: F.linear(x, slots[e][part])
 
 
 def _packed_expert(weights: list[Tensor]) -> ExpertLinear:

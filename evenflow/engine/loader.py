@@ -31,7 +31,7 @@ from evenflow.engine.tp_shard import TPShard
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -49,7 +49,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _tensor_names(files: list[Path]) -> dict[Path, list[str]]:
+def tensor_names(files: list[Path]) -> dict[Path, list[str]]:
     """Each file's tensor names (read once: a load then opens only the files it needs)."""
     names: dict[Path, list[str]] = {}
     for path in files:
@@ -148,7 +148,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir)
     spec = gptq.read_quant_config(json.loads((model_dir / "config.json").read_text()))
-    files = _checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.state_dict())
@@ -171,7 +171,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
                                    max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
-    names = _tensor_names(files)
+    names = tensor_names(files)
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
         tensors = _read_tensors(names, _starts_with(prefix))

@@ -6,8 +6,9 @@ The worker's engine thread (services/engine_thread.py) calls has_unfinished() tw
 iteration on every rank; here each call is a small all-gather of [local work, pending
 placement version], so every rank sees the same answer and steps (or not) together. A rank
 without work of its own still steps: with a dummy forward pass, so every MoE collective meets.
-A placement arrives at each rank separately (NATS) and is applied when every rank holds it,
-before the same step everywhere. A collective that fails (a rank died or hangs) makes the
+A placement arrives at each rank separately (NATS); once every rank holds it, its MoE layers
+switch one per call, on every rank at the same call (each rank reading the experts its slots
+newly hold: engine/expert_store.py). A collective that fails (a rank died or hangs) makes the
 engine fatal: the worker exits and its supervisor restarts it, and the group re-forms.
 """
 
@@ -88,7 +89,11 @@ class LockstepEngine(Engine):
         if self._pending and bool((versions == pending).all()):
             version, phy2log, shares = self._pending
             self._pending = None
-            super().apply_expert_placement(version, phy2log, shares)
+            shape = tuple(self.slot_counts.shape)
+            self.begin_placement(torch.tensor(phy2log).view(shape),
+                                 torch.tensor(shares, dtype=torch.float32).view(shape), version)
+        # every rank calls this equally often: one layer of a placement switches everywhere
+        self.advance_placement()
         busy = bool(every[:, 0].any())
         if busy:
             self._last_busy = time.monotonic()
@@ -106,8 +111,17 @@ class LockstepEngine(Engine):
 
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None:
-        """Held until every rank of the group has it (see has_unfinished)."""
-        if version > self.placement_version:
+        """Checked now (a bad one raises ValueError: the worker reports it and keeps serving),
+        held until every rank of the group has it (see has_unfinished)."""
+        layers, slots = self.slot_counts.shape
+        if len(phy2log) != layers * slots or len(shares) != layers * slots:
+            raise ValueError(f"placement has {len(phy2log)} slots, this engine {layers}x{slots}")
+        held = torch.tensor(phy2log).view(layers, slots)
+        experts = self.model_config.num_experts
+        if bool(((held < 0) | (held >= experts)).any()) or any(
+                len(torch.unique(held[row])) < experts for row in range(layers)):
+            raise ValueError("placement leaves an expert without a slot or names an unknown one")
+        if version > max(self.placement_version, self._staged.version if self._staged else -1):
             self._pending = (version, phy2log, shares)
 
     def close(self) -> None:

@@ -154,7 +154,14 @@ class ModelRunner:
     def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
         """Every MoE layer under a new expert placement: phy2log (moe_layers, slots), share
         (moe_layers, slots) or None for even replica shares."""
-        num_experts = self.model.config.num_experts
-        for row, layer in enumerate(self.model.moe_layers()):
-            layer.set_placement(SlotPlacement.build(
-                phy2log[row], num_experts, num_ep_ranks, None if share is None else share[row]))
+        for row in range(len(self.model.moe_layers())):
+            self.apply_layer_placement(row, phy2log[row], None if share is None else share[row],
+                                       num_ep_ranks)
+
+    def apply_layer_placement(self, row: int, phy2log: Tensor, share: Tensor | None,
+                              num_ep_ranks: int) -> int:
+        """MoE layer `row` (of moe_layers()) under its new placement (slots,); how many
+        experts it had to read."""
+        layer = self.model.moe_layers()[row]
+        return layer.set_placement(SlotPlacement.build(
+            phy2log, self.model.config.num_experts, num_ep_ranks, share))

@@ -5,20 +5,27 @@ is left, and the supervisor brings the group back, serving again."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import nats
 import pytest
 from meshutil import supervised_mesh, wait_for
 from test_tp_rank_death import stream
 
+from evenflow.engine.config import load_config
+from evenflow.engine.engine import resolve_model
 from evenflow.parallel.shm import SHM_DIR
+from evenflow.proto import subjects
+from evenflow.proto.messages import ExpertLoad, ExpertPlacement, decode, encode
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
+RANKS = {"d0r0", "d0r1", "p0r0", "p0r1"}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +48,48 @@ def test_the_group_serves_and_health_counts_every_rank(ep_mesh):
     assert health["workers"] == {"prefill": 2, "decode": 2}
     text, tokens, error = stream(ep_mesh, "count from 17 : 17 18")
     assert error is None and tokens == 200 and text.split()[:4] == ["19", "20", "21", "22"]
+
+
+def complete(mesh: LocalMesh, prompt: str) -> str:
+    resp = httpx.post(mesh.url + "/v1/completions", timeout=60, json={
+        "model": "tiny-moe", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+def test_a_pushed_placement_moves_experts_and_keeps_the_text(ep_mesh):
+    prompts = ["count from 17 :", "reverse : q w e r t =", "count down from 90 :"]
+    before = [complete(ep_mesh, p) for p in prompts]
+    cfg = load_config(resolve_model("tiny-moe"))
+    layers, experts = cfg.num_moe_layers, cfg.num_experts
+    slots = experts + ep_mesh.config.num_redundant_experts
+    row = [(slots - 1 - s) % experts for s in range(slots)]  # experts change ranks
+    version = 1000  # above anything the mesh's own balancer pushes meanwhile
+    loads: list[ExpertLoad] = []
+
+    async def push_and_watch() -> None:
+        nc = await nats.connect(ep_mesh.admin_nats_url)
+
+        async def on_load(msg) -> None:
+            loads.append(decode(msg.data))
+
+        await nc.subscribe(subjects.EXPERT_LOAD, cb=on_load)
+        bad = ExpertPlacement(version=version + 1, num_layers=layers, num_slots=experts,
+                              phy2log=list(range(experts)) * layers,
+                              shares=[1.0] * layers * experts)
+        await nc.publish(subjects.EXPERT_PLACEMENT, encode(bad))  # wrong shape: refused
+        await nc.publish(subjects.EXPERT_PLACEMENT, encode(ExpertPlacement(
+            version=version, num_layers=layers, num_slots=slots, phy2log=row * layers,
+            shares=[1.0] * (layers * slots))))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and {m.worker_id for m in loads
+                                               if m.version == version} < RANKS:
+            await asyncio.sleep(0.1)
+        await nc.close()
+
+    asyncio.run(push_and_watch())
+    assert {m.worker_id for m in loads if m.version == version} >= RANKS
+    assert [complete(ep_mesh, p) for p in prompts] == before  # greedy text unchanged
 
 
 def test_killing_a_rank_ends_the_group_and_it_comes_back(ep_mesh):

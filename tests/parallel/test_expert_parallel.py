@@ -77,14 +77,19 @@ def test_ep2_greedy_tokens_match_ep1_with_replicas(checkpoint):
         llm.engine.close()
 
 
-def test_a_placement_change_mid_generation_keeps_the_tokens(tmp_path):
+@pytest.mark.parametrize("form", [dict(), dict(quantization="int8"),
+                                  dict(prepack_weights=False)], ids=["packed", "int8", "plain"])
+def test_a_placement_change_mid_generation_keeps_the_tokens(tmp_path, form):
     path = tmp_path / "ckpt"
     make_checkpoint("qwen3_moe", path)  # 8 experts + 2 replicas = 10 slots, 5 per rank
     batch = prompts([7, 30, 3])
-    config = dict(dtype="float32", block_size=8, num_redundant_experts=2)
+    config = dict(dtype="float32", block_size=8, num_redundant_experts=2, **form)
     expected = [o.token_ids for o in LLM(str(path), **config).generate(batch, GREEDY)]
     llm = LLM(str(path), expert_parallel_size=2, **config)
     engine = llm.engine
+    first_moe = engine.engine.model.moe_layers()[0]
+    assert set(first_moe.resident) == {0, 1, 2, 3, 4}  # rank 0's slots: experts 0-4 only
+    row = [7, 6, 5, 4, 3, 2, 1, 0, 3, 5]
     try:
         for i, p in enumerate(batch):
             engine.add_request(str(i), p, GREEDY)
@@ -93,13 +98,17 @@ def test_a_placement_change_mid_generation_keeps_the_tokens(tmp_path):
         while engine.has_unfinished():
             if steps == 6:  # hot experts 3 and 5 get the replicas, all moved across ranks
                 layers = engine.model_config.num_moe_layers
-                row = [7, 6, 5, 4, 3, 2, 1, 0, 3, 5]
                 engine.apply_placement(torch.tensor([row] * layers), None, version=1)
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
             steps += 1
         assert [tokens[str(i)] for i in range(len(batch))] == expected
         assert engine.engine.placement_version == 1
+        # rank 0 now holds its new slots' experts and nothing else; the ones it lacked were
+        # read from the checkpoint, one layer per step
+        assert set(first_moe.resident) == set(row[:5])
+        moves = engine.engine.placement_moves
+        assert moves.layers == layers and moves.experts_read == 3 * layers  # 5, 6, 7 are new
     finally:
         engine.close()
     assert all(not p.is_alive() for p in engine.procs)
