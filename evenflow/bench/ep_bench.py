@@ -97,13 +97,18 @@ def run_ep(ckpt: str, plan: dict) -> dict:
         load = torch.zeros(slots.shape[0], E).index_add_(1, phy2log, slots.float())
         placement = rebalance_experts(load, slots.shape[1], 1, 1, plan["ranks"])
         shares = replica_shares(load, placement.phy2log, plan["ranks"])
-        t0 = time.perf_counter()
         engine.apply_placement(placement.phy2log, shares, version=1)
-        pause = time.perf_counter() - t0
         balanced = _phase(engine, plan, vocab, ids, 200)
+        moves = engine.engine.placement_moves
+        moes = engine.engine.model.moe_layers()
+        held = sum(m.resident_bytes() for m in moes)
+        every = sum(m.resident_bytes() / len(m.resident or [0]) * m.num_experts for m in moes)
     finally:
         engine.close()
-    return {"initial": initial, "balanced": balanced, "pause_ms": pause * 1e3}
+    return {"initial": initial, "balanced": balanced,
+            "pause_ms": engine.max_placement_pause_s * 1e3, "layers": moves.layers,
+            "experts_read": moves.experts_read, "move_ms": moves.total_s * 1e3,
+            "held_mb": held / 2**20, "every_mb": every / 2**20}
 
 
 def run_single(ckpt: str, plan: dict) -> dict:
@@ -173,9 +178,13 @@ def _table(name: str, ep: dict, single: dict | None) -> str:
                      f"{single['prefill_ms']:10.1f}")
     a, b = ep["initial"], ep["balanced"]
     lines.append(f"  balanced vs initial: decode step {b['step_p50'] / a['step_p50']:.2f}x the "
-                 f"time, prefill {b['prefill_ms'] / a['prefill_ms']:.2f}x; largest serving "
-                 f"pause to apply the placement {ep['pause_ms']:.1f} ms "
-                 f"(a decode step: {a['step_p50']:.1f} ms)")
+                 f"time, prefill {b['prefill_ms'] / a['prefill_ms']:.2f}x")
+    lines.append(f"  placement change: {ep['layers']} MoE layers switched one per step, rank 0 "
+                 f"read {ep['experts_read']} experts from the checkpoint in {ep['move_ms']:.1f} "
+                 f"ms; largest pause before a step (any rank) {ep['pause_ms']:.1f} ms (a decode "
+                 f"step: {a['step_p50']:.1f} ms)")
+    lines.append(f"  expert weights held by rank 0: {ep['held_mb']:.1f} MB of {ep['every_mb']:.1f}"
+                 f" MB (every expert)")
     return "\n".join(lines)
 
 

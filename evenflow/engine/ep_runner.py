@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 import weakref
 from collections import deque
@@ -86,7 +87,9 @@ class LockstepRank:
         """Apply this rank's share of the command, step, and return its outputs (wire form)
         and its MoE timing for the step."""
         engine, out = self.engine, []
+        started = time.perf_counter()
         engine.advance_placement()  # one MoE layer of a new placement, on every rank alike
+        pause = time.perf_counter() - started
         for request_id in aborts:
             engine.abort(request_id)
         for request_id, prompt, params in adds:
@@ -98,7 +101,7 @@ class LockstepRank:
             out.append([s.request_id, s.new_token_ids, s.finished,
                         s.finish_reason.value if s.finish_reason else None,
                         s.num_prompt_tokens, s.num_cached_tokens])
-        return {"out": out, "moe": self.timer.take()}
+        return {"out": out, "moe": self.timer.take(), "pause": pause}
 
     def gather(self, outputs: Any) -> list:
         """Every rank's payload, by rank, on every rank."""
@@ -173,6 +176,8 @@ class DEPEngine:
         # per step (the latest MOE_TIMES_KEPT), per rank: [MoE compute s, collective s (incl.
         # waiting), rows computed]
         self.moe_times: deque[list[list[float]]] = deque(maxlen=MOE_TIMES_KEPT)
+        # the longest time any rank spent switching a placement's layer before a step
+        self.max_placement_pause_s = 0.0
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call, over every rank."""
@@ -219,6 +224,8 @@ class DEPEngine:
         mine = [a[1:] for a in adds if a[0] == 0]
         ranks = self.rank.gather(self.rank.run_step(mine, aborts))
         self.moe_times.append([r["moe"] for r in ranks])
+        self.max_placement_pause_s = max(self.max_placement_pause_s,
+                                         max(r["pause"] for r in ranks))
         result = []
         for item in (item for r in ranks for item in r["out"]):
             if item[1] is None:  # refused by its rank

@@ -176,7 +176,9 @@ class MoE(nn.Module):
     def resident_bytes(self) -> int:
         """Bytes of expert weights this layer holds."""
         def size(w: Any) -> int:
-            return w.nbytes() if isinstance(w, QuantStack) else w.untyped_storage().nbytes()
+            if isinstance(w, QuantStack):
+                return w.nbytes()
+            return w.numel() * w.element_size()  # (oneDNN-packed tensors have no storage)
 
         if self.resident is not None:
             return sum(size(a) + size(b) for a, b in self.resident.values())
