@@ -225,6 +225,9 @@ class Engine:
         counts = self.take_slot_counts()
         return counts.shape[0], counts.shape[1], counts.flatten().tolist()
 
+    def take_rank_timing(self) -> list[float] | None:
+        return None  # not an expert-parallel rank (engine/lockstep.py is)
+
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call."""
         counts = self.slot_counts.clone()

@@ -23,6 +23,7 @@ from evenflow.engine.block_manager import KVEventListener
 from evenflow.engine.config import EngineConfig, ModelLoadError
 from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.ep_runner import slot_bytes_for
+from evenflow.engine.ffn import EPTimer
 from evenflow.engine.rank_commands import LOAD_TIMEOUT_S, STEP_TIMEOUT_S
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.shm import ShmGroup
@@ -59,6 +60,10 @@ class LockstepEngine(Engine):
         self._pending: tuple[int, list[int], list[float]] | None = None
         self._fatal: str | None = None
         self._last_busy = time.monotonic()
+        self.ep_timer = EPTimer()  # MoE compute / collective time since the last report
+        for layer in self.model.moe_layers():
+            layer.ep_timer = self.ep_timer
+        self._steps, self._step_s = 0, 0.0
 
     @property
     def idle_poll_s(self) -> float:  # type: ignore[override]
@@ -103,11 +108,22 @@ class LockstepEngine(Engine):
         """This rank's step, or a dummy forward pass when it has nothing to run."""
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
+        started = time.perf_counter()
         try:
-            return self.step_in_lockstep()
+            outputs = self.step_in_lockstep()
         except CollectiveError as exc:
             self._lost(exc)
             raise RuntimeError(self._fatal) from exc
+        self._steps += 1
+        self._step_s += time.perf_counter() - started
+        return outputs
+
+    def take_rank_timing(self) -> list[float] | None:
+        """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
+        compute_s, wait_s, rows = self.ep_timer.take()
+        timing = [float(self._steps), self._step_s, compute_s, wait_s, rows]
+        self._steps, self._step_s = 0, 0.0
+        return timing
 
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None:

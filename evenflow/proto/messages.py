@@ -229,29 +229,42 @@ class KVSnapshot:
 @dataclass(frozen=True, kw_only=True)
 class ExpertLoad:
     """Tokens per (MoE layer, physical slot) a worker routed since its last report, under the
-    placement `version` it runs (so this is also its acknowledgement of that version)."""
+    placement `version` it runs (so this is also its acknowledgement of that version).
+    v2: the worker's role (placements are per role) and, from an expert-parallel rank (`group`
+    names its DEP group), its steps over the same period: their wall time, its own experts'
+    compute, the dispatch/combine collectives (which include waiting for the slowest rank) and
+    the (token, expert) rows it computed."""
 
     TYPE: ClassVar[str] = "expert_load"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: str
     version: int
     num_layers: int
     num_slots: int
     counts: list[int]  # row-major (layers, slots)
+    role: str = ""
+    group: str = ""
+    steps: int = 0
+    step_s: float = 0.0
+    moe_compute_s: float = 0.0
+    moe_wait_s: float = 0.0
+    moe_rows: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertPlacement:
     """The balancer's placement, versioned: the logical expert of each (MoE layer, slot), and
-    each slot's share of its expert's tokens. Workers apply it between steps."""
+    each slot's share of its expert's tokens. Workers apply it between steps. v2: `role`, the
+    workers it is for (prefill and decode load differ); "" for every role."""
 
     TYPE: ClassVar[str] = "expert_placement"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     version: int
     num_layers: int
     num_slots: int
     phy2log: list[int]  # row-major (layers, slots)
     shares: list[float]  # row-major (layers, slots)
+    role: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,6 +144,7 @@ class MeshConfig:
     eplb_min_interval_reports: int = 5  # reports between two rebalances, at least
     eplb_window_reports: int = 10  # reports of load a decision looks at
     balancer_metrics_port: int = 0  # > 0: the balancer serves Prometheus metrics there
+    eplb_per_role: bool = True  # a placement per role (prefill, decode); False: one for all
     # Fleet (for `evenflow up`)
     num_prefill: int = 1
     num_decode: int = 1

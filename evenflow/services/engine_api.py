@@ -102,3 +102,6 @@ class ServingEngine(Protocol):
                                shares: list[float]) -> None: ...
     def take_expert_load(self) -> tuple[int, int, list[int]]:
         """(MoE layers, slots, row-major token counts) since the last call."""
+    def take_rank_timing(self) -> list[float] | None:
+        """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
+        collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""

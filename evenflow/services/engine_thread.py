@@ -109,6 +109,7 @@ class ExpertLoadTaken:
     num_layers: int
     num_slots: int
     counts: list[int]
+    timing: list[float] | None = None  # an expert-parallel rank's (ServingEngine)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ class EngineThread:
                     self._emit(PlacementApplied(version, time.monotonic() - started))
             case TakeExpertLoad():
                 version = engine.placement_version
-                self._emit(ExpertLoadTaken(version, *engine.take_expert_load()))
+                self._emit(ExpertLoadTaken(version, *engine.take_expert_load(),
+                                           engine.take_rank_timing()))
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.cached_block_hashes()))

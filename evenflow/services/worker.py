@@ -167,10 +167,15 @@ class WorkerService:
                 self.send(subjects.KV_EVENTS, KVSnapshot(
                     worker_id=self.worker_id, role=self.role, epoch=self.epoch,
                     seq=self.kv_seq, block_hashes=hashes))
-            case ExpertLoadTaken(version, layers, slots, counts):
+            case ExpertLoadTaken(version, layers, slots, counts, timing):
+                steps, step_s, compute_s, wait_s, rows = timing or (0, 0.0, 0.0, 0.0, 0)
                 self.send(subjects.EXPERT_LOAD, ExpertLoad(
                     worker_id=self.worker_id, version=version, num_layers=layers,
-                    num_slots=slots, counts=counts))
+                    num_slots=slots, counts=counts, role=self.role.value,
+                    group=self.config.ep_group, steps=int(steps), step_s=step_s,
+                    moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows)))
+                if steps:
+                    self._record_rank_sample(int(steps), step_s, compute_s, wait_s, int(rows))
             case PlacementApplied(version, seconds, error):
                 if error is None:
                     log.info("placement %d applied in %.1f ms", version, seconds * 1e3)
@@ -205,12 +210,23 @@ class WorkerService:
 
     # -- expert placement -------------------------------------------------------------------
     def _on_placement(self, message: Message, _ctx: object) -> None:
-        if not isinstance(message, ExpertPlacement):
-            return
+        if not isinstance(message, ExpertPlacement) or message.role not in ("", self.role.value):
+            return  # another role's placement
         if message.version == self.engine.placement_version:
             return  # a periodic re-announcement of what we run
         self.engine_thread.submit(ApplyPlacement(message.version, message.phy2log,
                                                  message.shares))
+
+    def _record_rank_sample(self, steps: int, step_s: float, compute_s: float, wait_s: float,
+                            rows: int) -> None:
+        """An expert-parallel rank's steps since its last load report, as one span's
+        attributes (a sample per report, not a span per step)."""
+        self.tracer.start_span("ep.rank_steps", attributes={
+            "evenflow.ep.group": self.config.ep_group, "evenflow.ep.rank": self.config.ep_rank,
+            "evenflow.ep.steps": steps, "evenflow.ep.step_ms": step_s / steps * 1e3,
+            "evenflow.ep.moe_compute_ms": compute_s / steps * 1e3,
+            "evenflow.ep.moe_wait_ms": wait_s / steps * 1e3,
+            "evenflow.ep.rows_per_step": rows / steps}).end()
 
     async def _report_expert_load(self) -> None:
         while True:

@@ -90,6 +90,12 @@ def test_a_pushed_placement_moves_experts_and_keeps_the_text(ep_mesh):
     asyncio.run(push_and_watch())
     assert {m.worker_id for m in loads if m.version == version} >= RANKS
     assert [complete(ep_mesh, p) for p in prompts] == before  # greedy text unchanged
+    # each rank's load reports carry its role, group and step timings (the first prompts ran
+    # just before the reports were taken)
+    timed = [m for m in loads if m.steps]
+    assert {m.worker_id for m in timed} & {"d0r0", "d0r1"}, loads
+    assert all(m.group and m.role in ("prefill", "decode") and m.step_s > 0
+               and m.moe_compute_s > 0 and m.moe_wait_s > 0 for m in timed)
 
 
 def test_killing_a_rank_ends_the_group_and_it_comes_back(ep_mesh):

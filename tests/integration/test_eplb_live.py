@@ -14,7 +14,7 @@ import redis
 import torch
 from meshutil import wait_for
 
-from evenflow.balancer.service import PLACEMENT_KEY
+from evenflow.balancer.service import placement_key
 from evenflow.engine.placement import rank_balancedness
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement, decode
@@ -72,7 +72,8 @@ def test_balancer_pushes_a_placement_that_workers_apply(ep_mesh):
             for p in PROMPTS:
                 complete(ep_mesh, p)
         loads, placements = watcher.result()
-    assert placements, "the balancer pushed no placement"
+    placements = [p for p in placements if p.role == "decode"]  # a placement per role
+    assert placements, "the balancer pushed no decode placement"
     newest = max(p.version for p in placements)
     applied = max((m.version for m in loads if m.worker_id == "d0" and sum(m.counts)), default=0)
     assert applied >= 1, "the decode worker never reported load under a pushed placement"
@@ -87,7 +88,7 @@ def test_balancer_pushes_a_placement_that_workers_apply(ep_mesh):
     r = redis.Redis.from_url(ep_mesh.config.redis_url)
 
     def stored_version() -> int:
-        raw = r.get(MeshConfig().redis_prefix + PLACEMENT_KEY)
+        raw = r.get(MeshConfig().redis_prefix + placement_key("decode"))
         stored = decode(raw) if raw else None
         return stored.version if isinstance(stored, ExpertPlacement) else -1
     # Stored for a restarted balancer: the newest pushed (or a later one), never an older one.

@@ -1,0 +1,113 @@
+"""One role's expert placement at the balancer: the placement in force and its version, the
+recent versions' layouts (load reported under them is still usable), the load window and its
+trigger, and which version each worker runs. Prefill and decode see different expert load
+(long prompts against single tokens), so each role gets a placement of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from prometheus_client import Counter, Gauge
+
+from evenflow.balancer.eplb import balancedness, rebalance_from, replica_shares, slots_moved
+from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
+from evenflow.proto.messages import ExpertLoad, ExpertPlacement
+
+log = logging.getLogger(__name__)
+
+VERSION = Gauge("evenflow_eplb_placement_version", "Placement version in force", ["role"])
+BALANCEDNESS = Gauge("evenflow_eplb_balancedness", "Rank balancedness on the load window",
+                     ["role", "when"])
+SLOTS_MOVED = Counter("evenflow_eplb_slots_moved_total", "Expert slots moved by rebalances",
+                      ["role"])
+COMPUTE_SECONDS = Gauge("evenflow_eplb_compute_seconds", "Time to compute the last placement",
+                        ["role"])
+ACKED = Gauge("evenflow_eplb_workers_on_version", "Workers reporting load under the version",
+              ["role"])
+
+MIN_GAIN = 0.01  # a new placement must raise balancedness by this much
+HISTORY = 4  # versions back whose load reports are still used
+
+
+class RoleBalance:
+    def __init__(self, role: str, num_experts: int, num_ranks: int,
+                 trigger: TriggerConfig) -> None:
+        self.role = role  # "" when one placement serves every role
+        self.num_experts, self.num_ranks = num_experts, num_ranks
+        self.trigger = ThresholdTrigger(trigger, num_ranks)
+        self.version = 0
+        self.phy2log: torch.Tensor | None = None  # (layers, slots) of the version in force
+        self.shares: torch.Tensor | None = None
+        self.history: dict[int, torch.Tensor] = {}  # recent versions' phy2log
+        self.worker_versions: dict[str, int] = {}
+        self.stored_version = 0  # the newest version known to be in Redis
+        self.store_lock = asyncio.Lock()
+
+    @property
+    def label(self) -> str:
+        return self.role or "all"
+
+    def adopt(self, p: ExpertPlacement) -> None:
+        self.version = p.version
+        self.phy2log = torch.tensor(p.phy2log).view(p.num_layers, p.num_slots)
+        self.shares = torch.tensor(p.shares).view(p.num_layers, p.num_slots)
+        self.history[p.version] = self.phy2log
+        VERSION.labels(role=self.label).set(p.version)
+
+    def message(self) -> ExpertPlacement:
+        assert self.phy2log is not None and self.shares is not None
+        L, P = self.phy2log.shape
+        return ExpertPlacement(version=self.version, num_layers=L, num_slots=P,
+                               phy2log=self.phy2log.flatten().tolist(),
+                               shares=self.shares.flatten().tolist(), role=self.role)
+
+    def observe(self, message: ExpertLoad) -> ExpertPlacement | None:
+        """Take one worker's load report; a new placement when the window calls for one."""
+        L, P = message.num_layers, message.num_slots
+        if self.phy2log is None:  # the workers' initial placement: slot s holds s mod E
+            self.phy2log = (torch.arange(P) % self.num_experts).repeat(L, 1)
+            self.shares = torch.ones(L, P)
+            self.history[0] = self.phy2log
+        self.worker_versions[message.worker_id] = message.version
+        ACKED.labels(role=self.label).set(
+            sum(1 for v in self.worker_versions.values() if v == self.version))
+        layout = self.history.get(message.version)
+        if layout is None or layout.shape != (L, P):
+            return None  # load under a placement we no longer know: skip it
+        slot_counts = torch.tensor(message.counts, dtype=torch.float32).view(L, P)
+        logical = torch.zeros(L, self.num_experts).scatter_add_(1, layout, slot_counts)
+        if not self.trigger.observe(logical, self.phy2log, self._slot_shares()):
+            return None
+        return self._rebalance()
+
+    def _slot_shares(self) -> torch.Tensor | None:
+        """The shares in force as routing fractions per slot (None: even split)."""
+        return None if self.version == 0 else self.shares
+
+    def _rebalance(self) -> ExpertPlacement | None:
+        assert self.phy2log is not None
+        load = self.trigger.window.load()
+        before = balancedness(load, self.phy2log, self.num_ranks, self._slot_shares())
+        started = time.perf_counter()
+        placement = rebalance_from(self.phy2log, load, self.num_ranks)
+        shares = replica_shares(load, placement.phy2log, self.num_ranks)
+        COMPUTE_SECONDS.labels(role=self.label).set(time.perf_counter() - started)
+        after = balancedness(load, placement.phy2log, self.num_ranks, shares)
+        if after < before + MIN_GAIN:
+            return None  # not worth moving weights (nor waking every worker) for
+        moved = slots_moved(self.phy2log, placement.phy2log)
+        self.version += 1
+        self.phy2log, self.shares = placement.phy2log, shares
+        self.history[self.version] = self.phy2log
+        for old in [v for v in self.history if v < self.version - HISTORY]:
+            del self.history[old]
+        BALANCEDNESS.labels(role=self.label, when="before").set(before)
+        BALANCEDNESS.labels(role=self.label, when="after").set(after)
+        SLOTS_MOVED.labels(role=self.label).inc(moved)
+        VERSION.labels(role=self.label).set(self.version)
+        log.info("%s placement %d: balancedness %.3f -> %.3f, %d slots moved", self.label,
+                 self.version, before, after, moved)
+        return self.message()
