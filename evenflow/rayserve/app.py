@@ -8,12 +8,27 @@ heartbeat reaches the gateways; a replica being removed drains first (`__del__`)
 
 Each service is its own application (`prefill_app`, `decode_app`, ... below) so it deploys and
 scales independently; `deploy/serve.yaml` lists them all.
+
+Expert parallelism (`expert_parallel_size: N` in a prefill or decode application's args): an EP
+group is co-located by being **one replica that launches its ranks**. The replica runs rank 0
+in its own process and starts ranks 1..N-1 as child processes on the same node (they share a
+host for the shm collectives); each rank is a mesh worker of its own, as under `evenflow up
+--ep N`. The replica asks Ray for N times its CPUs, its health check fails when a rank is gone
+(Ray then replaces the whole group), and children die with it (PR_SET_PDEATHSIG, and a lost
+group ends every rank's collectives within seconds). Chosen over a placement group of N
+STRICT_PACK bundles: Serve scales and replaces the group as one unit, with no extra actors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -54,7 +69,13 @@ class ServiceReplica:
         service_cls = getattr(importlib.import_module(module), name)
         replica = serve.get_replica_context().replica_id.unique_id
         self.role = role
-        self.service: WorkerService = service_cls(_config(args), f"{role[0]}-{replica}")
+        config, worker_id = _config(args), f"{role[0]}-{replica}"
+        self.ranks: list[subprocess.Popen] = []
+        if role in ("prefill", "decode") and config.expert_parallel_size > 1:
+            config = replace(config, ep_rank=0, ep_group=f"ray-{replica}")
+            self.ranks = start_follower_ranks(role, worker_id, config)
+            worker_id += "r0"
+        self.service: WorkerService = service_cls(config, worker_id)
         self.task = asyncio.get_running_loop().create_task(
             self.service.run(install_signals=False))
         await asyncio.wait_for(self.service.started.wait(), timeout=300)
@@ -62,6 +83,9 @@ class ServiceReplica:
     def check_health(self) -> None:
         if self.task.done():
             raise RuntimeError(f"{self.role} service stopped: {self.task.exception()!r}")
+        gone = [p.pid for p in self.ranks if p.poll() is not None]
+        if gone:
+            raise RuntimeError(f"expert-parallel rank process(es) {gone} exited")
         if not self.service.bus.connected:
             raise RuntimeError("not connected to NATS")
         problem = self.service.healthy()
@@ -74,7 +98,34 @@ class ServiceReplica:
     async def __del__(self) -> None:
         """Scale-down or shutdown: stop taking work, finish in-flight requests, leave."""
         self.service.request_stop()
-        await asyncio.wait_for(asyncio.shield(self.task), timeout=30)
+        for rank in self.ranks:
+            rank.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout=30)
+        finally:
+            for rank in self.ranks:
+                try:
+                    rank.wait(10)
+                except subprocess.TimeoutExpired:
+                    rank.kill()
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the replica process dies (Linux)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_follower_ranks(role: str, worker_id: str, config: MeshConfig
+                         ) -> list[subprocess.Popen]:
+    """Ranks 1..N-1 of this replica's DEP group, as worker processes on this node."""
+    env = {**os.environ, **config.to_env()}
+    return [subprocess.Popen(
+        [sys.executable, "-m", f"evenflow.{role}", f"{worker_id}r{rank}"],
+        env={**env, "EVENFLOW_EP_RANK": str(rank)}, preexec_fn=_die_with_parent)
+        for rank in range(1, config.expert_parallel_size)]
 
 
 def _autoscaling(args: dict[str, Any], policy: str | None,
@@ -98,7 +149,8 @@ def _service_app(name: str, args: dict[str, Any], policy: str | None,
                  policy_kwargs: dict[str, Any] | None = None):
     deployment = serve.deployment(
         ServiceReplica, name=name, autoscaling_config=_autoscaling(args, policy, policy_kwargs),
-        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
+        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))
+                           * max(1, int(args.get("expert_parallel_size", 1)))},
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30,
         max_ongoing_requests=1)
     return deployment.bind(name, args)  # type: ignore[attr-defined]  # (stubs: a Deployment)
@@ -145,6 +197,7 @@ def gateway_app(args: dict[str, Any]):
 
     deployment = serve.deployment(
         Gateway, name="gateway", autoscaling_config=_autoscaling(args, None),
-        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))},
+        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))
+                           * max(1, int(args.get("expert_parallel_size", 1)))},
         health_check_period_s=2, graceful_shutdown_timeout_s=30)
     return deployment.bind()  # type: ignore[attr-defined]  # (stubs: a Deployment)
