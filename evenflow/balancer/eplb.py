@@ -89,7 +89,9 @@ def _refine(w: Tensor, pack: Tensor, num_packs: int, steps: int) -> Tensor:
 
 def replicate_experts(weight: Tensor, num_phy: int) -> tuple[Tensor, Tensor, Tensor]:
     """Give the hottest experts extra replicas until there are `num_phy` slots.
-    weight [L, n_log] -> (phy2log [L, num_phy], replica rank [L, num_phy], logcnt [L, n_log])."""
+    weight [L, n_log] -> (phy2log [L, num_phy], replica rank [L, num_phy], logcnt [L, n_log]).
+    (Only the load replicas split counts here: a per-replica fixed cost is never reduced by
+    another replica, so it plays no part in choosing them, only in packing them.)"""
     L, n_log = weight.shape
     assert num_phy >= n_log
     rows = torch.arange(L)
@@ -111,7 +113,8 @@ def _inverse(perm: Tensor) -> Tensor:
 
 
 def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
-                  num_gpus: int, refine_steps: int = 64) -> tuple[Tensor, Tensor, Tensor]:
+                  num_gpus: int, refine_steps: int = 64, fixed: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     L, n_log = weight.shape
     assert n_log % num_groups == 0 and num_groups % num_nodes == 0
     assert num_gpus % num_nodes == 0 and num_phy % num_gpus == 0
@@ -126,9 +129,11 @@ def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
     mlog2log = _inverse(log2mlog)
     # 2. replicate within each node
     mlog_w = weight.gather(-1, mlog2log).view(-1, n_log // num_nodes)  # [L*nodes, n/nodes]
+    mlog_f = (torch.zeros_like(mlog_w) if fixed is None
+              else fixed.float().gather(-1, mlog2log).view(-1, n_log // num_nodes))
     phy2mlog, phyrank, mlogcnt = replicate_experts(mlog_w, num_phy // num_nodes)
     # 3. replicas -> the node's GPUs
-    phy_w = (mlog_w / mlogcnt).gather(-1, phy2mlog)
+    phy_w = (mlog_w / mlogcnt + mlog_f).gather(-1, phy2mlog)
     pack, rank = balanced_packing(phy_w, num_gpus // num_nodes, refine_steps)
     pphy2phy = _inverse(pack * per_gpu + rank)
     pphy2mlog = phy2mlog.gather(-1, pphy2phy)
@@ -141,17 +146,20 @@ def _hierarchical(weight: Tensor, num_phy: int, num_groups: int, num_nodes: int,
 
 
 def rebalance_experts(weight: Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int, refine_steps: int = 64) -> Placement:
+                      num_gpus: int, refine_steps: int = 64, fixed: Tensor | None = None
+                      ) -> Placement:
     """DeepSeek EPLB's interface (see the module docstring). refine_steps=0 leaves out our
-    refinement: DeepSeek's reference policy (greedy packing only)."""
+    refinement: DeepSeek's reference policy (greedy packing only). `fixed` [L, n_log]: a
+    per-replica cost that replication does not split (an expert's weight read, when balancing
+    on time rather than tokens); None balances on `weight` alone."""
     assert weight.dim() == 2 and num_replicas >= weight.shape[1]
     weight = weight.float().cpu()
     if num_groups % num_nodes == 0:
         phy2log, rank, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes,
-                                              num_gpus, refine_steps)
+                                              num_gpus, refine_steps, fixed)
     else:
         phy2log, rank, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_gpus,
-                                              refine_steps)
+                                              refine_steps, fixed)
     return Placement(phy2log, _log2phy(phy2log, rank, logcnt), logcnt)
 
 

@@ -16,6 +16,7 @@ placement; plus one process with 2 threads and no EP, for reference. All in one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -99,16 +100,58 @@ def run_ep(ckpt: str, plan: dict) -> dict:
         shares = replica_shares(load, placement.phy2log, plan["ranks"])
         engine.apply_placement(placement.phy2log, shares, version=1)
         balanced = _phase(engine, plan, vocab, ids, 200)
-        moves = engine.engine.placement_moves
+        moves = dataclasses.replace(engine.engine.placement_moves)
         moes = engine.engine.model.moe_layers()
         held = sum(m.resident_bytes() for m in moes)
         every = sum(m.resident_bytes() / len(m.resident or [0]) * m.num_experts for m in moes)
+        # The same window balanced on modelled time instead: each expert costs its rows plus,
+        # in every step it is active, one weight read (in rows' worth, measured here)
+        read_rows = weight_read_in_rows(moes[0], engine.model_config.hidden_size,
+                                        engine.engine.kv_dtype)
+        rows, reads = time_weight(load, plan["batch"] * engine.model_config.num_experts_per_tok,
+                                  read_rows)
+        placement = rebalance_experts(rows, slots.shape[1], 1, 1, plan["ranks"], fixed=reads)
+        engine.apply_placement(placement.phy2log,
+                               replica_shares(load, placement.phy2log, plan["ranks"]),
+                               version=2)
+        timed = _phase(engine, plan, vocab, ids, 300)
     finally:
         engine.close()
-    return {"initial": initial, "balanced": balanced,
+    return {"initial": initial, "balanced": balanced, "time-balanced": timed,
+            "read_rows": read_rows, "trace": load.tolist(),
             "pause_ms": engine.max_placement_pause_s * 1e3, "layers": moves.layers,
             "experts_read": moves.experts_read, "move_ms": moves.total_s * 1e3,
             "held_mb": held / 2**20, "every_mb": every / 2**20}
+
+
+def weight_read_in_rows(moe, hidden: int, dtype) -> float:
+    """How many token rows through an expert cost as much as reading its weights once: the
+    1-row time over the per-row slope (rows 1 and 17), on this machine."""
+    import torch
+
+    gate_up, down = moe._expert_linears()
+
+    def run(rows: int) -> float:
+        x = torch.randn(rows, hidden).to(dtype)
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            g, u = gate_up(x, 0).chunk(2, dim=-1)
+            down(g * u, 0)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    one, many = run(1), run(17)
+    return one / max((many - one) / 16, 1e-9)
+
+
+def time_weight(load, pairs_per_step: int, read_rows: float):
+    """Per (layer, expert) and step, in rows' worth of time: its expected rows (replicas split
+    them), and read_rows times the chance that any of the step's pairs picks it (its weight
+    read, which every replica pays whole)."""
+    share = load / load.sum(1, keepdim=True).clamp_min(1e-9)
+    active = 1 - (1 - share) ** pairs_per_step
+    return share * pairs_per_step, read_rows * active
 
 
 def run_single(ckpt: str, plan: dict) -> dict:
@@ -165,7 +208,7 @@ def _table(name: str, ep: dict, single: dict | None) -> str:
              f"  {'placement':12} {'step p50':>9} {'p99':>7} {'MoE ms/rank':>16} "
              f"{'collect. ms/rank':>17} {'bal. rows':>9} {'bal. time':>9} {'tok/s':>8} "
              f"{'prefill ms':>10}"]
-    for phase in ("initial", "balanced"):
+    for phase in ("initial", "balanced", "time-balanced"):
         r = ep[phase]
         lines.append(
             f"  {phase:12} {r['step_p50']:9.2f} {r['step_p99']:7.2f} "
@@ -176,9 +219,12 @@ def _table(name: str, ep: dict, single: dict | None) -> str:
         lines.append(f"  {'1 proc, 2 thr':12} {single['step_p50']:9.2f} {single['step_p99']:7.2f}"
                      f" {'-':>16} {'-':>17} {'-':>9} {'-':>9} {single['tok_s']:8.1f} "
                      f"{single['prefill_ms']:10.1f}")
-    a, b = ep["initial"], ep["balanced"]
+    a, b, t = ep["initial"], ep["balanced"], ep["time-balanced"]
     lines.append(f"  balanced vs initial: decode step {b['step_p50'] / a['step_p50']:.2f}x the "
-                 f"time, prefill {b['prefill_ms'] / a['prefill_ms']:.2f}x")
+                 f"time, prefill {b['prefill_ms'] / a['prefill_ms']:.2f}x; balanced on time "
+                 f"(a weight read = {ep['read_rows']:.0f} rows here) vs initial: decode "
+                 f"{t['step_p50'] / a['step_p50']:.2f}x, prefill "
+                 f"{t['prefill_ms'] / a['prefill_ms']:.2f}x")
     lines.append(f"  placement change: {ep['layers']} MoE layers switched one per step, rank 0 "
                  f"read {ep['experts_read']} experts from the checkpoint in {ep['move_ms']:.1f} "
                  f"ms; largest pause before a step (any rank) {ep['pause_ms']:.1f} ms (a decode "
@@ -200,12 +246,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=256, help="--simulate: experts per layer")
     ap.add_argument("--layers", type=int, default=58, help="--simulate: MoE layers")
     ap.add_argument("--zipf", type=float, default=1.0, help="--simulate: Zipf exponent")
+    ap.add_argument("--tokens-per-rank", type=int, default=128,
+                    help="--simulate: decode tokens per rank and step")
+    ap.add_argument("--trace", default=None,
+                    help="--simulate: expert load recorded by a live run (--record-trace), "
+                    "instead of Zipf")
+    ap.add_argument("--record-trace", default=None, metavar="PATH",
+                    help="write the skewed 110M model's expert load (JSON) for --simulate")
     args = ap.parse_args(argv)
     if args.simulate:
-        from evenflow.bench.ep_sim import Shape, simulate
+        from evenflow.bench.ep_sim import Shape, load_trace, simulate
 
-        shape = Shape(layers=args.layers, experts=args.experts)
-        print("\n".join(simulate([int(r) for r in args.ranks.split(",")], shape, args.zipf)))
+        shape = Shape(layers=args.layers, experts=args.experts,
+                      tokens_per_rank=args.tokens_per_rank)
+        trace = load_trace(args.trace) if args.trace else None
+        print("\n".join(simulate([int(r) for r in args.ranks.split(",")], shape, args.zipf,
+                                 trace=trace)))
         return 0
 
     from evenflow.bench.machine import machine_line
@@ -226,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         if ep is None:
             return 1
         print(_table(name, ep, single))
+        if args.record_trace and ckpt != "tiny-moe":
+            Path(args.record_trace).write_text(json.dumps({"model": name, "load": ep["trace"]}))
+            print(f"  expert load written to {args.record_trace} (bench ep --simulate --trace)")
     return 0
 
 
