@@ -81,6 +81,8 @@ class StepOutput:
     # in the hand-off layout (proto/kv_handoff.py).
     kv: KVPayload | None = None
     kv_follows: bool = False
+    # (logprob, top ids, top logprobs) of new_token_ids[0], when the request asked for them
+    logprobs: tuple[float, list[int], list[float]] | None = None
 
 
 class Engine:
@@ -440,7 +442,8 @@ class Engine:
     def _output(seq: Sequence, new: list[int], kv: KVPayload | None = None,
                 kv_follows: bool = False) -> StepOutput:
         return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens, kv, kv_follows)
+                          seq.num_prompt_tokens, seq.num_cached_tokens, kv, kv_follows,
+                          seq.step_logprobs if new else None)
 
 
 def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
@@ -449,4 +452,11 @@ def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
         return params
     return SamplingParams(temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
-                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                          min_p=params.min_p, presence_penalty=params.presence_penalty,
+                          frequency_penalty=params.frequency_penalty,
+                          repetition_penalty=params.repetition_penalty,
+                          min_tokens=params.min_tokens,
+                          logit_bias=tuple((int(t), b) for t, b in params.logit_bias),
+                          allowed_token_ids=params.allowed_token_ids or None,
+                          logprobs=None if params.logprobs < 0 else params.logprobs)

@@ -54,7 +54,8 @@ from evenflow.parallel.shm import ShmGroup
 STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
 MOE_TIMES_KEPT = 100_000
 _PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
-           "ignore_eos")
+           "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs")
 
 
 def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
@@ -70,6 +71,7 @@ def _params_wire(p: SamplingParams) -> list:
 def _params(values: list) -> SamplingParams:
     kwargs = dict(zip(_PARAMS, values, strict=True))
     kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
+    kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"])
     return SamplingParams(**kwargs)
 
 
@@ -100,7 +102,7 @@ class LockstepRank:
         for s in engine.step_in_lockstep():
             out.append([s.request_id, s.new_token_ids, s.finished,
                         s.finish_reason.value if s.finish_reason else None,
-                        s.num_prompt_tokens, s.num_cached_tokens])
+                        s.num_prompt_tokens, s.num_cached_tokens, s.logprobs])
         return {"out": out, "moe": self.timer.take(), "pause": pause}
 
     def gather(self, outputs: Any) -> list:
@@ -231,11 +233,12 @@ class DEPEngine:
             if item[1] is None:  # refused by its rank
                 self._owner.pop(item[0], None)
                 raise ValueError(item[2])
-            request_id, tokens, finished, reason, prompt, cached = item
+            request_id, tokens, finished, reason, prompt, cached, logprobs = item
             if finished:
                 self._owner.pop(request_id, None)
             result.append(StepOutput(request_id, tokens, finished,
-                                    FinishReason(reason) if reason else None, prompt, cached))
+                                    FinishReason(reason) if reason else None, prompt, cached,
+                                    logprobs=tuple(logprobs) if logprobs else None))
         return result
 
     def close(self) -> None:

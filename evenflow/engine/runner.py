@@ -36,6 +36,7 @@ class ModelRunner:
                  dtype: torch.dtype) -> None:
         cfg = model.config
         self.model, self.block_size, self.dtype = model, block_size, dtype
+        self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
         slots = num_blocks * block_size
         # One (K, V) pair per layer, (num_slots + 1, n_kv, hd). torch.empty: pages are only
         # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
@@ -137,7 +138,7 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the step; return one sampled token per chunk whose `samples` is True."""
         logits = self.forward([ChunkInput.of(c) for c in chunks])
-        return sample(logits, [c.seq for c in chunks if c.samples])
+        return sample(logits, [c.seq for c in chunks if c.samples], self.eos_token_ids)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:

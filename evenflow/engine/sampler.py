@@ -1,4 +1,6 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, after the
+logits processing a request asks for (penalties, logit_bias, ...: engine/logits_processing.py),
+and the logprobs it asks for.
 
 Sampling uses the exponential-race form (argmax of p / E with E ~ Exp(1)), which equals drawing
 from p. A seeded request draws its noise from its own generator, so its output does not depend on
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from evenflow.engine.logits_processing import process, record_logprobs
 from evenflow.engine.sequence import Sequence
 
 
@@ -25,8 +28,16 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
+def sample(logits: Tensor, seqs: list[Sequence],
+           eos_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """logits (S, V) float32, one row per sequence -> one token id per sequence."""
+    logits = process(logits, seqs, eos_ids)
+    tokens = _draw(logits, seqs)
+    record_logprobs(logits, seqs, tokens)
+    return tokens
+
+
+def _draw(logits: Tensor, seqs: list[Sequence]) -> list[int]:
     greedy = logits.argmax(dim=-1)
     if all(s.params.greedy for s in seqs):
         return greedy.tolist()
@@ -39,6 +50,10 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> list[int]:
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs])
+    if bool((min_p > 0).any()):
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
     noise = torch.empty_like(probs).exponential_()
     for row, seq in enumerate(seqs):
         if seq.generator is not None:

@@ -23,6 +23,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = field(default=())
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many output tokens
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = field(default=())
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    logprobs: int | None = None  # how many top logprobs per token (0: the chosen one only)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -47,7 +55,37 @@ class SamplingParams:
               "stop_token_ids", "must be non-negative ints")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+              "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and -2 <= value <= 2, name,
+                  f"must be in [-2, 2], got {value!r}")
+        check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+              "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple((int(t), float(b)) for t, b in bias)
+        check(all(t >= 0 and -100 <= b <= 100 for t, b in bias), "logit_bias",
+              "must map token ids >= 0 to values in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            check(len(self.allowed_token_ids) > 0 and all(
+                isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids", "must be a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs
+                                        <= 20), "logprobs", "must be None or in [0, 20]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but temperature / top-k / top-p / min-p changes the logits
+        (engine/logits_processing.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.logit_bias
+                    or self.allowed_token_ids)

@@ -38,6 +38,8 @@ class Sequence:
     num_preemptions: int = 0
     export_kv: bool = False  # hand the prompt's K/V to the caller when it finishes
     pending_kv: torch.Tensor | None = None  # imported prompt K/V, written in at admission
+    # The last sampled token's (logprob, top ids, top logprobs) when params.logprobs is set
+    step_logprobs: tuple[float, list[int], list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -141,7 +141,7 @@ class TPLeaderRunner(ModelRunner):
         wire = [[c.token_ids, c.start, c.block_table, c.samples] for c in inputs]
         self._guard(self.tp.send, RUN, wire)
         logits = self._guard(self.forward, inputs)
-        return sample(logits, [c.seq for c in chunks if c.samples])
+        return sample(logits, [c.seq for c in chunks if c.samples], self.eos_token_ids)
 
     def read_kv(self, block_ids: list[int]) -> Tensor:
         self._guard(self.tp.send, READ_KV, block_ids)

@@ -54,6 +54,15 @@ class SamplingSpec:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # appended later (a decoder fills them from these defaults for older senders)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: list[list[float]] = field(default_factory=list)  # [[token id, bias], ...]
+    allowed_token_ids: list[int] = field(default_factory=list)  # empty: every token
+    logprobs: int = -1  # top logprobs per token; -1: none at all
 
 
 @dataclass(frozen=True, kw_only=True)
