@@ -35,6 +35,7 @@ from evenflow.proto.messages import (
     TokenDeltas,
     WorkerHeartbeat,
 )
+from evenflow.services.engine_api import logprob_fields
 from evenflow.services.engine_thread import (
     Abort,
     AddPrefilled,
@@ -241,7 +242,8 @@ class DecodeWorker(WorkerService):
             by_gateway[active.reply_subject].append(TokenDelta(
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens, first_index=active.sent))
+                num_cached_tokens=out.num_cached_tokens, first_index=active.sent,
+                **logprob_fields(out.logprobs)))
             active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]

@@ -6,6 +6,8 @@ detokenization and stop strings happen here; workers only see token ids."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 import uuid
@@ -26,11 +28,22 @@ from starlette.types import Receive, Scope, Send
 from evenflow import __version__, models
 from evenflow.gateway.client import GatewayClient, RequestFailed
 from evenflow.gateway.edge import Admission, EdgeMiddleware, read_api_keys
+from evenflow.gateway.fanout import merged
 from evenflow.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     validation_error,
+)
+from evenflow.gateway.render import (
+    LogprobRenderer,
+    Piece,
+    TokenLogprob,
+    Usage,
+    choice_body,
+    chunk_body,
+    completion_body,
+    usage_chunk,
 )
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
@@ -51,21 +64,8 @@ def _sse(data: Any) -> bytes:
 
 
 @dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def body(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-@dataclass
 class Job:
-    """One validated request, ready to run."""
+    """One validated request, ready to run (with n > 1, one per choice: `choices()`)."""
 
     kind: str  # "completion" | "chat"
     request_id: str
@@ -76,10 +76,28 @@ class Job:
     stream: bool
     include_usage: bool
     deadline: float  # time.monotonic() by which the request must be done
+    n: int = 1
+    logprobs: int | None = None  # top logprobs per token wanted (0: the chosen's only)
+    include_stop: bool = False
+    continuous_usage: bool = False
     usage: Usage = field(init=False)
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
+
+    def choices(self) -> list[Job]:
+        """One job per choice: its own id and usage; a seed offset by the choice's index."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(
+            self, request_id=f"{self.request_id}-{i}", n=1,
+            spec=dataclasses.replace(self.spec, seed=None if self.spec.seed is None
+                                     else (self.spec.seed + i) % (1 << 63)))
+            for i in range(self.n)]
+
+    def total_usage(self, choices: list[Job]) -> Usage:
+        return Usage(len(self.prompt_ids), sum(c.usage.completion_tokens for c in choices),
+                     choices[0].usage.cached_tokens)
 
 
 class Gateway:
@@ -91,6 +109,7 @@ class Gateway:
         if model_dir is None:
             raise ValueError(f"model {config.model!r} is neither built in nor a directory")
         self.tokenizer = Tokenizer(model_dir)
+        self.logprob_renderer = LogprobRenderer(self.tokenizer)
         self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
             model_dir, config.max_model_len or None)
         self.tracer = setup_tracing("evenflow-gateway")
@@ -116,10 +135,11 @@ class Gateway:
                            "model", "model_not_found")
         try:
             if isinstance(req, ChatCompletionRequest):
-                prompt_ids = self.tokenizer.encode_chat(
-                    [{"role": m.role, "content": m.text()} for m in req.messages])
+                prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages],
+                    req.add_generation_prompt), add_special_tokens=req.add_special_tokens)
             elif isinstance(req.prompt, str):
-                prompt_ids = self.tokenizer.encode(req.prompt)
+                prompt_ids = self.tokenizer.encode(req.prompt, req.add_special_tokens)
             else:
                 prompt_ids = [t for t in req.prompt if isinstance(t, int)]
         except TokenizerError as exc:
@@ -131,6 +151,12 @@ class Gateway:
             raise APIError(400, "the prompt is empty", param="prompt")
         if any(t >= vocab for t in req.stop_token_ids):
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if any(t >= vocab for t, _ in req.bias_pairs):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})",
+                           param="logit_bias")
+        if any(t >= vocab for t in req.allowed_token_ids or ()):
+            raise APIError(400, f"allowed_token_ids must be in [0, {vocab})",
+                           param="allowed_token_ids")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = req.requested_max_tokens or (16 if kind == "completion" else room)
         if room < 1 or max_tokens > room:
@@ -139,19 +165,31 @@ class Gateway:
                            f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
                            "completion).", param="messages" if kind == "chat" else "prompt",
                            code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+        logprobs = req.top_logprobs_wanted
         spec = SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                             seed=req.seed, max_tokens=max_tokens,
-                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                            min_p=req.min_p, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty,
+                            repetition_penalty=req.repetition_penalty,
+                            min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
+                            allowed_token_ids=list(req.allowed_token_ids or ()),
+                            logprobs=-1 if logprobs is None else logprobs)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
+        options = req.stream_options
         return Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
-                   req.stop_strings, req.stream,
-                   bool(req.stream_options and req.stream_options.include_usage),
-                   time.monotonic() + budget)
+                   req.stop_strings, req.stream, bool(options and options.include_usage),
+                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
+                   include_stop=req.include_stop_str_in_output,
+                   continuous_usage=bool(options and options.continuous_usage_stats))
 
-    async def run(self, job: Job) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield (text delta, finish reason or None); job.usage follows along."""
-        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop)
+    async def run(self, job: Job) -> AsyncIterator[Piece]:
+        """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""
+        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop,
+                                       job.include_stop)
         started = time.monotonic()
         try:
             async with aclosing(self._deltas(job, detok, started)) as deltas:
@@ -164,8 +202,8 @@ class Gateway:
             raise
 
     async def _deltas(self, job: Job, detok: IncrementalDetokenizer,
-                      started: float) -> AsyncGenerator[tuple[str, str | None]]:
-        first = True
+                      started: float) -> AsyncGenerator[Piece]:
+        first, previous = True, job.prompt_ids[-1]
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     min(job.deadline, self.drain_deadline)):
@@ -174,18 +212,24 @@ class Gateway:
                     job.usage.cached_tokens = delta.num_cached_tokens
                     first = False
                 job.usage.completion_tokens += len(delta.token_ids)
+                logprobs = []
+                if job.logprobs is not None:
+                    for item in zip(delta.token_ids, delta.logprobs, delta.top_logprob_ids,
+                                    delta.top_logprobs, strict=False):
+                        logprobs.append(TokenLogprob(*item, previous_id=previous))
+                        previous = item[0]
                 text = detok.add(delta.token_ids)
                 if detok.stopped:  # a stop string: cut here; client.generate cancels downstream
-                    yield text, "stop"
+                    yield Piece(text, "stop", logprobs)
                     return
                 finish = delta.finish_reason
                 if finish is not None:
                     text += detok.flush()
-                    yield text, ("stop" if finish == "abort" else finish)
+                    yield Piece(text, "stop" if finish == "abort" else finish, logprobs)
                     span.set_attribute("gen_ai.usage.output_tokens", job.usage.completion_tokens)
                     return
-                if text:
-                    yield text, None
+                if text or logprobs:
+                    yield Piece(text, None, logprobs)
 
 
 def _error_from_failure(exc: RequestFailed) -> APIError:
@@ -266,13 +310,30 @@ async def _handle(gateway: Gateway, kind: str,
     return await _complete(gateway, job, ctx, span)
 
 
+def _runs(gateway: Gateway, choices: list[Job]) -> list[Callable[[], AsyncIterator[Piece]]]:
+    return [functools.partial(gateway.run, c) for c in choices]
+
+
+def _rendered_logprobs(gateway: Gateway, job: Job, piece: Piece,
+                       offset: int) -> dict[str, Any] | None:
+    if job.logprobs is None:
+        return None
+    render = gateway.logprob_renderer
+    return (render.chat(piece.logprobs) if job.kind == "chat"
+            else render.completion(piece.logprobs, offset))
+
+
 async def _complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -> Response:
-    text, finish = "", None
+    choices = job.choices()
+    texts, finishes = [""] * job.n, [None] * job.n  # type: list[str], list[str | None]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
     token = otel_context.attach(ctx)
     INFLIGHT.inc()
     try:
-        async for delta, finish in gateway.run(job):  # noqa: B007 (the last finish counts)
-            text += delta
+        async for index, piece in merged(_runs(gateway, choices)):
+            texts[index] += piece.text
+            logprobs[index] += piece.logprobs
+            finishes[index] = piece.finish or finishes[index]
     except RequestFailed as exc:
         REQUESTS.labels(job.kind, "error").inc()
         raise _error_from_failure(exc) from None
@@ -282,43 +343,31 @@ async def _complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) 
         span.end()
         gateway.admission.release()
     REQUESTS.labels(job.kind, "ok").inc()
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-    if job.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return _json({"id": job.request_id, "created": int(time.time()), "model": job.model,
-                  "object": "chat.completion" if job.kind == "chat" else "text_completion",
-                  "choices": [choice], "usage": job.usage.body()})
-
-
-def _chunk(job: Job, text: str | None, finish: str | None, first: bool) -> dict[str, Any]:
-    choice: dict[str, Any]
-    if job.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
-            {"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": job.request_id, "object": obj, "created": int(time.time()),
-            "model": job.model, "choices": [choice]}
+    body = [choice_body(job.kind, i, texts[i], finishes[i], _rendered_logprobs(
+        gateway, job, Piece("", None, logprobs[i]), 0)) for i in range(job.n)]
+    return _json(completion_body(job.kind, job.request_id, job.model, body,
+                                 job.total_usage(choices)))
 
 
 async def _stream(gateway: Gateway, job: Job, ctx: Context,
                   span: trace.Span) -> AsyncIterator[bytes]:
     token = otel_context.attach(ctx)
     INFLIGHT.inc()
-    first, outcome = True, "ok"
+    outcome = "ok"
+    choices = job.choices()
+    first, offsets = [True] * job.n, [0] * job.n
     try:
-        async for delta, finish in gateway.run(job):
-            yield _sse(_chunk(job, delta, finish, first))
-            first = False
+        async for index, piece in merged(_runs(gateway, choices)):
+            usage = job.total_usage(choices) if job.continuous_usage else None
+            yield _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
+                                  piece.finish, first[index],
+                                  _rendered_logprobs(gateway, job, piece, offsets[index]),
+                                  usage))
+            first[index] = False
+            offsets[index] += len(piece.text)
         if job.include_usage:
-            yield _sse({"id": job.request_id, "created": int(time.time()), "model": job.model,
-                        "object": "chat.completion.chunk" if job.kind == "chat"
-                        else "text_completion", "choices": [], "usage": job.usage.body()})
+            yield _sse(usage_chunk(job.kind, job.request_id, job.model,
+                                   job.total_usage(choices)))
     except RequestFailed as exc:
         outcome = "error"
         yield _sse(_error_from_failure(exc).body())

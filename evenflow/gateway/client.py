@@ -328,7 +328,10 @@ class GatewayClient:
                     ordering.reset(len(emitted))
                     wire_id = f"{request_id}.{attempt}"
                     self.flights[wire_id] = flight
-                    remaining = dataclasses.replace(spec, max_tokens=spec.max_tokens - len(emitted))
+                    remaining = dataclasses.replace(  # (penalties then see the emitted tokens
+                        # as prompt: presence/frequency start over, repetition still applies)
+                        spec, max_tokens=spec.max_tokens - len(emitted),
+                        min_tokens=max(0, spec.min_tokens - len(emitted)))
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted))
                     continue
@@ -400,4 +403,7 @@ class _Ordering:
             return delta
         if skip >= len(delta.token_ids) and delta.finish_reason is None:
             return None
-        return dataclasses.replace(delta, token_ids=delta.token_ids[skip:], first_index=expected)
+        return dataclasses.replace(delta, token_ids=delta.token_ids[skip:], first_index=expected,
+                                   logprobs=delta.logprobs[skip:],
+                                   top_logprob_ids=delta.top_logprob_ids[skip:],
+                                   top_logprobs=delta.top_logprobs[skip:])

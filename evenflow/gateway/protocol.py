@@ -1,8 +1,14 @@
-"""The OpenAI-compatible HTTP contract: request models (validated at the edge with pydantic,
-unknown fields ignored) and OpenAI-style error bodies."""
+"""The OpenAI-compatible HTTP contract: request models (validated at the edge with pydantic)
+and OpenAI-style error bodies.
+
+Every field of OpenAI's API (and of vLLM's extras) is either applied or, set to anything but its
+neutral value, refused with a 400 naming it (`NOT_SUPPORTED`; README "API fields"). Keys that
+are neither (other vendors' extras) are ignored, as vLLM does.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -15,6 +21,7 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 
@@ -46,6 +53,42 @@ Number = StrictFloat | StrictInt  # a JSON number; "0.5" (a string) is a 400, no
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage in every chunk (vLLM)
+
+
+MAX_CHOICES = 16  # n
+
+
+def _none(v: Any) -> bool:
+    return v is None
+
+
+def _empty(v: Any) -> bool:
+    return not v
+
+
+def _one_of(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v == n and type(v) is type(n) for n in neutral) or v is None
+
+
+# Fields of OpenAI's API and vLLM's extras that evenflow does not implement, each with what its
+# neutral value is: set to anything else, the request is refused with 400 naming the field.
+NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": _empty, "tool_choice": _one_of("none"), "functions": _empty,
+    "function_call": _one_of("none"), "suffix": _empty, "echo": _one_of(False),
+    "prompt_logprobs": _none, "use_beam_search": _one_of(False), "length_penalty": _one_of(1, 1.0),
+    "guided_json": _none, "guided_regex": _none, "guided_choice": _none,
+    "guided_grammar": _none, "guided_decoding_backend": _none, "structured_outputs": _none,
+    "audio": _none, "modalities": lambda v: v is None or v == ["text"], "prediction": _none,
+    "web_search_options": _none, "reasoning_effort": _none, "store": _one_of(False),
+    "metadata": _empty, "logits_processors": _empty, "bad_words": _empty,
+    "continue_final_message": _one_of(False), "chat_template": _none,
+    "chat_template_kwargs": _empty, "documents": _empty, "truncate_prompt_tokens": _none,
+    "return_tokens_as_token_ids": _one_of(False), "skip_special_tokens": _one_of(True),
+    "spaces_between_special_tokens": _one_of(True), "priority": _one_of(0),
+    "service_tier": _one_of("auto", "default"), "mm_processor_kwargs": _empty,
+}
 
 
 class _Common(BaseModel):
@@ -64,17 +107,42 @@ class _Common(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    n: StrictInt = Field(default=1, ge=1, le=1)
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)  # = n (no ranking)
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    min_p: Number = Field(default=0.0, ge=0, le=1)
+    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(default=1.0, gt=0, le=10)
+    min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
+        default=None, min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     # Seconds this request may take in all (vLLM-style extra field); the server's
     # EVENFLOW_REQUEST_TIMEOUT_S caps it. Past it: 504 (an error event once streaming).
     timeout: Number | None = Field(default=None, gt=0)
-    # Accepted as OpenAI clients send them, refused when they ask for what is not built yet.
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in NOT_SUPPORTED.items():
+                if name in data and name not in cls.model_fields and not neutral(data[name]):
+                    # (raised as is: pydantic would lose which field it was)
+                    raise APIError(400, f"{name}: {name} is not supported by evenflow",
+                                   param=name)
+        return data
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of must equal n (choices are not ranked)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -88,10 +156,14 @@ class _Common(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids")
+        return v
+
+    @property
+    def bias_pairs(self) -> list[list[float]]:
+        return [[int(k), float(b)] for k, b in (self.logit_bias or {}).items()]
 
     @field_validator("stream_options")
     @classmethod
@@ -112,23 +184,12 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=0)  # not built yet: only 0
-    echo: StrictBool = Field(default=False)
-    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # top N per token
+    add_special_tokens: StrictBool = True
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return None
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -161,13 +222,19 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: StrictBool = True
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    parallel_tool_calls: StrictBool | None = None  # meaningful only with tools (refused)
+    add_special_tokens: StrictBool = False
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 _BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -31,7 +31,7 @@ from evenflow.proto.messages import (
     TokenDeltas,
     WorkerHeartbeat,
 )
-from evenflow.services.engine_api import EngineOutput
+from evenflow.services.engine_api import EngineOutput, logprob_fields
 from evenflow.services.engine_thread import (
     Abort,
     AddRequest,
@@ -118,7 +118,8 @@ class PrefillWorker(WorkerService):
             "gen_ai.request.id": req.request_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
         self.pending[req.request_id] = _Pending(req, span, ctx)
-        first_token_only = dataclasses.replace(req.sampling, max_tokens=1)
+        first_token_only = dataclasses.replace(req.sampling, max_tokens=1,
+                                               min_tokens=min(req.sampling.min_tokens, 1))
         self.engine_thread.submit(AddRequest(req.request_id, req.prompt_token_ids,
                                              first_token_only, export_kv=True))
 
@@ -181,7 +182,8 @@ class PrefillWorker(WorkerService):
             finish = "length"
         delta = TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
                            num_prompt_tokens=len(req.prompt_token_ids),
-                           num_cached_tokens=out.num_cached_tokens, first_index=0)
+                           num_cached_tokens=out.num_cached_tokens, first_index=0,
+                           **logprob_fields(out.logprobs))
         self.send(req.reply_subject, TokenDeltas(worker_id=self.worker_id, deltas=[delta]),
                   trace.set_span_in_context(compute))
         if finish is None and out.kv_follows:

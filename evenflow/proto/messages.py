@@ -133,6 +133,11 @@ class TokenDelta:
     # Position of token_ids[0] in this request's output (the prefill worker's first token is
     # 0), so a gateway sees a delta lost in a NATS outage as a gap; -1: the sender did not say.
     first_index: int = -1
+    # When the request asked for logprobs, per token of token_ids: its logprob, and the top-N
+    # token ids with their logprobs (compact arrays; the gateway renders them).
+    logprobs: list[float] = field(default_factory=list)
+    top_logprob_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +145,7 @@ class TokenDeltas:
     """Every delta a worker produced for one gateway in one engine step."""
 
     TYPE: ClassVar[str] = "token_deltas"
-    VERSION: ClassVar[int] = 2  # 2: TokenDelta.first_index
+    VERSION: ClassVar[int] = 3  # 2: TokenDelta.first_index; 3: TokenDelta logprobs
     worker_id: str
     deltas: list[TokenDelta]
 

@@ -12,7 +12,7 @@ step's worth stale at most.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from evenflow.proto.kv_handoff import KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
@@ -38,6 +38,8 @@ class EngineOutput(Protocol):
     def num_prompt_tokens(self) -> int: ...
     @property
     def num_cached_tokens(self) -> int: ...
+    @property
+    def logprobs(self) -> tuple[float, list[int], list[float]] | None: ...
     @property
     def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
     @property
@@ -105,3 +107,11 @@ class ServingEngine(Protocol):
     def take_rank_timing(self) -> list[float] | None:
         """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
         collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
+
+
+def logprob_fields(logprobs: tuple[float, list[int], list[float]] | None) -> dict[str, Any]:
+    """One output's (logprob, top ids, top logprobs) as TokenDelta's fields (none if absent)."""
+    if logprobs is None:
+        return {}
+    chosen, ids, values = logprobs
+    return {"logprobs": [chosen], "top_logprob_ids": [list(ids)], "top_logprobs": [list(values)]}

@@ -1,0 +1,136 @@
+"""OpenAI response bodies: whole completions, stream chunks, usage, and logprobs rendered from
+the workers' compact arrays (token ids and floats) into the chat (`content` entries) or the
+completions (`tokens` / `token_logprobs` / `top_logprobs` / `text_offset`) layout."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from evenflow import __version__
+from evenflow.proto.tokenizer import Tokenizer
+
+# One fingerprint per build: what produced the tokens (OpenAI's system_fingerprint).
+SYSTEM_FINGERPRINT = f"evenflow-{__version__}"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+    previous_id: int  # the token before it: its text depends on it (spaces, merges)
+
+
+@dataclass
+class Piece:
+    """What one choice gained from one delta: text, finish reason, and its tokens' logprobs."""
+
+    text: str
+    finish: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LogprobRenderer:
+    """Token ids to the text OpenAI shows for them: the text the token adds after the one before
+    it (so the chosen tokens' texts concatenate to the output; cached per pair)."""
+
+    CACHE_SIZE = 1 << 16
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._text: dict[tuple[int, int], str] = {}
+
+    def token(self, token_id: int, previous_id: int) -> str:
+        key = (previous_id, token_id)
+        text = self._text.get(key)
+        if text is None:
+            before = self._tok.decode([previous_id], skip_special_tokens=False)
+            both = self._tok.decode([previous_id, token_id], skip_special_tokens=False)
+            text = both[len(before):] if both.startswith(before) else self._tok.decode(
+                [token_id], skip_special_tokens=False)
+            if len(self._text) >= self.CACHE_SIZE:
+                self._text.clear()
+            self._text[key] = text
+        return text
+
+    def chat(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float, previous: int) -> dict[str, Any]:
+            text = self.token(token_id, previous)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            {**entry(t.token_id, t.logprob, t.previous_id),
+             "top_logprobs": [entry(i, lp, t.previous_id) for i, lp in zip(
+                 t.top_ids, t.top_logprobs, strict=True)]}
+            for t in items]}
+
+    def completion(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens = [self.token(t.token_id, t.previous_id) for t in items]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in items],
+                "top_logprobs": [{self.token(i, t.previous_id): lp for i, lp in zip(
+                    t.top_ids, t.top_logprobs, strict=True)} for t in items],
+                "text_offset": offsets}
+
+
+def completion_body(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],
+                    usage: Usage) -> dict[str, Any]:
+    return {"id": request_id, "created": int(time.time()), "model": model,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+            "usage": usage.body()}
+
+
+def choice_body(kind: str, index: int, text: str, finish: str | None,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return choice
+
+
+def chunk_body(kind: str, request_id: str, model: str, index: int, text: str | None,
+               finish: str | None, first: bool, logprobs: dict[str, Any] | None,
+               usage: Usage | None = None) -> dict[str, Any]:
+    choice: dict[str, Any]
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage.body()
+    return body
+
+
+def usage_chunk(kind: str, request_id: str, model: str, usage: Usage) -> dict[str, Any]:
+    return {"id": request_id, "created": int(time.time()), "model": model,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": usage.body()}
