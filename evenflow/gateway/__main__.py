@@ -14,7 +14,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from evenflow.gateway.app import Gateway, create_app
+from evenflow.gateway.app import create_app
+from evenflow.gateway.jobs import Gateway
 from evenflow.services.config import MeshConfig, load_config
 
 

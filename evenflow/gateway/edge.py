@@ -45,7 +45,7 @@ class Admission:
         self._slots.release()
 
 
-OPEN_PATHS = ("/health",)  # answered without a key (liveness probes)
+OPEN_PATHS = ("/health", "/live", "/version")  # answered without a key (probes)
 DOCS_PATHS = ("/metrics", "/docs", "/redoc", "/openapi.json")  # keyed unless public_metrics
 
 

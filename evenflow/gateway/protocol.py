@@ -237,6 +237,29 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: `prompt` (completions) or `messages` (chat, template applied)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt] = Field(max_length=1 << 20)
+
+
 _BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 

@@ -129,3 +129,22 @@ def test_continuous_usage_and_add_generation_prompt(mesh):
         return resp.json()["usage"]["prompt_tokens"]
 
     assert prompt_tokens(False) < prompt_tokens(True)
+
+
+def test_tokenize_detokenize_version_and_live(mesh, client):
+    assert httpx.get(mesh.url + "/live", timeout=10).json() == {"status": "alive"}  # no key
+    assert httpx.get(mesh.url + "/version", timeout=10).json()["version"]
+    ids = httpx.post(mesh.url + "/tokenize", headers=AUTH, timeout=10, json={
+        "model": "tiny-moe", "prompt": "count from 5 :"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    text = httpx.post(mesh.url + "/detokenize", headers=AUTH, timeout=10,
+                      json={"model": "tiny-moe", "tokens": ids["tokens"]}).json()["prompt"]
+    assert text.endswith("count from 5 :")
+    messages = [{"role": "user", "content": "count from 5"}]
+    chat_ids = httpx.post(mesh.url + "/tokenize", headers=AUTH, timeout=10,
+                          json={"model": "tiny-moe", "messages": messages}).json()
+    out = client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=1)
+    assert chat_ids["count"] == out.usage.prompt_tokens
+    bad = httpx.post(mesh.url + "/detokenize", headers=AUTH, timeout=10,
+                     json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -1,0 +1,233 @@
+"""A request's life at the gateway, between the HTTP edge and the worker fleet: validated into
+a `Job` (tokenized, the chat template applied, checked against the model, its sampling spec
+built), then run through the fleet (`GatewayClient`) into `Piece`s of text: incremental
+detokenization, stop strings, logprobs. The per-process state is one `Gateway`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from evenflow import models
+from evenflow.gateway.client import GatewayClient, RequestFailed
+from evenflow.gateway.edge import Admission
+from evenflow.gateway.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+)
+from evenflow.gateway.render import (
+    LogprobRenderer,
+    Piece,
+    TokenLogprob,
+    Usage,
+)
+from evenflow.proto import errors
+from evenflow.proto.hashing import namespace_salt
+from evenflow.proto.messages import SamplingSpec
+from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from evenflow.services.config import MeshConfig
+from evenflow.services.metrics import TTFT
+from evenflow.services.tracing import setup_tracing
+
+
+@dataclass
+class Job:
+    """One validated request, ready to run (with n > 1, one per choice: `choices()`)."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    deadline: float  # time.monotonic() by which the request must be done
+    n: int = 1
+    logprobs: int | None = None  # top logprobs per token wanted (0: the chosen's only)
+    include_stop: bool = False
+    continuous_usage: bool = False
+    usage: Usage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(len(self.prompt_ids))
+
+    def choices(self) -> list[Job]:
+        """One job per choice: its own id and usage; a seed offset by the choice's index."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(
+            self, request_id=f"{self.request_id}-{i}", n=1,
+            spec=dataclasses.replace(self.spec, seed=None if self.spec.seed is None
+                                     else (self.spec.seed + i) % (1 << 63)))
+            for i in range(self.n)]
+
+    def total_usage(self, choices: list[Job]) -> Usage:
+        return Usage(len(self.prompt_ids), sum(c.usage.completion_tokens for c in choices),
+                     choices[0].usage.cached_tokens)
+
+
+class Gateway:
+    """This process's gateway: tokenizer, tracer and the client of the worker fleet."""
+
+    def __init__(self, config: MeshConfig) -> None:
+        self.config = config
+        model_dir = models.resolve_model(config.model)
+        if model_dir is None:
+            raise ValueError(f"model {config.model!r} is neither built in nor a directory")
+        self.tokenizer = Tokenizer(model_dir)
+        self.logprob_renderer = LogprobRenderer(self.tokenizer)
+        self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
+            model_dir, config.max_model_len or None)
+        self.tracer = setup_tracing("evenflow-gateway")
+        # The engine salts block hashes with the checkpoint directory's name; so do we.
+        self.client = GatewayClient(config, self.tracer, namespace_salt(model_dir.name))
+        self.admission = Admission(config.max_inflight, config.max_queued)
+        self.drain_deadline = math.inf  # set on SIGTERM: streams must end by then
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline < math.inf
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new requests (503); running ones get drain_timeout_s to finish,
+        then end with an error event."""
+        if not self.draining:
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """/tokenize's ids: the prompt's, or the chat messages' through the template."""
+        try:
+            if req.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages],
+                    req.add_generation_prompt)
+                return self.tokenizer.encode(text, bool(req.add_special_tokens))
+            assert req.prompt is not None
+            return self.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
+        except TokenizerError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    def build_job(self, kind: str, req: CompletionRequest | ChatCompletionRequest) -> Job:
+        """Tokenize and check a request against the model; raises APIError."""
+        if req.model != self.config.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError",
+                           "model", "model_not_found")
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages],
+                    req.add_generation_prompt), add_special_tokens=req.add_special_tokens)
+            elif isinstance(req.prompt, str):
+                prompt_ids = self.tokenizer.encode(req.prompt, req.add_special_tokens)
+            else:
+                prompt_ids = [t for t in req.prompt if isinstance(t, int)]
+        except TokenizerError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if any(t >= vocab for t in req.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if any(t >= vocab for t, _ in req.bias_pairs):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})",
+                           param="logit_bias")
+        if any(t >= vocab for t in req.allowed_token_ids or ()):
+            raise APIError(400, f"allowed_token_ids must be in [0, {vocab})",
+                           param="allowed_token_ids")
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = req.requested_max_tokens or (16 if kind == "completion" else room)
+        if room < 1 or max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, you requested {len(prompt_ids) + max_tokens} "
+                           f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                           "completion).", param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+        logprobs = req.top_logprobs_wanted
+        spec = SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            seed=req.seed, max_tokens=max_tokens,
+                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                            min_p=req.min_p, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty,
+                            repetition_penalty=req.repetition_penalty,
+                            min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
+                            allowed_token_ids=list(req.allowed_token_ids or ()),
+                            logprobs=-1 if logprobs is None else logprobs)
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
+        options = req.stream_options
+        return Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
+                   req.stop_strings, req.stream, bool(options and options.include_usage),
+                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
+                   include_stop=req.include_stop_str_in_output,
+                   continuous_usage=bool(options and options.continuous_usage_stats))
+
+    async def run(self, job: Job) -> AsyncIterator[Piece]:
+        """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""
+        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop,
+                                       job.include_stop)
+        started = time.monotonic()
+        try:
+            async with aclosing(self._deltas(job, detok, started)) as deltas:
+                async for item in deltas:
+                    yield item
+        except RequestFailed as exc:
+            if exc.code == errors.TIMEOUT and time.monotonic() >= self.drain_deadline:
+                raise RequestFailed(errors.DRAINING, "the gateway shut down before the request "
+                                    "finished") from None
+            raise
+
+    async def _deltas(self, job: Job, detok: IncrementalDetokenizer,
+                      started: float) -> AsyncGenerator[Piece]:
+        first, previous = True, job.prompt_ids[-1]
+        with self.tracer.start_as_current_span("stream") as span:
+            async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
+                                                    min(job.deadline, self.drain_deadline)):
+                if first:
+                    TTFT.observe(time.monotonic() - started)
+                    job.usage.cached_tokens = delta.num_cached_tokens
+                    first = False
+                job.usage.completion_tokens += len(delta.token_ids)
+                logprobs = []
+                if job.logprobs is not None:
+                    for item in zip(delta.token_ids, delta.logprobs, delta.top_logprob_ids,
+                                    delta.top_logprobs, strict=False):
+                        logprobs.append(TokenLogprob(*item, previous_id=previous))
+                        previous = item[0]
+                text = detok.add(delta.token_ids)
+                if detok.stopped:  # a stop string: cut here; client.generate cancels downstream
+                    yield Piece(text, "stop", logprobs)
+                    return
+                finish = delta.finish_reason
+                if finish is not None:
+                    text += detok.flush()
+                    yield Piece(text, "stop" if finish == "abort" else finish, logprobs)
+                    span.set_attribute("gen_ai.usage.output_tokens", job.usage.completion_tokens)
+                    return
+                if text or logprobs:
+                    yield Piece(text, None, logprobs)
+
+
+def error_from_failure(exc: RequestFailed) -> APIError:
+    if exc.code == errors.TIMEOUT:
+        return APIError(504, f"The request timed out: {exc.description}", "timeout_error",
+                        code="timeout")
+    if exc.code in (errors.NO_CAPACITY, errors.DRAINING):
+        return APIError(503, f"The server is overloaded: {exc.description}", "overloaded_error",
+                        code="overloaded", headers={"Retry-After": "1"})
+    if exc.code == errors.BAD_REQUEST:
+        return APIError(400, exc.description)
+    return APIError(500, f"Internal error: {exc.description}", "internal_error", code=exc.code)
+
+

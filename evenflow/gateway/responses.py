@@ -1,0 +1,127 @@
+"""HTTP responses for a validated Job: one JSON body (all choices gathered) or an SSE stream
+(each choice's pieces as they come), with usage, logprobs and the admission slot given back
+however the response ends."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from fastapi.responses import Response, StreamingResponse
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from starlette.types import Receive, Scope, Send
+
+from evenflow.gateway.client import RequestFailed
+from evenflow.gateway.fanout import merged
+from evenflow.gateway.jobs import Gateway, Job, error_from_failure
+from evenflow.gateway.render import (
+    Piece,
+    TokenLogprob,
+    choice_body,
+    chunk_body,
+    completion_body,
+    usage_chunk,
+)
+from evenflow.services.metrics import INFLIGHT, REQUESTS
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n"
+
+
+def _runs(gateway: Gateway, choices: list[Job]) -> list[Callable[[], AsyncIterator[Piece]]]:
+    return [functools.partial(gateway.run, c) for c in choices]
+
+
+def _rendered_logprobs(gateway: Gateway, job: Job, piece: Piece,
+                       offset: int) -> dict[str, Any] | None:
+    if job.logprobs is None:
+        return None
+    render = gateway.logprob_renderer
+    return (render.chat(piece.logprobs) if job.kind == "chat"
+            else render.completion(piece.logprobs, offset))
+
+
+async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -> Response:
+    choices = job.choices()
+    texts, finishes = [""] * job.n, [None] * job.n  # type: list[str], list[str | None]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
+    token = otel_context.attach(ctx)
+    INFLIGHT.inc()
+    try:
+        async for index, piece in merged(_runs(gateway, choices)):
+            texts[index] += piece.text
+            logprobs[index] += piece.logprobs
+            finishes[index] = piece.finish or finishes[index]
+    except RequestFailed as exc:
+        REQUESTS.labels(job.kind, "error").inc()
+        raise error_from_failure(exc) from None
+    finally:
+        INFLIGHT.dec()
+        otel_context.detach(token)
+        span.end()
+        gateway.admission.release()
+    REQUESTS.labels(job.kind, "ok").inc()
+    body = [choice_body(job.kind, i, texts[i], finishes[i], _rendered_logprobs(
+        gateway, job, Piece("", None, logprobs[i]), 0)) for i in range(job.n)]
+    return _json(completion_body(job.kind, job.request_id, job.model, body,
+                                 job.total_usage(choices)))
+
+
+async def stream(gateway: Gateway, job: Job, ctx: Context,
+                  span: trace.Span) -> AsyncIterator[bytes]:
+    token = otel_context.attach(ctx)
+    INFLIGHT.inc()
+    outcome = "ok"
+    choices = job.choices()
+    first, offsets = [True] * job.n, [0] * job.n
+    try:
+        async for index, piece in merged(_runs(gateway, choices)):
+            usage = job.total_usage(choices) if job.continuous_usage else None
+            yield _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
+                                  piece.finish, first[index],
+                                  _rendered_logprobs(gateway, job, piece, offsets[index]),
+                                  usage))
+            first[index] = False
+            offsets[index] += len(piece.text)
+        if job.include_usage:
+            yield _sse(usage_chunk(job.kind, job.request_id, job.model,
+                                   job.total_usage(choices)))
+    except RequestFailed as exc:
+        outcome = "error"
+        yield _sse(error_from_failure(exc).body())
+    except BaseException:
+        outcome = "cancelled"  # the client went away: client.generate cancelled downstream
+        raise
+    finally:
+        INFLIGHT.dec()
+        REQUESTS.labels(job.kind, outcome).inc()
+        span.end()
+        otel_context.detach(token)
+    yield b"data: [DONE]\n\n"
+
+
+class AdmittedStream(StreamingResponse):
+    """An SSE response that gives its admission slot back however it ends (finished, failed,
+    or the client gone before the first byte, when the body generator never even starts)."""
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
