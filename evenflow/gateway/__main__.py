@@ -7,6 +7,7 @@ A second SIGTERM or SIGINT exits at once."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from types import FrameType
@@ -50,7 +51,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def main(config: MeshConfig) -> None:
-    config.configure_logging()
+    config.configure_logging(f"gateway/{os.getpid()}")
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, loop="uvloop",

@@ -55,9 +55,21 @@ class Job:
     include_stop: bool = False
     continuous_usage: bool = False
     usage: Usage = field(init=False)
+    started: float = field(init=False)  # time.monotonic()
+    ttft_s: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
+        self.started = time.monotonic()
+
+    def log_line(self, outcome: str, choices: list[Job]) -> str:
+        """The request log's line for this request (no prompt text, no key)."""
+        usage = self.total_usage(choices)
+        ttft = min((c.ttft_s for c in choices if c.ttft_s is not None), default=None)
+        return (f"request {self.request_id} {self.kind} {outcome}: {usage.prompt_tokens} prompt "
+                f"({usage.cached_tokens} cached) + {usage.completion_tokens} output tokens, n="
+                f"{self.n}, TTFT {'-' if ttft is None else f'{ttft * 1e3:.1f} ms'}, "
+                f"{(time.monotonic() - self.started) * 1e3:.1f} ms")
 
     def choices(self) -> list[Job]:
         """One job per choice: its own id and usage; a seed offset by the choice's index."""
@@ -195,7 +207,8 @@ class Gateway:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     min(job.deadline, self.drain_deadline)):
                 if first:
-                    TTFT.observe(time.monotonic() - started)
+                    job.ttft_s = time.monotonic() - started
+                    TTFT.observe(job.ttft_s)
                     job.usage.cached_tokens = delta.num_cached_tokens
                     first = False
                 job.usage.completion_tokens += len(delta.token_ids)

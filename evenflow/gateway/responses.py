@@ -5,6 +5,7 @@ however the response ends."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from evenflow.gateway.render import (
     usage_chunk,
 )
 from evenflow.services.metrics import INFLIGHT, REQUESTS
+
+log = logging.getLogger("evenflow.requests")
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -64,6 +67,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
             finishes[index] = piece.finish or finishes[index]
     except RequestFailed as exc:
         REQUESTS.labels(job.kind, "error").inc()
+        log.info("%s", job.log_line(f"error {exc.code}", choices))
         raise error_from_failure(exc) from None
     finally:
         INFLIGHT.dec()
@@ -71,6 +75,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
         span.end()
         gateway.admission.release()
     REQUESTS.labels(job.kind, "ok").inc()
+    log.info("%s", job.log_line("ok", choices))
     body = [choice_body(job.kind, i, texts[i], finishes[i], _rendered_logprobs(
         gateway, job, Piece("", None, logprobs[i]), 0)) for i in range(job.n)]
     return _json(completion_body(job.kind, job.request_id, job.model, body,
@@ -105,6 +110,7 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
     finally:
         INFLIGHT.dec()
         REQUESTS.labels(job.kind, outcome).inc()
+        log.info("%s", job.log_line(f"{outcome} (streamed)", choices))
         span.end()
         otel_context.detach(token)
     yield b"data: [DONE]\n\n"

@@ -93,6 +93,7 @@ class MeshConfig:
     # Tensor parallelism: every worker is this many rank processes (threads_per_worker each)
     tensor_parallel_size: int = _ENGINE.tensor_parallel_size
     log_level: str = "info"
+    stats_log_interval_s: float = 10.0  # each engine worker logs a stats line this often (0: off)
     # Gateway
     host: str = "127.0.0.1"
     port: int = 8000
@@ -192,10 +193,12 @@ class MeshConfig:
         return ReassemblyBudget(peer_bytes=self.bus_peer_reassembly_mb * 2**20,
                                 total_bytes=self.bus_total_reassembly_mb * 2**20)
 
-    def configure_logging(self) -> None:
-        """The process's log format and level (every service's entry point calls this)."""
-        logging.basicConfig(level=self.log_level.upper(),
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    def configure_logging(self, identity: str = "") -> None:
+        """The process's log format and level (every service's entry point calls this):
+        time, level, `role/worker-id`, logger, message."""
+        who = f" [{identity}]" if identity else ""
+        logging.basicConfig(level=self.log_level.upper(), force=True,
+                            format=f"%(asctime)s %(levelname)s{who} %(name)s %(message)s")
 
     @property
     def model_name(self) -> str:

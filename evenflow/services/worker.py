@@ -65,6 +65,10 @@ class WorkerService:
         self._engine: ServingEngine | None = None
         self._thread: EngineThread | None = None
         self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
+        # for the periodic stats line: since the last one
+        self._stat_tokens = self._stat_prompt_tokens = self._stat_cached = 0
+        self._stat_prompts_seen = 0
+        self._stat_started: set[str] = set()  # requests whose first output was counted
         self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
@@ -132,6 +136,8 @@ class WorkerService:
         await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
                                  self._on_gateway_heartbeat)
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
+        if self.config.stats_log_interval_s > 0:
+            self._owned_tasks.append(asyncio.create_task(self._log_stats(), name="stats"))
         if engine.uses_placement:
             await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
             self._owned_tasks.append(asyncio.create_task(self._report_expert_load(),
@@ -146,9 +152,38 @@ class WorkerService:
             except Exception:  # one bad event must not stop the drain
                 log.exception("handling %s failed", type(event).__name__)
 
+    async def _log_stats(self) -> None:
+        """A periodic stats line: throughput, queue, KV use (only when something happened)."""
+        interval = self.config.stats_log_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            engine, tokens, prompts = self.engine, self._stat_tokens, self._stat_prompt_tokens
+            self._stat_tokens = self._stat_prompt_tokens = 0
+            if not (tokens or prompts or engine.num_running or engine.num_waiting):
+                continue
+            used = 1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks)
+            log.info("stats: %.1f output tok/s, %.1f prompt tok/s, %d running, %d waiting, "
+                     "KV cache %.1f%% used, %d%% of prompt tokens cached", tokens / interval,
+                     prompts / interval, engine.num_running, engine.num_waiting, 100 * used,
+                     round(100 * self._stat_cached / max(1, self._stat_prompts_seen)))
+            self._stat_cached = self._stat_prompts_seen = 0
+
+    def _count_outputs(self, event: StepDone) -> None:
+        for out in event.outputs:
+            self._stat_tokens += len(out.new_token_ids)
+            if out.new_token_ids and out.num_prompt_tokens and out.request_id not in \
+                    self._stat_started:
+                self._stat_started.add(out.request_id)
+                self._stat_prompt_tokens += out.num_prompt_tokens
+                self._stat_prompts_seen += out.num_prompt_tokens
+                self._stat_cached += out.num_cached_tokens
+            if out.finished:
+                self._stat_started.discard(out.request_id)
+
     def _on_engine_event(self, event: EngineEvent) -> None:
         match event:
             case StepDone():
+                self._count_outputs(event)
                 self.on_outputs(event)
             case Admitted():
                 self.on_admitted(event)
@@ -312,7 +347,7 @@ class WorkerService:
 
 def run_worker(service: WorkerService) -> None:
     """Entry point of a worker process: uvloop when available, one event loop."""
-    service.config.configure_logging()
+    service.config.configure_logging(f"{service.role}/{service.worker_id}")
     try:
         import uvloop
     except ImportError:
