@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from evenflow import __version__
 from evenflow.engine.config import DTYPES, INT4_GROUP_SIZES, QUANT_METHODS, EngineConfig
@@ -40,6 +41,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preflight(config: Any) -> str | None:
+    """What would make `evenflow up` fail at once, said in one line before anything starts:
+    a model that does not resolve, a port in use, a missing server binary."""
+    import socket
+
+    from evenflow import models
+    from evenflow.services.launcher import LaunchError, find_binary
+
+    model_dir = models.resolve_model(config.model)
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return (f"model {config.model!r} is neither a built-in model "
+                f"({models.DEFAULT_MODEL}) nor a checkpoint directory with a config.json")
+    if config.port:
+        with socket.socket() as sock:
+            try:
+                sock.bind((config.host, config.port))
+            except OSError as exc:
+                return (f"cannot listen on {config.host}:{config.port} ({exc.strerror}); is "
+                        "another server running there? choose another with --port")
+    try:
+        if not config.nats_url:
+            find_binary("nats-server")
+        if not config.redis_url:
+            find_binary("redis-server")
+    except LaunchError as exc:
+        return str(exc)
+    return None
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -62,6 +92,10 @@ def _up(args: argparse.Namespace) -> int:
             "expert_parallel_size": args.expert_parallel_size})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
+        return 2
+    problem = _preflight(config)
+    if problem:
+        print(f"evenflow up: error: {problem}", file=sys.stderr)
         return 2
 
     def interrupt(*_: object) -> None:

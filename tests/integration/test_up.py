@@ -50,3 +50,21 @@ def test_up_serves_and_ctrl_c_stops_everything():
         proc.wait(30)
     time.sleep(0.5)
     assert not [pid for pid in kids if alive(pid)]
+
+
+def test_up_says_what_is_wrong_in_one_line():
+    import socket
+
+    def up(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "evenflow.cli", "up", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    bad_model = up("--model", "/nonexistent")
+    assert bad_model.returncode == 2 and "Traceback" not in bad_model.stderr
+    assert bad_model.stderr.strip().count("\n") == 0 and "/nonexistent" in bad_model.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        in_use = up("--port", str(taken.getsockname()[1]))
+    assert in_use.returncode == 2 and "Traceback" not in in_use.stderr
+    assert "in use" in in_use.stderr and in_use.stderr.strip().count("\n") == 0
