@@ -17,67 +17,69 @@ from torch import Tensor
 from evenflow.engine.sequence import Sequence
 
 
-def _padded(lists: list[list[int]], pad: int) -> Tensor:
-    """(rows, max length) long tensor of the lists, padded with `pad`."""
-    width = max(1, max(len(x) for x in lists))
-    out = torch.full((len(lists), width), pad, dtype=torch.long)
-    for row, ids in enumerate(lists):
-        if ids:
-            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out
-
-
-def _occurrences(lists: list[list[int]], vocab: int) -> Tensor:
-    """(rows, vocab) how often each token occurs in each list."""
-    ids = _padded(lists, vocab)
-    counts = torch.zeros(len(lists), vocab + 1)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape))
-    return counts[:, :vocab]
+def _pairs(lists: list[list[int]], rows: list[int], vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct (row, token) pairs of the lists (list j belongs to logits row rows[j]), and
+    how often each occurs: sparse, so the cost follows the tokens, not the vocabulary."""
+    flat = torch.tensor([t for ids in lists for t in ids], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long),
+                                    torch.tensor([len(ids) for ids in lists]))
+    keys, counts = torch.unique(owner * vocab + flat, return_counts=True)
+    return keys // vocab, keys % vocab, counts
 
 
 def process(logits: Tensor, seqs: list[Sequence], eos_ids: frozenset[int] | set[int]) -> Tensor:
     """logits (S, V) float32, one row per sequence -> the processed logits (a new tensor only
     when some row asks for processing)."""
-    rows = [i for i, s in enumerate(seqs) if s.params.processes_logits]
-    if not rows:
+    asking = [i for i, s in enumerate(seqs) if s.params.processes_logits]
+    if not asking:
         return logits
     vocab = logits.shape[1]
-    chosen = [seqs[i] for i in rows]
-    params = [s.params for s in chosen]
-    sub = logits[rows]  # a copy
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = _occurrences([s.token_ids for s in chosen], vocab) > 0  # prompt and output
-        penalty = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-    if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counts = _occurrences([s.output_token_ids for s in chosen], vocab)
-        presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
-        frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
-        sub = sub - presence * (counts > 0) - frequency * counts
+    out = logits.clone()
+    per_row = torch.zeros(len(seqs))  # a per-sequence setting, by logits row
+
+    def setting(rows: list[int], values: list[float]) -> Tensor:
+        table = per_row.clone()
+        table[rows] = torch.tensor(values)
+        return table
+
+    rep = [i for i in asking if seqs[i].params.repetition_penalty != 1.0]
+    if rep:  # over the prompt and the output, as vLLM does
+        r, t, _ = _pairs([seqs[i].token_ids for i in rep], rep, vocab)
+        penalty = setting(rep, [seqs[i].params.repetition_penalty for i in rep])[r]
+        values = out[r, t]
+        out[r, t] = torch.where(values > 0, values / penalty, values * penalty)
+    pf = [i for i in asking if seqs[i].params.presence_penalty or seqs[i].params.frequency_penalty]
+    if pf:
+        r, t, counts = _pairs([seqs[i].output_token_ids for i in pf], pf, vocab)
+        presence = setting(pf, [seqs[i].params.presence_penalty for i in pf])[r]
+        frequency = setting(pf, [seqs[i].params.frequency_penalty for i in pf])[r]
+        out.index_put_((r, t), -(presence + frequency * counts), accumulate=True)
     bias_rows, bias_ids, bias_values = [], [], []
-    for r, p in enumerate(params):
-        pairs = p.logit_bias.items() if isinstance(p.logit_bias, dict) else p.logit_bias
-        for token, value in pairs:
-            bias_rows.append(r)
+    for i in asking:
+        bias = seqs[i].params.logit_bias
+        for token, value in (bias.items() if isinstance(bias, dict) else bias):
+            bias_rows.append(i)
             bias_ids.append(token)
             bias_values.append(value)
     if bias_rows:
-        sub.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)),
-                       torch.tensor(bias_values, dtype=sub.dtype), accumulate=True)
-    banned: list[list[int]] = []
-    for s, p in zip(chosen, params, strict=True):
-        ban: list[int] = []
-        if s.num_output_tokens < p.min_tokens:
-            ban = [*eos_ids, *p.stop_token_ids]
-        banned.append(ban)
-    if any(banned):
-        sub = sub.masked_fill(_occurrences(banned, vocab) > 0, float("-inf"))
-    allowed = [list(p.allowed_token_ids) if p.allowed_token_ids else list(range(vocab))
-               for p in params]
-    if any(p.allowed_token_ids for p in params):
-        sub = sub.masked_fill(_occurrences(allowed, vocab) == 0, float("-inf"))
-    out = logits.clone()
-    out[rows] = sub
+        out.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)),
+                       torch.tensor(bias_values, dtype=out.dtype), accumulate=True)
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i in asking:  # EOS and stop tokens until min_tokens outputs
+        p = seqs[i].params
+        if seqs[i].num_output_tokens < p.min_tokens:
+            banned = {*eos_ids, *p.stop_token_ids}
+            ban_rows += [i] * len(banned)
+            ban_ids += banned
+    if ban_rows:
+        out[torch.tensor(ban_rows), torch.tensor(ban_ids)] = float("-inf")
+    for i in asking:
+        allowed = seqs[i].params.allowed_token_ids
+        if allowed:
+            keep = out[i, list(allowed)]
+            out[i] = float("-inf")
+            out[i, list(allowed)] = keep
     return out
 
 
