@@ -117,6 +117,9 @@ def _up(args: argparse.Namespace) -> int:
         where = "on Ray Serve" if args.ray else f"(gateway, {c.num_prefill} prefill, " \
             f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
         print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
+        if isinstance(mesh, LocalMesh):
+            print("metrics: " + ", ".join(f"{name} {url}" for name, url in
+                                          mesh.metrics_urls().items()), flush=True)
         print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)

@@ -245,10 +245,10 @@ class GatewayClient:
 
     @staticmethod
     def _count_hits(flight: _Flight, prompt_tokens: int, cached_tokens: int) -> None:
-        """Prefix hit rate, overall and for the worker that computed the prompt."""
-        for worker in ("all", flight.prefill or flight.decode or "unknown"):
-            PROMPT_TOKENS.labels(worker=worker).inc(prompt_tokens)
-            CACHED_TOKENS.labels(worker=worker).inc(cached_tokens)
+        """Prefix hit rate per worker that computed the prompt (sum() gives the total)."""
+        worker = flight.prefill or flight.decode or "unknown"
+        PROMPT_TOKENS.labels(worker=worker).inc(prompt_tokens)
+        CACHED_TOKENS.labels(worker=worker).inc(cached_tokens)
 
     # -- one request ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], spec: SamplingSpec,

@@ -33,7 +33,17 @@ from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import TTFT
+from evenflow.services.metrics import (
+    TTFT,
+    VLLM_E2E,
+    VLLM_GENERATION_TOKENS,
+    VLLM_ITL,
+    VLLM_PREFIX_HITS,
+    VLLM_PREFIX_QUERIES,
+    VLLM_PROMPT_TOKENS,
+    VLLM_SUCCESS,
+    VLLM_TTFT,
+)
 from evenflow.services.tracing import setup_tracing
 
 
@@ -61,6 +71,17 @@ class Job:
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
         self.started = time.monotonic()
+
+    def record(self, choices: list[Job], finishes: list[str | None]) -> None:
+        """vLLM-compatible request metrics for a request that finished (once per request)."""
+        usage, model = self.total_usage(choices), self.model
+        VLLM_E2E.labels(model).observe(time.monotonic() - self.started)
+        for finish in finishes:
+            VLLM_SUCCESS.labels(model, finish or "abort").inc()
+        VLLM_PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
+        VLLM_GENERATION_TOKENS.labels(model).inc(usage.completion_tokens)
+        VLLM_PREFIX_QUERIES.labels(model).inc(usage.prompt_tokens)
+        VLLM_PREFIX_HITS.labels(model).inc(usage.cached_tokens)
 
     def log_line(self, outcome: str, choices: list[Job]) -> str:
         """The request log's line for this request (no prompt text, no key)."""
@@ -202,15 +223,22 @@ class Gateway:
 
     async def _deltas(self, job: Job, detok: IncrementalDetokenizer,
                       started: float) -> AsyncGenerator[Piece]:
-        first, previous = True, job.prompt_ids[-1]
+        first, previous, last = True, job.prompt_ids[-1], started
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     min(job.deadline, self.drain_deadline)):
+                now = time.monotonic()
                 if first:
-                    job.ttft_s = time.monotonic() - started
+                    job.ttft_s = now - started
                     TTFT.observe(job.ttft_s)
+                    VLLM_TTFT.labels(job.model).observe(job.ttft_s)
                     job.usage.cached_tokens = delta.num_cached_tokens
                     first = False
+                elif delta.token_ids:
+                    gap = (now - last) / len(delta.token_ids)
+                    for _ in delta.token_ids:
+                        VLLM_ITL.labels(job.model).observe(gap)
+                last = now
                 job.usage.completion_tokens += len(delta.token_ids)
                 logprobs = []
                 if job.logprobs is not None:

@@ -75,6 +75,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
         span.end()
         gateway.admission.release()
     REQUESTS.labels(job.kind, "ok").inc()
+    job.record(choices, finishes)
     log.info("%s", job.log_line("ok", choices))
     body = [choice_body(job.kind, i, texts[i], finishes[i], _rendered_logprobs(
         gateway, job, Piece("", None, logprobs[i]), 0)) for i in range(job.n)]
@@ -89,6 +90,7 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
     outcome = "ok"
     choices = job.choices()
     first, offsets = [True] * job.n, [0] * job.n
+    finishes: list[str | None] = [None] * job.n
     try:
         async for index, piece in merged(_runs(gateway, choices)):
             usage = job.total_usage(choices) if job.continuous_usage else None
@@ -98,6 +100,8 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
                                   usage))
             first[index] = False
             offsets[index] += len(piece.text)
+            finishes[index] = piece.finish or finishes[index]
+        job.record(choices, finishes)
         if job.include_usage:
             yield _sse(usage_chunk(job.kind, job.request_id, job.model,
                                    job.total_usage(choices)))

@@ -81,7 +81,8 @@ class KVIndexService(WorkerService):
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
-                               epoch=self.epoch, draining=self.draining)
+                               epoch=self.epoch, draining=self.draining,
+                               metrics_port=self.config.metrics_port)
 
     async def shutdown(self) -> None:
         for task in self._tasks:

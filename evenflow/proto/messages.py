@@ -304,6 +304,7 @@ class WorkerHeartbeat:
     load_by_gateway: dict[str, int] = field(default_factory=dict)
     draining: bool = False  # shutting down: route nothing new here (its KV lease holds)
     unhealthy: str = ""  # why it cannot serve now (its engine keeps failing); empty: healthy
+    metrics_port: int = 0  # where this process serves Prometheus /metrics (0: nowhere)
 
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas

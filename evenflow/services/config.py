@@ -145,6 +145,10 @@ class MeshConfig:
     eplb_min_interval_reports: int = 5  # reports between two rebalances, at least
     eplb_window_reports: int = 10  # reports of load a decision looks at
     balancer_metrics_port: int = 0  # > 0: the balancer serves Prometheus metrics there
+    # Every worker process (prefill, decode, kv_index, balancer) serves its own Prometheus
+    # /metrics here when > 0 (`evenflow up` gives each one a free port and prints them)
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     eplb_per_role: bool = True  # a placement per role (prefill, decode); False: one for all
     # Fleet (for `evenflow up`)
     num_prefill: int = 1

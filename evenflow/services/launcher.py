@@ -181,6 +181,7 @@ class LocalMesh:
     _secrets: str | None = None  # a private directory: API key file, NATS credentials
     credentials: dict[tuple[str, str], str] = field(default_factory=dict)  # creds files
     admin_nats_url: str | None = None  # for operators, benchmarks and tests (full access)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # worker id -> /metrics port
 
     @property
     def url(self) -> str:
@@ -260,7 +261,17 @@ class LocalMesh:
         creds = self.credentials.get((role, worker_id))
         if creds is not None:
             env["EVENFLOW_NATS_CREDENTIALS_FILE"] = creds
+        if role != "gateway" and worker_id:  # the gateway serves /metrics on its HTTP port
+            if worker_id not in self.metrics_ports:  # a restarted worker keeps its port
+                self.metrics_ports[worker_id] = free_port()
+            env["EVENFLOW_METRICS_PORT"] = str(self.metrics_ports[worker_id])
         return env
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each process serves Prometheus metrics."""
+        host = self.config.metrics_host
+        return {"gateway": f"{self.url}/metrics", **{
+            w: f"http://{host}:{port}/metrics" for w, port in self.metrics_ports.items()}}
 
     def wait_healthy(self, timeout_s: float) -> None:
         def check_children() -> None:

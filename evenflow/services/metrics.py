@@ -1,4 +1,13 @@
-"""Prometheus metrics shared by the services (one registry per process)."""
+"""Prometheus metrics shared by the services (one registry per process).
+
+Two families. vLLM-compatible series (`vllm:*`, labelled `model_name`) so vLLM's and Dynamo's
+dashboards work unchanged; each is exported by exactly one kind of process, so a `sum()` over
+every scrape target counts each thing once: request-level ones (TTFT, inter-token latency,
+end-to-end latency, outcomes, prompt / generation tokens, prefix-cache queries and hits, in
+tokens) by the gateway, which sees every request once; engine-level ones (running, waiting, KV
+cache use) by each engine worker on its own `/metrics` port. And evenflow's own series for
+routing, KV transfer, the index, the balancer and dropped messages.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +34,29 @@ RETRIES = Counter("evenflow_request_retries_total",
                   "Requests re-sent elsewhere by the gateway, by the error that caused it",
                   ["code"])
 KV_TRANSFER_BYTES = Counter("evenflow_kv_transfer_bytes_total", "KV bytes shipped", ["service"])
+
+# -- vLLM-compatible names -------------------------------------------------------------------
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_TTFT = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                      ["model_name"], buckets=_LATENCY)
+VLLM_ITL = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens",
+                     ["model_name"], buckets=_LATENCY)
+VLLM_E2E = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end",
+                     ["model_name"], buckets=_LATENCY + (160.0, 320.0))
+VLLM_SUCCESS = Counter("vllm:request_success", "Requests finished, by finish reason",
+                       ["model_name", "finished_reason"])
+VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"])
+VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
+VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries",
+                              "Prompt tokens looked up in a prefix cache", ["model_name"])
+VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found in a prefix cache",
+                           ["model_name"])
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running in the engine",
+                     ["model_name"])
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine",
+                     ["model_name"])
+VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache in use (0-1)", ["model_name"])
 
 
 def render() -> tuple[bytes, str]:

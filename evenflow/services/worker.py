@@ -17,6 +17,7 @@ import uuid
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from prometheus_client import start_http_server
 
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
@@ -46,6 +47,7 @@ from evenflow.services.engine_thread import (
     StepFailed,
     TakeExpertLoad,
 )
+from evenflow.services.metrics import VLLM_KV_USAGE, VLLM_RUNNING, VLLM_WAITING
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class WorkerService:
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
                                epoch=self.epoch, draining=self.draining,
-                               unhealthy=self.healthy() or "")
+                               unhealthy=self.healthy() or "",
+                               metrics_port=self.config.metrics_port)
 
     def busy(self) -> bool:
         return False
@@ -290,8 +293,18 @@ class WorkerService:
                 if token is not None:
                     otel_context.detach(token)
 
+    def _export_engine_gauges(self) -> None:
+        engine, model = self._engine, self.config.model_name
+        if engine is None:
+            return
+        VLLM_RUNNING.labels(model).set(engine.num_running)
+        VLLM_WAITING.labels(model).set(engine.num_waiting)
+        VLLM_KV_USAGE.labels(model).set(
+            1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks))
+
     async def _heartbeats(self) -> None:
         while True:
+            self._export_engine_gauges()
             try:
                 await self.bus.publish(subjects.heartbeat(self.role, self.worker_id),
                                        self.heartbeat())
@@ -309,6 +322,8 @@ class WorkerService:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop.set)
         assert self.config.nats_url, "nats_url is required"
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, addr=self.config.metrics_host)
         await self.bus.connect(self.config.nats_url, security=self.config.nats_security())
         await self.start()
         tasks = [asyncio.create_task(self._sender(), name="sender"),

@@ -124,10 +124,12 @@ def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
     cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
     # One worker computes the prefix once; a spill-over may compute it once more elsewhere.
     assert sum(1 for c in cached if c >= 160 - BS) >= 5
-    # The hit rate is exported overall and per worker that computed the prompt.
+    # The hit rate is exported per worker that computed the prompt, with no synthetic total
+    # (a sum() over the series would count it twice).
     name = "evenflow_cached_prompt_tokens_total"
     per_worker = [metric(kv_mesh, name, worker=w) for w in ("p0", "p1")]
-    assert metric(kv_mesh, name, worker="all") == sum(per_worker) >= sum(cached)
+    assert sum(per_worker) >= sum(cached)
+    assert metric(kv_mesh, name, worker="all") == 0
 
 
 def test_redis_outage_routes_by_load_and_recovers(kv_mesh):

@@ -148,3 +148,24 @@ def test_tokenize_detokenize_version_and_live(mesh, client):
     bad = httpx.post(mesh.url + "/detokenize", headers=AUTH, timeout=10,
                      json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_vllm_compatible_metrics_on_the_gateway_and_every_worker(mesh, client):
+    client.completions.create(model="tiny-moe", prompt="count from 5 :", max_tokens=4)
+    gateway = httpx.get(mesh.url + "/metrics", headers=AUTH, timeout=10).text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
+        assert f'{name}{{model_name="tiny-moe"}}' in gateway, name
+    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny-moe"}' in gateway
+    assert 'worker="all"' not in gateway  # no synthetic total to double a sum()
+    urls = mesh.metrics_urls()
+    assert {"d0", "p0", "kv0"} <= set(urls)
+    for worker in ("d0", "p0"):
+        text = httpx.get(urls[worker], timeout=10).text
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc"):
+            assert f'{name}{{model_name="tiny-moe"}}' in text, (worker, name)
+        assert "vllm:time_to_first_token_seconds_count" not in text  # the gateway's alone
+    assert "evenflow_kv_index_events_total" in httpx.get(urls["kv0"], timeout=10).text
