@@ -29,8 +29,17 @@ def test_serve_config_validates_with_ray():
 
 def test_kuberay_manifest_is_a_rayservice_with_a_valid_serve_config():
     schema = pytest.importorskip("ray.serve.schema")
-    manifest = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text()))
+    manifest = docs[0]
     assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    # NATS and Redis are defined too, with probes, behind the Services the apps name
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs[1:]}
+    assert kinds == {("Deployment", "nats"), ("Service", "nats"), ("Deployment", "redis"),
+                     ("Service", "redis")}
+    for d in docs[1:]:
+        if d["kind"] == "Deployment":
+            container = d["spec"]["template"]["spec"]["containers"][0]
+            assert container["readinessProbe"] and container["livenessProbe"]
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     schema.ServeDeploySchema.model_validate(serve_config)
     assert manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
@@ -45,3 +54,49 @@ def test_compose_has_the_data_plane_jaeger_and_every_service():
         env = services[name]["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4318")
         assert services[name]["command"].split()[2] == f"evenflow.{name}"
+
+
+def test_compose_services_have_healthchecks_and_wait_for_a_healthy_data_plane():
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    for name in ("nats", "redis", "gateway", "prefill", "decode", "kv_index", "balancer",
+                 "prometheus"):
+        assert services[name]["healthcheck"]["test"], name
+        assert services[name]["restart"] == "unless-stopped"
+    for name in ("gateway", "prefill", "decode", "kv_index", "balancer"):
+        assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert services[name]["build"]["dockerfile"] == "Dockerfile"
+    assert (DEPLOY.parent / "Dockerfile").is_file()
+    assert "download.pytorch.org/whl/cpu" in (DEPLOY.parent / "Dockerfile").read_text()
+    scraped = {t for job in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())[
+        "scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    assert {t.split(":")[0] for t in scraped} == {"gateway", "prefill", "decode", "kv_index",
+                                                   "balancer"}
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the services export (importing the modules registers them)."""
+    from prometheus_client import REGISTRY
+
+    for module in ("evenflow.services.metrics", "evenflow.balancer.rank_stats",
+                   "evenflow.balancer.role_balance", "evenflow.kv_index.service"):
+        importlib.import_module(module)
+    names = set()
+    for family in REGISTRY.collect():
+        names.add(family.name)
+        names.update({family.name + suffix for suffix in ("_total", "_bucket", "_count",
+                                                          "_sum", "_created")})
+    return names
+
+
+def test_the_dashboard_uses_only_exported_series():
+    import json
+    import re
+
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "evenflow.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\b(?:vllm:|evenflow_)[a-z0-9_:]+",
+                                                          expr)}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
+            "evenflow_ep_group_balancedness"} <= used
+    missing = used - exported_metric_names()
+    assert not missing, missing
