@@ -10,18 +10,31 @@
    p50/p90/p99 and throughput.
 The default model is the random ~110M Mixtral of `bench engine` (4,096 positions); `--model
 tiny-moe` works with prompts under 512 tokens.
+
+`--base-url URL` runs only the load (4.) against any OpenAI-compatible server - vLLM's, Dynamo's
+or a running `evenflow up` - with `--request-rate` (Poisson arrivals) and `--concurrency`;
+`--json FILE` and `--plot DIR` (TTFT / ITL CDFs, throughput over time) work in both modes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from evenflow.bench.loadgen import make_prompts, percentile, run_load, summary_rows
+from evenflow.bench.loadgen import (
+    LoadResult,
+    make_prompts,
+    percentile,
+    result_json,
+    run_load,
+    summary_rows,
+    write_plots,
+)
 
 
 def offline_baseline(model: str, prompt_len: int, reps: int, out_len: int) -> dict:
@@ -147,7 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-prompt-len", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--base-url", default=None,
+                    help="load an already running OpenAI-compatible server instead")
+    ap.add_argument("--api-key", default=None, help="--base-url: its API key")
+    ap.add_argument("--vocab-size", type=int, default=500,
+                    help="--base-url: prompt token ids are drawn below this")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests/s, Poisson arrivals (default: all at once)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the load run as JSON")
+    ap.add_argument("--plot", default=None, metavar="DIR",
+                    help="write TTFT/ITL CDFs and throughput over time as PNGs")
     args = ap.parse_args(argv)
+    if args.base_url:
+        return _against(args)
     if args.quick:
         args.concurrency, args.num_requests, args.prompt_len, args.output_len = 4, 8, 32, 8
         args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 2
@@ -207,10 +232,43 @@ def main(argv: list[str] | None = None) -> int:
           f"{per_transfer / 1e6:.2f} MB per request)")
     if figures["errors"]:
         print(f"  ({figures['errors']} requests failed during the overhead runs)")
-    print(f"\nload: {args.num_requests} requests, concurrency {args.concurrency}, prompt "
-          f"{args.prompt_len} (shared prefix {args.shared_prefix}), output {args.output_len}")
-    print("\n".join(summary_rows("  gateway", load)))
+    _report(args, load, "gateway")
     return 0
+
+
+def _report(args: argparse.Namespace, load: LoadResult, name: str) -> None:
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate}/s"
+    print(f"\nload: {args.num_requests} requests ({rate}), concurrency {args.concurrency}, "
+          f"prompt {args.prompt_len} (shared prefix {args.shared_prefix}), output "
+          f"{args.output_len}")
+    print("\n".join(summary_rows(f"  {name}", load)))
+    settings = {k: v for k, v in vars(args).items() if k not in ("api_key", "json", "plot")}
+    if settings["request_rate"] == float("inf"):
+        settings["request_rate"] = None
+    if args.json:
+        Path(args.json).write_text(json.dumps(result_json(load, settings), indent=1))
+        print(f"  results written to {args.json}")
+    if args.plot:
+        print(f"  charts: {', '.join(write_plots(load, args.plot))}")
+
+
+def _against(args: argparse.Namespace) -> int:
+    """Only the load, against a server someone else runs."""
+    import httpx
+
+    url = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model
+    if model is None:
+        models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
+        model = models[0]["id"]
+    print(f"server: {url}, model: {model}")
+    load = asyncio.run(run_load(
+        url, model, make_prompts(args.num_requests, args.prompt_len, args.vocab_size,
+                                 args.shared_prefix, seed=600),
+        args.output_len, args.concurrency, args.api_key, args.request_rate, progress=True))
+    _report(args, load, url)
+    return 0 if load.timings else 1
 
 
 if __name__ == "__main__":

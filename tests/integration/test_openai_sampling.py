@@ -169,3 +169,19 @@ def test_vllm_compatible_metrics_on_the_gateway_and_every_worker(mesh, client):
             assert f'{name}{{model_name="tiny-moe"}}' in text, (worker, name)
         assert "vllm:time_to_first_token_seconds_count" not in text  # the gateway's alone
     assert "evenflow_kv_index_events_total" in httpx.get(urls["kv0"], timeout=10).text
+
+
+def test_bench_serve_against_a_running_server_writes_json_and_charts(mesh, tmp_path):
+    from evenflow.bench import serve_bench
+
+    out = tmp_path / "load.json"
+    assert serve_bench.main(["--base-url", mesh.url + "/v1", "--api-key", API_KEY,
+                             "--num-requests", "6", "--concurrency", "3", "--prompt-len", "16",
+                             "--output-len", "4", "--request-rate", "50", "--json", str(out),
+                             "--plot", str(tmp_path / "plots")]) == 0
+    result = orjson.loads(out.read_bytes())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["settings"]["request_rate"] == 50 and "api_key" not in result["settings"]
+    assert result["ttft_ms"]["p50"] > 0 and len(result["requests"]) == 6
+    for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
