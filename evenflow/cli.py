@@ -87,6 +87,7 @@ def _up(args: argparse.Namespace) -> int:
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
+            "served_model_name": args.served_model_name,
             "quantization": args.quantization, "quant_group_size": args.quant_group_size,
             "tensor_parallel_size": args.tensor_parallel_size,
             "expert_parallel_size": args.expert_parallel_size})
@@ -202,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
-    gen.add_argument("--model", default="tiny-moe", help="built-in model name or checkpoint dir")
+    gen.add_argument("--model", default="tiny-moe",
+                     help="built-in model name, checkpoint dir or Hugging Face id")
     gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -221,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
     up.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
     up.add_argument("--host", default=None)
-    up.add_argument("--model", default=None, help="built-in model name or checkpoint dir")
+    up.add_argument("--model", default=None,
+                    help="built-in model name, checkpoint dir or Hugging Face id (org/name)")
+    up.add_argument("--served-model-name", default=None,
+                    help="the model name clients send (default: from --model)")
     up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -198,13 +199,16 @@ def write_plots(result: LoadResult, directory: str) -> list[str]:
               "itl_cdf.png": ("inter-token latency (ms)", "fraction of gaps", cdf["itl"]),
               "throughput.png": ("time (s)", "output tokens/s", over_time)}
     written = []
+    plt: Any = None
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot
+
+        plt = matplotlib.pyplot
     except ImportError:
-        plt = None
+        pass
     for name, (xlabel, ylabel, points) in charts.items():
         path = str(out / name)
         if plt is not None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from evenflow import models
 from evenflow.engine.config import EngineConfig
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
@@ -93,6 +94,7 @@ class MeshConfig:
     # Tensor parallelism: every worker is this many rank processes (threads_per_worker each)
     tensor_parallel_size: int = _ENGINE.tensor_parallel_size
     log_level: str = "info"
+    served_model_name: str = ""  # the `model` clients send (default: from --model)
     stats_log_interval_s: float = 10.0  # each engine worker logs a stats line this often (0: off)
     # Gateway
     host: str = "127.0.0.1"
@@ -206,7 +208,12 @@ class MeshConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in the `model` field: the built-in name or the directory's."""
+        """The name clients use in the `model` field: --served-model-name, else a Hugging
+        Face id as given, else the built-in name or the directory's."""
+        if self.served_model_name:
+            return self.served_model_name
+        if models.is_hub_id(self.model):
+            return self.model
         return os.path.basename(self.model.rstrip("/")) or self.model
 
     def engine_config(self) -> EngineConfig:
