@@ -144,7 +144,7 @@ def _up(args: argparse.Namespace) -> int:
 
 # `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
 BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep",
-              "sampling")
+              "sampling", "frontend")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -152,6 +152,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(f"evenflow.bench.{args.what}_bench")
     return int(module.main(args.rest))
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from evenflow.bench import profile_bench
+
+    return int(profile_bench.main(args.rest))
 
 
 def _quantization_args(parser: argparse._ActionsContainer) -> None:
@@ -280,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.add_argument("--host", default="0.0.0.0", help="nats-server's listen address")
     secrets.set_defaults(func=_bus_secrets)
 
+    prof = sub.add_parser("profile", add_help=False,
+                          help="torch.profiler over the offline engine: `evenflow profile --help`")
+    prof.add_argument("rest", nargs=argparse.REMAINDER)
+    prof.set_defaults(func=_profile)
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
     bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -74,7 +74,8 @@ class DecodeWorker(WorkerService):
     async def start(self) -> None:
         engine = create_engine(self.config.engine, self.config.engine_config(),
                                collect_kv_events=True, ep_rank=self.config.ep_rank,
-                               ep_group=self.config.ep_group)
+                               ep_group=self.config.ep_group,
+                               mock_timing_scale=self.config.mock_timing_scale)
         self.transfers: dict[str, _Transfer] = {}
         self.kv_bytes_received = 0
         self.kv_transfer_seconds = 0.0

@@ -13,11 +13,12 @@ if TYPE_CHECKING:
 def create_engine(kind: str, config: EngineConfig,
                   kv_event_listener: KVEventListener | None = None,
                   collect_kv_events: bool = False, ep_rank: int = 0,
-                  ep_group: str = "") -> Engine:
+                  ep_group: str = "", mock_timing_scale: float = 1.0) -> Engine:
     """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model.
     A serving engine collects its KV events for take_kv_events() (collect_kv_events). With
     config.expert_parallel_size > 1, this is rank `ep_rank` of the DEP group named `ep_group`
-    (engine/lockstep.py)."""
+    (engine/lockstep.py). The mock engine's modelled step times are scaled by
+    mock_timing_scale (0: no compute at all, to measure everything around the engine)."""
     if kind == "torch" and config.expert_parallel_size > 1:
         from evenflow.engine.lockstep import LockstepEngine
 
@@ -27,7 +28,13 @@ def create_engine(kind: str, config: EngineConfig,
 
         return Engine(config, kv_event_listener, collect_kv_events)
     if kind == "mock":
-        from evenflow.engine.mock import MockEngine
+        import dataclasses
 
-        return MockEngine(config, kv_event_listener, collect_kv_events)
+        from evenflow.engine.mock import MockEngine, MockTiming
+
+        mock = MockEngine(config, kv_event_listener, collect_kv_events)
+        mock.runner.timing = MockTiming(**{  # type: ignore[attr-defined]
+            f.name: getattr(mock.timing, f.name) * mock_timing_scale
+            for f in dataclasses.fields(mock.timing)})
+        return mock
     raise ValueError(f"unknown engine {kind!r}: torch or mock")

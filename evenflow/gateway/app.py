@@ -7,6 +7,7 @@ strings happen at the gateway; workers only see token ids."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -29,7 +30,7 @@ from evenflow.gateway.protocol import (
 from evenflow.gateway.responses import AdmittedStream, _json, complete, stream
 from evenflow.proto.messages import WORKER_ROLES
 from evenflow.services.config import MeshConfig
-from evenflow.services.metrics import render
+from evenflow.services.metrics import render, watch_loop_lag
 from evenflow.services.tracing import shutdown_tracing
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -136,7 +137,9 @@ def create_app(config: MeshConfig) -> FastAPI:
         gateway = Gateway(config)
         await gateway.client.start()
         app.state.gateway = gateway
+        lag = asyncio.create_task(watch_loop_lag(), name="loop lag")
         yield
+        lag.cancel()
         app.state.gateway = None
         await gateway.client.close()
         shutdown_tracing()

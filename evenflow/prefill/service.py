@@ -62,7 +62,8 @@ class PrefillWorker(WorkerService):
     async def start(self) -> None:
         engine = create_engine(self.config.engine, self.config.engine_config(),
                                collect_kv_events=True, ep_rank=self.config.ep_rank,
-                               ep_group=self.config.ep_group)
+                               ep_group=self.config.ep_group,
+                               mock_timing_scale=self.config.mock_timing_scale)
         self.pending: dict[str, _Pending] = {}
         await self.serve_engine(engine)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)

@@ -78,6 +78,7 @@ class MeshConfig:
     # Model and engine (every worker uses the same); defaults are EngineConfig's.
     model: str = _ENGINE.model
     engine: str = "torch"  # "torch", or "mock": a timing model over the real block manager
+    mock_timing_scale: float = 1.0  # the mock engine's step times x this (0: no compute)
     dtype: str = _ENGINE.dtype
     block_size: int = _ENGINE.block_size
     max_num_seqs: int = _ENGINE.max_num_seqs

@@ -11,6 +11,8 @@ routing, KV transfer, the index, the balancer and dropped messages.
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 MESSAGES_DROPPED = Counter("evenflow_messages_dropped_total",
@@ -34,6 +36,20 @@ RETRIES = Counter("evenflow_request_retries_total",
                   "Requests re-sent elsewhere by the gateway, by the error that caused it",
                   ["code"])
 KV_TRANSFER_BYTES = Counter("evenflow_kv_transfer_bytes_total", "KV bytes shipped", ["service"])
+LOOP_LAG = Histogram("evenflow_event_loop_lag_seconds",
+                     "How late a 50 ms timer fires on this process's event loop",
+                     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
+                              2.5))
+LOOP_LAG_INTERVAL_S = 0.05
+
+
+async def watch_loop_lag() -> None:
+    """Run on a service's loop: every 50 ms, how late the timer fired (a busy loop: late)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        before = loop.time()
+        await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+        LOOP_LAG.observe(max(0.0, loop.time() - before - LOOP_LAG_INTERVAL_S))
 
 # -- vLLM-compatible names -------------------------------------------------------------------
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -47,7 +47,12 @@ from evenflow.services.engine_thread import (
     StepFailed,
     TakeExpertLoad,
 )
-from evenflow.services.metrics import VLLM_KV_USAGE, VLLM_RUNNING, VLLM_WAITING
+from evenflow.services.metrics import (
+    VLLM_KV_USAGE,
+    VLLM_RUNNING,
+    VLLM_WAITING,
+    watch_loop_lag,
+)
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -327,7 +332,8 @@ class WorkerService:
         await self.bus.connect(self.config.nats_url, security=self.config.nats_security())
         await self.start()
         tasks = [asyncio.create_task(self._sender(), name="sender"),
-                 asyncio.create_task(self._heartbeats(), name="heartbeats")]
+                 asyncio.create_task(self._heartbeats(), name="heartbeats"),
+                 asyncio.create_task(watch_loop_lag(), name="loop lag")]
         self.started.set()
         log.info("%s %s ready", self.role, self.worker_id)
         await self._stop.wait()

@@ -1,5 +1,6 @@
 """Every third-party package the code imports is declared in pyproject.toml (the runtime ones in
-`dependencies`; transformers, an optional benchmark oracle, in `dev`)."""
+`dependencies`; transformers, an optional benchmark oracle, in `dev`; matplotlib, optional for
+`bench serve --plot`, in `dev` and `bench`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OPTIONAL = {"transformers"}  # imported inside a guard; `evenflow bench engine` works without it
+# imported inside a guard: `evenflow bench engine` works without transformers, `bench serve
+# --plot` draws plain charts without matplotlib
+OPTIONAL = {"transformers", "matplotlib"}
 # evenflow/bench/vllm_worker.py runs in another venv (--vllm-python), never in ours
 OTHER_VENV = {"vllm"}
 

@@ -1,0 +1,184 @@
+"""`evenflow profile`: where the offline engine's time goes, operator by operator.
+
+Runs torch.profiler over one prefill step (a batch of prompts) and then over N decode steps of
+the same batch, and prints for each phase:
+- the time per component (attention, MoE or MLP, norms, embedding + lm_head, sampler), from
+  record_function ranges that forward hooks put around each module while profiling only;
+- the top operators by self CPU time;
+- the share of time in copies and layout changes (index_select, cat, copy_, contiguous, ...),
+  the fusion candidates.
+`--trace FILE` also writes a Chrome / Perfetto trace of the decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+COPY_OPS = ("aten::copy_", "aten::index_select", "aten::cat", "aten::contiguous", "aten::clone",
+            "aten::_to_copy", "aten::index", "aten::index_copy_", "aten::index_put_",
+            "aten::stack", "aten::gather", "aten::scatter_add_", "aten::index_add_")
+COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
+
+
+def _label(module) -> str | None:
+    from evenflow.engine.ffn import MLP, MoE
+    from evenflow.engine.model import Attention, RMSNorm
+
+    if isinstance(module, Attention):
+        return "attention"
+    if isinstance(module, MoE):
+        return "moe"
+    if isinstance(module, MLP):
+        return "mlp"
+    if isinstance(module, RMSNorm):
+        return "norm"
+    return None
+
+
+def instrument(model) -> list:
+    """Forward hooks that open a record_function range per component (removed after)."""
+    from torch.profiler import record_function
+
+    handles = []
+    for module in model.modules():
+        label = _label(module)
+        if label is None:
+            continue
+        ranges: list = []
+
+        def enter(_m, _args, label=label, ranges=ranges):
+            ranges.append(record_function(label))
+            ranges[-1].__enter__()
+
+        def leave(_m, _args, _out, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    for name in ("embed_tokens",):
+        embed = getattr(model.model, name, None)
+        if embed is not None:
+            handles += _range_hooks(embed, "embed+lm_head")
+    handles += _range_hooks(model.lm_head, "embed+lm_head")
+    return handles
+
+
+def _range_hooks(module, label: str) -> list:
+    from torch.profiler import record_function
+
+    ranges: list = []
+
+    def enter(_m, _args):
+        ranges.append(record_function(label))
+        ranges[-1].__enter__()
+
+    def leave(_m, _args, _out):
+        ranges.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def report(prof, phase: str, steps: int, top: int) -> list[str]:
+    averages = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in averages)
+    by_name = {e.key: e for e in averages}
+    lines = [f"{phase}: {total_us / 1e3 / steps:.2f} ms of CPU time per step ({steps} step(s))"]
+    parts = []
+    for name in COMPONENTS:
+        event = by_name.get(name)
+        if event is not None and event.cpu_time_total:
+            parts.append(f"{name} {100 * event.cpu_time_total / total_us:.0f}%")
+    if parts:
+        lines.append("  by component (inclusive): " + ", ".join(parts))
+    ops = sorted((e for e in averages if e.key not in COMPONENTS),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    lines.append(f"  {'operator':48} {'self ms/step':>12} {'share':>6} {'calls/step':>10}")
+    for e in ops:
+        lines.append(f"  {e.key[:48]:48} {e.self_cpu_time_total / 1e3 / steps:12.3f} "
+                     f"{100 * e.self_cpu_time_total / total_us:5.1f}% {e.count / steps:10.1f}")
+    copies = sum(by_name[n].self_cpu_time_total for n in COPY_OPS if n in by_name)
+    names = ", ".join(n.removeprefix("aten::") for n in COPY_OPS[:6])
+    lines.append(f"  copies and layout changes ({names}, ...): {100 * copies / total_us:.1f}% "
+                 "of the step")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evenflow profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="default: the benchmarks' random 110M Mixtral")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps profiled")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="default: the CPU's native one")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="write the decode steps as a Chrome/Perfetto trace")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from evenflow.bench.checkpoint import write_random_mixtral
+    from evenflow.bench.machine import machine_line
+    from evenflow.engine import sampler
+    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.sampling_params import SamplingParams
+
+    dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
+    print(machine_line(dtype, args.threads))
+    model = args.model or str(write_random_mixtral(
+        Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
+    engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=args.threads,
+                                 max_num_seqs=max(64, args.batch),
+                                 max_num_batched_tokens=max(4096, args.batch * args.prompt_len)))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
+
+    def add(tag: str) -> None:
+        for i in range(args.batch):
+            engine.add_request(f"{tag}{i}", torch.randint(3, vocab, (args.prompt_len,),
+                                                          generator=g).tolist(), params)
+
+    add("warm")
+    while engine.has_unfinished():
+        engine.step()
+    handles = instrument(engine.model)
+    original = sampler.sample
+
+    def sample_in_range(*a, **k):
+        with record_function("sampler"):
+            return original(*a, **k)
+
+    import evenflow.engine.runner as runner_module
+
+    runner_module.sample = sample_in_range  # type: ignore[assignment]
+    try:
+        add("p")
+        with profile(activities=[ProfilerActivity.CPU]) as prefill:
+            engine.step()
+        with profile(activities=[ProfilerActivity.CPU]) as decode:
+            for _ in range(args.steps):
+                engine.step()
+    finally:
+        runner_module.sample = original  # type: ignore[assignment]
+        for handle in handles:
+            handle.remove()
+    print(f"{model}: batch {args.batch}, {args.prompt_len}-token prompts, {dtype}, "
+          f"{args.threads} threads")
+    print("\n".join(report(prefill, "prefill", 1, args.top)))
+    print("\n".join(report(decode, "decode", args.steps, args.top)))
+    if args.trace:
+        decode.export_chrome_trace(args.trace)
+        print(f"trace written to {args.trace} (chrome://tracing or ui.perfetto.dev)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
