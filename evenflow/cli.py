@@ -286,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.add_argument("--host", default="0.0.0.0", help="nats-server's listen address")
     secrets.set_defaults(func=_bus_secrets)
 
+    sub.add_parser("doctor", add_help=False,
+                   help="find the straggler on a local mesh: `evenflow doctor --help`")
     prof = sub.add_parser("profile", add_help=False,
                           help="torch.profiler over the offline engine: `evenflow profile --help`")
     prof.add_argument("rest", nargs=argparse.REMAINDER)
@@ -303,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         from evenflow.bench import profile_bench  # drops leading options)
 
         return int(profile_bench.main(argv[1:]))
+    if argv[:1] == ["doctor"]:
+        from evenflow.bench import doctor
+
+        return int(doctor.main(argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -248,6 +248,7 @@ class DecodeWorker(WorkerService):
             active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]
+                active.span.set_attribute("gen_ai.usage.output_tokens", active.sent)
                 active.span.end()
         for subject, deltas in by_gateway.items():
             self.send(subject, TokenDeltas(worker_id=self.worker_id, deltas=deltas))

@@ -169,6 +169,7 @@ class PrefillWorker(WorkerService):
         compute = self.tracer.start_span(
             "prefill.compute", context=pending.context, start_time=pending.admitted_ns or None,
             attributes={"gen_ai.request.id": req.request_id,
+                        "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
                         "evenflow.cached_tokens": out.num_cached_tokens})
         compute.end()
         reason = out.finish_reason.value if out.finish_reason is not None else None

@@ -14,11 +14,15 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 _provider: TracerProvider | None = None
 
 
-def setup_tracing(service_name: str) -> trace.Tracer:
-    """Install the process's tracer provider (once) and return a tracer for `service_name`."""
+def setup_tracing(service_name: str, instance: str = "") -> trace.Tracer:
+    """Install the process's tracer provider (once) and return a tracer for `service_name`;
+    `instance` (the worker id) names this process among its service's (service.instance.id)."""
     global _provider
     if _provider is None:
-        _provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        attributes = {"service.name": service_name}
+        if instance:
+            attributes["service.instance.id"] = instance
+        _provider = TracerProvider(resource=Resource.create(attributes))
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -65,7 +65,7 @@ class WorkerService:
         self.config, self.worker_id = config, worker_id
         self.bus: MessageBus = bus or Bus(f"{self.role}-{worker_id}",
                                               config.reassembly_budget())
-        self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}")
+        self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}", worker_id)
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index
         self.kv_seq = 0  # KVEvents published so far in this epoch

@@ -1,0 +1,236 @@
+"""`evenflow doctor`: name the straggler.
+
+Starts a local mesh whose every service exports its spans to an OTLP receiver in this process,
+runs a workload through it (`chat`: short prompts, many streams; `long-prompt`: 1,500-token
+prompts; `burst`: everything at once), and then, from the traces, the services' metrics and the
+client's own timings, prints:
+- a waterfall per request phase (route, prefill queue, prefill compute, KV transfer, decode
+  queue, time to first token, decode per output token, end to end) as p50 / p99 and its share
+  of TTFT (the phases before the first token) or of the end-to-end time;
+- the slowest instance: each worker's prefill ms per prompt token or decode ms per output token
+  against its peers' median;
+- the gateway's event-loop lag p99;
+- a verdict naming the slowest layer and instance, with the evidence.
+`--json FILE` writes the same as JSON, `--png FILE` the waterfall as a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from evenflow.bench.loadgen import make_prompts, percentile, run_load
+from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
+
+WORKLOADS = {  # prompt tokens, output tokens, requests, concurrency
+    "chat": (96, 32, 48, 8),
+    "long-prompt": (1500, 16, 16, 4),
+    "burst": (256, 32, 64, 64),
+}
+# span -> phase of the waterfall; before the first token unless marked
+PHASES = [("route", "route", True), ("prefill.queue", "prefill queue", True),
+          ("prefill.compute", "prefill compute", True), ("kv_transfer", "KV transfer", False),
+          ("decode.queue", "decode queue", False)]
+
+
+def _ms(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": percentile(values, 50) * 1e3, "p99": percentile(values, 99) * 1e3}
+
+
+def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
+            loop_lag_p99_s: float | None) -> dict:
+    by_name: dict[str, list[ReceivedSpan]] = defaultdict(list)
+    for span in spans:
+        by_name[span.name].append(span)
+    ttft_p50 = percentile(ttfts, 50) if ttfts else float("nan")
+    e2e_p50 = percentile(e2es, 50) if e2es else float("nan")
+    rows = []
+    for span_name, label, before_first in PHASES:
+        durations = [s.duration_s for s in by_name.get(span_name, [])]
+        stats = _ms(durations)
+        base = ttft_p50 if before_first else e2e_p50
+        share = (percentile(durations, 50) / base) if durations and base else None
+        rows.append({"phase": label, **stats, "share": share,
+                     "of": "TTFT" if before_first else "end to end", "spans": len(durations)})
+    per_token = []
+    for s in by_name.get("decode.generate", []):
+        tokens = int(s.attributes.get("gen_ai.usage.output_tokens", 0) or 0)
+        if tokens > 1:
+            per_token.append(s.duration_s / tokens)
+    rows.append({"phase": "decode, per output token", **_ms(per_token), "share": None,
+                 "of": "", "spans": len(per_token)})
+    rows.append({"phase": "time to first token (client)", **_ms(ttfts), "share": 1.0,
+                 "of": "TTFT", "spans": len(ttfts)})
+    rows.append({"phase": "end to end (client)", **_ms(e2es), "share": 1.0, "of": "end to end",
+                 "spans": len(e2es)})
+    accounted = sum(r["share"] or 0 for r in rows[:3])
+    rows.insert(3, {"phase": "gateway, NATS hops, tokenize, detokenize (rest of TTFT)",
+                    "p50": (1 - accounted) * ttft_p50 * 1e3 if ttfts else None, "p99": None,
+                    "share": 1 - accounted if ttfts else None, "of": "TTFT", "spans": 0})
+    instances = _instances(by_name)
+    return {"waterfall": rows, "instances": instances,
+            "gateway_loop_lag_p99_ms": None if loop_lag_p99_s is None else loop_lag_p99_s * 1e3,
+            "verdict": _verdict(rows, instances, loop_lag_p99_s)}
+
+
+def _instances(by_name: dict[str, list[ReceivedSpan]]) -> list[dict]:
+    """Per worker: prefill seconds per prompt token, decode seconds per output token."""
+    cost: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for s in by_name.get("prefill.compute", []):
+        tokens = int(s.attributes.get("gen_ai.usage.input_tokens", 0) or 0) or 1
+        cost[("prefill", s.instance or s.service)].append(s.duration_s / tokens)
+    for s in by_name.get("decode.generate", []):
+        tokens = int(s.attributes.get("gen_ai.usage.output_tokens", 0) or 0)
+        if tokens > 1:
+            cost[("decode", s.instance or s.service)].append(s.duration_s / tokens)
+    out = []
+    for role in ("prefill", "decode"):
+        workers = {w: statistics.median(v) for (r, w), v in cost.items() if r == role}
+        if not workers:
+            continue
+        peers = statistics.median(workers.values())
+        for worker, value in sorted(workers.items()):
+            out.append({"role": role, "worker": worker, "ms_per_token": value * 1e3,
+                        "vs_peers": value / peers if peers else 1.0,
+                        "samples": len(cost[(role, worker)])})
+    return out
+
+
+def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None) -> str:
+    before = [r for r in rows[:4] if r["share"] is not None]
+    worst = max(before, key=lambda r: r["share"]) if before else None
+    parts = []
+    if worst is not None:
+        parts.append(f"slowest layer before the first token: {worst['phase']} "
+                     f"({100 * worst['share']:.0f}% of TTFT p50, {worst['p50']:.1f} ms)")
+    slow = max(instances, key=lambda i: i["vs_peers"], default=None)
+    if slow is not None and slow["vs_peers"] > 1.2:
+        parts.append(f"slowest instance: {slow['role']} {slow['worker']}, "
+                     f"{slow['ms_per_token']:.2f} ms per token = {slow['vs_peers']:.2f}x its peers")
+    elif instances:
+        parts.append("no instance stands out (every worker within 1.2x of its peers' median)")
+    if lag_s is not None and lag_s > 0.05:
+        parts.append(f"the gateway's event loop lags: p99 {lag_s * 1e3:.0f} ms")
+    return "; ".join(parts) or "not enough traces to say"
+
+
+def _loop_lag_p99(url: str) -> float | None:
+    from evenflow.bench.frontend_bench import lag_buckets, quantile
+
+    buckets = lag_buckets(url, {})
+    if not buckets:
+        return None
+    return quantile([(le, 0.0) for le, _ in buckets], buckets, 0.99)
+
+
+def print_report(result: dict) -> None:
+    print(f"  {'phase':56} {'p50 ms':>9} {'p99 ms':>9} {'share':>14}")
+    for r in result["waterfall"]:
+        p50 = "-" if r["p50"] is None else f"{r['p50']:.2f}"
+        p99 = "-" if r["p99"] is None else f"{r['p99']:.2f}"
+        share = "" if r["share"] is None else f"{100 * r['share']:.0f}% of {r['of']}"
+        print(f"  {r['phase'][:56]:56} {p50:>9} {p99:>9} {share:>14}")
+    for i in result["instances"]:
+        print(f"  {i['role']:7} {i['worker']:8} {i['ms_per_token']:8.3f} ms/token  "
+              f"{i['vs_peers']:.2f}x peers ({i['samples']} requests)")
+    lag = result["gateway_loop_lag_p99_ms"]
+    if lag is not None:
+        print(f"  gateway event-loop lag p99: {lag:.1f} ms (bucket bound)")
+    print(f"verdict: {result['verdict']}")
+
+
+def write_png(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (no matplotlib: no PNG; pip install 'evenflow[bench]')")
+        return
+    rows = [r for r in result["waterfall"] if r["p50"] is not None]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1))
+    ax.barh([r["phase"] for r in rows], [r["p50"] for r in rows], color="#1f77b4", label="p50")
+    ax.barh([r["phase"] for r in rows], [max(0.0, (r["p99"] or r["p50"]) - r["p50"])
+                                         for r in rows],
+            left=[r["p50"] for r in rows], color="#ff7f0e", alpha=0.5, label="p99")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evenflow doctor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="chat")
+    ap.add_argument("--model", default=None,
+                    help="default: the benchmarks' random 110M Mixtral (4,096 positions)")
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--png", default=None, metavar="FILE")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    prompt_len, output_len, requests, concurrency = WORKLOADS[args.workload]
+
+    from evenflow.bench.checkpoint import write_random_mixtral
+    from evenflow.services.config import MeshConfig
+    from evenflow.services.launcher import LocalMesh
+
+    model = args.model or str(write_random_mixtral(
+        Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
+    receiver = OTLPReceiver()
+    mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=args.prefill,
+                                num_decode=args.decode, local_prefill_threshold=0,
+                                threads_per_worker=1, num_ep_ranks=0, kv_cache_gb=0.5,
+                                stats_log_interval_s=0))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    try:
+        mesh.start(env=env, health_timeout_s=300)
+        from evenflow import models
+
+        model_dir = models.resolve_model(model)
+        assert model_dir is not None
+        from evenflow.proto.tokenizer import Tokenizer
+
+        vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
+        load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
+                                    make_prompts(requests, prompt_len, vocab, seed=3),
+                                    output_len, concurrency, progress=True))
+        lag = _loop_lag_p99(mesh.url)
+    finally:
+        mesh.stop()  # the services flush their spans as they exit
+        receiver.stop()
+    result = analyse(receiver.spans, [t.ttft for t in load.timings],
+                     [t.e2e for t in load.timings], lag)
+    result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
+                          "output_tokens": output_len, "requests": requests,
+                          "concurrency": concurrency, "failed": load.errors,
+                          "prefill_workers": args.prefill, "decode_workers": args.decode}
+    print(f"evenflow doctor: {args.workload} workload, {requests} requests ({load.errors} "
+          f"failed), {prompt_len} -> {output_len} tokens, concurrency {concurrency}; "
+          f"{args.prefill} prefill + {args.decode} decode workers, {len(receiver.spans)} spans")
+    if load.first_error:
+        print(f"  first failure: {load.first_error}")
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"written: {args.json}")
+    if args.png:
+        write_png(result, args.png)
+        print(f"written: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
