@@ -7,7 +7,6 @@ Token ids in, token ids out: tokenization and stop strings belong to the caller.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +15,10 @@ import torch
 from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
-from evenflow.engine.expert_store import PlacementMoves, StagedPlacement, read_missing_experts
+from evenflow.engine.expert_store import PlacementMoves, read_missing_experts
 from evenflow.engine.loader import load_model
 from evenflow.engine.model import CausalLM
+from evenflow.engine.placement_control import ExpertPlacementControl
 from evenflow.engine.prepack import prepack_model
 from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
@@ -85,7 +85,7 @@ class StepOutput:
     logprobs: tuple[float, list[int], list[float]] | None = None
 
 
-class Engine:
+class Engine(ExpertPlacementControl):
     """The real engine; it implements services/engine_api.py's ServingEngine (what services may
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 
@@ -125,7 +125,7 @@ class Engine:
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
         self.placement_version = 0
-        self._staged: StagedPlacement | None = None
+        self._staged = None  # a placement being taken layer by layer
         self.placement_moves = PlacementMoves()
         self.slot_counts = torch.zeros(0, 0, dtype=torch.int64)
         if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
@@ -177,64 +177,6 @@ class Engine:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
         if self._tp is not None:
             self._tp.close()
-
-    def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
-                        version: int) -> None:
-        """Put every MoE layer under a new expert placement (call between steps): phy2log
-        (moe_layers, slots), share (moe_layers, slots) or None for even replica shares."""
-        assert self.config.num_ep_ranks, "the engine runs without expert parallelism"
-        assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
-        assert isinstance(self.runner, ModelRunner)
-        self.runner.apply_placement(phy2log, share, self.config.num_ep_ranks)
-        self.placement_version = version
-
-    def begin_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
-                        version: int) -> None:
-        """Start taking a placement one MoE layer per advance_placement() call (between
-        steps): expert-parallel ranks call both at the same points, so each layer switches on
-        every rank before the same step, and no step waits for more than one layer's reads."""
-        assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
-        self._staged = StagedPlacement(phy2log, share, version)
-
-    def advance_placement(self) -> None:
-        """Switch the next layer of a placement begun with begin_placement."""
-        staged = self._staged
-        if staged is None:
-            return
-        assert isinstance(self.runner, ModelRunner)
-        row, started = staged.next_row, time.perf_counter()
-        read = self.runner.apply_layer_placement(
-            row, staged.phy2log[row], None if staged.share is None else staged.share[row],
-            self.config.num_ep_ranks)
-        self.placement_moves.add(time.perf_counter() - started, read)
-        staged.next_row += 1
-        if staged.next_row == staged.phy2log.shape[0]:
-            self.placement_version, self._staged = staged.version, None
-
-    @property
-    def uses_placement(self) -> bool:
-        return self.slot_counts.numel() > 0
-
-    def apply_expert_placement(self, version: int, phy2log: list[int],
-                               shares: list[float]) -> None:
-        """apply_placement from row-major lists, as they come off the wire."""
-        shape = tuple(self.slot_counts.shape)
-        self.apply_placement(torch.tensor(phy2log).view(shape),
-                             torch.tensor(shares, dtype=torch.float32).view(shape), version)
-
-    def take_expert_load(self) -> tuple[int, int, list[int]]:
-        """(layers, slots, row-major counts) since the last call."""
-        counts = self.take_slot_counts()
-        return counts.shape[0], counts.shape[1], counts.flatten().tolist()
-
-    def take_rank_timing(self) -> list[float] | None:
-        return None  # not an expert-parallel rank (engine/lockstep.py is)
-
-    def take_slot_counts(self) -> torch.Tensor:
-        """Tokens per (MoE layer, physical slot) since the last call."""
-        counts = self.slot_counts.clone()
-        self.slot_counts.zero_()
-        return counts
 
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,
