@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from evenflow.progress import Progress, on_terminal
+
 # The benchmark model: a Mixtral-style MoE of ~110M parameters.
 MIXTRAL_110M = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
@@ -63,7 +65,9 @@ def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
     kv = cfg["num_key_value_heads"] * hd
     tensors = {"model.embed_tokens.weight": rand(V, H), "lm_head.weight": rand(V, H),
                "model.norm.weight": torch.ones(H, dtype=dtype)}
+    progress = Progress(f"writing {path.name}", cfg["num_hidden_layers"], on_terminal())
     for i in range(cfg["num_hidden_layers"]):
+        progress.update()
         p = f"model.layers.{i}."
         tensors |= {p + "self_attn.q_proj.weight": rand(H, H),
                     p + "self_attn.k_proj.weight": rand(kv, H),
@@ -76,6 +80,7 @@ def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
             q = f"{p}block_sparse_moe.experts.{e}."
             tensors |= {q + "w1.weight": rand(inter, H), q + "w3.weight": rand(inter, H),
                         q + "w2.weight": rand(H, inter)}
+    progress.close()
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     write_word_tokenizer(path, V, cfg["bos_token_id"], cfg["eos_token_id"])

@@ -65,6 +65,7 @@ class EngineConfig:
     # for now): N lockstep rank processes, each with its own requests and KV cache, each
     # computing its share of the expert slots; implies num_ep_ranks = N.
     expert_parallel_size: int = 1
+    show_progress: bool = False  # a loading bar on stderr (the offline API: on a terminal)
     # Reorder float weights once into oneDNN's blocked layout (engine/prepack.py): decode's
     # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
     prepack_weights: bool = True

@@ -62,7 +62,8 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig
                  shard: TPShard | None = None) -> CausalLM:
     """The model as one rank holds it: loaded (its tensor-parallel shard, if any), quantized
     and prepacked as the config says."""
-    model = load_model(model_dir, dtype, quant_config(config), shard)
+    model = load_model(model_dir, dtype, quant_config(config), shard,
+                       show_progress=config.show_progress and shard is None)
     if config.prepack_weights:
         prepack_model(model, dtype)
     return model

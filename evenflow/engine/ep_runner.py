@@ -148,7 +148,8 @@ class DEPEngine:
         slot_bytes = slot_bytes_for(config, cfg.hidden_size, cfg.num_experts_per_tok)
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs = [ctx.Process(target=follower_main, name=f"evenflow-ep-rank{r}",
-                                  args=(config, name, r, slot_bytes), daemon=True)
+                                  args=(dataclasses.replace(config, show_progress=False), name,
+                                        r, slot_bytes), daemon=True)
                       for r in range(1, world)]
         for proc in self.procs:
             proc.start()

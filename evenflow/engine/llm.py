@@ -14,6 +14,7 @@ from typing import Any, cast
 from evenflow.engine.engine import Engine, EngineConfig
 from evenflow.engine.ep_runner import DEPEngine
 from evenflow.engine.sampling_params import SamplingParams
+from evenflow.progress import on_terminal
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,6 +37,7 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"unknown LLM argument(s) {unknown}; known: {sorted(known)}")
+        engine_args.setdefault("show_progress", on_terminal())
         config = EngineConfig(model=model, **engine_args)
         self.engine: Engine | DEPEngine = (
             DEPEngine(config) if config.expert_parallel_size > 1 else Engine(config))

@@ -26,6 +26,7 @@ from evenflow.engine.model import CausalLM
 from evenflow.engine.quant import QuantConfig, QuantValues, quantize
 from evenflow.engine.quantize_model import quantize_head, quantize_layer
 from evenflow.engine.tp_shard import TPShard
+from evenflow.progress import Progress
 
 # Already-stacked experts (transformers' in-memory layout, found in some exports).
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -138,8 +139,8 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,
-               quantization: QuantConfig | None = None, shard: TPShard | None = None
-               ) -> CausalLM:
+               quantization: QuantConfig | None = None, shard: TPShard | None = None,
+               show_progress: bool = False) -> CausalLM:
     """Build the model described by config.json and fill it from the safetensors files,
     quantizing as it goes when asked (or when the checkpoint is GPTQ). With a TPShard, only
     that tensor-parallel rank's part of each layer is kept (cut before quantizing)."""
@@ -157,7 +158,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
         if spec is not None:
             raise ModelLoadError("tensor parallelism over a pre-quantized (GPTQ) checkpoint is "
                                  "not supported: load the unquantized one with quantization=")
-    _load_by_layer(model, files, expected, dtype, spec, quantization, shard)
+    with Progress(f"loading {model_dir.name}", cfg.num_layers + 1, show_progress) as progress:
+        _load_by_layer(model, files, expected, dtype, spec, quantization, shard, progress)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
@@ -165,7 +167,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
 
 def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tensor],
                    dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None,
-                   shard: TPShard | None) -> None:
+                   shard: TPShard | None, progress: Progress) -> None:
     cfg = model.config
     if quantization is None and spec is not None:  # GPTQ: quantized as it says, the rest as is
         quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
@@ -197,6 +199,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
             quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
         del tensors, state, given, given_hf
         _return_freed_memory()
+        progress.update()
     tensors = _read_tensors(names, lambda name: layer_of.match(name) is None)
     given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
@@ -209,6 +212,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         shard.shard_vocab(model)
     if quantization is not None:
         quantize_head(model, quantization, dtype, given_head)
+    progress.update()
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if on_meta:
         raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
