@@ -244,7 +244,7 @@ class DecodeWorker(WorkerService):
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, first_index=active.sent,
-                **logprob_fields(out.logprobs)))
+                **logprob_fields(out)))
             active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]

@@ -84,6 +84,8 @@ class StepOutput:
     kv_follows: bool = False
     # (logprob, top ids, top logprobs) of new_token_ids[0], when the request asked for them
     logprobs: tuple[float, list[int], list[float]] | None = None
+    # with the first output token, when asked: every prompt token's after the first
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 class Engine(ExpertPlacementControl):
@@ -386,7 +388,9 @@ class Engine(ExpertPlacementControl):
                 kv_follows: bool = False) -> StepOutput:
         return StepOutput(seq.request_id, new, seq.is_finished, seq.finish_reason,
                           seq.num_prompt_tokens, seq.num_cached_tokens, kv, kv_follows,
-                          seq.step_logprobs if new else None)
+                          seq.step_logprobs if new else None,
+                          seq.prompt_logprobs if new and seq.params.prompt_logprobs is not None
+                          and seq.num_output_tokens == 1 else None)
 
 
 def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
@@ -402,4 +406,6 @@ def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
                           min_tokens=params.min_tokens,
                           logit_bias=tuple((int(t), b) for t, b in params.logit_bias),
                           allowed_token_ids=params.allowed_token_ids or None,
-                          logprobs=None if params.logprobs < 0 else params.logprobs)
+                          logprobs=None if params.logprobs < 0 else params.logprobs,
+                          prompt_logprobs=None if params.prompt_logprobs < 0
+                          else params.prompt_logprobs)

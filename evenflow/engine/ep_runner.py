@@ -55,7 +55,7 @@ STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
 MOE_TIMES_KEPT = 100_000
 _PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
            "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs")
+           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs", "prompt_logprobs")
 
 
 def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
@@ -102,7 +102,8 @@ class LockstepRank:
         for s in engine.step_in_lockstep():
             out.append([s.request_id, s.new_token_ids, s.finished,
                         s.finish_reason.value if s.finish_reason else None,
-                        s.num_prompt_tokens, s.num_cached_tokens, s.logprobs])
+                        s.num_prompt_tokens, s.num_cached_tokens, s.logprobs,
+                        s.prompt_logprobs])
         return {"out": out, "moe": self.timer.take(), "pause": pause}
 
     def gather(self, outputs: Any) -> list:
@@ -234,12 +235,14 @@ class DEPEngine:
             if item[1] is None:  # refused by its rank
                 self._owner.pop(item[0], None)
                 raise ValueError(item[2])
-            request_id, tokens, finished, reason, prompt, cached, logprobs = item
+            request_id, tokens, finished, reason, prompt, cached, logprobs, prompt_lps = item
             if finished:
                 self._owner.pop(request_id, None)
             result.append(StepOutput(request_id, tokens, finished,
                                     FinishReason(reason) if reason else None, prompt, cached,
-                                    logprobs=tuple(logprobs) if logprobs else None))
+                                    logprobs=tuple(logprobs) if logprobs else None,
+                                    prompt_logprobs=[tuple(p) for p in prompt_lps]
+                                    if prompt_lps is not None else None))
         return result
 
     def close(self) -> None:

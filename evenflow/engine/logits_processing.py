@@ -11,6 +11,8 @@ does by default.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -98,3 +100,24 @@ def record_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int]) -> 
     for j, i in enumerate(rows):
         n = seqs[i].params.logprobs or 0
         seqs[i].step_logprobs = (picked[j], ids[j][:n], values[j][:n])
+
+
+def record_prompt_logprobs(seq: Sequence, chunk: Any, logits: Tensor) -> None:
+    """From a prompt chunk's every-row logits (row i predicts the token after chunk.start + i),
+    append each not yet recorded prompt token's (logprob, top ids, top logprobs) to
+    seq.prompt_logprobs (a recomputation after preemption adds nothing twice)."""
+    first = len(seq.prompt_logprobs) + 1  # the next prompt position without a logprob
+    positions = [chunk.start + i + 1 for i in range(logits.shape[0])]
+    rows = [i for i, p in enumerate(positions) if first <= p < seq.num_prompt_tokens]
+    if not rows:
+        return
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    targets = torch.tensor([seq.token_ids[positions[i]] for i in rows]).unsqueeze(1)
+    picked = lp.gather(1, targets)[:, 0].tolist()
+    n = seq.params.prompt_logprobs or 0
+    if n:
+        values, ids = lp.topk(n, dim=-1)
+        top_v, top_i = values.tolist(), ids.tolist()
+    else:
+        top_v = top_i = [[] for _ in rows]
+    seq.prompt_logprobs += list(zip(picked, top_i, top_v, strict=True))

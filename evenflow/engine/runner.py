@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from evenflow.engine.logits_processing import record_prompt_logprobs
 from evenflow.engine.model import AttentionMetadata, CausalLM, PrefillSegment
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.sampler import sample
@@ -23,12 +24,19 @@ class ChunkInput:
     start: int  # tokens of its sequence already in the cache
     block_table: list[int]
     samples: bool
+    every_row: bool = False  # logits for every token of the chunk (prompt logprobs)
 
     @classmethod
     def of(cls, chunk: ScheduledChunk) -> ChunkInput:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        every_row = (seq.params.prompt_logprobs is not None and chunk.num_tokens > 1
+                     and start < seq.num_prompt_tokens - 1)
         return cls(seq.token_ids[start : start + chunk.num_tokens], start, seq.block_table,
-                   chunk.samples)
+                   chunk.samples, every_row)
+
+    @property
+    def logit_rows(self) -> int:
+        return len(self.token_ids) if self.every_row else int(self.samples)
 
 
 class ModelRunner:
@@ -105,7 +113,9 @@ class ModelRunner:
             slot_parts.append(ctx_slots[start:])
             prefills.append(PrefillSegment(q_start, len(c.token_ids), end,
                                            ctx_slots if start else None))
-            if c.samples:
+            if c.every_row:
+                logit_rows.extend(range(q_start, len(input_ids)))
+            elif c.samples:
                 logit_rows.append(len(input_ids) - 1)
         num_prefill = len(input_ids)
         decode_slots = decode_mask = None
@@ -137,8 +147,24 @@ class ModelRunner:
 
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the step; return one sampled token per chunk whose `samples` is True."""
-        logits = self.forward([ChunkInput.of(c) for c in chunks])
-        return sample(logits, [c.seq for c in chunks if c.samples], self.eos_token_ids)
+        inputs = [ChunkInput.of(c) for c in chunks]
+        return self.sample_step(chunks, inputs, self.forward(inputs))
+
+    def sample_step(self, chunks: list[ScheduledChunk], inputs: list[ChunkInput],
+                    logits: Tensor) -> list[int]:
+        """Record prompt logprobs from chunks that asked for every row; sample the rest."""
+        seqs = [c.seq for c in chunks if c.samples]
+        if any(i.every_row for i in inputs):
+            rows, offset = [], 0
+            for chunk, given in zip(chunks, inputs, strict=True):
+                if given.every_row:
+                    record_prompt_logprobs(chunk.seq, given,
+                                           logits[offset : offset + given.logit_rows])
+                if given.samples:
+                    rows.append(offset + given.logit_rows - 1)
+                offset += given.logit_rows
+            logits = logits[rows]
+        return sample(logits, seqs, self.eos_token_ids)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:

@@ -31,6 +31,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = field(default=())
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     logprobs: int | None = None  # how many top logprobs per token (0: the chosen one only)
+    # the same for every prompt token after the first (computed, never taken from the cache)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -75,8 +77,10 @@ class SamplingParams:
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids", "must be a non-empty list of token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs
-                                        <= 20), "logprobs", "must be None or in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,
+                  "must be None or in [0, 20]")
 
     @property
     def greedy(self) -> bool:

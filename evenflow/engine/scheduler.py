@@ -91,7 +91,8 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens))
                 budget -= chunks[-1].num_tokens
                 continue
-            hits = self.blocks.prefix_hits(seq)
+            # prompt logprobs need every prompt token's logits: nothing from the cache
+            hits = [] if seq.params.prompt_logprobs is not None else self.blocks.prefix_hits(seq)
             if (in_flight is not None and len(hits) < len(seq.block_hashes)
                     and seq.block_hashes[len(hits)] in in_flight):
                 # Its next block is being computed for another sequence: wait for the cache hit

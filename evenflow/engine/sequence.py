@@ -40,6 +40,8 @@ class Sequence:
     pending_kv: torch.Tensor | None = None  # imported prompt K/V, written in at admission
     # The last sampled token's (logprob, top ids, top logprobs) when params.logprobs is set
     step_logprobs: tuple[float, list[int], list[float]] | None = None
+    # params.prompt_logprobs: (logprob, top ids, top logprobs) of prompt tokens 1, 2, ...
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -43,7 +43,6 @@ from evenflow.engine.rank_commands import (
     stop_ranks,
 )
 from evenflow.engine.runner import ChunkInput, ModelRunner
-from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
 from evenflow.engine.tp_shard import TPShard
 from evenflow.parallel.group import CollectiveError
@@ -138,10 +137,10 @@ class TPLeaderRunner(ModelRunner):
 
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         inputs = [ChunkInput.of(c) for c in chunks]
-        wire = [[c.token_ids, c.start, c.block_table, c.samples] for c in inputs]
+        wire = [[c.token_ids, c.start, c.block_table, c.samples, c.every_row] for c in inputs]
         self._guard(self.tp.send, RUN, wire)
         logits = self._guard(self.forward, inputs)
-        return sample(logits, [c.seq for c in chunks if c.samples], self.eos_token_ids)
+        return self.sample_step(chunks, inputs, logits)
 
     def read_kv(self, block_ids: list[int]) -> Tensor:
         self._guard(self.tp.send, READ_KV, block_ids)

@@ -67,6 +67,10 @@ class Job:
     usage: Usage = field(init=False)
     started: float = field(init=False)  # time.monotonic()
     ttft_s: float | None = field(init=False, default=None)
+    echo_text: str | None = None  # completions' echo: the prompt in front of the output
+    drop_output: bool = False  # echo with max_tokens 0: the one generated token is dropped
+    # echo + logprobs: prompt tokens 1, 2, ... (the first has no logprob), from the first delta
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
@@ -178,7 +182,15 @@ class Gateway:
             raise APIError(400, f"allowed_token_ids must be in [0, {vocab})",
                            param="allowed_token_ids")
         room = self.max_model_len - len(prompt_ids)
-        max_tokens = req.requested_max_tokens or (16 if kind == "completion" else room)
+        echo = isinstance(req, CompletionRequest) and req.echo
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        if asked == 0 and not echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)",
+                           param="max_tokens")
+        # echo with max_tokens 0: one token is generated and dropped (the prompt's logprobs
+        # come with the first token)
+        max_tokens = 1 if asked == 0 else asked or (16 if kind == "completion" else room)
         if room < 1 or max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                            f"tokens. However, you requested {len(prompt_ids) + max_tokens} "
@@ -196,15 +208,21 @@ class Gateway:
                             repetition_penalty=req.repetition_penalty,
                             min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
                             allowed_token_ids=list(req.allowed_token_ids or ()),
-                            logprobs=-1 if logprobs is None else logprobs)
+                            logprobs=-1 if logprobs is None else logprobs,
+                            prompt_logprobs=logprobs if echo and logprobs is not None else -1)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         options = req.stream_options
-        return Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
-                   req.stop_strings, req.stream, bool(options and options.include_usage),
-                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
-                   include_stop=req.include_stop_str_in_output,
-                   continuous_usage=bool(options and options.continuous_usage_stats))
+        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
+                  req.stop_strings, req.stream, bool(options and options.include_usage),
+                  time.monotonic() + budget, n=req.n, logprobs=logprobs,
+                  include_stop=req.include_stop_str_in_output,
+                  continuous_usage=bool(options and options.continuous_usage_stats))
+        if isinstance(req, CompletionRequest) and req.echo:
+            job.echo_text = req.prompt if isinstance(req.prompt, str) else \
+                self.tokenizer.decode(prompt_ids)
+            job.drop_output = asked == 0
+        return job
 
     async def run(self, job: Job) -> AsyncIterator[Piece]:
         """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""
@@ -228,6 +246,13 @@ class Gateway:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     min(job.deadline, self.drain_deadline)):
                 now = time.monotonic()
+                if first and delta.prompt_logprobs:
+                    ids = job.prompt_ids
+                    job.prompt_logprobs = [
+                        TokenLogprob(ids[i + 1], lp, top_ids, top_lps, ids[i])
+                        for i, (lp, top_ids, top_lps) in enumerate(zip(
+                            delta.prompt_logprobs, delta.prompt_top_logprob_ids,
+                            delta.prompt_top_logprobs, strict=False))]
                 if first:
                     job.ttft_s = now - started
                     TTFT.observe(job.ttft_s)

@@ -98,7 +98,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)  # 0: echo
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: Number = Field(default=1.0, ge=0, le=2)
     top_p: Number = Field(default=1.0, gt=0, le=1)
@@ -186,6 +186,16 @@ class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # top N per token
     add_special_tokens: StrictBool = True
+    # The prompt in front of the completion, with its logprobs when logprobs is set (as
+    # lm-eval's loglikelihood requests use it, max_tokens 0 included)
+    echo: StrictBool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream"):
+            raise ValueError("echo is not supported with stream: true")
+        return v
 
     @property
     def top_logprobs_wanted(self) -> int | None:

@@ -60,10 +60,11 @@ class LogprobRenderer:
         key = (previous_id, token_id)
         text = self._text.get(key)
         if text is None:
-            before = self._tok.decode([previous_id], skip_special_tokens=False)
-            both = self._tok.decode([previous_id, token_id], skip_special_tokens=False)
-            text = both[len(before):] if both.startswith(before) else self._tok.decode(
-                [token_id], skip_special_tokens=False)
+            before = self._tok.decode([previous_id])
+            both = self._tok.decode([previous_id, token_id])
+            text = both[len(before):] if both.startswith(before) else ""
+            if not text:  # a special token (EOS, say): its own text
+                text = self._tok.decode([token_id], skip_special_tokens=False)
             if len(self._text) >= self.CACHE_SIZE:
                 self._text.clear()
             self._text[key] = text
@@ -80,6 +81,14 @@ class LogprobRenderer:
                  t.top_ids, t.top_logprobs, strict=True)]}
             for t in items]}
 
+    def echoed(self, first_prompt_id: int, prompt: list[TokenLogprob],
+               output: list[TokenLogprob]) -> dict[str, Any]:
+        """echo + logprobs: the prompt's tokens (the first without a logprob, as OpenAI and
+        vLLM render it) and then the output's, in the completions layout."""
+        head = _first_token_entry(self._tok.decode([first_prompt_id]))  # BOS: ""
+        rest = self.completion(prompt + output, len(head["tokens"][0]))
+        return {key: head[key] + rest[key] for key in head}
+
     def completion(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
         tokens = [self.token(t.token_id, t.previous_id) for t in items]
         offsets = []
@@ -90,6 +99,11 @@ class LogprobRenderer:
                 "top_logprobs": [{self.token(i, t.previous_id): lp for i, lp in zip(
                     t.top_ids, t.top_logprobs, strict=True)} for t in items],
                 "text_offset": offsets}
+
+
+def _first_token_entry(text: str) -> dict[str, Any]:
+    return {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
+            "text_offset": [0]}
 
 
 def completion_body(kind: str, request_id: str, model: str, choices: list[dict[str, Any]],

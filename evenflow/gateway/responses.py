@@ -77,8 +77,20 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
     REQUESTS.labels(job.kind, "ok").inc()
     job.record(choices, finishes)
     log.info("%s", job.log_line("ok", choices))
-    body = [choice_body(job.kind, i, texts[i], finishes[i], _rendered_logprobs(
-        gateway, job, Piece("", None, logprobs[i]), 0)) for i in range(job.n)]
+    if job.drop_output:  # echo with max_tokens 0: the prompt alone
+        texts, logprobs = [""] * job.n, [[] for _ in range(job.n)]
+        finishes = ["length"] * job.n
+        for c in choices:
+            c.usage.completion_tokens = 0
+    body = []
+    for i in range(job.n):
+        if job.echo_text is None:
+            rendered = _rendered_logprobs(gateway, job, Piece("", None, logprobs[i]), 0)
+            body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered))
+            continue
+        rendered = None if job.logprobs is None else gateway.logprob_renderer.echoed(
+            job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
+        body.append(choice_body(job.kind, i, job.echo_text + texts[i], finishes[i], rendered))
     return _json(completion_body(job.kind, job.request_id, job.model, body,
                                  job.total_usage(choices)))
 

@@ -185,7 +185,7 @@ class PrefillWorker(WorkerService):
         delta = TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
                            num_prompt_tokens=len(req.prompt_token_ids),
                            num_cached_tokens=out.num_cached_tokens, first_index=0,
-                           **logprob_fields(out.logprobs))
+                           **logprob_fields(out))
         self.send(req.reply_subject, TokenDeltas(worker_id=self.worker_id, deltas=[delta]),
                   trace.set_span_in_context(compute))
         if finish is None and out.kv_follows:

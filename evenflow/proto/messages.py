@@ -63,6 +63,7 @@ class SamplingSpec:
     logit_bias: list[list[float]] = field(default_factory=list)  # [[token id, bias], ...]
     allowed_token_ids: list[int] = field(default_factory=list)  # empty: every token
     logprobs: int = -1  # top logprobs per token; -1: none at all
+    prompt_logprobs: int = -1  # the same for the prompt's tokens (echo); -1: none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +139,11 @@ class TokenDelta:
     logprobs: list[float] = field(default_factory=list)
     top_logprob_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # With the first token, when the request asked for prompt logprobs: the same arrays for
+    # prompt tokens 1, 2, ... (the first prompt token has none)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

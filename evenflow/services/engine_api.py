@@ -41,6 +41,8 @@ class EngineOutput(Protocol):
     @property
     def logprobs(self) -> tuple[float, list[int], list[float]] | None: ...
     @property
+    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None: ...
+    @property
     def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
     @property
     def kv_follows(self) -> bool: ...  # export_kv: this finishing output's K/V comes next step
@@ -109,9 +111,16 @@ class ServingEngine(Protocol):
         collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
 
 
-def logprob_fields(logprobs: tuple[float, list[int], list[float]] | None) -> dict[str, Any]:
-    """One output's (logprob, top ids, top logprobs) as TokenDelta's fields (none if absent)."""
-    if logprobs is None:
-        return {}
-    chosen, ids, values = logprobs
-    return {"logprobs": [chosen], "top_logprob_ids": [list(ids)], "top_logprobs": [list(values)]}
+def logprob_fields(out: EngineOutput) -> dict[str, Any]:
+    """One output's logprobs (and the prompt's, with the first token) as TokenDelta's fields
+    (none if absent)."""
+    fields: dict[str, Any] = {}
+    if out.logprobs is not None:
+        chosen, ids, values = out.logprobs
+        fields |= {"logprobs": [chosen], "top_logprob_ids": [list(ids)],
+                   "top_logprobs": [list(values)]}
+    if out.prompt_logprobs is not None:
+        fields |= {"prompt_logprobs": [p[0] for p in out.prompt_logprobs],
+                   "prompt_top_logprob_ids": [list(p[1]) for p in out.prompt_logprobs],
+                   "prompt_top_logprobs": [list(p[2]) for p in out.prompt_logprobs]}
+    return fields

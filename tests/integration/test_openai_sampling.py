@@ -185,3 +185,29 @@ def test_bench_serve_against_a_running_server_writes_json_and_charts(mesh, tmp_p
     assert result["ttft_ms"]["p50"] > 0 and len(result["requests"]) == 6
     for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_echo_with_prompt_logprobs_scores_a_continuation(client):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0."""
+    def score(text: str):
+        out = client.completions.create(model="tiny-moe", prompt=text, max_tokens=0,
+                                        echo=True, logprobs=1, temperature=0)
+        choice = out.choices[0]
+        assert choice.text == text and out.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert "".join(lp.tokens) == text and lp.token_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+        return lp.token_logprobs
+
+    right, wrong = score("count from 17 : 17 18 19"), score("count from 17 : 17 18 55")
+    assert right[-1] > wrong[-1]  # the model expects 19 after 18
+    # the same number the model gives when it generates that token itself
+    generated = client.completions.create(model="tiny-moe", prompt="count from 17 : 17 18",
+                                          max_tokens=1, temperature=0, logprobs=0)
+    assert generated.choices[0].text == " 19"
+    assert abs(generated.choices[0].logprobs.token_logprobs[0] - right[-1]) < 0.05
+    # echo with generation: the prompt, then the completion; logprobs cover both
+    out = client.completions.create(model="tiny-moe", prompt="count from 5 :", max_tokens=3,
+                                    echo=True, logprobs=0, temperature=0)
+    assert out.choices[0].text.startswith("count from 5 :")
+    assert "".join(out.choices[0].logprobs.tokens) == out.choices[0].text
