@@ -25,18 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from evenflow.bench.machine import run_worker
+from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
             reps=3)
 QUICK = dict(prefill=[16, 64], batches=[1, 4], prompt=16, output=8, prefix=64, reps=1)
 
-
-
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def _peak_rss_mb() -> float:
@@ -45,7 +39,6 @@ def _peak_rss_mb() -> float:
 
 def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> dict:
     from evenflow.engine.engine import Engine, EngineConfig
-    from evenflow.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=ckpt, dtype=dtype, num_threads=max(1, threads // tp),
                                  max_num_batched_tokens=max(4096, plan["prefix"] + 64),
@@ -54,28 +47,21 @@ def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> di
     ids = iter(range(10**9))
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[float]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(str(next(ids)), p, params)
-        steps = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t0)
-        return steps
+        return drive(engine, prompts, max_tokens, ids)
 
-    run(_prompts(2, 32, vocab, 99), 4)  # warm-up
+    run(random_prompts(2, 32, vocab, 99), 4)  # warm-up
     result: dict = {"prefill_ms": {}, "decode_ms": {}, "tok_s": {}}
     for n in plan["prefill"]:
-        run(_prompts(1, n, vocab, 1000 * n - 1), 1)  # warm-up at this size
-        times = [sum(run(_prompts(1, n, vocab, 1000 * n + r), 1)) for r in range(plan["reps"])]
+        run(random_prompts(1, n, vocab, 1000 * n - 1), 1)  # warm-up at this size
+        times = [sum(run(random_prompts(1, n, vocab, 1000 * n + r), 1))
+                 for r in range(plan["reps"])]
         result["prefill_ms"][n] = statistics.median(times) * 1e3
     for b in plan["batches"]:
-        steps = run(_prompts(b, plan["prompt"], vocab, b), plan["output"])
+        steps = run(random_prompts(b, plan["prompt"], vocab, b), plan["output"])
         result["decode_ms"][b] = statistics.median(steps[1:]) * 1e3
         result["tok_s"][b] = b * plan["output"] / sum(steps)
-    prefix = _prompts(1, plan["prefix"], vocab, 7)[0]
-    first, second = (prefix + s for s in _prompts(2, 64, vocab, 8))
+    prefix = random_prompts(1, plan["prefix"], vocab, 7)[0]
+    first, second = (prefix + s for s in random_prompts(2, 64, vocab, 8))
     result["ttft_uncached_ms"] = sum(run([first], 1)) * 1e3
     result["ttft_cached_ms"] = sum(run([second], 1)) * 1e3
     # A burst sharing a new prefix, submitted together: computed once (deferral) or by each.
@@ -84,8 +70,8 @@ def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> di
                                                       defer_shared_prefill=defer)
         times = []
         for r in range(plan["reps"]):
-            shared = _prompts(1, plan["prefix"], vocab, 70 + 2 * r + defer)[0]
-            burst = [shared + s for s in _prompts(8, 64, vocab, 80 + r)]
+            shared = random_prompts(1, plan["prefix"], vocab, 70 + 2 * r + defer)[0]
+            burst = [shared + s for s in random_prompts(8, 64, vocab, 80 + r)]
             times.append(sum(run(burst, 1)))
         result[f"burst_ms_{'defer' if defer else 'each'}"] = statistics.median(times) * 1e3
     result["peak_rss_mb"] = _peak_rss_mb()
@@ -113,20 +99,20 @@ def run_transformers(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
                        do_sample=False, pad_token_id=0)
         return time.perf_counter() - t0
 
-    generate(_prompts(2, 32, vocab, 99), 4)  # warm-up
+    generate(random_prompts(2, 32, vocab, 99), 4)  # warm-up
     result: dict = {"prefill_ms": {}, "decode_ms": {}, "tok_s": {}}
     for n in plan["prefill"]:
-        prefill(_prompts(1, n, vocab, 1000 * n - 1))  # warm-up at this size
-        times = [prefill(_prompts(1, n, vocab, 1000 * n + r)) for r in range(plan["reps"])]
+        prefill(random_prompts(1, n, vocab, 1000 * n - 1))  # warm-up at this size
+        times = [prefill(random_prompts(1, n, vocab, 1000 * n + r)) for r in range(plan["reps"])]
         result["prefill_ms"][n] = statistics.median(times) * 1e3
     for b in plan["batches"]:
-        batch = _prompts(b, plan["prompt"], vocab, b)
+        batch = random_prompts(b, plan["prompt"], vocab, b)
         first = prefill(batch)
         total = generate(batch, plan["output"])
         result["decode_ms"][b] = (total - first) / (plan["output"] - 1) * 1e3
         result["tok_s"][b] = b * plan["output"] / total
-    prefix = _prompts(1, plan["prefix"], vocab, 7)[0]
-    first_p, second_p = (prefix + s for s in _prompts(2, 64, vocab, 8))
+    prefix = random_prompts(1, plan["prefix"], vocab, 7)[0]
+    first_p, second_p = (prefix + s for s in random_prompts(2, 64, vocab, 8))
     result["ttft_uncached_ms"] = prefill([first_p]) * 1e3
     result["ttft_cached_ms"] = prefill([second_p]) * 1e3  # no prefix cache: same work again
     result["peak_rss_mb"] = _peak_rss_mb()

@@ -25,43 +25,23 @@ import time
 from pathlib import Path
 
 from evenflow.bench.machine import run_worker
+from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(batch=32, prompt=128, output=64, prefill=2048, ranks=2)
 QUICK = dict(batch=8, prompt=16, output=8, prefill=64, ranks=2)
 REDUNDANT = 2  # slots beyond the experts, for replicas of hot experts
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
-
-
-def _drive(engine, prompts: list[list[int]], max_tokens: int, ids) -> list[float]:
-    from evenflow.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(str(next(ids)), p, params)
-    steps = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    return steps
-
-
 def _phase(engine, plan: dict, vocab: int, ids, seed: int) -> dict:
     """Decode at the plan's batch, then one prefill of plan['prefill'] tokens per rank (new
     prompts each phase: nothing comes from the prefix cache)."""
-    _drive(engine, _prompts(plan["ranks"], 16, vocab, seed + 5), 4, ids)  # warm-up
+    drive(engine, random_prompts(plan["ranks"], 16, vocab, seed + 5), 4, ids)  # warm-up
     engine.moe_times.clear()
-    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, seed + 1),
+    steps = drive(engine, random_prompts(plan["batch"], plan["prompt"], vocab, seed + 1),
                    plan["output"], ids)
     decode = steps[2:]  # past the prefill steps
     moe = list(engine.moe_times)[2:]
-    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, seed + 2), 1, ids)
+    prefill = drive(engine, random_prompts(plan["ranks"], plan["prefill"], vocab, seed + 2), 1, ids)
 
     def per_rank(index: int) -> list[float]:
         return [statistics.median(step[r][index] for step in moe) * 1e3
@@ -161,10 +141,10 @@ def run_single(ckpt: str, plan: dict) -> dict:
                                  max_num_batched_tokens=plan["ranks"] * plan["prefill"]))
     vocab = engine.model_config.vocab_size
     ids = iter(range(10**9))
-    _drive(engine, _prompts(2, 16, vocab, 5), 4, ids)
-    steps = _drive(engine, _prompts(plan["batch"], plan["prompt"], vocab, 1), plan["output"],
+    drive(engine, random_prompts(2, 16, vocab, 5), 4, ids)
+    steps = drive(engine, random_prompts(plan["batch"], plan["prompt"], vocab, 1), plan["output"],
                    ids)
-    prefill = _drive(engine, _prompts(plan["ranks"], plan["prefill"], vocab, 2), 1, ids)
+    prefill = drive(engine, random_prompts(plan["ranks"], plan["prefill"], vocab, 2), 1, ids)
     return {"step_p50": statistics.median(steps[1:]) * 1e3,
             "step_p99": sorted(steps[1:])[int(0.99 * (len(steps) - 2))] * 1e3,
             "tok_s": plan["batch"] * plan["output"] / sum(steps), "prefill_ms": max(prefill) * 1e3}

@@ -40,27 +40,14 @@ def _label(module) -> str | None:
 
 def instrument(model) -> list:
     """Forward hooks that open a record_function range per component (removed after)."""
-    from torch.profiler import record_function
-
     handles = []
     for module in model.modules():
         label = _label(module)
-        if label is None:
-            continue
-        ranges: list = []
-
-        def enter(_m, _args, label=label, ranges=ranges):
-            ranges.append(record_function(label))
-            ranges[-1].__enter__()
-
-        def leave(_m, _args, _out, ranges=ranges):
-            ranges.pop().__exit__(None, None, None)
-
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    for name in ("embed_tokens",):
-        embed = getattr(model.model, name, None)
-        if embed is not None:
-            handles += _range_hooks(embed, "embed+lm_head")
+        if label is not None:
+            handles += _range_hooks(module, label)
+    embed = getattr(model.model, "embed_tokens", None)
+    if embed is not None:
+        handles += _range_hooks(embed, "embed+lm_head")
     handles += _range_hooks(model.lm_head, "embed+lm_head")
     return handles
 

@@ -17,21 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from evenflow.bench.stepping import drive, random_prompts
+
+_IDS = iter(range(10**9))
+
 
 def _decode_steps(engine, params, batch: int, prompt: int, output: int, seed: int) -> list[float]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.model_config.vocab_size
-    for i in range(batch):
-        engine.add_request(f"{seed}-{i}", torch.randint(3, vocab, (prompt,), generator=g).tolist(),
-                           params)
-    steps = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    return steps[2:]  # past the prefill steps
+    prompts = random_prompts(batch, prompt, engine.model_config.vocab_size, seed)
+    return drive(engine, prompts, output, _IDS, params)[2:]  # past the prefill steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from evenflow.engine.config import EngineConfig, ModelLoadError
 from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.ep_runner import slot_bytes_for
 from evenflow.engine.ffn import EPTimer
+from evenflow.engine.placement import check_slots
 from evenflow.engine.rank_commands import LOAD_TIMEOUT_S, STEP_TIMEOUT_S
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.shm import ShmGroup
@@ -133,10 +134,8 @@ class LockstepEngine(Engine):
         if len(phy2log) != layers * slots or len(shares) != layers * slots:
             raise ValueError(f"placement has {len(phy2log)} slots, this engine {layers}x{slots}")
         held = torch.tensor(phy2log).view(layers, slots)
-        experts = self.model_config.num_experts
-        if bool(((held < 0) | (held >= experts)).any()) or any(
-                len(torch.unique(held[row])) < experts for row in range(layers)):
-            raise ValueError("placement leaves an expert without a slot or names an unknown one")
+        for row in held:
+            check_slots(row, self.model_config.num_experts, self.config.num_ep_ranks)
         if version > max(self.placement_version, self._staged.version if self._staged else -1):
             self._pending = (version, phy2log, shares)
 

@@ -26,10 +26,9 @@ class SlotPlacement:
               share: Tensor | None = None) -> SlotPlacement:
         """phy2log (P,), share (P,) per-slot share of its expert's tokens (even if None)."""
         P = phy2log.shape[0]
-        assert P % num_ranks == 0 and P >= num_experts
+        check_slots(phy2log, num_experts, num_ranks)
         phy2log = phy2log.long()
         counts = torch.bincount(phy2log, minlength=num_experts)
-        assert bool((counts >= 1).all()), "every expert needs a slot"
         if share is None:
             share = 1.0 / counts[phy2log].float()
         R = int(counts.max())
@@ -53,6 +52,18 @@ class SlotPlacement:
         replica = (u.unsqueeze(1) >= self.cum_share[experts]).sum(1)
         replica = replica.clamp_max(self.log2phy.shape[1] - 1)
         return self.log2phy[experts, replica]
+
+
+def check_slots(phy2log: Tensor, num_experts: int, num_ranks: int) -> None:
+    """ValueError unless phy2log (slots,) names known experts only, gives every expert a slot
+    and splits evenly over the ranks."""
+    if phy2log.shape[0] % num_ranks or phy2log.shape[0] < num_experts:
+        raise ValueError(f"{phy2log.shape[0]} slots do not split over {num_ranks} ranks "
+                         f"with a slot for each of {num_experts} experts")
+    if bool(((phy2log < 0) | (phy2log >= num_experts)).any()):
+        raise ValueError("placement names an unknown expert")
+    if len(torch.unique(phy2log)) < num_experts:
+        raise ValueError("placement leaves an expert without a slot")
 
 
 def rank_balancedness(slot_counts: Tensor, num_ranks: int) -> float:
