@@ -56,6 +56,7 @@ from evenflow.services.metrics import (
 log = logging.getLogger(__name__)
 
 
+ROOM_POLL_S = 0.05  # how often a request waiting for a decode worker with room looks again
 LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the request was lost
 
 
@@ -75,6 +76,10 @@ class _Flight:
     prefill: str | None = None
     decode: str | None = None
     prefill_blocks: int = 0  # blocks the prefill worker was expected to compute
+    # decode workers that refused it for lack of room -> when: not tried again before their
+    # next heartbeat (which says whether room came back)
+    refused: dict[str, float] = field(default_factory=dict)
+    admit_by: float | None = None  # waiting for room since: give up at this time.monotonic()
 
 
 class GatewayClient:
@@ -185,19 +190,50 @@ class GatewayClient:
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
 
+    async def _wait_for_decode(self, total_blocks: int, matched: dict[str, int],
+                               exclude: set[str], flight: _Flight,
+                               deadline: float | None) -> WorkerState:
+        """A decode worker with room for the prompt. While every live one is full the request
+        waits (as in vLLM's waiting queue) for queue_timeout_s at most, then fails with
+        NO_CAPACITY (503); at once when no live worker could ever hold the prompt."""
+        if flight.admit_by is None:
+            flight.admit_by = time.monotonic() + self.config.queue_timeout_s
+        give_up = flight.admit_by if deadline is None else min(flight.admit_by, deadline)
+        while True:
+            refusing = {w for w, at in flight.refused.items()
+                        if (state := self.registry.workers.get(w)) and state.seen_at <= at}
+            # `exclude` (workers that failed this request) is a preference: with no other
+            # worker, the request goes back to one of them (the retries bound how often)
+            decode = (self.registry.pick_decode(total_blocks, matched, exclude | refusing)
+                      or self.registry.pick_decode(total_blocks, matched, refusing))
+            if decode is not None:
+                if not flight.refused:
+                    flight.admit_by = None  # room at once: a later wait starts afresh
+                return decode
+            could_fit = [s for s in self.registry.live(Role.DECODE)
+                         if s.heartbeat.total_kv_blocks >= total_blocks + 1]
+            if not could_fit:
+                raise RequestFailed(errors.NO_CAPACITY, "no live decode worker has room for "
+                                    f"{total_blocks} KV blocks")
+            if time.monotonic() >= give_up:
+                raise RequestFailed(errors.NO_CAPACITY, "no decode worker had room within "
+                                    f"{self.config.queue_timeout_s:g} s")
+            await asyncio.sleep(ROOM_POLL_S)
+
     async def _send(self, request_id: str, flight: _Flight, prompt: list[int],
-                    spec: SamplingSpec, exclude: set[str], force_local: bool) -> None:
+                    spec: SamplingSpec, exclude: set[str], force_local: bool,
+                    deadline: float | None) -> None:
         """Route the request and publish it; raises RequestFailed when nothing can take it."""
         bs = self.config.block_size
+        queued_at = time.monotonic()
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
             total = -(-len(prompt) // bs)
             matched = await self._lookup(hashes)
             reason = self.config.router if matched is not None else "redis_unavailable"
             matched = matched or {}
-            decode = self.registry.pick_decode(total, matched, exclude)
-            if decode is None:
-                raise RequestFailed(errors.NO_CAPACITY, "no decode worker has room")
+            decode = await self._wait_for_decode(total, matched, exclude, flight, deadline)
+            span.set_attribute("evenflow.route.queued_s", time.monotonic() - queued_at)
             uncached_local = len(prompt) - matched.get(decode.worker_id, 0) * bs
             threshold = self.config.local_prefill_threshold
             local = force_local or uncached_local < threshold
@@ -267,7 +303,7 @@ class GatewayClient:
         retries = self.config.decode_retries
         finished = False
         try:
-            await self._send(wire_id, flight, prompt, spec, exclude, False)
+            await self._send(wire_id, flight, prompt, spec, exclude, False, deadline)
             last_progress = time.monotonic()
             while True:
                 held = ordering.next_held(len(emitted))
@@ -313,14 +349,21 @@ class GatewayClient:
                         continue
                     item = admitted
                 if isinstance(item, ErrorMessage):
-                    if not item.retryable or retries <= 0:
+                    # A full decode worker is tried again once it heartbeats again (room may
+                    # be back); the wait for room is bounded by queue_timeout_s, not retries.
+                    no_room = item.code == errors.NO_CAPACITY and flight.decode is not None
+                    if not item.retryable or (retries <= 0 and not no_room):
                         raise RequestFailed(item.code, item.description)
-                    retries -= 1
                     RETRIES.labels(code=item.code).inc()
                     log.info("request %s: %s (%s) after %d tokens; sending it again",
                              request_id, item.code, item.description, len(emitted))
-                    if flight.decode and item.code != errors.LOST_IN_OUTAGE:
-                        exclude.add(flight.decode)  # before _release forgets it: not again
+                    if no_room:
+                        assert flight.decode is not None
+                        flight.refused[flight.decode] = time.monotonic()
+                    else:
+                        retries -= 1
+                        if flight.decode and item.code != errors.LOST_IN_OUTAGE:
+                            exclude.add(flight.decode)  # before _release forgets it: not again
                     self._cancel(wire_id, flight)
                     self._release(flight)
                     self.flights.pop(wire_id, None)
@@ -333,9 +376,11 @@ class GatewayClient:
                         spec, max_tokens=spec.max_tokens - len(emitted),
                         min_tokens=max(0, spec.min_tokens - len(emitted)))
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
-                                     force_local=bool(emitted))
+                                     force_local=bool(emitted), deadline=deadline)
                     continue
                 last_progress = time.monotonic()
+                flight.refused.clear()  # admitted: a later re-send waits for room afresh
+                flight.admit_by = None
                 if deadline is not None and last_progress > deadline:
                     raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 if not emitted:

@@ -42,7 +42,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
     "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
     "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
-    "orphan_ttl_s": (0, None, False),
+    "orphan_ttl_s": (0, None, False), "queue_timeout_s": (0, None, True),
     "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
     "max_inflight": (1, None, True), "max_queued": (0, None, True),
     "kv_chunk_bytes": (4096, None, True), "bus_peer_reassembly_mb": (1, None, True),
@@ -113,7 +113,10 @@ class MeshConfig:
     # shipped; a chat's next turn thus reuses the previous answer, which only the decode worker
     # holds. 0 disables (every prompt goes to a prefill worker).
     local_prefill_threshold: int = 128
-    decode_retries: int = 2  # other decode workers tried when one has no room
+    decode_retries: int = 2  # other workers tried when one fails or stops responding
+    # A request no live decode worker has KV room for waits this long for one (as in vLLM's
+    # waiting queue), then fails with 503.
+    queue_timeout_s: float = 60.0
     # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
     router: str = "kv"
     # w: cost of one block to prefill against one block of queued work. At 1 the cost is the

@@ -4,11 +4,13 @@ worker's admission and KV hand-off on the mock engine, and the gateway's retry e
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 from opentelemetry import trace
 
 from evenflow.decode.service import DecodeWorker
-from evenflow.gateway.client import GatewayClient
+from evenflow.gateway.client import GatewayClient, RequestFailed
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
     Cancel,
@@ -136,6 +138,9 @@ class FakeDecodeWorker:
     async def open(self) -> None:
         await self.bus.connect("memory://")
         await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_message)
+        await self.beat()
+
+    async def beat(self) -> None:
         await self.bus.publish(subjects.heartbeat(Role.DECODE, self.worker_id), WorkerHeartbeat(
             worker_id=self.worker_id, role=Role.DECODE, model="tiny-moe", free_kv_blocks=100,
             total_kv_blocks=100, epoch="e"))
@@ -178,6 +183,45 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
         await client.close()
         for w in workers:
             await w.bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waits_for_room_on_a_full_worker_then_runs():
+    # One decode worker, full when the request comes: the request is not failed at once (as
+    # vLLM's waiting queue) but sent again once the worker heartbeats (with room); a worker
+    # that stays full fails it with NO_CAPACITY after queue_timeout_s.
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
+                        decode_retries=0, queue_timeout_s=1.0)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = FakeDecodeWorker(broker, "d0", full=True)
+        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+        await client.start()
+        await worker.open()
+        while not client.registry.live(Role.DECODE):
+            await asyncio.sleep(0.01)
+
+        async def room_after(delay: float) -> None:
+            await asyncio.sleep(delay)
+            worker.full = False
+            await worker.beat()  # a fresh heartbeat: room again
+
+        later = asyncio.create_task(room_after(0.3))
+        deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
+        await later
+        assert [t for d in deltas for t in d.token_ids] == [11, 12]
+        assert worker.requests[0] == "r1" and worker.requests[-1].startswith("r1.")
+        worker.full = True
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            async for _ in client.generate([1, 2, 3], GREEDY, "r2"):
+                pass
+        assert failed.value.code == errors.NO_CAPACITY
+        assert 0.9 < time.monotonic() - started < 10
+        await client.close()
+        await worker.bus.close()
 
     asyncio.run(scenario())
 
