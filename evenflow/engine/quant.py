@@ -9,33 +9,41 @@ Two methods, both weight-only (activations stay in the engine's dtype):
 produce it); a `QuantStack` holds one weight or a stack of experts' weights (E, N, K) in the
 form its kernel reads, and `linear(x, e)` computes x @ w[e].T.
 
-Kernels. torch has CPU weight-only kernels: `_weight_int8pack_mm` (int8, per-channel scales) and
-`_weight_int4pack_mm_for_cpu` over `_convert_weight_to_int4pack_for_cpu`'s opaque blocked
-layout. They win for few rows in bf16 and can lose badly elsewhere (many rows, or float32 on
-some builds), so each shape is measured once on this machine at load (`KernelChoice`; kept in
-a cache file, so every process on the machine makes the same choice):
-- int8 keeps one stored form; up to `packed_max_rows` rows use the packed kernel, more rows
-  dequantize the weight (one expert's, never all experts) and use the dense matmul.
-- int4 must choose its stored form: the packed layout (kernel only) or plain nibbles (two
-  values a byte, dequantized per call); whichever is faster for one row wins.
+Kernels. Three for each form, and each shape picks among them by measuring once on this
+machine at load (`KernelChoice`, kept in a cache file so every process on the machine makes the
+same choice: the kernels round differently, and a request that moves between two workers must
+continue identically):
+- torch's packed kernels, `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (over
+  `_convert_weight_to_int4pack_for_cpu`'s opaque layout): fastest for one row, but they convert
+  the weight again for every row, so their time grows linearly with the rows;
+- our own (engine/native.py, engine/kernels/weight_only.cpp): dequantizes a tile once into L1
+  and lets every row read it (bf16 dot-product instructions where the CPU has them): wins from a
+  few rows up to a few dozen;
+- dequantize the weight (one expert's, never all experts) and use the dense matmul: many rows.
+int4 must also choose its stored form: torch's packed layout (its kernel only) or plain
+nibbles (two values a byte; our kernel or dequantize-then-matmul): whichever is faster for one
+row wins.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from evenflow.engine.config import check_quantization
+from evenflow.engine.kernel_plan import (
+    DENSE,
+    NATIVE,
+    PACKED,
+    PROBE_ROWS,
+    Kernel,
+    KernelChoice,
+    choose,
+    native_ops,
+)
 
 
 @dataclass(frozen=True)
@@ -100,86 +108,6 @@ def quantize(w: Tensor, config: QuantConfig) -> QuantValues:
     return QuantValues(4, q.to(torch.uint8).view(n, k), scale, zero)
 
 
-# ---- kernel choice, measured once per shape and dtype on this machine ----------------------
-
-@dataclass(frozen=True)
-class KernelChoice:
-    packed_max_rows: int  # int8: rows up to this use the packed kernel; int4: 0 = nibbles form
-
-
-_CHOICES: dict[tuple, KernelChoice] = {}
-_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-@functools.cache
-def _choices_file(threads: int) -> Path:
-    """Where this machine's measurements are kept, so every worker process on it makes the
-    same choices (the kernels round differently: two workers must agree for a request that
-    moves between them to continue identically). Keyed by CPU, torch version and threads."""
-    try:  # the first processor's description: model name and flags
-        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        cpu = ""
-    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}".encode()).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evenflow"
-    return cache / f"kernel-choices-{key[:16]}.json"
-
-
-@functools.cache
-def _stored_choices(threads: int) -> dict[str, int]:
-    """The file's choices, read once per process (and added to as shapes are measured)."""
-    try:
-        return {k: int(v) for k, v in json.loads(_choices_file(threads).read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def _save_choice(threads: int, key: str, value: int) -> None:
-    known = _stored_choices(threads)
-    known[key] = value
-    try:
-        path = _choices_file(threads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, path)  # atomic: another process reads a whole file or the old one
-    except OSError:  # a read-only home: measured again next time
-        pass
-
-
-def _time(fn, reps: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-Kernel = Callable[[Tensor], Tensor]
-
-
-def _choose(key: tuple, candidates: Callable[[], tuple[Kernel, Kernel]], k: int,
-            dtype: torch.dtype, rows: tuple[int, ...]) -> KernelChoice:
-    """The choice for `key`: remembered, stored on disk, or measured with `candidates()`
-    (packed kernel, alternative), built only when a measurement is needed."""
-    if key not in _CHOICES:
-        name, threads = "|".join(map(str, key)), torch.get_num_threads()
-        limit = _stored_choices(threads).get(name)
-        if limit is None:
-            packed_fn, dense_fn = candidates()
-            limit = 0
-            for m in rows:
-                x = torch.randn(m, k).to(dtype)
-                if _time(lambda x=x: packed_fn(x)) > _time(lambda x=x: dense_fn(x)):
-                    break
-                limit = m
-            _save_choice(threads, name, limit)
-        _CHOICES[key] = KernelChoice(limit)
-    return _CHOICES[key]
-
-
 # ---- stored forms ----------------------------------------------------------------------------
 
 class QuantStack:
@@ -207,21 +135,37 @@ class Int8Stack(QuantStack):
     def __init__(self, q: Tensor, scale: Tensor, choice: KernelChoice) -> None:
         self.q, self.scale, self.choice = q, scale, choice  # (E, N, K) int8, (E, N) dtype
         self.num, self.out_features, self.in_features = q.shape
+        self.ops = native_ops(scale.dtype, self.in_features) if choice.uses_native else None
+        # our kernel reads float32 scales (a copy: 4 bytes per output channel)
+        self.scale_f32 = scale.float().contiguous() if self.ops is not None else None
 
     @classmethod
     def build(cls, values: list[QuantValues], dtype: torch.dtype) -> Int8Stack:
         q = torch.stack([v.q for v in values]).contiguous()
         scale = torch.stack([v.scale[:, 0] for v in values]).to(dtype).contiguous()
         n, k = q.shape[1:]
-        stack = cls(q, scale, KernelChoice(0))
-        stack.choice = _choose(("int8", n, k, dtype), lambda: (
-            lambda x: torch._weight_int8pack_mm(x, q[0], scale[0]),
-            lambda x: F.linear(x, q[0].to(dtype)) * scale[0]), k, dtype, _PROBE_ROWS)
-        return stack
+        ops = native_ops(dtype, k)
+
+        def candidates() -> dict[int, Kernel]:
+            kernels: dict[int, Kernel] = {
+                PACKED: lambda x: torch._weight_int8pack_mm(x, q[0], scale[0]),
+                DENSE: lambda x: F.linear(x, q[0].to(dtype)) * scale[0]}
+            if ops is not None:
+                scale32 = scale[0].float().contiguous()
+                kernels[NATIVE] = lambda x: ops.int8_mm(x, q[0], scale32)
+            return kernels
+
+        choice = choose(("int8", n, k, dtype, ops is not None), candidates, k, dtype,
+                         PROBE_ROWS)
+        return cls(q, scale, choice)
 
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
-        if x.shape[0] <= self.choice.packed_max_rows:
+        kernel = self.choice.kernel(x.shape[0])
+        if kernel == PACKED:
             return torch._weight_int8pack_mm(x, self.q[e], self.scale[e])
+        if kernel == NATIVE and self.ops is not None:
+            assert self.scale_f32 is not None
+            return self.ops.int8_mm(x.contiguous(), self.q[e], self.scale_f32[e])
         # int8 values are exact in bf16: the per-channel scale goes on the output (one pass
         # over the weight fewer)
         return F.linear(x, self.q[e].to(x.dtype)) * self.scale[e]
@@ -231,23 +175,34 @@ class Int8Stack(QuantStack):
                          self.choice)
 
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return self.q.nbytes + self.scale.nbytes + (
+            self.scale_f32.nbytes if self.scale_f32 is not None else 0)
 
 
 class Int4Stack(QuantStack):
     """Either torch's packed layout (`packed`, with `scale_zeros` (E, G, N, 2): the kernel's
     w = (q - 8) * scale + zero form) or plain nibbles (`nibbles` (E, N, K/2), even k in the
-    low half, with `scale` and `offset` (E, N, G): w = q * scale + offset)."""
+    low half, with `scale` and `offset` (E, N, G): w = q * scale + offset; float32 copies of
+    both when our kernel reads them)."""
 
     bits = 4
 
     def __init__(self, group_size: int, num: int, n: int, k: int, *,
                  packed: Tensor | None = None, scale_zeros: Tensor | None = None,
                  nibbles: Tensor | None = None, scale: Tensor | None = None,
-                 offset: Tensor | None = None) -> None:
+                 offset: Tensor | None = None, choice: KernelChoice | None = None) -> None:
         self.group_size, self.num, self.out_features, self.in_features = group_size, num, n, k
         self.packed, self.scale_zeros = packed, scale_zeros
         self.nibbles, self.scale, self.offset = nibbles, scale, offset
+        self.choice = choice or KernelChoice((PACKED,) if packed is not None else (DENSE,))
+        self.ops = None
+        self.scale_f32 = self.offset_f32 = None
+        if nibbles is not None and self.choice.uses_native:
+            assert scale is not None and offset is not None
+            self.ops = native_ops(scale.dtype, k) if 512 % group_size == 0 else None
+            if self.ops is not None:
+                self.scale_f32 = scale.float().contiguous()
+                self.offset_f32 = offset.float().contiguous()
 
     @classmethod
     def build(cls, values: list[QuantValues], dtype: torch.dtype) -> Int4Stack:
@@ -257,12 +212,25 @@ class Int4Stack(QuantStack):
         zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
                             for v in values])
         offset = -zero * scale  # w = q * scale + offset
-        choice = _choose(("int4", n, k, g, dtype), lambda: (
-            cls._packed(values[:1], scale[:1], offset[:1], dtype).linear,
-            cls._plain(values[:1], scale[:1], offset[:1], dtype).linear), k, dtype, (1,))
-        if choice.packed_max_rows:
+        ops = native_ops(dtype, k) if 512 % g == 0 else None
+
+        def plain_kernels() -> dict[int, Kernel]:
+            one = cls._plain(values[:1], scale[:1], offset[:1], dtype)
+            kernels: dict[int, Kernel] = {DENSE: one._dense}
+            if ops is not None:
+                one = cls._plain(values[:1], scale[:1], offset[:1], dtype,
+                                 KernelChoice((NATIVE,)))
+                kernels[NATIVE] = one._native
+            return kernels
+
+        form = choose(("int4", n, k, g, dtype, ops is not None), lambda: {
+            PACKED: cls._packed(values[:1], scale[:1], offset[:1], dtype).linear,
+            **plain_kernels()}, k, dtype, (1,))
+        if form.plan == (PACKED,):
             return cls._packed(values, scale, offset, dtype)
-        return cls._plain(values, scale, offset, dtype)
+        plan = choose(("int4 nibbles", n, k, g, dtype, ops is not None), plain_kernels, k,
+                       dtype, PROBE_ROWS)
+        return cls._plain(values, scale, offset, dtype, plan)
 
     @classmethod
     def _packed(cls, values: list[QuantValues], scale: Tensor, offset: Tensor,
@@ -278,12 +246,13 @@ class Int4Stack(QuantStack):
 
     @classmethod
     def _plain(cls, values: list[QuantValues], scale: Tensor, offset: Tensor,
-               dtype: torch.dtype) -> Int4Stack:
+               dtype: torch.dtype, choice: KernelChoice | None = None) -> Int4Stack:
         n, k = values[0].q.shape
         q = torch.stack([v.q for v in values])  # (E, N, K) uint8
         nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
         return cls(values[0].group_size, len(values), n, k, nibbles=nibbles,
-                   scale=scale.to(dtype).contiguous(), offset=offset.to(dtype).contiguous())
+                   scale=scale.to(dtype).contiguous(), offset=offset.to(dtype).contiguous(),
+                   choice=choice)
 
     def dequantize(self, e: int, dtype: torch.dtype) -> Tensor:
         assert self.nibbles is not None and self.scale is not None and self.offset is not None
@@ -292,12 +261,23 @@ class Int4Stack(QuantStack):
         w = q.to(dtype) * self.scale[e].unsqueeze(-1) + self.offset[e].unsqueeze(-1)
         return w.view(self.out_features, self.in_features)
 
+    def _dense(self, x: Tensor, e: int = 0) -> Tensor:
+        return F.linear(x, self.dequantize(e, x.dtype))
+
+    def _native(self, x: Tensor, e: int = 0) -> Tensor:
+        assert self.ops is not None and self.nibbles is not None
+        assert self.scale_f32 is not None and self.offset_f32 is not None
+        return self.ops.int4_mm(x.contiguous(), self.nibbles[e], self.scale_f32[e],
+                                self.offset_f32[e], self.group_size)
+
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         if self.packed is not None:
             assert self.scale_zeros is not None
             return torch._weight_int4pack_mm_for_cpu(x, self.packed[e], self.group_size,
                                                      self.scale_zeros[e])
-        return F.linear(x, self.dequantize(e, x.dtype))
+        if self.ops is not None and self.choice.kernel(x.shape[0]) == NATIVE:
+            return self._native(x, e)
+        return self._dense(x, e)
 
     def select(self, index: Tensor) -> Int4Stack:
         def pick(t: Tensor | None) -> Tensor | None:
@@ -306,11 +286,12 @@ class Int4Stack(QuantStack):
         return Int4Stack(self.group_size, len(index), self.out_features, self.in_features,
                          packed=pick(self.packed), scale_zeros=pick(self.scale_zeros),
                          nibbles=pick(self.nibbles), scale=pick(self.scale),
-                         offset=pick(self.offset))
+                         offset=pick(self.offset), choice=self.choice)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.packed, self.scale_zeros, self.nibbles, self.scale,
-                                      self.offset) if t is not None)
+                                      self.offset, self.scale_f32, self.offset_f32)
+                   if t is not None)
 
 
 def build_stack(values: list[QuantValues], dtype: torch.dtype) -> QuantStack:

@@ -1,18 +1,20 @@
 """Quantized weights compute what their dequantized values say, in every stored form and
-kernel (torch's packed int8/int4 kernels and our dequantize-then-matmul), in fp32 and bf16;
-the GPTQ layout packs and unpacks as the format says."""
+kernel (torch's packed int8/int4 kernels, our own C++ kernel and dequantize-then-matmul), in
+fp32 and bf16; the GPTQ layout packs and unpacks as the format says."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from evenflow.engine import gptq
+from evenflow.engine import gptq, native
+from evenflow.engine.kernel_plan import DENSE, NATIVE, PACKED, KernelChoice
 from evenflow.engine.quant import (
     Int4Stack,
     Int8Stack,
-    KernelChoice,
     QuantConfig,
     QuantValues,
     quantize,
@@ -32,12 +34,21 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
     assert (actual.float() - expected).abs().max().item() <= tol * scale
 
 
+def test_native_kernels_build_where_a_compiler_is():
+    # a build that breaks must fail here, not fall back to torch's kernels unnoticed
+    if shutil.which("c++") is None or not native.enabled():
+        pytest.skip("no C++ compiler (or EVENFLOW_NATIVE_KERNELS=0): torch's kernels serve")
+    assert native.ops() is not None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("packed_rows", [0, 64])
-def test_int8_both_kernels_match_the_dequantized_weight(dtype, packed_rows):
+@pytest.mark.parametrize("kernel", [PACKED, DENSE, NATIVE])
+def test_int8_every_kernel_matches_the_dequantized_weight(dtype, kernel):
+    if kernel == NATIVE and native.ops() is None:
+        pytest.skip("native kernels unavailable")
     values = [quantize(w, QuantConfig("int8")) for w in weights()]
     stack = Int8Stack.build(values, dtype)
-    stack = Int8Stack(stack.q, stack.scale, KernelChoice(packed_rows))
+    stack = Int8Stack(stack.q, stack.scale, KernelChoice((kernel,)))
     for m in (1, 5, 33):
         x = torch.randn(m, 128)
         for e, v in enumerate(values):
@@ -46,17 +57,23 @@ def test_int8_both_kernels_match_the_dequantized_weight(dtype, packed_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("form", ["packed", "plain"])
+@pytest.mark.parametrize("form", ["packed", "plain", "native"])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_both_forms_match_the_dequantized_weight(dtype, form, symmetric, group):
+def test_int4_every_form_matches_the_dequantized_weight(dtype, form, symmetric, group):
+    if form == "native" and native.ops() is None:
+        pytest.skip("native kernels unavailable")
     values = [quantize(w, QuantConfig("int4", group, symmetric)) for w in weights()]
     scale = torch.stack([v.scale for v in values])
     zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
                         for v in values])
-    build = Int4Stack._packed if form == "packed" else Int4Stack._plain
-    stack = build(values, scale, -zero * scale, dtype)
-    for m in (1, 7):
+    if form == "packed":
+        stack = Int4Stack._packed(values, scale, -zero * scale, dtype)
+    else:
+        plan = KernelChoice((NATIVE if form == "native" else DENSE,))
+        stack = Int4Stack._plain(values, scale, -zero * scale, dtype, plan)
+        assert (stack.ops is not None) == (form == "native")
+    for m in (1, 7, 33):
         x = torch.randn(m, 128)
         for e, v in enumerate(values):
             close(stack.linear(x.to(dtype), e), F.linear(x.to(dtype).float(), v.dequantize()),

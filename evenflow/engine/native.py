@@ -1,0 +1,90 @@
+"""The engine's own C++ kernels (engine/kernels/*.cpp): built at first use on the machine that
+runs them (-march=native: AVX-512 where the CPU has it, AVX2 elsewhere) and registered as torch
+ops under `torch.ops.evenflow_kernels`.
+
+A build takes ~30 s once per machine, source and torch version; the result is kept in
+~/.cache/evenflow/kernels/<key> (torch's build lock makes processes starting together wait for
+one build). Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0, `ops()` is None and
+callers keep torch's kernels: the native ones are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",)
+
+
+def enabled() -> bool:
+    return os.environ.get("EVENFLOW_NATIVE_KERNELS", "1").lower() not in ("0", "false", "off")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Per source text, torch version and CPU flags: a copy built for another machine (a
+    shared home, a container image) is never loaded on one lacking its instructions."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(f"{torch.__version__}|{_cpu_flags()}".encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel's copy is there only in an activated venv."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+@functools.cache
+def ops() -> Any | None:
+    """torch.ops.evenflow_kernels, built or loaded; None when disabled or unbuildable."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        where = build_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        cpp_extension.load(
+            name="evenflow_kernels", sources=[str(s) for s in SOURCES],
+            build_directory=str(where), is_python_module=False, verbose=False,
+            # -fopenmp: at::parallel_for is OpenMP in torch's build; the extension then shares
+            # torch's libgomp (same soname, already loaded) and its threads
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"])
+        took = time.perf_counter() - started
+        if took > 2.0:
+            log.info("native kernels built in %.0f s (%s)", took, where)
+        return torch.ops.evenflow_kernels
+    except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels serve
+        log.warning("native kernels unavailable, using torch's: %s",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None
