@@ -3,7 +3,9 @@ the machine's native dtype, all measured in one run.
 
 Speed and memory, on the random Mixtral-style 110M checkpoint (each variant in its own
 subprocess, same threads): decode ms/step at batch 1, 8 and 32 (128-token prompts), prefill of
-512 tokens, and the peak RSS the model load adds to the process.
+512 tokens, and the peak RSS the model load adds to the process. int8 and int4 run twice: with
+the kernels the engine picks (ours among them: engine/native.py) and on torch's kernels alone
+(EVENFLOW_NATIVE_KERNELS=0, the `-torch` columns).
 
 Quality, two tables:
 - the 110M model, 200 random prompts: greedy agreement with the unquantized model (share of
@@ -34,7 +36,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
     "int4-g64": {"quantization": "int4", "quant_group_size": 64},
     # the noise floor of the quality table: the same unquantized model computed in float32
-    "float32": {"dtype": "float32"}}
+    "float32": {"dtype": "float32"},
+    # the same quantized models on torch's kernels alone (without ours: engine/native.py)
+    "int8-torch": {"quantization": "int8"},
+    "int4-torch": {"quantization": "int4", "quant_group_size": 64}}
+VARIANT_ENV = {"int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
+               "int4-torch": {"EVENFLOW_NATIVE_KERNELS": "0"}}
+TASK_VARIANTS = ("native", "int8", "int4-g64", "float32")
 FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512,
                             quality_prompts=200, quality_tokens=64, task_prompts=300)
 QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64,
@@ -157,7 +165,8 @@ def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits:
            ) -> dict | None:
     return run_worker("evenflow.bench.quant_bench",
                       [kind, variant, str(threads), ckpt, json.dumps(plan)], threads,
-                      f"{kind} {variant}", {"EVENFLOW_BENCH_LOGITS": logits})
+                      f"{kind} {variant}",
+                      {"EVENFLOW_BENCH_LOGITS": logits, **VARIANT_ENV.get(variant, {})})
 
 
 def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             if result is None:
                 return 1
             results[variant], logits[variant] = result, torch.load(path)
-        tasks = {v: _spawn("tasks", v, ckpt, args.threads, plan, "") for v in VARIANTS}
+        tasks = {v: _spawn("tasks", v, ckpt, args.threads, plan, "") for v in TASK_VARIANTS}
     base = results["native"]
     print(f"\nspeed and memory ({dtype} activations; ratio = unquantized / quantized time)")
     header = f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS)
@@ -230,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         cos = torch.nn.functional.cosine_similarity(logits["native"], logits[v], dim=-1).mean()
         print(f"{v:12}{same:13.1f}{first:12.1f}{share:10.1f}{cos.item():10.5f}")
     print(f"\ntiny-moe tasks: exact-match accuracy %, {plan['task_prompts']} prompts each")
-    print(f"{'task':12}" + "".join(f"{v:>12}" for v in VARIANTS))
+    print(f"{'task':12}" + "".join(f"{v:>12}" for v in TASK_VARIANTS))
     for task in ("count", "count down", "reverse"):
-        cells = [tasks[v] for v in VARIANTS]
+        cells = [tasks[v] for v in TASK_VARIANTS]
         print(f"{task:12}" + "".join(f"{c[task]:12.1f}" if c else f"{'failed':>12}"
                                      for c in cells))
     return 0
