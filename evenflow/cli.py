@@ -81,6 +81,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         config = load_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
+            "num_gateways": args.gateways,
             "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
             "host": args.host, "api_key_file": args.api_key_file, "engine": args.engine,
             "dtype": args.dtype, "threads_per_worker": args.threads,
@@ -115,7 +116,8 @@ def _up(args: argparse.Namespace) -> int:
         c = mesh.config
         from evenflow.services.config import redact
 
-        where = "on Ray Serve" if args.ray else f"(gateway, {c.num_prefill} prefill, " \
+        gateways = "gateway" if c.num_gateways == 1 else f"{c.num_gateways} gateways"
+        where = "on Ray Serve" if args.ray else f"({gateways}, {c.num_prefill} prefill, " \
             f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
         print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
         if isinstance(mesh, LocalMesh):
@@ -233,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="built-in model name, checkpoint dir or Hugging Face id (org/name)")
     up.add_argument("--served-model-name", default=None,
                     help="the model name clients send (default: from --model)")
+    up.add_argument("--gateways", type=int, default=None,
+                    help="gateway processes sharing the HTTP port (SO_REUSEPORT; default 1)")
     up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")

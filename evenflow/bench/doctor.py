@@ -125,7 +125,7 @@ def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None) -> st
 def _loop_lag_p99(url: str) -> float | None:
     from evenflow.bench.frontend_bench import lag_buckets, quantile
 
-    buckets = lag_buckets(url, {})
+    buckets = lag_buckets([url + "/metrics"], {})
     if not buckets:
         return None
     return quantile([(le, 0.0) for le, _ in buckets], buckets, 0.99)

@@ -1,5 +1,5 @@
 """`evenflow bench frontend`: the gateway alone - how many streams it carries before it becomes
-the straggler.
+the straggler, and what several gateway processes on one port (`--gateways 1,2`) change.
 
 A local mesh whose workers run the mock engine with its timing model off (zero compute: every
 step returns at once), so what is measured is the gateway (HTTP parse, tokenize, route, NATS,
@@ -23,10 +23,15 @@ from evenflow.bench.loadgen import make_prompts, percentile, run_load
 _BUCKET = re.compile(r'^evenflow_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 
 
-def lag_buckets(url: str, headers: dict[str, str]) -> list[tuple[float, float]]:
-    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
-    return [(float("inf") if le == "+Inf" else float(le), float(n))
-            for le, n in _BUCKET.findall(text)]
+def lag_buckets(metrics_urls: list[str], headers: dict[str, str]) -> list[tuple[float, float]]:
+    """The loop-lag histogram's cumulative buckets, summed over these processes' metrics."""
+    total: dict[float, float] = {}
+    for url in metrics_urls:
+        text = httpx.get(url, headers=headers, timeout=30).text
+        for le, n in _BUCKET.findall(text):
+            bound = float("inf") if le == "+Inf" else float(le)
+            total[bound] = total.get(bound, 0.0) + float(n)
+    return sorted(total.items())
 
 
 def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]],
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode", type=int, default=2, help="decode workers (mock)")
+    ap.add_argument("--gateways", default="1",
+                    help="gateway process counts to compare, e.g. 1,2 (each its own mesh)")
     ap.add_argument("--quick", action="store_true", help="concurrency 8 and 32, 16 tokens")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     levels = [8, 32] if args.quick else [int(c) for c in args.concurrency.split(",")]
@@ -57,36 +64,40 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.services.launcher import LocalMesh
 
     print(machine_line("n/a (mock engine, no compute)"))
-    config = MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=0,
-                        num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
-                        max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
-                        stats_log_interval_s=0)
-    mesh = LocalMesh(config)
-    mesh.start(health_timeout_s=120)
     rows = []
-    try:
-        vocab = 500
-        for level in levels:
-            n = 2 * level
-            before = lag_buckets(mesh.url, {})
-            load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
-                                        make_prompts(n, args.prompt_len, vocab, seed=level),
-                                        output_len, level))
-            after = lag_buckets(mesh.url, {})
-            ttft = [t.ttft * 1e3 for t in load.timings]
-            rows.append((level, len(load.timings), load.errors,
-                         len(load.timings) / load.wall, load.throughput,
-                         percentile(ttft, 50), percentile(ttft, 99),
-                         quantile(before, after, 0.5) * 1e3, quantile(before, after, 0.99) * 1e3))
-    finally:
-        mesh.stop()
-    print(f"gateway + {args.decode} mock decode workers (no compute), prompt {args.prompt_len} "
-          f"tokens, {output_len} out, streamed")
-    print(f"  {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'tok/s':>9} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'loop lag p50':>13} {'p99 (ms)':>9}")
-    for level, ok, failed, rps, tps, t50, t99, l50, l99 in rows:
-        print(f"  {level:7d} {ok:5d} {failed:6d} {rps:8.1f} {tps:9.0f} {t50:9.1f} {t99:9.1f} "
-              f"{l50:13.1f} {l99:9.1f}")
+    for gateways in (int(g) for g in args.gateways.split(",")):
+        config = MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=0,
+                            num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
+                            max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
+                            stats_log_interval_s=0, num_gateways=gateways)
+        mesh = LocalMesh(config)
+        mesh.start(health_timeout_s=120)
+        try:
+            urls = [u for name, u in mesh.metrics_urls().items() if name.startswith("gateway")]
+            for level in levels:
+                n = 2 * level
+                before = lag_buckets(urls, {})
+                load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
+                                            make_prompts(n, args.prompt_len, 500, seed=level),
+                                            output_len, level))
+                after = lag_buckets(urls, {})
+                ttft = [t.ttft * 1e3 for t in load.timings]
+                rows.append((gateways, level, len(load.timings), load.errors,
+                             len(load.timings) / load.wall, load.throughput,
+                             percentile(ttft, 50), percentile(ttft, 99),
+                             quantile(before, after, 0.5) * 1e3,
+                             quantile(before, after, 0.99) * 1e3))
+        finally:
+            mesh.stop()
+    print(f"gateway(s) + {args.decode} mock decode workers (no compute), prompt "
+          f"{args.prompt_len} tokens, {output_len} out, streamed; ratio: req/s against the "
+          "first gateway count at the same concurrency")
+    print(f"  {'gateways':>8} {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'ratio':>6} "
+          f"{'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'loop lag p50':>13} {'p99 (ms)':>9}")
+    base = {row[1]: row[4] for row in rows if row[0] == rows[0][0]}
+    for gateways, level, ok, failed, rps, tps, t50, t99, l50, l99 in rows:
+        print(f"  {gateways:8d} {level:7d} {ok:5d} {failed:6d} {rps:8.1f} "
+              f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {l50:13.1f} {l99:9.1f}")
     print("  (loop lag: bucket upper bounds; TTFT in ms)")
     return 0
 

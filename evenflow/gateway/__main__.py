@@ -1,5 +1,8 @@
 """`python -m evenflow.gateway`: the gateway process (config from EVENFLOW_*).
 
+With num_gateways > 1 (`evenflow up --gateways N`), N such processes share the HTTP port
+(SO_REUSEPORT); each also serves its own metrics on EVENFLOW_METRICS_PORT.
+
 SIGTERM drains: new requests get 503, running ones get EVENFLOW_DRAIN_TIMEOUT_S to finish (a
 stream still running then ends with an error event and `data: [DONE]`), then the process exits.
 A second SIGTERM or SIGINT exits at once."""
@@ -9,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import start_http_server
 
 from evenflow.gateway.app import create_app
 from evenflow.gateway.jobs import Gateway
@@ -50,6 +55,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other gateway processes bind too (SO_REUSEPORT):
+    the kernel spreads new connections over them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def main(config: MeshConfig) -> None:
     config.configure_logging(f"gateway/{os.getpid()}")
     app = create_app(config)
@@ -57,7 +73,12 @@ def main(config: MeshConfig) -> None:
         app, host=config.host, port=config.port, loop="uvloop",
         log_level="warning" if config.log_level == "info" else config.log_level,
         timeout_graceful_shutdown=5), app)
-    server.run()
+    if config.num_gateways > 1:
+        if config.metrics_port:  # /metrics on the shared port answers for one process only
+            start_http_server(config.metrics_port, addr=config.metrics_host)
+        server.run(sockets=[shared_socket(config.host, config.port)])
+    else:
+        server.run()
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
     "eplb_window_reports": (1, None, True), "balancer_metrics_port": (0, 65535, True),
     "num_prefill": (0, None, True), "num_decode": (1, None, True),
+    "num_gateways": (1, 64, True),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
@@ -157,6 +158,9 @@ class MeshConfig:
     metrics_host: str = "127.0.0.1"
     eplb_per_role: bool = True  # a placement per role (prefill, decode); False: one for all
     # Fleet (for `evenflow up`)
+    # Gateway processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections
+    # over them); each has its own NATS inbox and, with more than one, its own metrics port.
+    num_gateways: int = 1
     num_prefill: int = 1
     num_decode: int = 1
     # DEP (engine/lockstep.py): every worker is a group of this many rank processes, each a

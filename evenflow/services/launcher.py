@@ -206,7 +206,8 @@ class LocalMesh:
             self.spawn(["-m", "evenflow.kv_index", "kv0"])
             if cfg.num_ep_ranks and cfg.engine == "torch":
                 self.spawn(["-m", "evenflow.balancer", "eplb0"])
-            self.spawn(["-m", "evenflow.gateway"])
+            for i in range(cfg.num_gateways):
+                self.spawn(["-m", "evenflow.gateway", f"g{i}"])
             self.wait_healthy(health_timeout_s)
         except BaseException:
             self.stop()
@@ -254,14 +255,17 @@ class LocalMesh:
 
     def _env_for(self, args: list[str] | Any) -> dict[str, str]:
         role = str(args[args.index("-m") + 1]).removeprefix("evenflow.") if "-m" in args else ""
-        worker_id = "gateway" if role == "gateway" else str(args[-1])
+        worker_id = str(args[-1])
+        if role == "gateway":  # "g0", "g1", ...: one NATS user for all of them
+            worker_id = "gateway" if self.config.num_gateways == 1 else f"gateway-{worker_id}"
         env = dict(self.child_env)
         if (m := _EP_WORKER.match(worker_id)) and self.config.expert_parallel_size > 1:
             env |= {"EVENFLOW_EP_RANK": m[2], "EVENFLOW_EP_GROUP": f"{os.getpid()}-{m[1]}"}
-        creds = self.credentials.get((role, worker_id))
+        creds = self.credentials.get((role, "gateway" if role == "gateway" else worker_id))
         if creds is not None:
             env["EVENFLOW_NATS_CREDENTIALS_FILE"] = creds
-        if role != "gateway" and worker_id:  # the gateway serves /metrics on its HTTP port
+        # a lone gateway serves /metrics on its HTTP port; several have a port each
+        if (role != "gateway" or self.config.num_gateways > 1) and worker_id:
             if worker_id not in self.metrics_ports:  # a restarted worker keeps its port
                 self.metrics_ports[worker_id] = free_port()
             env["EVENFLOW_METRICS_PORT"] = str(self.metrics_ports[worker_id])
@@ -270,7 +274,8 @@ class LocalMesh:
     def metrics_urls(self) -> dict[str, str]:
         """Where each process serves Prometheus metrics."""
         host = self.config.metrics_host
-        return {"gateway": f"{self.url}/metrics", **{
+        lone = {"gateway": f"{self.url}/metrics"} if self.config.num_gateways == 1 else {}
+        return {**lone, **{
             w: f"http://{host}:{port}/metrics" for w, port in self.metrics_ports.items()}}
 
     def wait_healthy(self, timeout_s: float) -> None:
