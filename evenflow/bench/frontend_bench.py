@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         config = MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=0,
                             num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
                             max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
-                            stats_log_interval_s=0, num_gateways=gateways)
+                            stats_log_interval_s=0, num_gateways=gateways,
+                            log_level="warning")
         mesh = LocalMesh(config)
         mesh.start(health_timeout_s=120)
         try:
