@@ -7,7 +7,8 @@ the same batch, and prints for each phase:
 - the top operators by self CPU time;
 - the share of time in copies and layout changes (index_select, cat, copy_, contiguous, ...),
   the fusion candidates.
-`--trace FILE` also writes a Chrome / Perfetto trace of the decode steps.
+`--trace FILE` also writes a Chrome / Perfetto trace of the decode steps. (The table and the
+ranges: engine/profiling.py, which a mesh worker uses too: POST /admin/profile.)
 """
 
 from __future__ import annotations
@@ -16,80 +17,6 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-
-COPY_OPS = ("aten::copy_", "aten::index_select", "aten::cat", "aten::contiguous", "aten::clone",
-            "aten::_to_copy", "aten::index", "aten::index_copy_", "aten::index_put_",
-            "aten::stack", "aten::gather", "aten::scatter_add_", "aten::index_add_")
-COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
-
-
-def _label(module) -> str | None:
-    from evenflow.engine.ffn import MLP, MoE
-    from evenflow.engine.model import Attention, RMSNorm
-
-    if isinstance(module, Attention):
-        return "attention"
-    if isinstance(module, MoE):
-        return "moe"
-    if isinstance(module, MLP):
-        return "mlp"
-    if isinstance(module, RMSNorm):
-        return "norm"
-    return None
-
-
-def instrument(model) -> list:
-    """Forward hooks that open a record_function range per component (removed after)."""
-    handles = []
-    for module in model.modules():
-        label = _label(module)
-        if label is not None:
-            handles += _range_hooks(module, label)
-    embed = getattr(model.model, "embed_tokens", None)
-    if embed is not None:
-        handles += _range_hooks(embed, "embed+lm_head")
-    handles += _range_hooks(model.lm_head, "embed+lm_head")
-    return handles
-
-
-def _range_hooks(module, label: str) -> list:
-    from torch.profiler import record_function
-
-    ranges: list = []
-
-    def enter(_m, _args):
-        ranges.append(record_function(label))
-        ranges[-1].__enter__()
-
-    def leave(_m, _args, _out):
-        ranges.pop().__exit__(None, None, None)
-
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-
-
-def report(prof, phase: str, steps: int, top: int) -> list[str]:
-    averages = prof.key_averages()
-    total_us = sum(e.self_cpu_time_total for e in averages)
-    by_name = {e.key: e for e in averages}
-    lines = [f"{phase}: {total_us / 1e3 / steps:.2f} ms of CPU time per step ({steps} step(s))"]
-    parts = []
-    for name in COMPONENTS:
-        event = by_name.get(name)
-        if event is not None and event.cpu_time_total:
-            parts.append(f"{name} {100 * event.cpu_time_total / total_us:.0f}%")
-    if parts:
-        lines.append("  by component (inclusive): " + ", ".join(parts))
-    ops = sorted((e for e in averages if e.key not in COMPONENTS),
-                 key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    lines.append(f"  {'operator':48} {'self ms/step':>12} {'share':>6} {'calls/step':>10}")
-    for e in ops:
-        lines.append(f"  {e.key[:48]:48} {e.self_cpu_time_total / 1e3 / steps:12.3f} "
-                     f"{100 * e.self_cpu_time_total / total_us:5.1f}% {e.count / steps:10.1f}")
-    copies = sum(by_name[n].self_cpu_time_total for n in COPY_OPS if n in by_name)
-    names = ", ".join(n.removeprefix("aten::") for n in COPY_OPS[:6])
-    lines.append(f"  copies and layout changes ({names}, ...): {100 * copies / total_us:.1f}% "
-                 "of the step")
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.engine import sampler
     from evenflow.engine.config import cpu_has_bf16
     from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.profiling import instrument, report
     from evenflow.engine.sampling_params import SamplingParams
 
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")

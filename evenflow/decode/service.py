@@ -29,6 +29,7 @@ from evenflow.proto.messages import (
     KVBlockChunk,
     KVTransferComplete,
     Message,
+    ProfileRequest,
     Role,
     SamplingSpec,
     TokenDelta,
@@ -125,6 +126,8 @@ class DecodeWorker(WorkerService):
             self.transfers.pop(message.request_id, None)
             if message.request_id in self.active:
                 self.engine_thread.submit(Abort(message.request_id))
+        elif isinstance(message, ProfileRequest):
+            self.start_profile(message)
 
     def drop_requests_of(self, reply_subjects: set[str]) -> int:
         orphans = [r for r, a in self.active.items() if a.reply_subject in reply_subjects]

@@ -20,6 +20,7 @@ from evenflow.engine.loader import load_model
 from evenflow.engine.model import CausalLM
 from evenflow.engine.placement_control import ExpertPlacementControl
 from evenflow.engine.prepack import prepack_model
+from evenflow.engine.profiling import ProfileControl, StepProfiler
 from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
 from evenflow.engine.sampling_params import SamplingParams
@@ -88,7 +89,7 @@ class StepOutput:
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
-class Engine(ExpertPlacementControl):
+class Engine(ExpertPlacementControl, ProfileControl):
     """The real engine; it implements services/engine_api.py's ServingEngine (what services may
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 
@@ -100,6 +101,7 @@ class Engine(ExpertPlacementControl):
             raise ValueError("expert_parallel_size > 1 runs through LLM (engine/ep_runner.py)")
         self.config = config
         self._tp: TPGroup | None = None
+        self._profiler: StepProfiler | None = None
         self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
                             else config.num_threads)
         if self.num_threads:

@@ -1,5 +1,6 @@
 """The gateway's HTTP app: POST /v1/completions and /v1/chat/completions (streamed as SSE or
-not), GET /v1/models, /health, /live, /version, /metrics, POST /tokenize and /detokenize.
+not), GET /v1/models, /health, /live, /version, /metrics, POST /tokenize and /detokenize, and
+POST /admin/profile (a worker's operator profile, when EVENFLOW_PROFILE_DIR is set).
 Handlers live at module level with typed request bodies (so /docs and /openapi.json show them);
 the per-process state is one `Gateway` (gateway/jobs.py), built at startup and kept in
 `app.state.gateway`. Tokenization, the chat template, incremental detokenization and stop
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from evenflow import __version__
+from evenflow.gateway.client import RequestFailed
 from evenflow.gateway.edge import EdgeMiddleware, read_api_keys
 from evenflow.gateway.jobs import Gateway
 from evenflow.gateway.protocol import (
@@ -28,6 +30,7 @@ from evenflow.gateway.protocol import (
     validation_error,
 )
 from evenflow.gateway.responses import AdmittedStream, _json, complete, stream
+from evenflow.proto import errors
 from evenflow.proto.messages import WORKER_ROLES
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import render, watch_loop_lag
@@ -87,6 +90,32 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         raise APIError(400, f"tokens must be in [0, {gateway.tokenizer.vocab_size})",
                        param="tokens")
     return _json({"prompt": gateway.tokenizer.decode(body.tokens)})
+
+
+@router.post("/admin/profile")
+async def admin_profile(request: Request, worker: str, steps: int = 10,
+                        timeout: float = 30.0) -> Response:
+    """torch.profiler over one worker's next `steps` engine steps (at most `timeout` s): the
+    operator table (top operators by self time, component shares, copies) and the Chrome /
+    Perfetto trace the worker wrote under its EVENFLOW_PROFILE_DIR. Off (404) unless
+    EVENFLOW_PROFILE_DIR is set, as vLLM's profiler; needs an API key when keys are set."""
+    gateway = _gateway(request)
+    if not gateway.config.profile_dir:
+        raise APIError(404, "Profiling is off: set EVENFLOW_PROFILE_DIR.", "not_found_error")
+    if not 1 <= steps <= 1000:
+        raise APIError(400, "steps must be in [1, 1000]", param="steps")
+    if not 0 < timeout <= 300:
+        raise APIError(400, "timeout must be in (0, 300] seconds", param="timeout")
+    try:
+        result = await gateway.client.profile(worker, steps, timeout)
+    except RequestFailed as exc:
+        if exc.code == errors.BAD_REQUEST:
+            raise APIError(404, exc.description, "not_found_error", param="worker") from None
+        raise APIError(504, exc.description, "timeout_error") from None
+    if result.error:
+        raise APIError(409, result.error, "conflict_error")
+    return _json({"worker": result.worker_id, "steps": result.steps,
+                  "trace_file": result.trace_file, "report": result.lines})
 
 
 @router.get("/v1/models")

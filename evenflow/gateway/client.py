@@ -35,6 +35,8 @@ from evenflow.proto.messages import (
     ErrorMessage,
     Message,
     PrefillRequest,
+    ProfileRequest,
+    ProfileResult,
     Role,
     SamplingSpec,
     TokenDelta,
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 
 ROOM_POLL_S = 0.05  # how often a request waiting for a decode worker with room looks again
+PROFILE_GRACE_S = 30.0  # a profile's answer may come this long after its window (trace export)
 LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the request was lost
 
 
@@ -97,6 +100,7 @@ class GatewayClient:
                                 config.kv_lookup_timeout_s, config.prediction_ttl_ms) if (
             config.redis_url and config.router == "kv") else None
         self.flights: dict[str, _Flight] = {}
+        self._profiles: dict[str, asyncio.Future[ProfileResult]] = {}  # POST /admin/profile
         self._heartbeats: asyncio.Task | None = None
         self._connecting: asyncio.Task | None = None  # retrying a NATS that was down at start
 
@@ -178,6 +182,34 @@ class GatewayClient:
             flight = self.flights.get(message.request_id)
             if flight is not None:
                 flight.queue.put_nowait(message)
+        elif isinstance(message, ProfileResult):
+            waiter = self._profiles.pop(message.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+
+    async def profile(self, worker_id: str, steps: int, timeout_s: float) -> ProfileResult:
+        """Ask a live worker to profile its next `steps` steps (for at most timeout_s); its
+        ProfileResult, or RequestFailed: unknown worker, or no answer in time."""
+        state = self.registry.workers.get(worker_id)
+        if state is None or not self.registry.is_live(worker_id) or \
+                state.heartbeat.role not in WORKER_ROLES:
+            raise RequestFailed(errors.BAD_REQUEST, f"no live prefill or decode worker "
+                                f"{worker_id!r}")
+        request_id = uuid.uuid4().hex
+        waiter: asyncio.Future[ProfileResult] = asyncio.get_running_loop().create_future()
+        self._profiles[request_id] = waiter
+        subject = (subjects.prefill_worker(worker_id) if state.heartbeat.role == Role.PREFILL
+                   else subjects.decode_worker(worker_id))
+        try:
+            await self.bus.publish(subject, ProfileRequest(
+                request_id=request_id, steps=steps, timeout_s=timeout_s,
+                reply_subject=self.inbox))
+            return await asyncio.wait_for(waiter, timeout_s + PROFILE_GRACE_S)
+        except TimeoutError:
+            raise RequestFailed(errors.TIMEOUT, f"worker {worker_id} sent no profile within "
+                                f"{timeout_s + PROFILE_GRACE_S:g} s") from None
+        finally:
+            self._profiles.pop(request_id, None)
 
     # -- routing ----------------------------------------------------------------------------
     async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:

@@ -26,6 +26,7 @@ from evenflow.proto.messages import (
     KVTransferComplete,
     Message,
     PrefillRequest,
+    ProfileRequest,
     Role,
     TokenDelta,
     TokenDeltas,
@@ -101,6 +102,8 @@ class PrefillWorker(WorkerService):
         elif isinstance(message, Cancel):
             if self.pending.pop(message.request_id, None) is not None:
                 self.engine_thread.submit(Abort(message.request_id))
+        elif isinstance(message, ProfileRequest):
+            self.start_profile(message)
 
     def drop_requests_of(self, reply_subjects: set[str]) -> int:
         orphans = [r for r, p in self.pending.items()

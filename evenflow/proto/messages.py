@@ -10,6 +10,7 @@ Who sends what (subjects in `subjects.py`):
   every service -> all        WorkerHeartbeat
   every worker -> kv_index    KVEvents, KVSnapshot;  kv_index -> worker  KVResyncRequest
   every worker -> balancer    ExpertLoad;  balancer -> every worker  ExpertPlacement
+  gateway -> worker           ProfileRequest;  worker -> gateway  ProfileResult
 
 KV events follow vLLM's schema (vllm/distributed/kv_events.py): BlockStored, BlockRemoved and
 AllBlocksCleared, each packed as `[tag, *fields]` in the same field order, inside a KVEvents
@@ -313,13 +314,42 @@ class WorkerHeartbeat:
     metrics_port: int = 0  # where this process serves Prometheus /metrics (0: nowhere)
 
 
+# -- operator profiles (POST /admin/profile at the gateway) ------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """Gateway -> one worker (on its request subject): run torch.profiler over its next
+    `steps` engine steps (at most timeout_s), then answer with a ProfileResult."""
+
+    TYPE: ClassVar[str] = "profile_request"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    steps: int
+    timeout_s: float
+    reply_subject: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileResult:
+    """Worker -> the gateway that asked: the operator table (text lines, as `evenflow profile`
+    prints them) and where the worker wrote the Chrome/Perfetto trace."""
+
+    TYPE: ClassVar[str] = "profile_result"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    worker_id: str
+    steps: int  # steps profiled (fewer than asked when the timeout came first)
+    lines: list[str] = field(default_factory=list)
+    trace_file: str = ""
+    error: str = ""
+
+
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
            | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
-           | ExpertLoad | ExpertPlacement)
+           | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult)
 
 CODEC = Codec((PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas,
                Cancel, ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot,
-               ExpertLoad, ExpertPlacement))
+               ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult))
 REGISTRY = CODEC.registry
 
 

@@ -156,6 +156,9 @@ class MeshConfig:
     # /metrics here when > 0 (`evenflow up` gives each one a free port and prints them)
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Operator profiles: with a directory set, the gateway serves POST /admin/profile and
+    # workers write their Chrome traces there (off by default, as vLLM's profiler dir)
+    profile_dir: str = ""
     eplb_per_role: bool = True  # a placement per role (prefill, decode); False: one for all
     # Fleet (for `evenflow up`)
     # Gateway processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections

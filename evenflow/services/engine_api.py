@@ -97,6 +97,12 @@ class ServingEngine(Protocol):
     def take_kv_events(self) -> list[KVCacheEvent]: ...
     def cached_block_hashes(self) -> list[int]: ...
 
+    # -- operator profiles (engine thread) -----------------------------------------------------
+    def start_profile(self) -> None:
+        """Profile the steps from now on (torch.profiler)."""
+    def stop_profile(self, steps: int, trace_file: str = "") -> list[str]:
+        """Stop; the operator table over those steps as text lines (trace written if asked)."""
+
     # -- expert placement (engine thread) ------------------------------------------------------
     @property
     def uses_placement(self) -> bool: ...

@@ -65,7 +65,18 @@ class SnapshotKV:
     pass
 
 
-EngineCommand = AddRequest | AddPrefilled | Abort | ApplyPlacement | TakeExpertLoad | SnapshotKV
+@dataclass(frozen=True)
+class Profile:
+    """Profile the next `steps` steps (or until timeout_s), then emit ProfileTaken."""
+
+    request_id: str
+    steps: int
+    timeout_s: float
+    trace_file: str
+
+
+EngineCommand = (AddRequest | AddPrefilled | Abort | ApplyPlacement | TakeExpertLoad
+                 | SnapshotKV | Profile)
 
 
 # -- events: engine thread -> event loop --------------------------------------------------------
@@ -119,8 +130,17 @@ class PlacementApplied:
     error: str | None = None  # why it was not applied
 
 
+@dataclass(frozen=True)
+class ProfileTaken:
+    request_id: str
+    steps: int
+    lines: list[str]
+    trace_file: str
+    error: str = ""
+
+
 EngineEvent = (Admitted | Rejected | StepDone | StepFailed | KVEventsTaken | KVSnapshotTaken
-               | ExpertLoadTaken | PlacementApplied)
+               | ExpertLoadTaken | PlacementApplied | ProfileTaken)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine reports itself unhealthy
 EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step again
@@ -144,6 +164,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.consecutive_failures = 0
         self.problem: str | None = None  # why this engine cannot serve (None: it can)
+        self._profile: Profile | None = None  # running: steps counted, ends at a deadline
+        self._profile_steps, self._profile_until = 0, 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -185,6 +207,31 @@ class EngineThread:
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.cached_block_hashes()))
+            case Profile(request_id, _, timeout_s, trace_file):
+                if self._profile is not None:
+                    self._emit(ProfileTaken(request_id, 0, [], trace_file,
+                                            "a profile is already running on this worker"))
+                    return
+                engine.start_profile()
+                self._profile, self._profile_steps = command, 0
+                self._profile_until = time.monotonic() + timeout_s
+
+    def _maybe_end_profile(self) -> None:
+        """After a step or an idle wait: the profile's steps are done or its time is up."""
+        profile = self._profile
+        if profile is None or (self._profile_steps < profile.steps
+                               and time.monotonic() < self._profile_until):
+            return
+        self._profile = None
+        try:
+            lines = self.engine.stop_profile(self._profile_steps, profile.trace_file)
+        except Exception as exc:  # a failed export must not stop the engine
+            log.exception("profile failed")
+            self._emit(ProfileTaken(profile.request_id, self._profile_steps, [], "",
+                                    _reason(exc)))
+            return
+        self._emit(ProfileTaken(profile.request_id, self._profile_steps, lines,
+                                profile.trace_file))
 
     def _admit(self, request_id: str, add: Callable[[], None]) -> None:
         """Admitted, or Rejected with the reason: any failure refuses this request only."""
@@ -223,6 +270,9 @@ class EngineThread:
                     log.exception("engine command %s failed", type(command).__name__)
             if self.engine.has_unfinished():
                 self._step()
+                if self._profile is not None:
+                    self._profile_steps += 1
+            self._maybe_end_profile()
             self._flush_kv_events()
             if self.engine.fatal_error is not None:
                 self._on_fatal(self.engine.fatal_error)

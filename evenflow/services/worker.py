@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 import uuid
@@ -26,6 +27,8 @@ from evenflow.proto.messages import (
     KVEvents,
     KVSnapshot,
     Message,
+    ProfileRequest,
+    ProfileResult,
     Role,
     WorkerHeartbeat,
 )
@@ -41,6 +44,8 @@ from evenflow.services.engine_thread import (
     KVEventsTaken,
     KVSnapshotTaken,
     PlacementApplied,
+    Profile,
+    ProfileTaken,
     Rejected,
     SnapshotKV,
     StepDone,
@@ -56,6 +61,9 @@ from evenflow.services.metrics import (
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
+
+MAX_PROFILE_STEPS = 1000  # what one POST /admin/profile may ask of a worker
+MAX_PROFILE_SECONDS = 300.0
 
 
 class WorkerService:
@@ -77,6 +85,7 @@ class WorkerService:
         self._stat_prompts_seen = 0
         self._stat_started: set[str] = set()  # requests whose first output was counted
         self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
+        self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
@@ -219,11 +228,33 @@ class WorkerService:
                     moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows)))
                 if steps:
                     self._record_rank_sample(int(steps), step_s, compute_s, wait_s, int(rows))
+            case ProfileTaken(request_id, steps, lines, trace_file, error):
+                reply = self._profiles.pop(request_id, None)
+                if reply is not None:
+                    self.send(reply, ProfileResult(
+                        request_id=request_id, worker_id=self.worker_id, steps=steps,
+                        lines=lines, trace_file=trace_file, error=error))
             case PlacementApplied(version, seconds, error):
                 if error is None:
                     log.info("placement %d applied in %.1f ms", version, seconds * 1e3)
                 else:
                     log.warning("placement %d not applied: %s", version, error)
+
+    # -- operator profiles (POST /admin/profile at the gateway) ----------------------------
+    def start_profile(self, request: ProfileRequest) -> None:
+        """Profile this worker's next steps; the result goes back to the asking gateway."""
+        if not self.config.profile_dir:
+            self.send(request.reply_subject, ProfileResult(
+                request_id=request.request_id, worker_id=self.worker_id, steps=0,
+                error="profiling is off on this worker (EVENFLOW_PROFILE_DIR is not set)"))
+            return
+        os.makedirs(self.config.profile_dir, exist_ok=True)
+        trace = os.path.join(self.config.profile_dir,
+                             f"{self.worker_id}-{int(time.time() * 1e3)}.trace.json")
+        self._profiles[request.request_id] = request.reply_subject
+        steps = max(1, min(request.steps, MAX_PROFILE_STEPS))
+        timeout = max(0.1, min(request.timeout_s, MAX_PROFILE_SECONDS))
+        self.engine_thread.submit(Profile(request.request_id, steps, timeout, trace))
 
     # -- orphans: requests of a gateway that died ---------------------------------------------
     def gateway_alive(self, reply_subject: str) -> None:
