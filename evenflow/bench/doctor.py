@@ -12,6 +12,13 @@ client's own timings, prints:
 - the gateway's event-loop lag p99;
 - a verdict naming the slowest layer and instance, with the evidence.
 `--json FILE` writes the same as JSON, `--png FILE` the waterfall as a chart.
+
+`--url URL` points it at a running mesh instead (its gateway): the workload goes there, and the
+traces come from the mesh's services if they export to the doctor's receiver — start the mesh
+with OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT and give the doctor `--otlp-port PORT`
+(default 4318, OTLP/HTTP's port); `--otlp-host 0.0.0.0` when the services run elsewhere. An API
+key, if the gateway needs one, comes from OPENAI_API_KEY. Without traces it still reports the
+client's TTFT and end-to-end times and the gateway's loop lag, and says the traces are missing.
 """
 
 from __future__ import annotations
@@ -19,13 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from evenflow.bench.loadgen import make_prompts, percentile, run_load
+from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_load
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 WORKLOADS = {  # prompt tokens, output tokens, requests, concurrency
@@ -122,10 +130,10 @@ def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None) -> st
     return "; ".join(parts) or "not enough traces to say"
 
 
-def _loop_lag_p99(url: str) -> float | None:
+def _loop_lag_p99(url: str, headers: dict[str, str] | None = None) -> float | None:
     from evenflow.bench.frontend_bench import lag_buckets, quantile
 
-    buckets = lag_buckets([url + "/metrics"], {})
+    buckets = lag_buckets([url + "/metrics"], headers or {})
     if not buckets:
         return None
     return quantile([(le, 0.0) for le, _ in buckets], buckets, 0.99)
@@ -178,18 +186,66 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: the benchmarks' random 110M Mixtral (4,096 positions)")
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--url", default=None, help="a running mesh's gateway (else: start one)")
+    ap.add_argument("--otlp-port", type=int, default=None,
+                    help="the trace receiver's port (default: 4318 with --url, else any)")
+    ap.add_argument("--otlp-host", default="127.0.0.1")
+    ap.add_argument("--flush-wait", type=float, default=6.0,
+                    help="--url: seconds to wait for the services' last spans (their batch "
+                    "exporters send every 5 s)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     prompt_len, output_len, requests, concurrency = WORKLOADS[args.workload]
 
+    if args.url:
+        receiver = OTLPReceiver(args.otlp_host, 4318 if args.otlp_port is None
+                                else args.otlp_port)
+        try:
+            load, lag = _run_against(args.url.rstrip("/"), receiver, prompt_len, output_len,
+                                     requests, concurrency, args.flush_wait)
+        finally:
+            receiver.stop()
+        where = f"the mesh at {args.url}"
+    else:
+        receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
+        load, lag = _run_local(args, receiver, prompt_len, output_len, requests, concurrency)
+        where = f"{args.prefill} prefill + {args.decode} decode workers"
+    result = analyse(receiver.spans, [t.ttft for t in load.timings],
+                     [t.e2e for t in load.timings], lag)
+    result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
+                          "output_tokens": output_len, "requests": requests,
+                          "concurrency": concurrency, "failed": load.errors,
+                          "mesh": args.url or "local",
+                          "prefill_workers": None if args.url else args.prefill,
+                          "decode_workers": None if args.url else args.decode}
+    print(f"evenflow doctor: {args.workload} workload, {requests} requests ({load.errors} "
+          f"failed), {prompt_len} -> {output_len} tokens, concurrency {concurrency}; "
+          f"{where}, {len(receiver.spans)} spans")
+    if not receiver.spans:
+        print(f"  no spans arrived: start the mesh's services with "
+              f"OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint} for the phases and workers")
+    if load.first_error:
+        print(f"  first failure: {load.first_error}")
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"written: {args.json}")
+    if args.png:
+        write_png(result, args.png)
+        print(f"written: {args.png}")
+    return 0
+
+
+def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int,
+               output_len: int, requests: int, concurrency: int) -> tuple[LoadResult, float | None]:
+    """A local mesh exporting its spans to `receiver`, the workload through it."""
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
     model = args.model or str(write_random_mixtral(
         Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
-    receiver = OTLPReceiver()
     mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=args.prefill,
                                 num_decode=args.decode, local_prefill_threshold=0,
                                 threads_per_worker=1, num_ep_ranks=0, kv_cache_gb=0.5,
@@ -204,32 +260,40 @@ def main(argv: list[str] | None = None) -> int:
         from evenflow.proto.tokenizer import Tokenizer
 
         vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
-        load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
-                                    make_prompts(requests, prompt_len, vocab, seed=3),
-                                    output_len, concurrency, progress=True))
-        lag = _loop_lag_p99(mesh.url)
+        prompts = make_prompts(requests, prompt_len, vocab, seed=3)
+        load = asyncio.run(run_load(mesh.url, mesh.config.model_name, prompts, output_len,
+                                    concurrency, progress=True))
+        return load, _loop_lag_p99(mesh.url)
     finally:
         mesh.stop()  # the services flush their spans as they exit
         receiver.stop()
-    result = analyse(receiver.spans, [t.ttft for t in load.timings],
-                     [t.e2e for t in load.timings], lag)
-    result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
-                          "output_tokens": output_len, "requests": requests,
-                          "concurrency": concurrency, "failed": load.errors,
-                          "prefill_workers": args.prefill, "decode_workers": args.decode}
-    print(f"evenflow doctor: {args.workload} workload, {requests} requests ({load.errors} "
-          f"failed), {prompt_len} -> {output_len} tokens, concurrency {concurrency}; "
-          f"{args.prefill} prefill + {args.decode} decode workers, {len(receiver.spans)} spans")
-    if load.first_error:
-        print(f"  first failure: {load.first_error}")
-    print_report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"written: {args.json}")
-    if args.png:
-        write_png(result, args.png)
-        print(f"written: {args.png}")
-    return 0
+
+
+def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: int,
+                 requests: int, concurrency: int, flush_wait: float
+                 ) -> tuple[LoadResult, float | None]:
+    """The workload against a running mesh's gateway; its services' spans, if they export to
+    `receiver`, arrive meanwhile and up to `flush_wait` s after."""
+    import os
+    import time
+
+    import httpx
+
+    key = os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    # token ids the gateway accepts: the tokenizer's own ids for a text of numbers and words
+    text = " ".join(str(n) for n in range(400)) + " count from down reverse hello please"
+    sample = httpx.post(url + "/tokenize", headers=headers, timeout=30,
+                        json={"model": model, "prompt": text}).json()["tokens"]
+    ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
+    rng = random.Random(3)
+    prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
+    load = asyncio.run(run_load(url, model, prompts, output_len, concurrency,
+                                api_key=key, progress=True))
+    lag = _loop_lag_p99(url, headers)
+    time.sleep(flush_wait)
+    return load, lag
 
 
 if __name__ == "__main__":

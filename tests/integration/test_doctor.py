@@ -1,5 +1,6 @@
 """`evenflow doctor` on a local mesh: a waterfall per phase from the services' real traces, each
-worker against its peers, and a verdict naming the slowest layer."""
+worker against its peers, and a verdict naming the slowest layer; and `--url` against a mesh
+already running, whose services export their spans to the doctor's receiver."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import pytest
 
 from evenflow.bench import doctor
+from evenflow.services.config import MeshConfig
+from evenflow.services.launcher import LocalMesh, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,3 +29,23 @@ def test_doctor_names_the_slowest_phase_and_compares_workers(tmp_path):
     assert {("prefill", "p0"), ("decode", "d0"), ("decode", "d1")} <= workers
     assert result["verdict"].startswith("slowest layer before the first token:")
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_doctor_reads_a_running_mesh_by_url(tmp_path):
+    port = free_port()
+    mesh = LocalMesh(MeshConfig(port=0, num_prefill=1, num_decode=1, num_ep_ranks=0,
+                                local_prefill_threshold=0, stats_log_interval_s=0))
+    try:
+        mesh.start(env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                        "OTEL_BSP_SCHEDULE_DELAY": "200"}, health_timeout_s=180)
+        out = tmp_path / "doctor.json"
+        assert doctor.main(["--url", mesh.url, "--otlp-port", str(port), "--flush-wait", "2",
+                            "--workload", "chat", "--json", str(out)]) == 0
+    finally:
+        mesh.stop()
+    result = json.loads(out.read_text())
+    assert result["workload"]["mesh"] == mesh.url and result["workload"]["failed"] == 0
+    phases = {r["phase"]: r for r in result["waterfall"]}
+    assert phases["prefill compute"]["spans"] > 0 and phases["route"]["spans"] > 0
+    workers = {(i["role"], i["worker"]) for i in result["instances"]}
+    assert {("prefill", "p0"), ("decode", "d0")} <= workers
