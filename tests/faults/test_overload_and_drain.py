@@ -13,9 +13,9 @@ import time
 import httpx
 import orjson
 import pytest
+from meshutil import running_mesh
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,8 @@ def small_mesh():
     config = MeshConfig(port=0, engine="mock", num_prefill=0, num_decode=1, num_ep_ranks=0,
                         max_inflight=1, max_queued=1, drain_timeout_s=1.0,
                         heartbeat_interval_s=0.2, worker_timeout_s=3.0)
-    running = LocalMesh(config)
-    try:
-        running.start(health_timeout_s=120)
-        yield running
-    finally:
-        running.stop()
+    with running_mesh(config, health_timeout_s=120) as mesh:
+        yield mesh
 
 
 def stream_events(url: str, body: dict, timeout: float = 60) -> tuple[int, list[bytes]]:

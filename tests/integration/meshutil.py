@@ -20,6 +20,20 @@ def wait_for(predicate, timeout: float = 8.0, interval: float = 0.05) -> bool:
 
 
 @contextlib.contextmanager
+def running_mesh(config, health_timeout_s: float = 180, env: dict[str, str] | None = None):
+    """A LocalMesh started on `config` (with `env` for its services), stopped at the end, also
+    when starting it fails."""
+    from evenflow.services.launcher import LocalMesh
+
+    mesh = LocalMesh(config)
+    try:
+        mesh.start(env=env, health_timeout_s=health_timeout_s)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@contextlib.contextmanager
 def supervised_mesh(config, backoff_s: float = 0.2, health_timeout_s: float = 180):
     """A LocalMesh started on `config` with a supervision loop in a thread (what `evenflow up`
     does), stopped at the end; fails if the supervisor gave up on a child meanwhile."""

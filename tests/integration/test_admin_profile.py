@@ -9,23 +9,18 @@ import json
 
 import httpx
 import pytest
+from meshutil import running_mesh
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def profiled_mesh(tmp_path_factory):
-    config = MeshConfig(port=0, num_prefill=0, num_decode=1, num_ep_ranks=0,
-                        profile_dir=str(tmp_path_factory.mktemp("profiles")))
-    running = LocalMesh(config)
-    try:
-        running.start(health_timeout_s=180)
-        yield running
-    finally:
-        running.stop()
+    with running_mesh(MeshConfig(port=0, num_prefill=0, num_decode=1, num_ep_ranks=0,
+                                 profile_dir=str(tmp_path_factory.mktemp("profiles")))) as mesh:
+        yield mesh
 
 
 def test_a_worker_profiles_its_next_steps(profiled_mesh):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from meshutil import running_mesh
 
 from evenflow.bench import doctor
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalMesh, free_port
+from evenflow.services.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +34,13 @@ def test_doctor_names_the_slowest_phase_and_compares_workers(tmp_path):
 
 def test_doctor_reads_a_running_mesh_by_url(tmp_path):
     port = free_port()
-    mesh = LocalMesh(MeshConfig(port=0, num_prefill=1, num_decode=1, num_ep_ranks=0,
-                                local_prefill_threshold=0, stats_log_interval_s=0))
-    try:
-        mesh.start(env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-                        "OTEL_BSP_SCHEDULE_DELAY": "200"}, health_timeout_s=180)
-        out = tmp_path / "doctor.json"
+    out = tmp_path / "doctor.json"
+    with running_mesh(MeshConfig(port=0, num_prefill=1, num_decode=1, num_ep_ranks=0,
+                                 local_prefill_threshold=0, stats_log_interval_s=0),
+                      env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                           "OTEL_BSP_SCHEDULE_DELAY": "200"}) as mesh:
         assert doctor.main(["--url", mesh.url, "--otlp-port", str(port), "--flush-wait", "2",
                             "--workload", "chat", "--json", str(out)]) == 0
-    finally:
-        mesh.stop()
     result = json.loads(out.read_text())
     assert result["workload"]["mesh"] == mesh.url and result["workload"]["failed"] == 0
     phases = {r["phase"]: r for r in result["waterfall"]}

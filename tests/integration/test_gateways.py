@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
+from meshutil import running_mesh
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.launcher import LocalMesh
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +25,10 @@ def served(metrics_url: str) -> float:
 
 @pytest.fixture(scope="module")
 def two_gateways():
-    config = MeshConfig(port=0, engine="mock", num_prefill=0, num_decode=1, num_ep_ranks=0,
-                        num_gateways=2, heartbeat_interval_s=0.2)
-    running = LocalMesh(config)
-    try:
-        running.start(health_timeout_s=120)
-        yield running
-    finally:
-        running.stop()
+    with running_mesh(MeshConfig(port=0, engine="mock", num_prefill=0, num_decode=1,
+                                 num_ep_ranks=0, num_gateways=2, heartbeat_interval_s=0.2),
+                      health_timeout_s=120) as mesh:
+        yield mesh
 
 
 def complete(url: str) -> int:
