@@ -195,13 +195,8 @@ def test_a_request_waits_for_room_on_a_full_worker_then_runs():
                         decode_retries=0, queue_timeout_s=1.0)
 
     async def scenario() -> None:
-        broker = InMemoryBroker()
-        worker = FakeDecodeWorker(broker, "d0", full=True)
-        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-        await client.start()
-        await worker.open()
-        while not client.registry.live(Role.DECODE):
-            await asyncio.sleep(0.01)
+        worker, client = await one_worker_and_a_gateway(FakeDecodeWorker, config)
+        worker.full = True
 
         async def room_after(delay: float) -> None:
             await asyncio.sleep(delay)
