@@ -12,8 +12,11 @@ routing, KV transfer, the index, the balancer and dropped messages.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
 
 MESSAGES_DROPPED = Counter("evenflow_messages_dropped_total",
                            "Wire messages dropped as malformed or unknown", ["service"])
@@ -41,15 +44,29 @@ LOOP_LAG = Histogram("evenflow_event_loop_lag_seconds",
                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
                               2.5))
 LOOP_LAG_INTERVAL_S = 0.05
+LOOP_LAG_WARN_S = 0.05  # a lag above this is logged (rate-limited)
+LOOP_LAG_WARN_EVERY_S = 10.0
 
 
-async def watch_loop_lag() -> None:
-    """Run on a service's loop: every 50 ms, how late the timer fired (a busy loop: late)."""
+async def watch_loop_lag(warn_s: float = LOOP_LAG_WARN_S,
+                         warn_every_s: float = LOOP_LAG_WARN_EVERY_S) -> None:
+    """Run on a service's loop: every 50 ms, how late the timer fired (a busy loop: late).
+    A lag over warn_s is logged as a warning, at most once per warn_every_s (with the worst
+    lag and how many times since the last warning)."""
     loop = asyncio.get_running_loop()
+    last_warned, worst, times = float("-inf"), 0.0, 0
     while True:
         before = loop.time()
         await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-        LOOP_LAG.observe(max(0.0, loop.time() - before - LOOP_LAG_INTERVAL_S))
+        lag = max(0.0, loop.time() - before - LOOP_LAG_INTERVAL_S)
+        LOOP_LAG.observe(lag)
+        if lag > warn_s:
+            worst, times = max(worst, lag), times + 1
+            if loop.time() - last_warned >= warn_every_s:
+                log.warning("event loop lagged %.0f ms (%d time(s) over %.0f ms since the last "
+                            "warning): something blocks this process's loop", worst * 1e3,
+                            times, warn_s * 1e3)
+                last_warned, worst, times = loop.time(), 0.0, 0
 
 # -- vLLM-compatible names -------------------------------------------------------------------
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
