@@ -98,6 +98,9 @@ class MeshConfig:
     log_level: str = "info"
     served_model_name: str = ""  # the `model` clients send (default: from --model)
     stats_log_interval_s: float = 10.0  # each engine worker logs a stats line this often (0: off)
+    # Test knob: engine workers sleep this long after every step, to make a straggler on
+    # purpose (`evenflow doctor` must name it): "25" for every worker, "d1=25,p0=5" for some
+    debug_step_delay_ms: str = ""
     # Gateway
     host: str = "127.0.0.1"
     port: int = 8000
@@ -193,6 +196,11 @@ class MeshConfig:
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
         try:
+            self.step_delay_s("")
+        except ValueError:
+            raise ConfigError("debug_step_delay_ms (EVENFLOW_DEBUG_STEP_DELAY_MS) must be MS or "
+                              f"WORKER=MS,..., got {self.debug_step_delay_ms!r}") from None
+        try:
             self.engine_config()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -216,6 +224,18 @@ class MeshConfig:
         who = f" [{identity}]" if identity else ""
         logging.basicConfig(level=self.log_level.upper(), force=True,
                             format=f"%(asctime)s %(levelname)s{who} %(name)s %(message)s")
+
+    def step_delay_s(self, worker_id: str) -> float:
+        """debug_step_delay_ms for this worker, in seconds (0: none)."""
+        delay = 0.0
+        for part in filter(None, (p.strip() for p in self.debug_step_delay_ms.split(","))):
+            who, _, ms = part.rpartition("=")
+            value = float(ms) / 1e3  # every part parses (checked at construction)
+            if value < 0:
+                raise ValueError("a delay must be >= 0")
+            if who in ("", worker_id):
+                delay = value
+        return delay
 
     @property
     def model_name(self) -> str:

@@ -157,8 +157,10 @@ def exit_worker(reason: str) -> None:
 
 class EngineThread:
     def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop,
-                 on_fatal: Callable[[str], None] = exit_worker) -> None:
+                 on_fatal: Callable[[str], None] = exit_worker, step_delay_s: float = 0.0
+                 ) -> None:
         self.engine, self._loop, self._on_fatal = engine, loop, on_fatal
+        self.step_delay_s = step_delay_s  # a straggler on purpose (debug_step_delay_ms)
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -298,6 +300,8 @@ class EngineThread:
             self._emit(StepFailed(dropped, _reason(exc)))
             return
         self.consecutive_failures, self.problem = 0, None
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         if outputs:
             self._emit(StepDone(outputs))
 

@@ -145,7 +145,8 @@ class WorkerService:
         """Run `engine` on its own thread, drain its events, answer the KV index's resync
         requests and, for MoE engines under a placement, the balancer."""
         self._engine = engine
-        self._thread = EngineThread(engine, asyncio.get_running_loop())
+        self._thread = EngineThread(engine, asyncio.get_running_loop(),
+                                    step_delay_s=self.config.step_delay_s(self.worker_id))
         self._thread.start()
         self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
                                                      name="engine events"))

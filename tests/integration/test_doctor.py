@@ -47,3 +47,39 @@ def test_doctor_reads_a_running_mesh_by_url(tmp_path):
     assert phases["prefill compute"]["spans"] > 0 and phases["route"]["spans"] > 0
     workers = {(i["role"], i["worker"]) for i in result["instances"]}
     assert {("prefill", "p0"), ("decode", "d0")} <= workers
+
+
+def test_doctor_names_the_decode_worker_a_test_slows_down(tmp_path):
+    # d1 sleeps 20 ms after every step (EVENFLOW_DEBUG_STEP_DELAY_MS=d1=20): the doctor, pointed
+    # at the running mesh, must name it, with its cost against its peer's
+    port = free_port()
+    out = tmp_path / "doctor.json"
+    with running_mesh(MeshConfig(port=0, num_prefill=1, num_decode=2, num_ep_ranks=0,
+                                 local_prefill_threshold=0, stats_log_interval_s=0,
+                                 router="round_robin", debug_step_delay_ms="d1=20"),
+                      env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                           "OTEL_BSP_SCHEDULE_DELAY": "200"}) as mesh:
+        assert doctor.main(["--url", mesh.url, "--otlp-port", str(port), "--flush-wait", "2",
+                            "--workload", "chat", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    decode = {i["worker"]: i for i in result["instances"] if i["role"] == "decode"}
+    assert decode["d1"]["ms_per_token"] > 2 * decode["d0"]["ms_per_token"]
+    assert "slowest instance: decode d1" in result["verdict"]
+
+
+def test_doctor_names_the_gateway_when_streams_flood_it(tmp_path):
+    # zero-compute workers (the mock engine, timing off) and a burst of 64 streams: what is
+    # left of the time to first token is the gateway and its hops, and the doctor says so
+    port = free_port()
+    out = tmp_path / "doctor.json"
+    with running_mesh(MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=1,
+                                 num_decode=2, num_ep_ranks=0, local_prefill_threshold=0,
+                                 stats_log_interval_s=0, max_num_seqs=256, num_kv_blocks=8192),
+                      env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                           "OTEL_BSP_SCHEDULE_DELAY": "200"}) as mesh:
+        assert doctor.main(["--url", mesh.url, "--otlp-port", str(port), "--flush-wait", "2",
+                            "--workload", "burst", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["failed"] == 0
+    assert result["verdict"].startswith("slowest layer before the first token: gateway")
+    assert result["gateway_loop_lag_p99_ms"] is not None
