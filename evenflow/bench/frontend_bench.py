@@ -5,8 +5,10 @@ A local mesh whose workers run the mock engine with its timing model off (zero c
 step returns at once), so what is measured is the gateway (HTTP parse, tokenize, route, NATS,
 detokenize, SSE write) and the workers' Python around a step. At each concurrency (default 32,
 128 and 512 streams), 2 x concurrency streamed completions: requests/s, output tokens/s
-streamed, TTFT p50/p99, and the gateway's event-loop lag over the run (p50/p99 from its
-`evenflow_event_loop_lag_seconds` histogram: how late a 50 ms timer fires).
+streamed, TTFT p50/p99, the gateway's event-loop lag over the run (p50/p99 from its
+`evenflow_event_loop_lag_seconds` histogram: how late a 50 ms timer fires), and the CPU time each
+kind of process spent per 1,000 streamed tokens - the load generator (this process) included,
+which on a small machine is often the straggler itself.
 """
 
 from __future__ import annotations
@@ -45,6 +47,31 @@ def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]]
     return float("nan")
 
 
+def cpu_by_role(mesh) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the mesh's processes, by role, and by this
+    process (the load generator)."""
+    import os
+
+    import psutil
+
+    roles: dict[str, list[int]] = {"client": [os.getpid()]}
+    for proc in mesh.procs:
+        role = next((a.removeprefix("evenflow.") for a in proc.args
+                     if str(a).startswith("evenflow.")), "other")
+        roles.setdefault(role, []).append(proc.pid)
+    for server in mesh.servers:
+        roles.setdefault(server.kind, []).append(server.proc.pid)
+    used: dict[str, float] = {}
+    for role, pids in roles.items():
+        for pid in pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:  # gone
+                continue
+            used[role] = used.get(role, 0.0) + times.user + times.system
+    return used
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="evenflow bench frontend", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(machine_line("n/a (mock engine, no compute)"))
     rows = []
+    cpu_rows: list[tuple[int, int, dict[str, float]]] = []
     for gateways in (int(g) for g in args.gateways.split(",")):
         config = MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=0,
                             num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
@@ -78,10 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 n = 2 * level
                 before = lag_buckets(urls, {})
+                cpu_before = cpu_by_role(mesh)
                 load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
                                             make_prompts(n, args.prompt_len, 500, seed=level),
                                             output_len, level))
+                cpu = {role: used - cpu_before.get(role, 0.0)
+                       for role, used in cpu_by_role(mesh).items()}
                 after = lag_buckets(urls, {})
+                tokens = max(1.0, load.throughput * load.wall)
+                cpu_rows.append((gateways, level, {r: 1e3 * c / tokens * 1e3
+                                                   for r, c in sorted(cpu.items())}))
                 ttft = [t.ttft * 1e3 for t in load.timings]
                 rows.append((gateways, level, len(load.timings), load.errors,
                              len(load.timings) / load.wall, load.throughput,
@@ -100,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {gateways:8d} {level:7d} {ok:5d} {failed:6d} {rps:8.1f} "
               f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {l50:13.1f} {l99:9.1f}")
     print("  (loop lag: bucket upper bounds; TTFT in ms)")
+    print("\nCPU ms per 1,000 streamed tokens, by process role (client: this process, the load "
+          "generator; the one nearest a full core per token is the straggler)")
+    for gateways, level, per_role in cpu_rows:
+        cells = "  ".join(f"{role} {ms:.0f}" for role, ms in per_role.items())
+        print(f"  gateways {gateways}, {level:4d} streams:  {cells}")
     return 0
 
 

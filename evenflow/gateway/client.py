@@ -71,11 +71,41 @@ class RequestFailed(Exception):
         self.code, self.description = code, description
 
 
+def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta | None:
+    """`first` followed by `then` as one delta, when `then` continues it exactly (same attempt,
+    next positions, `first` not finished); else None."""
+    if (first.request_id != then.request_id or first.finish_reason is not None
+            or first.first_index < 0 or then.first_index != first.first_index
+            + len(first.token_ids) or then.prompt_logprobs
+            or bool(first.logprobs) != bool(then.logprobs)):
+        return None
+    return dataclasses.replace(
+        first, token_ids=first.token_ids + then.token_ids, finish_reason=then.finish_reason,
+        logprobs=first.logprobs + then.logprobs,
+        top_logprob_ids=first.top_logprob_ids + then.top_logprob_ids,
+        top_logprobs=first.top_logprobs + then.top_logprobs)
+
+
+class _DeltaQueue(asyncio.Queue):
+    """A request's replies. A delta arriving while the one before it still waits to be taken
+    joins it (as vLLM's output collector merges outputs for a slow consumer): a gateway that
+    falls behind renders and writes one SSE event for several steps' tokens, not one each."""
+
+    def _put(self, item: TokenDelta | ErrorMessage) -> None:
+        waiting = self._queue  # type: ignore[attr-defined]
+        if waiting and isinstance(item, TokenDelta) and isinstance(waiting[-1], TokenDelta):
+            merged = merge_deltas(waiting[-1], item)
+            if merged is not None:
+                waiting[-1] = merged
+                return
+        waiting.append(item)
+
+
 @dataclass
 class _Flight:
     """One request in flight: its reply queue and where it runs now."""
 
-    queue: asyncio.Queue[TokenDelta | ErrorMessage] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TokenDelta | ErrorMessage] = field(default_factory=_DeltaQueue)
     prefill: str | None = None
     decode: str | None = None
     prefill_blocks: int = 0  # blocks the prefill worker was expected to compute
