@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from evenflow.gateway.client import _DeltaQueue
+from evenflow.gateway.replies import DeltaQueue
 from evenflow.proto.messages import ErrorMessage, TokenDelta
 
 
@@ -19,7 +19,7 @@ def delta(first: int, ids: list[int], finish: str | None = None, rid: str = "r",
 
 def drain(items: list) -> list:
     async def run() -> list:
-        queue = _DeltaQueue()
+        queue = DeltaQueue()
         for item in items:
             queue.put_nowait(item)
         return [queue.get_nowait() for _ in range(queue.qsize())]
