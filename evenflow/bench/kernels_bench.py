@@ -26,43 +26,44 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _weights(n: int, k: int, dtype: Any, g: Any) -> dict[str, Any]:
-    """One random weight in every stored form the kernels read."""
+    """One random weight, unquantized (oneDNN-packed as the engine runs it) and quantized by
+    the engine's own quantizer into the stored forms its kernels read."""
     import torch
 
     from evenflow.engine import prepack
+    from evenflow.engine.kernel_plan import NATIVE, KernelChoice
+    from evenflow.engine.quant import Int4Stack, Int8Stack, QuantConfig, quantize
 
-    w = (torch.randn(n, k, generator=g) * 0.02).to(dtype)
-    q4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    s4 = torch.rand(n, k // 64, generator=g) * 1e-2
-    o4 = -8 * s4
-    scale = torch.rand(n, generator=g) * 1e-3
-    return {
-        "w": w, "packed": prepack.pack(w) if prepack.available(dtype) else None,
-        "q": torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-        "scale": scale, "scale_dtype": scale.to(dtype),
-        "nibbles": (q4[:, 0::2] | (q4[:, 1::2] << 4)).contiguous(), "s4": s4, "o4": o4,
-        "pack4": torch._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 1),
-        "scale_zeros": torch.stack([s4, o4 + 8 * s4], dim=-1).transpose(0, 1).to(dtype)
-        .contiguous()}
+    w = torch.randn(n, k, generator=g) * 0.02
+    int8 = Int8Stack.build([quantize(w, QuantConfig("int8"))], dtype)
+    int4 = [quantize(w, QuantConfig("int4", 64))]
+    scale, offset = Int4Stack.scale_offset(int4)
+    dense = w.to(dtype)
+    return {"dense": dense, "packed": prepack.pack(dense) if prepack.available(dtype) else None,
+            "int8": int8, "int4 packed": Int4Stack._packed(int4, scale, offset, dtype),
+            "int4 nibbles": Int4Stack._plain(int4, scale, offset, dtype,
+                                             KernelChoice((NATIVE,)))}
 
 
 def _kernels(x: Any, wt: dict[str, Any], ops: Any) -> dict[str, Callable[[], object] | None]:
-    import torch
+    """Each kernel on `x`, through the engine's own stored forms and entry points."""
     import torch.nn.functional as F
 
     from evenflow.engine import prepack
+    from evenflow.engine.kernel_plan import DENSE, NATIVE, PACKED, KernelChoice
+    from evenflow.engine.quant import Int8Stack
 
-    dtype = x.dtype
+    def int8(kernel: int) -> Callable[[], object]:
+        stack = Int8Stack(wt["int8"].q, wt["int8"].scale, KernelChoice((kernel,)))
+        return lambda: stack.linear(x)
+
+    nibbles = wt["int4 nibbles"]
     return {
         "dense": (lambda: prepack.packed_linear(x, wt["packed"])) if wt["packed"] is not None
-        else (lambda: F.linear(x, wt["w"])),
-        "int8 torch": lambda: torch._weight_int8pack_mm(x, wt["q"], wt["scale_dtype"]),
-        "int8 ours": (lambda: ops.int8_mm(x, wt["q"], wt["scale"])) if ops else None,
-        "int8 deq": lambda: F.linear(x, wt["q"].to(dtype)) * wt["scale_dtype"],
-        "int4 torch": lambda: torch._weight_int4pack_mm_for_cpu(x, wt["pack4"], 64,
-                                                                 wt["scale_zeros"]),
-        "int4 ours": (lambda: ops.int4_mm(x, wt["nibbles"], wt["s4"], wt["o4"], 64)) if ops
-        else None}
+        else (lambda: F.linear(x, wt["dense"])),
+        "int8 torch": int8(PACKED), "int8 ours": int8(NATIVE) if ops else None,
+        "int8 deq": int8(DENSE), "int4 torch": lambda: wt["int4 packed"].linear(x),
+        "int4 ours": (lambda: nibbles._native(x)) if ops and nibbles.ops else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,14 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
-    from evenflow.engine import sampler
     from evenflow.engine.config import cpu_has_bf16
     from evenflow.engine.engine import Engine, EngineConfig
-    from evenflow.engine.profiling import instrument, report
     from evenflow.engine.sampling_params import SamplingParams
 
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
@@ -64,33 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     add("warm")
     while engine.has_unfinished():
         engine.step()
-    handles = instrument(engine.model)
-    original = sampler.sample
-
-    def sample_in_range(*a, **k):
-        with record_function("sampler"):
-            return original(*a, **k)
-
-    import evenflow.engine.runner as runner_module
-
-    runner_module.sample = sample_in_range  # type: ignore[assignment]
-    try:
-        add("p")
-        with profile(activities=[ProfilerActivity.CPU]) as prefill:
-            engine.step()
-        with profile(activities=[ProfilerActivity.CPU]) as decode:
-            for _ in range(args.steps):
-                engine.step()
-    finally:
-        runner_module.sample = original  # type: ignore[assignment]
-        for handle in handles:
-            handle.remove()
+    add("p")
+    engine.start_profile()  # component ranges, the sampler's included (engine/profiling.py)
+    engine.step()
+    prefill = engine.stop_profile(1, phase="prefill", top=args.top)
+    engine.start_profile()
+    for _ in range(args.steps):
+        engine.step()
+    decode = engine.stop_profile(args.steps, args.trace or "", phase="decode", top=args.top)
     print(f"{model}: batch {args.batch}, {args.prompt_len}-token prompts, {dtype}, "
           f"{args.threads} threads")
-    print("\n".join(report(prefill, "prefill", 1, args.top)))
-    print("\n".join(report(decode, "decode", args.steps, args.top)))
+    print("\n".join(prefill))
+    print("\n".join(decode))
     if args.trace:
-        decode.export_chrome_trace(args.trace)
         print(f"trace written to {args.trace} (chrome://tracing or ui.perfetto.dev)")
     return 0
 

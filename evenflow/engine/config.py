@@ -11,6 +11,7 @@ layers are sparse) read here once, so the model file has no per-architecture bra
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +24,18 @@ QUANT_METHODS = ("int8", "int4")  # engine/quant.py implements them (this module
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def cpu_has_bf16() -> bool:
+@functools.cache
+def cpu_description() -> str:
+    """The first processor's /proc/cpuinfo block (model name, flags, ...); "" where there is
+    none. Read once per process."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_bf16() -> bool:
+    flags = cpu_description()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

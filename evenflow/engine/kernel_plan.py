@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from evenflow.engine import native
+from evenflow.engine.config import cpu_description
 
 PACKED, DENSE, NATIVE = 0, 1, 2  # kernel ids in a plan
 
@@ -48,10 +49,7 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 def _choices_file(threads: int) -> Path:
     """Where this machine's measurements are kept, so every worker process on it makes the
     same choices. Keyed by CPU, torch version and threads."""
-    try:  # the first processor's description: model name and flags
-        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        cpu = ""
+    cpu = cpu_description()  # model name and flags
     key = hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}".encode()).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evenflow"
     return cache / f"kernel-plans-{key[:16]}.json"

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from evenflow.engine.config import cpu_description
+
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",)
@@ -29,23 +31,13 @@ def enabled() -> bool:
     return os.environ.get("EVENFLOW_NATIVE_KERNELS", "1").lower() not in ("0", "false", "off")
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build_dir() -> Path:
     """Per source text, torch version and CPU flags: a copy built for another machine (a
     shared home, a container image) is never loaded on one lacking its instructions."""
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    digest.update(f"{torch.__version__}|{_cpu_flags()}".encode())
+    digest.update(f"{torch.__version__}|{cpu_description()}".encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
 

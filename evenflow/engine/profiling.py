@@ -42,7 +42,30 @@ def instrument(model) -> list:
     if embed is not None:
         handles += _range_hooks(embed, "embed+lm_head")
     handles += _range_hooks(model.lm_head, "embed+lm_head")
-    return handles
+    return handles + [_SamplerRange()]
+
+
+class _SamplerRange:
+    """The runner's sampling call inside a "sampler" range while profiling (the module's
+    `sample` swapped for a wrapper; remove() puts it back): no cost when not profiling."""
+
+    def __init__(self) -> None:
+        from torch.profiler import record_function
+
+        from evenflow.engine import runner
+
+        self.original = original = runner.sample
+
+        def sample_in_range(*args, **kwargs):
+            with record_function("sampler"):
+                return original(*args, **kwargs)
+
+        runner.sample = sample_in_range  # type: ignore[assignment]
+
+    def remove(self) -> None:
+        from evenflow.engine import runner
+
+        runner.sample = self.original  # type: ignore[assignment]
 
 
 def _range_hooks(module, label: str) -> list:
@@ -93,10 +116,6 @@ class StepProfiler:
         self._prof: Any = None
         self._hooks: list = []
 
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -104,8 +123,10 @@ class StepProfiler:
         self._prof = profile(activities=[ProfilerActivity.CPU])
         self._prof.__enter__()
 
-    def stop(self, steps: int, trace_file: str = "", top: int = 25) -> list[str]:
-        """The operator table over `steps` steps (text lines); the trace written if asked."""
+    def stop(self, steps: int, trace_file: str = "", phase: str = "steps",
+             top: int = 25) -> list[str]:
+        """The operator table over `steps` steps (text lines, headed `phase`); the trace
+        written if asked."""
         prof, self._prof = self._prof, None
         try:
             prof.__exit__(None, None, None)
@@ -117,7 +138,7 @@ class StepProfiler:
             prof.export_chrome_trace(trace_file)
         if steps == 0:
             return ["no step ran while profiling"]
-        return report(prof, "steps", steps, top)
+        return report(prof, phase, steps, top)
 
 
 class ProfileControl:
@@ -130,9 +151,10 @@ class ProfileControl:
         self._profiler = StepProfiler(getattr(self, "model", None))  # none in the mock engine
         self._profiler.start()
 
-    def stop_profile(self, steps: int, trace_file: str = "") -> list[str]:
+    def stop_profile(self, steps: int, trace_file: str = "", phase: str = "steps",
+                     top: int = 25) -> list[str]:
         """The operator table over those `steps` steps; the Chrome trace written if asked."""
         profiler, self._profiler = self._profiler, None
         if profiler is None:
             return ["no profile was running"]
-        return profiler.stop(steps, trace_file)
+        return profiler.stop(steps, trace_file, phase, top)

@@ -208,20 +208,13 @@ class Int4Stack(QuantStack):
     def build(cls, values: list[QuantValues], dtype: torch.dtype) -> Int4Stack:
         n, k = values[0].q.shape
         g = values[0].group_size
-        scale = torch.stack([v.scale for v in values])  # (E, N, G) float32
-        zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
-                            for v in values])
-        offset = -zero * scale  # w = q * scale + offset
+        scale, offset = cls.scale_offset(values)
         ops = native_ops(dtype, k) if 512 % g == 0 else None
 
         def plain_kernels() -> dict[int, Kernel]:
-            one = cls._plain(values[:1], scale[:1], offset[:1], dtype)
-            kernels: dict[int, Kernel] = {DENSE: one._dense}
-            if ops is not None:
-                one = cls._plain(values[:1], scale[:1], offset[:1], dtype,
-                                 KernelChoice((NATIVE,)))
-                kernels[NATIVE] = one._native
-            return kernels
+            one = cls._plain(values[:1], scale[:1], offset[:1], dtype,
+                             KernelChoice((NATIVE,)) if ops is not None else None)
+            return {DENSE: one._dense, **({NATIVE: one._native} if ops is not None else {})}
 
         form = choose(("int4", n, k, g, dtype, ops is not None), lambda: {
             PACKED: cls._packed(values[:1], scale[:1], offset[:1], dtype).linear,
@@ -231,6 +224,14 @@ class Int4Stack(QuantStack):
         plan = choose(("int4 nibbles", n, k, g, dtype, ops is not None), plain_kernels, k,
                        dtype, PROBE_ROWS)
         return cls._plain(values, scale, offset, dtype, plan)
+
+    @staticmethod
+    def scale_offset(values: list[QuantValues]) -> tuple[Tensor, Tensor]:
+        """(E, N, G) float32 scale and offset: w = q * scale + offset."""
+        scale = torch.stack([v.scale for v in values])
+        zero = torch.stack([v.zero if v.zero is not None else torch.full_like(v.scale, 8.0)
+                            for v in values])
+        return scale, -zero * scale
 
     @classmethod
     def _packed(cls, values: list[QuantValues], scale: Tensor, offset: Tensor,
