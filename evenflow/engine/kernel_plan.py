@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,18 @@ class KernelChoice:
     """plan[i]: the kernel for up to PROBE_ROWS[i] rows (the last one beyond)."""
 
     plan: tuple[int, ...] = (DENSE,)
+    # kernel for 0, 1, ... rows up to the last probe limit the plan covers: one index per
+    # linear call on the step's hot path, not a scan of the plan
+    by_rows: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limits = PROBE_ROWS[:len(self.plan)]
+        table = [self.plan[next(i for i, limit in enumerate(limits) if rows <= limit)]
+                 for rows in range(limits[-1] + 1)]
+        object.__setattr__(self, "by_rows", tuple(table))
 
     def kernel(self, rows: int) -> int:
-        for limit, kernel in zip(PROBE_ROWS, self.plan, strict=False):
-            if rows <= limit:
-                return kernel
-        return self.plan[-1]
+        return self.by_rows[rows] if rows < len(self.by_rows) else self.plan[-1]
 
     @property
     def uses_native(self) -> bool:
