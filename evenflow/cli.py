@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -17,12 +18,21 @@ _ENGINE_DEFAULTS = EngineConfig()
 def _generate(args: argparse.Namespace) -> int:
     from evenflow import LLM, SamplingParams
     from evenflow.engine.config import ModelLoadError
+    from evenflow.proto.grammar import guide_grammar
     from evenflow.proto.tokenizer import TokenizerError
 
     try:
+        guide = None
+        if args.json_schema is not None:
+            guide = guide_grammar("json_schema", json.loads(args.json_schema))
+        elif args.regex is not None:
+            guide = guide_grammar("regex", args.regex)
+        elif args.choice:
+            guide = guide_grammar("choice", args.choice)
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-            max_tokens=args.max_tokens, stop=args.stop or (), ignore_eos=args.ignore_eos)
+            max_tokens=args.max_tokens, stop=args.stop or (), ignore_eos=args.ignore_eos,
+            guide=guide)
         quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
                   quantization=args.quantization, tensor_parallel_size=args.tp, **quant)
@@ -30,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
             outputs = llm.generate(args.prompts, params)
-    except (ValueError, ModelLoadError, TokenizerError) as exc:
+    except (ValueError, ModelLoadError, TokenizerError) as exc:  # (a bad schema included)
         print(f"evenflow generate: error: {exc}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompts, outputs, strict=True):
@@ -222,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
+    guided = gen.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", default=None,
+                        help="structured output: the output is JSON matching this schema (text)")
+    guided.add_argument("--regex", default=None, help="structured output: matching this regex")
+    guided.add_argument("--choice", action="append", help="structured output: one of these "
+                        "strings (repeatable)")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
     _quantization_args(gen)

@@ -2,10 +2,12 @@
 
 Batch-32 greedy decode on the bench's 110M Mixtral (tiny-moe with --quick), 2 threads, the
 CPU's native dtype: the decode step (p50) with every request plain, then with every request
-using presence/frequency/repetition penalties, logit_bias, min_tokens and 5 top logprobs. And
-what the features' code costs a batch that does not use them: the time per step of the logits
-processing and logprob passes on plain requests (they only check flags then), as a share of the
-plain decode step.
+using presence/frequency/repetition penalties, logit_bias, min_tokens and 5 top logprobs, then
+with every request guided by a grammar (structured output: a regex that never completes, so
+the batch stays full; llguidance's masks for 32 rows each step). And what the features' code
+costs a batch that does not use them: the time per step of the logits processing, grammar mask
+and logprob passes on plain requests (they only check flags then), as a share of the plain
+decode step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.engine.logits_processing import process, record_logprobs
     from evenflow.engine.sampling_params import SamplingParams
     from evenflow.engine.sequence import Sequence
+    from evenflow.proto.grammar import guide_grammar
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, 2))
@@ -54,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
                               presence_penalty=0.5, frequency_penalty=0.5,
                               repetition_penalty=1.1, logit_bias={5: 1.0, 9: -1.0},
                               min_tokens=4, logprobs=5)
+    guided = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True,
+                            guide=guide_grammar("regex", r"( [a-z0-9]+)+"))
     _decode_steps(engine, plain, batch, 64, output, 0)  # warm-up at the measured shape
-    times: dict[str, list[float]] = {"plain": [], "all features": []}
-    for round_ in range(3):  # interleaved: drift on a shared machine hits both alike
-        for name, params in (("plain", plain), ("all features", featured)):
+    _decode_steps(engine, guided, batch, 64, output, 0)
+    times: dict[str, list[float]] = {"plain": [], "all features": [], "guided": []}
+    for round_ in range(3):  # interleaved: drift on a shared machine hits all alike
+        for name, params in (("plain", plain), ("all features", featured), ("guided", guided)):
             times[name] += _decode_steps(engine, params, batch, 64, output, 10 * round_ + 1)
     rows = [(name, statistics.median(values) * 1e3) for name, values in times.items()]
     vocab = engine.model_config.vocab_size
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = 2000
     t0 = time.perf_counter()
     for _ in range(reps):
-        record_logprobs(process(logits, seqs, frozenset({2})), seqs, tokens)
+        record_logprobs(engine.guides.mask(process(logits, seqs, frozenset({2})), seqs), seqs,
+                        tokens)
     unused_us = (time.perf_counter() - t0) / reps * 1e6
     plain_ms = rows[0][1]
     print(f"{model}: batch {batch} greedy decode, {output} new tokens per request")

@@ -16,6 +16,7 @@ from evenflow import models
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.expert_store import PlacementMoves, read_missing_experts
+from evenflow.engine.guided import Guides
 from evenflow.engine.loader import load_model
 from evenflow.engine.model import CausalLM
 from evenflow.engine.placement_control import ExpertPlacementControl
@@ -141,6 +142,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
                 layer.slot_counts = self.slot_counts[row]
             self.apply_placement(initial, None, version=0)
         self.eos_token_ids = set(cfg.eos_token_ids)
+        self.guides = self.runner.guides = Guides(self.model_dir, cfg.eos_token_ids,
+                                                  cfg.vocab_size)
         self.kv_event_listener = kv_event_listener
         # Without a listener, a serving engine keeps its cache's events for take_kv_events().
         self.collect_kv_events = collect_kv_events
@@ -180,6 +183,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
+        self.guides.close()
         if self._tp is not None:
             self._tp.close()
 
@@ -211,6 +215,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
                        _sampling_params(params), export_kv=export_kv)
+        resumed = seq.params.resumed_output_tokens
+        self.guides.start(seq, seq.token_ids[len(seq.token_ids) - resumed:] if resumed else [])
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -239,6 +245,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
+        resumed = seq.params.resumed_output_tokens
+        self.guides.start(seq, seq.token_ids[len(prompt_token_ids) - resumed:])
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -369,6 +377,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
+        if Guides.complete(seq):
+            return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -410,4 +420,5 @@ def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
                           allowed_token_ids=params.allowed_token_ids or None,
                           logprobs=None if params.logprobs < 0 else params.logprobs,
                           prompt_logprobs=None if params.prompt_logprobs < 0
-                          else params.prompt_logprobs)
+                          else params.prompt_logprobs, guide=params.guide or None,
+                          resumed_output_tokens=params.resumed_output_tokens)

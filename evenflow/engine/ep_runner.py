@@ -55,7 +55,8 @@ STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
 MOE_TIMES_KEPT = 100_000
 _PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
            "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs", "prompt_logprobs")
+           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs", "prompt_logprobs",
+           "guide", "resumed_output_tokens")
 
 
 def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:

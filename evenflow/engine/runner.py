@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from evenflow.engine.guided import Guides
 from evenflow.engine.logits_processing import record_prompt_logprobs
 from evenflow.engine.model import AttentionMetadata, CausalLM, PrefillSegment
 from evenflow.engine.placement import SlotPlacement
@@ -45,6 +46,7 @@ class ModelRunner:
         cfg = model.config
         self.model, self.block_size, self.dtype = model, block_size, dtype
         self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
+        self.guides: Guides | None = None  # the engine's grammar matchers (structured output)
         slots = num_blocks * block_size
         # One (K, V) pair per layer, (num_slots + 1, n_kv, hd). torch.empty: pages are only
         # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
@@ -164,7 +166,7 @@ class ModelRunner:
                     rows.append(offset + given.logit_rows - 1)
                 offset += given.logit_rows
             logits = logits[rows]
-        return sample(logits, seqs, self.eos_token_ids)
+        return sample(logits, seqs, self.eos_token_ids, self.guides)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:

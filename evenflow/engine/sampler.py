@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from evenflow.engine.guided import Guides
 from evenflow.engine.logits_processing import process, record_logprobs
 from evenflow.engine.sequence import Sequence
 
@@ -29,11 +30,16 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def sample(logits: Tensor, seqs: list[Sequence],
-           eos_ids: frozenset[int] | set[int] = frozenset()) -> list[int]:
-    """logits (S, V) float32, one row per sequence -> one token id per sequence."""
+           eos_ids: frozenset[int] | set[int] = frozenset(),
+           guides: Guides | None = None) -> list[int]:
+    """logits (S, V) float32, one row per sequence -> one token id per sequence. Guided rows
+    draw only what their grammar allows; their logprobs are the model's (before the mask)."""
     logits = process(logits, seqs, eos_ids)
-    tokens = _draw(logits, seqs)
+    allowed = guides.mask(logits, seqs) if guides is not None else logits
+    tokens = _draw(allowed, seqs)
     record_logprobs(logits, seqs, tokens)
+    if guides is not None and allowed is not logits:
+        guides.advance(seqs, tokens)
     return tokens
 
 

@@ -33,6 +33,12 @@ class SamplingParams:
     logprobs: int | None = None  # how many top logprobs per token (0: the chosen one only)
     # the same for every prompt token after the first (computed, never taken from the cache)
     prompt_logprobs: int | None = None
+    # structured output: an llguidance grammar text (evenflow.proto.grammar.guide_grammar makes
+    # one from a JSON schema, regex, choice list or Lark grammar); the output matches it
+    guide: str | None = None
+    # the prompt's last N tokens are this request's own earlier output (a retried request):
+    # its grammar consumes them before the first new token
+    resumed_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -77,6 +83,10 @@ class SamplingParams:
                 isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                 "allowed_token_ids", "must be a non-empty list of token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        check(self.guide is None or isinstance(self.guide, str), "guide",
+              "must be a grammar string or None")
+        check(isinstance(self.resumed_output_tokens, int) and self.resumed_output_tokens >= 0,
+              "resumed_output_tokens", "must be an int >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (isinstance(value, int) and 0 <= value <= 20), name,

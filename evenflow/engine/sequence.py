@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,9 @@ class Sequence:
     step_logprobs: tuple[float, list[int], list[float]] | None = None
     # params.prompt_logprobs: (logprob, top ids, top logprobs) of prompt tokens 1, 2, ...
     prompt_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    # params.guide: its grammar matcher (a Future while it builds; False if the build failed;
+    # engine/guided.py)
+    guide: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

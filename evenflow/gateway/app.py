@@ -142,6 +142,7 @@ async def _handle(gateway: Gateway, kind: str,
         raise APIError(503, "The gateway is shutting down.", "overloaded_error",
                        code="draining", headers={"Retry-After": "1"})
     job = gateway.build_job(kind, body)
+    await gateway.attach_guide(job, body)
     # The slot is released exactly once, by whoever ends the response: _complete's finally,
     # or the streaming response once it is done.
     await gateway.admission.acquire()

@@ -407,7 +407,8 @@ class GatewayClient:
                     remaining = dataclasses.replace(  # (penalties then see the emitted tokens
                         # as prompt: presence/frequency start over, repetition still applies)
                         spec, max_tokens=spec.max_tokens - len(emitted),
-                        min_tokens=max(0, spec.min_tokens - len(emitted)))
+                        min_tokens=max(0, spec.min_tokens - len(emitted)),
+                        resumed_output_tokens=len(emitted))  # (a grammar consumes them)
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted), deadline=deadline)
                     continue

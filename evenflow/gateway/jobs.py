@@ -28,6 +28,12 @@ from evenflow.gateway.render import (
     TokenLogprob,
     Usage,
 )
+from evenflow.gateway.structured import (
+    GuideCompiler,
+    ToolMode,
+    requested_format,
+    requested_tools,
+)
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
@@ -71,6 +77,7 @@ class Job:
     drop_output: bool = False  # echo with max_tokens 0: the one generated token is dropped
     # echo + logprobs: prompt tokens 1, 2, ... (the first has no logprob), from the first delta
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    tools: ToolMode | None = None  # a forced tool call: how the output becomes tool_calls
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
@@ -120,6 +127,8 @@ class Gateway:
         if model_dir is None:
             raise ValueError(f"model {config.model!r} is neither built in nor a directory")
         self.tokenizer = Tokenizer(model_dir)
+        eos = self.tokenizer.eos_token_id
+        self.guides = GuideCompiler(model_dir, [] if eos is None else [eos])
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
         self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
             model_dir, config.max_model_len or None)
@@ -161,7 +170,8 @@ class Gateway:
             if isinstance(req, ChatCompletionRequest):
                 prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
                     [{"role": m.role, "content": m.text()} for m in req.messages],
-                    req.add_generation_prompt), add_special_tokens=req.add_special_tokens)
+                    req.add_generation_prompt, req.tools if req.tool_choice != "none" else None),
+                    add_special_tokens=req.add_special_tokens)
             elif isinstance(req.prompt, str):
                 prompt_ids = self.tokenizer.encode(req.prompt, req.add_special_tokens)
             else:
@@ -223,6 +233,21 @@ class Gateway:
                 self.tokenizer.decode(prompt_ids)
             job.drop_output = asked == 0
         return job
+
+    async def attach_guide(self, job: Job, req: CompletionRequest | ChatCompletionRequest
+                           ) -> None:
+        """Structured output or a forced tool call: the job's grammar, compiled and validated
+        off the event loop (gateway/structured.py); raises APIError."""
+        fmt = requested_format(req)
+        tools = requested_tools(req) if isinstance(req, ChatCompletionRequest) else None
+        if fmt is not None and tools is not None:
+            raise APIError(400, f"{fmt[2]} and a forced tool call cannot be combined",
+                           param="tool_choice")
+        if tools is not None:
+            job.tools = tools[1]
+            fmt = ("json_schema", tools[0], "tools")
+        if fmt is not None:
+            job.spec = dataclasses.replace(job.spec, guide=await self.guides.compile(*fmt))
 
     async def run(self, job: Job) -> AsyncIterator[Piece]:
         """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""

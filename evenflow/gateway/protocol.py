@@ -74,12 +74,10 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
 # Fields of OpenAI's API and vLLM's extras that evenflow does not implement, each with what its
 # neutral value is: set to anything else, the request is refused with 400 naming the field.
 NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    # (tools on the completions endpoint; chat applies them)
     "tools": _empty, "tool_choice": _one_of("none"), "functions": _empty,
     "function_call": _one_of("none"), "suffix": _empty, "echo": _one_of(False),
     "prompt_logprobs": _none, "use_beam_search": _one_of(False), "length_penalty": _one_of(1, 1.0),
-    "guided_json": _none, "guided_regex": _none, "guided_choice": _none,
-    "guided_grammar": _none, "guided_decoding_backend": _none, "structured_outputs": _none,
     "audio": _none, "modalities": lambda v: v is None or v == ["text"], "prediction": _none,
     "web_search_options": _none, "reasoning_effort": _none, "store": _one_of(False),
     "metadata": _empty, "logits_processors": _empty, "bad_words": _empty,
@@ -125,6 +123,14 @@ class _Common(BaseModel):
     # EVENFLOW_REQUEST_TIMEOUT_S caps it. Past it: 504 (an error event once streaming).
     timeout: Number | None = Field(default=None, gt=0)
     logit_bias: dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+    # Structured output (gateway/structured.py): at most one of these per request
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = Field(default=None, min_length=1)
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    guided_grammar: StrictStr | None = Field(default=None, min_length=1)
+    guided_decoding_backend: StrictStr | None = None  # accepted; llguidance serves them all
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -232,7 +238,10 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: StrictBool = True
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    parallel_tool_calls: StrictBool | None = None  # meaningful only with tools (refused)
+    # Forced tool calls (gateway/structured.py): tool_choice "required" or a named function
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # False: "required" makes one call at most
     add_special_tokens: StrictBool = False
 
     @field_validator("top_logprobs")

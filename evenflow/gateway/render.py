@@ -115,9 +115,13 @@ def completion_body(kind: str, request_id: str, model: str, choices: list[dict[s
 
 
 def choice_body(kind: str, index: int, text: str, finish: str | None,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-    if kind == "chat":
+    if tool_calls:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        choice["finish_reason"] = "tool_calls"
+    elif kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -142,6 +146,17 @@ def chunk_body(kind: str, request_id: str, model: str, index: int, text: str | N
     if usage is not None:
         body["usage"] = usage.body()
     return body
+
+
+def tool_calls_chunk(request_id: str, model: str, index: int,
+                     tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A forced tool call, streamed: the whole call in one delta once the output is complete."""
+    delta = {"role": "assistant", "content": None,
+             "tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": "tool_calls"}]}
 
 
 def usage_chunk(kind: str, request_id: str, model: str, usage: Usage) -> dict[str, Any]:

@@ -25,8 +25,10 @@ from evenflow.gateway.render import (
     choice_body,
     chunk_body,
     completion_body,
+    tool_calls_chunk,
     usage_chunk,
 )
+from evenflow.gateway.structured import tool_calls
 from evenflow.services.metrics import INFLIGHT, REQUESTS
 
 log = logging.getLogger("evenflow.requests")
@@ -86,7 +88,9 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
     for i in range(job.n):
         if job.echo_text is None:
             rendered = _rendered_logprobs(gateway, job, Piece("", None, logprobs[i]), 0)
-            body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered))
+            calls = (tool_calls(job.tools, texts[i])
+                     if job.tools is not None and finishes[i] != "length" else None)
+            body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered, calls))
             continue
         rendered = None if job.logprobs is None else gateway.logprob_renderer.echoed(
             job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
@@ -103,8 +107,19 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
     choices = job.choices()
     first, offsets = [True] * job.n, [0] * job.n
     finishes: list[str | None] = [None] * job.n
+    held = [""] * job.n  # a forced tool call's output, until it is complete
     try:
         async for index, piece in merged(_runs(gateway, choices)):
+            if job.tools is not None:
+                held[index] += piece.text
+                if piece.finish is None:
+                    continue
+                calls = None if piece.finish == "length" else tool_calls(job.tools, held[index])
+                finishes[index] = piece.finish
+                if calls:
+                    yield _sse(tool_calls_chunk(job.request_id, job.model, index, calls))
+                    continue
+                piece = Piece(held[index], piece.finish)  # cut short: the text as content
             usage = job.total_usage(choices) if job.continuous_usage else None
             yield _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
                                   piece.finish, first[index],

@@ -65,6 +65,10 @@ class SamplingSpec:
     allowed_token_ids: list[int] = field(default_factory=list)  # empty: every token
     logprobs: int = -1  # top logprobs per token; -1: none at all
     prompt_logprobs: int = -1  # the same for the prompt's tokens (echo); -1: none
+    guide: str = ""  # structured output: an llguidance grammar (proto/grammar.py); "": none
+    # the prompt's last N tokens are this request's own output from an earlier attempt (a
+    # gateway retry): a grammar has already consumed them
+    resumed_output_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

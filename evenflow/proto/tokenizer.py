@@ -68,7 +68,8 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render the checkpoint's chat template, the way transformers does."""
         if self.chat_template is None:
@@ -84,6 +85,7 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools or None,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )

@@ -1,0 +1,182 @@
+"""Structured output and tool calls at the gateway: which output format a request asks for
+(`response_format`, vLLM's `guided_*` / `structured_outputs` extras, or `tools` with a
+`tool_choice` that forces a call), its grammar compiled and validated against the model's
+vocabulary off the event loop (a bad schema is a 400 before any work), and a finished output
+turned back into OpenAI `tool_calls`.
+
+Tool calls go through the same constrained decoding, as vLLM does without a model-specific
+parser: `tool_choice: {"type": "function", ...}` makes the output that function's arguments
+(a JSON object matching its `parameters`); `"required"` makes it a JSON array of
+`{"name", "parameters"}` calls, one of the tools each. `"auto"` (also the default when `tools`
+are given) would need a parser for a model family's own tool-call syntax; it is refused with 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from evenflow.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from evenflow.proto.grammar import GrammarError, guide_grammar, guide_vocabulary, validate
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a finished output becomes tool calls: `named` (the output is that function's
+    arguments) or, with named None, "required" (the output is a JSON array of calls)."""
+
+    named: str | None
+
+
+def _loads(value: Any, param: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
+            raise APIError(400, f"{param}: not valid JSON ({exc})", param=param) from None
+    return value
+
+
+def requested_format(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, Any, str] | None:
+    """(guide kind, value, the field that asked) for the output format the request names, or
+    None; a request may name at most one."""
+    found: list[tuple[str, Any, str]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("json_object", None, "response_format"))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise APIError(400, "response_format.json_schema must be an object with a "
+                               "`schema`", param="response_format")
+            found.append(("json_schema", _loads(schema, "response_format"), "response_format"))
+        elif kind != "text":
+            raise APIError(400, f"response_format: type {kind!r} is not supported (text, "
+                           "json_object or json_schema)", param="response_format")
+    if req.guided_json is not None:
+        found.append(("json_schema", _loads(req.guided_json, "guided_json"), "guided_json"))
+    if req.guided_regex is not None:
+        found.append(("regex", req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        found.append(("choice", req.guided_choice, "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append(("grammar", req.guided_grammar, "guided_grammar"))
+    for key, value in (req.structured_outputs or {}).items():
+        kind = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                "grammar": "grammar", "json_object": "json_object"}.get(key)
+        if kind == "json_object" and value:
+            found.append((kind, None, "structured_outputs"))
+        elif kind == "json_schema":
+            found.append((kind, _loads(value, "structured_outputs"), "structured_outputs"))
+        elif kind is not None and kind != "json_object" and value is not None:
+            found.append((kind, value, "structured_outputs"))
+    if len(found) > 1:
+        raise APIError(400, f"{found[1][2]}: only one output format per request "
+                       f"({found[0][2]} is set too)", param=found[1][2])
+    return found[0] if found else None
+
+
+def requested_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode] | None:
+    """The JSON schema a forced tool call's output must match, and how to read it back."""
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    params: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"tools[{i}] must be a function tool", param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise APIError(400, f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}",
+                           param="tools")
+        schema = function.get("parameters") or {"type": "object"}
+        if not isinstance(schema, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param="tools")
+        params[name] = schema
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise APIError(400, 'tool_choice "auto" is not supported by evenflow (it needs a '
+                       "tool-call parser for the model's own syntax); use \"required\" or "
+                       "name a function", param="tool_choice")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                   "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, schema in params.items()]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return array, ToolMode(None)
+    named = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(named, str) or named not in params:
+        raise APIError(400, "tool_choice must be \"none\", \"required\" or name one of the "
+                       "tools: {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       param="tool_choice")
+    return params[named], ToolMode(named)
+
+
+class GuideCompiler:
+    """Request formats -> validated grammar texts, off the event loop; the last few hundred
+    are remembered, so a client that sends the same schema again pays nothing."""
+
+    CACHE_SIZE = 256
+
+    def __init__(self, model_dir: Path, eos_ids: list[int]) -> None:
+        self._model_dir, self._eos_ids = model_dir, eos_ids
+        self._cache: OrderedDict[bytes, str] = OrderedDict()
+
+    def _compile(self, kind: str, value: Any) -> str:
+        grammar = guide_grammar(kind, value)
+        validate(grammar, guide_vocabulary(self._model_dir, self._eos_ids).tokenizer)
+        return grammar
+
+    async def compile(self, kind: str, value: Any, param: str) -> str:
+        key = orjson.dumps([kind, value], option=orjson.OPT_SORT_KEYS)
+        grammar = self._cache.get(key)
+        if grammar is None:
+            try:
+                grammar = await asyncio.to_thread(self._compile, kind, value)
+            except GrammarError as exc:
+                raise APIError(400, f"{param}: {exc}", param=param) from None
+            self._cache[key] = grammar
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return grammar
+
+
+def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI tool_calls a finished output makes, or None when it does not parse (cut
+    short by max_tokens: it is then returned as content)."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    calls: list[tuple[Any, Any]]
+    if mode.named is not None:
+        calls = [(mode.named, value)]
+    elif isinstance(value, list):
+        calls = [(c.get("name"), c.get("parameters")) for c in value if isinstance(c, dict)]
+    else:
+        return None
+    return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
+            for name, args in calls]
