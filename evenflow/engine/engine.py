@@ -183,7 +183,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
-        self.guides.close()
+        if hasattr(self, "guides"):  # (not yet when loading failed)
+            self.guides.close()
         if self._tp is not None:
             self._tp.close()
 

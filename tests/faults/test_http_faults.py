@@ -26,7 +26,7 @@ def post(mesh, body, headers=AUTH, path="/v1/chat/completions", **kwargs):
     ("top_logprobs", 21), ("best_of", 3), ("stream_options", {"include_usage": True}),
     ("seed", 2**64), ("n", 17), ("stop", ["x"] * 100_000), ("stop", [""]), ("timeout", 0),
     ("logit_bias", {"five": 10}), ("logit_bias", {"5": 101}), ("presence_penalty", 3),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "yaml"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "required"), ("min_tokens", 10**7), ("allowed_token_ids", []),
 ])
 def test_bad_values_are_400_naming_the_field(mesh, field, value):
