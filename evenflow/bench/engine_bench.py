@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
+    from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL
     name = "mixtral-quick" if args.quick else "mixtral-110m"
@@ -217,27 +218,33 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE), both engines compute in {dtype}")
-    ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)
-    if ours is None:
-        return 1
-    others: dict[str, dict] = {}
-    if args.tp > 1:
-        tp_result = _spawn(f"evenflow-tp{args.tp}", ckpt, args.threads, plan, dtype, args.tp)
-        if tp_result is not None:
-            others[f"TP={args.tp}"] = tp_result
-    if not args.no_reference:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            print("transformers is not installed: no transformers column", file=sys.stderr)
-        else:
-            ref = _spawn("transformers", ckpt, args.threads, plan, dtype)
-            if ref is not None:
-                others["transformers"] = ref
-    if args.vllm_python:
-        vllm = _spawn_vllm(args.vllm_python, ckpt, args.threads, plan, dtype)
-        if vllm is not None:
-            others["vLLM-CPU"] = vllm
+    stages = 1 + (args.tp > 1) + (not args.no_reference) + bool(args.vllm_python)
+    with Progress("bench engine: engines measured", stages, on_terminal()) as progress:
+        ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)
+        if ours is None:
+            return 1
+        progress.update()
+        others: dict[str, dict] = {}
+        if args.tp > 1:
+            tp_result = _spawn(f"evenflow-tp{args.tp}", ckpt, args.threads, plan, dtype, args.tp)
+            if tp_result is not None:
+                others[f"TP={args.tp}"] = tp_result
+            progress.update()
+        if not args.no_reference:
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                print("transformers is not installed: no transformers column", file=sys.stderr)
+            else:
+                ref = _spawn("transformers", ckpt, args.threads, plan, dtype)
+                if ref is not None:
+                    others["transformers"] = ref
+            progress.update()
+        if args.vllm_python:
+            vllm = _spawn_vllm(args.vllm_python, ckpt, args.threads, plan, dtype)
+            if vllm is not None:
+                others["vLLM-CPU"] = vllm
+            progress.update()
     print(_table(ours, others, plan))
     return 0
 

@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
+    from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL
     print(machine_line("bfloat16" if cpu_has_bf16() else "float32", 2))
@@ -254,13 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         models.append(("random 110M Mixtral, router skewed to experts 2 and 3",
                        str(skewed_mixtral(root))))
-    for name, ckpt in models:
-        model_plan = dict(plan, prefill=min(plan["prefill"], 448)) if ckpt == "tiny-moe" else plan
-        ep = run_worker("evenflow.bench.ep_bench", ["ep", ckpt, json.dumps(model_plan)], 1, name)
-        single = run_worker("evenflow.bench.ep_bench", ["single", ckpt, json.dumps(model_plan)],
-                            2, name)
-        if ep is None:
-            return 1
+    tables = []
+    with Progress("bench ep: runs done", 2 * len(models), on_terminal()) as progress:
+        for name, ckpt in models:
+            model_plan = (dict(plan, prefill=min(plan["prefill"], 448)) if ckpt == "tiny-moe"
+                          else plan)
+            ep = run_worker("evenflow.bench.ep_bench", ["ep", ckpt, json.dumps(model_plan)], 1,
+                            name)
+            progress.update()
+            single = run_worker("evenflow.bench.ep_bench",
+                                ["single", ckpt, json.dumps(model_plan)], 2, name)
+            progress.update()
+            if ep is None:
+                return 1
+            tables.append((name, ckpt, ep, single))
+    for name, ckpt, ep, single in tables:
         print(_table(name, ep, single))
         if args.record_trace and ckpt != "tiny-moe":
             Path(args.record_trace).write_text(json.dumps({"model": name, "load": ep["trace"]}))

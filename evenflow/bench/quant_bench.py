@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
+    from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
@@ -204,14 +205,20 @@ def main(argv: list[str] | None = None) -> int:
                                     QUICK_MODEL if args.quick else None))
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE); activations in {dtype}")
     results, logits = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    tasks = {}
+    with tempfile.TemporaryDirectory() as tmp, Progress(
+            "bench quant: variants measured", len(VARIANTS) + len(TASK_VARIANTS),
+            on_terminal()) as progress:
         for variant in VARIANTS:
             path = os.path.join(tmp, f"{variant}.pt")
             result = _spawn("speed", variant, ckpt, args.threads, plan, path)
             if result is None:
                 return 1
             results[variant], logits[variant] = result, torch.load(path)
-        tasks = {v: _spawn("tasks", v, ckpt, args.threads, plan, "") for v in TASK_VARIANTS}
+            progress.update()
+        for v in TASK_VARIANTS:
+            tasks[v] = _spawn("tasks", v, ckpt, args.threads, plan, "")
+            progress.update()
     base = results["native"]
     print(f"\nspeed and memory ({dtype} activations; ratio = unquantized / quantized time)")
     header = f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS)
