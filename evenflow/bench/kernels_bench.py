@@ -10,6 +10,12 @@ them alike), and the table gives each one's median time:
 - `int8 ours` / `int4 ours`: engine/kernels/weight_only.cpp;
 - `int8 deq`: dequantize the weight, then the dense matmul (what the engine uses for many rows).
 Ratios: dense time / kernel time (> 1: faster than unquantized), and torch / ours.
+
+Then decode attention over the paged KV cache, per batch size (the 110M model's heads: 8 query
+heads, 2 KV heads, head_dim 64; `--context` tokens each, scattered over the cache): torch's path
+(gather K and V with index_select, then scaled_dot_product_attention with a padding mask) against
+engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel up
+to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model.py), torch's path above.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="N x K weights, comma-separated")
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--attention-batches", default="1,2,4,8,16,32")
+    ap.add_argument("--context", type=int, default=160, help="tokens per sequence (attention)")
     args = ap.parse_args(argv)
 
     import torch
@@ -112,4 +120,55 @@ def main(argv: list[str] | None = None) -> int:
                   + f"   {med['dense'] / med['int8 ours']:14.2f}x"
                   f" {med['int8 torch'] / med['int8 ours']:15.2f}x"
                   f" {med['int4 torch'] / med['int4 ours']:15.2f}x")
+    _attention_table([int(b) for b in args.attention_batches.split(",")], args.context,
+                     args.rounds, dtype, g)
     return 0
+
+
+def _attention_table(batches: list[int], context: int, rounds: int, dtype: Any,
+                     g: Any) -> None:
+    from evenflow.engine import native
+    from evenflow.engine.model import PAGED_ATTENTION_MAX_BATCH
+
+    paged = native.decode_attention()
+    print(f"\ndecode attention, {context} tokens per sequence: median µs per layer call "
+          f"(the engine uses ours up to batch {PAGED_ATTENTION_MAX_BATCH})")
+    print(f"{'batch':>5} {'torch':>9} {'ours':>9} {'torch/ours':>11}")
+    for b in batches:
+        med = _time_attention(b, context, rounds, dtype, g, paged)
+        ours = med.get("ours", float("nan"))
+        print(f"{b:>5} {med['torch']:9.1f} {ours:9.1f} {med['torch'] / ours:10.2f}x")
+
+
+def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
+                    paged: Any) -> dict[str, float]:
+    """Median µs of torch's decode attention path and of ours, in the same rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, kv_heads, hd = 8, 2, 64
+    slots_total = b * context * 2
+    q = torch.randn(b, heads, hd, generator=g).to(dtype)
+    k_cache, v_cache = (torch.randn(slots_total, kv_heads, hd, generator=g).to(dtype)
+                        for _ in range(2))
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:context] for _ in range(b)])
+    lens = torch.full((b,), context)
+    mask = torch.zeros(b, 1, 1, context, dtype=dtype)
+
+    def torch_path() -> object:
+        flat = slots.flatten()
+        kd = k_cache.index_select(0, flat).view(b, context, kv_heads, hd).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(b, context, kv_heads, hd).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.view(b, kv_heads, heads // kv_heads, hd), kd, vd, attn_mask=mask)
+
+    fns: dict[str, Callable[[], object]] = {"torch": torch_path}
+    if paged is not None:
+        fns["ours"] = lambda: paged(q, k_cache, v_cache, slots, lens, hd**-0.5)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds + 2):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[2:]) * 1e6 for name, t in times.items()}

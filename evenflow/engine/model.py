@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from evenflow.engine import native
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.ffn import MLP, MoE
 from evenflow.parallel.group import ProcessGroup
@@ -29,6 +30,12 @@ class PrefillSegment:
     slots: Tensor | None  # (ctx_len,) cache slots of the whole context; None if ctx_len == q_len
 
 
+# Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) up
+# to this many decoding sequences, torch's gather + scaled_dot_product_attention above: torch's
+# bf16 flash kernel catches up from ~8 sequences (`evenflow bench kernels`, attention table).
+PAGED_ATTENTION_MAX_BATCH = 4
+
+
 @dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes, and what each query attends to.
@@ -41,6 +48,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
     decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a context slot is real, -inf else
+    decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +116,13 @@ class Attention(nn.Module):
                 mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
-        if meta.decode_slots is not None:
+        paged = native.decode_attention() if meta.decode_lens is not None and \
+            meta.decode_lens.shape[0] <= PAGED_ATTENTION_MAX_BATCH else None
+        if meta.decode_slots is not None and paged is not None:
+            # K and V read where they lie in the cache (kernels/paged_attention.cpp)
+            outs.append(paged(q[meta.num_prefill_tokens :].contiguous(), k_cache, v_cache,
+                              meta.decode_slots, meta.decode_lens, hd**-0.5))
+        elif meta.decode_slots is not None:
             B = meta.decode_slots.shape[0]
             group = self.num_heads // self.num_kv_heads
             # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.

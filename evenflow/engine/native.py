@@ -24,7 +24,8 @@ from evenflow.engine.config import cpu_description
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",)
+SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
+           Path(__file__).parent / "kernels" / "paged_attention.cpp")
 
 
 def enabled() -> bool:
@@ -80,3 +81,13 @@ def ops() -> Any | None:
         log.warning("native kernels unavailable, using torch's: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None
+
+
+@functools.cache
+def decode_attention() -> Any | None:
+    """The paged decode attention kernel (kernels/paged_attention.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_ATTENTION=0 (torch's gather + scaled_dot_product_attention)."""
+    if os.environ.get("EVENFLOW_NATIVE_ATTENTION", "1").lower() in ("0", "false", "off"):
+        return None
+    kernels = ops()
+    return None if kernels is None else getattr(kernels, "paged_decode_attention", None)

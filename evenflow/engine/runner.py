@@ -120,7 +120,7 @@ class ModelRunner:
             elif c.samples:
                 logit_rows.append(len(input_ids) - 1)
         num_prefill = len(input_ids)
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = decode_lens = None
         if decodes:
             bs = self.block_size
             ctx = torch.tensor([c.start + 1 for c in decodes])  # (B,)
@@ -132,6 +132,7 @@ class ModelRunner:
             real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
             decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)  # (B, L)
             positions = ctx - 1
+            decode_lens = ctx
             # Additive mask in the model's dtype, made once per step: torch's CPU attention
             # turns a bool mask into this in every layer (measured 1.3x slower at batch 32).
             decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype).masked_fill_(
@@ -143,6 +144,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts), prefills=prefills, num_prefill_tokens=num_prefill,
             decode_slots=decode_slots, decode_mask=decode_mask,
+            decode_lens=decode_lens,
         )
         return (torch.tensor(input_ids), torch.cat(position_parts), meta,
                 torch.tensor(logit_rows, dtype=torch.long))

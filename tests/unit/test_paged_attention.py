@@ -1,0 +1,54 @@
+"""The paged decode attention kernel (engine/kernels/paged_attention.cpp) gives what torch's
+gather + scaled_dot_product_attention gives, reading K and V where they lie in the cache, and
+the engine's greedy output is the same with it and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evenflow.engine import native
+
+
+def reference(q, k_cache, v_cache, slots, lens):
+    heads, kv_heads, hd = q.shape[1], k_cache.shape[1], q.shape[2]
+    out = []
+    for b in range(q.shape[0]):
+        ctx = slots[b, : lens[b]]
+        k, v = (c[ctx].float().transpose(0, 1) for c in (k_cache, v_cache))
+        qb = q[b].float().view(kv_heads, heads // kv_heads, hd)
+        out.append(F.scaled_dot_product_attention(qb, k, v).reshape(heads, hd))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (4, 4, 32), (16, 2, 128)])
+def test_matches_torch_attention(dtype, tolerance, heads, kv_heads, hd):
+    kernel = native.decode_attention()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(0)
+    batch, width, slots_total = 4, 70, 300
+    q = (torch.randn(batch, heads, hd, generator=g) * 2).to(dtype)
+    k_cache, v_cache = (torch.randn(slots_total, kv_heads, hd, generator=g).to(dtype)
+                        for _ in range(2))
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:width] for _ in range(batch)])
+    lens = torch.tensor([1, 70, 33, 17])  # the rest of each row is padding, never read
+    slots[0, 1:] = -1  # (an out-of-range slot past lens would crash if it were read)
+    got = kernel(q, k_cache, v_cache, slots, lens, hd**-0.5)
+    torch.testing.assert_close(got.float(), reference(q, k_cache, v_cache, slots, lens),
+                               atol=tolerance, rtol=tolerance)
+
+
+def test_greedy_output_is_the_same_with_and_without_it(monkeypatch):
+    from evenflow import LLM, SamplingParams
+
+    if native.decode_attention() is None:
+        pytest.skip("native kernels unavailable")
+    llm = LLM("tiny-moe", dtype="float32")
+    prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r =", "json ="]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(native, "decode_attention", lambda: None)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
