@@ -58,7 +58,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        kernels = native.norms()
+        if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
+            return kernels.rms_norm(x, self.weight, self.eps)  # one pass (kernels/norm.cpp)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, its norm), in one pass when the native kernel is there."""
+        kernels = native.norms()
+        if kernels is not None and x.dtype == residual.dtype == self.weight.dtype and \
+                x.is_contiguous() and residual.is_contiguous():
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -153,8 +165,8 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv[0], kv[1], meta)
         if self.tp is not None:
             self.tp.all_reduce(attn)
-        x = x + attn
-        mlp = self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        mlp = self.mlp(h)
         if self.tp is not None:
             self.tp.all_reduce(mlp)
         return x + mlp

@@ -25,7 +25,8 @@ from evenflow.engine.config import cpu_description
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
-           Path(__file__).parent / "kernels" / "paged_attention.cpp")
+           Path(__file__).parent / "kernels" / "paged_attention.cpp",
+           Path(__file__).parent / "kernels" / "norm.cpp")
 
 
 def enabled() -> bool:
@@ -83,11 +84,23 @@ def ops() -> Any | None:
         return None
 
 
+def _switched_on(name: str) -> bool:
+    return os.environ.get(name, "1").lower() not in ("0", "false", "off")
+
+
+@functools.cache
+def norms() -> Any | None:
+    """The fused RMSNorm kernels (kernels/norm.cpp: rms_norm, add_rms_norm), or None: no native
+    kernels, or EVENFLOW_NATIVE_NORM=0 (torch's rms_norm and a separate residual add)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_NORM") else None
+    return kernels if kernels is not None and hasattr(kernels, "add_rms_norm") else None
+
+
 @functools.cache
 def decode_attention() -> Any | None:
     """The paged decode attention kernel (kernels/paged_attention.cpp), or None: no native
     kernels, or EVENFLOW_NATIVE_ATTENTION=0 (torch's gather + scaled_dot_product_attention)."""
-    if os.environ.get("EVENFLOW_NATIVE_ATTENTION", "1").lower() in ("0", "false", "off"):
+    if not _switched_on("EVENFLOW_NATIVE_ATTENTION"):
         return None
     kernels = ops()
     return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
