@@ -1,6 +1,7 @@
-"""The paged decode attention kernel (engine/kernels/paged_attention.cpp) gives what torch's
-gather + scaled_dot_product_attention gives, reading K and V where they lie in the cache, and
-the engine's greedy output is the same with it and without it."""
+"""The engine's fused kernels give what the torch ops they replace give: the paged decode
+attention (engine/kernels/paged_attention.cpp, K and V read where they lie in the cache) and the
+RMSNorm / residual-add + RMSNorm (engine/kernels/norm.cpp, bit-identical in bf16); the engine's
+greedy output is the same with them and without them."""
 
 from __future__ import annotations
 
@@ -41,14 +42,35 @@ def test_matches_torch_attention(dtype, tolerance, heads, kv_heads, hd):
                                atol=tolerance, rtol=tolerance)
 
 
-def test_greedy_output_is_the_same_with_and_without_it(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_match_torch(dtype):
+    kernels = native.norms()
+    if kernels is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(7, 512, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(512, generator=g) + 0.5).to(dtype)
+    exact = dtype == torch.bfloat16  # (float32 sums in another order: within an ulp or two)
+    check = torch.testing.assert_close if not exact else (
+        lambda a, b: torch.testing.assert_close(a, b, atol=0, rtol=0))
+    check(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (512,), weight, 1e-5))
+    total, normed = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)
+    check(normed, F.rms_norm(x + residual, (512,), weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_output_is_the_same_with_and_without_them(monkeypatch, dtype):
     from evenflow import LLM, SamplingParams
 
-    if native.decode_attention() is None:
+    if native.decode_attention() is None or native.norms() is None:
         pytest.skip("native kernels unavailable")
-    llm = LLM("tiny-moe", dtype="float32")
-    prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r =", "json ="]
+    llm = LLM("tiny-moe", dtype=dtype)
+    prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r ="]
+    if dtype == "float32":  # free-form output has near ties that bf16 rounding may flip
+        prompts.append("json =")
     params = SamplingParams(temperature=0, max_tokens=12)
-    with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
+    with_kernels = [o.token_ids for o in llm.generate(prompts, params)]
     monkeypatch.setattr(native, "decode_attention", lambda: None)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernel
+    monkeypatch.setattr(native, "norms", lambda: None)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernels
