@@ -100,6 +100,12 @@ class Attention(nn.Module):
     ) -> Tensor:
         T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
+        fused = native.rotary_kv_write() if not meta.prefills and not self.qk_norm else None
+        if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
+            # a decode-only step: rotary, the K/V write and q's layout in one pass
+            q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
+            return self.o_proj(self._decode_attention(q, k_cache, v_cache, meta).reshape(
+                T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
@@ -128,26 +134,30 @@ class Attention(nn.Module):
                 mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
-        paged = native.decode_attention() if meta.decode_lens is not None and \
-            meta.decode_lens.shape[0] <= PAGED_ATTENTION_MAX_BATCH else None
-        if meta.decode_slots is not None and paged is not None:
-            # K and V read where they lie in the cache (kernels/paged_attention.cpp)
-            outs.append(paged(q[meta.num_prefill_tokens :].contiguous(), k_cache, v_cache,
-                              meta.decode_slots, meta.decode_lens, hd**-0.5))
-        elif meta.decode_slots is not None:
-            B = meta.decode_slots.shape[0]
-            group = self.num_heads // self.num_kv_heads
-            # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
-            qd = q[meta.num_prefill_tokens :].view(B, self.num_kv_heads, group, self.head_dim)
-            flat = meta.decode_slots.flatten()
-            L = meta.decode_slots.shape[1]
-            # (B, n_kv, L, hd)
-            kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            outs.append(o.reshape(B, self.num_heads, self.head_dim))
+        if meta.decode_slots is not None:
+            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], k_cache, v_cache,
+                                               meta))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                          meta: AttentionMetadata) -> Tensor:
+        """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
+        assert meta.decode_slots is not None
+        B, L = meta.decode_slots.shape
+        n_kv, hd = self.num_kv_heads, self.head_dim
+        paged = native.decode_attention() if meta.decode_lens is not None and \
+            B <= PAGED_ATTENTION_MAX_BATCH else None
+        if paged is not None:  # K and V read where they lie (kernels/paged_attention.cpp)
+            return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
+                         hd**-0.5)
+        # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
+        qd = q.reshape(B, n_kv, self.num_heads // n_kv, hd)
+        flat = meta.decode_slots.flatten()
+        kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B,n_kv,L,hd)
+        vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        return o.reshape(B, self.num_heads, hd)
 
 
 class DecoderLayer(nn.Module):

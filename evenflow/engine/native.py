@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "paged_attention.cpp",
-           Path(__file__).parent / "kernels" / "norm.cpp")
+           Path(__file__).parent / "kernels" / "norm.cpp",
+           Path(__file__).parent / "kernels" / "rotary.cpp")
 
 
 def enabled() -> bool:
@@ -94,6 +95,14 @@ def norms() -> Any | None:
     kernels, or EVENFLOW_NATIVE_NORM=0 (torch's rms_norm and a separate residual add)."""
     kernels = ops() if _switched_on("EVENFLOW_NATIVE_NORM") else None
     return kernels if kernels is not None and hasattr(kernels, "add_rms_norm") else None
+
+
+@functools.cache
+def rotary_kv_write() -> Any | None:
+    """The decode step's fused rotary + KV-cache write (kernels/rotary.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_ROTARY=0 (torch's multiplies, roll and index_copy_)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_ROTARY") else None
+    return None if kernels is None else getattr(kernels, "rotary_kv_write", None)
 
 
 @functools.cache

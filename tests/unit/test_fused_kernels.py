@@ -1,7 +1,8 @@
 """The engine's fused kernels give what the torch ops they replace give: the paged decode
-attention (engine/kernels/paged_attention.cpp, K and V read where they lie in the cache) and the
-RMSNorm / residual-add + RMSNorm (engine/kernels/norm.cpp, bit-identical in bf16); the engine's
-greedy output is the same with them and without them."""
+attention (engine/kernels/paged_attention.cpp, K and V read where they lie in the cache), the
+RMSNorm / residual-add + RMSNorm (engine/kernels/norm.cpp, bit-identical in bf16) and the rotary
++ KV write (engine/kernels/rotary.cpp, bit-identical); the engine's greedy output is the same
+with them and without them."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ def test_norms_match_torch(dtype):
     check(normed, F.rms_norm(x + residual, (512,), weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_kv_write_are_bit_identical_to_torch(dtype):
+    fused = native.rotary_kv_write()
+    if fused is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, hd = 5, 8, 2, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, hd, generator=g).to(dtype)
+    cos, sin = (torch.randn(tokens, 1, hd, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(40, kv_heads, hd, dtype=dtype) for _ in range(2))
+    slots = torch.tensor([3, 9, 10, 31, 0])
+    q = fused(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    qk = qkv[:, : heads + kv_heads]
+    rotated = qk * cos + torch.roll(qk, hd // 2, -1) * sin  # engine/model.py's torch path
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k_cache[slots], rotated[:, heads:])
+    assert torch.equal(v_cache[slots], qkv[:, heads + kv_heads :])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 40]), heads, kv_heads)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_output_is_the_same_with_and_without_them(monkeypatch, dtype):
     from evenflow import LLM, SamplingParams
@@ -73,4 +94,5 @@ def test_greedy_output_is_the_same_with_and_without_them(monkeypatch, dtype):
     with_kernels = [o.token_ids for o in llm.generate(prompts, params)]
     monkeypatch.setattr(native, "decode_attention", lambda: None)
     monkeypatch.setattr(native, "norms", lambda: None)
+    monkeypatch.setattr(native, "rotary_kv_write", lambda: None)
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_kernels
