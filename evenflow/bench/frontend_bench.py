@@ -9,6 +9,13 @@ streamed, TTFT p50/p99, the gateway's event-loop lag over the run (p50/p99 from 
 `evenflow_event_loop_lag_seconds` histogram: how late a 50 ms timer fires), and the CPU time each
 kind of process spent per 1,000 streamed tokens - the load generator (this process) included,
 which on a small machine is often the straggler itself.
+
+A peer's front end on the same load generator: start it yourself and give `--peer-url` (e.g.
+vLLM's OpenAI server on its CPU build, serving tiny-moe: `python -m vllm.entrypoints.openai.
+api_server --model <evenflow/models/tiny-moe> --dtype bfloat16 --port 8100`); the same streams go
+to it at each concurrency and the table prints evenflow's req/s against the peer's. The peer
+computes for real, so `--real` gives evenflow real tiny-moe workers too (apples to apples).
+Both get one unrecorded warm-up round first.
 """
 
 from __future__ import annotations
@@ -82,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateways", default="1",
                     help="gateway process counts to compare, e.g. 1,2 (each its own mesh)")
     ap.add_argument("--quick", action="store_true", help="concurrency 8 and 32, 16 tokens")
+    ap.add_argument("--real", action="store_true",
+                    help="workers run tiny-moe for real instead of the zero-compute mock")
+    ap.add_argument("--peer-url", default=None,
+                    help="an OpenAI-compatible server to drive the same way (its /v1 base URL)")
+    ap.add_argument("--peer-model", default=None, help="the peer's model name (default: its "
+                    "first /v1/models entry)")
+    ap.add_argument("--peer-name", default="peer", help="the peer's name in the table")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     levels = [8, 32] if args.quick else [int(c) for c in args.concurrency.split(",")]
     output_len = 16 if args.quick else args.output_len
@@ -90,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    print(machine_line("n/a (mock engine, no compute)"))
+    print(machine_line("tiny-moe, real compute" if args.real else "n/a (mock engine, no compute)"))
     rows = []
     cpu_rows: list[tuple[int, int, dict[str, float]]] = []
     for gateways in (int(g) for g in args.gateways.split(",")):
-        config = MeshConfig(port=0, engine="mock", mock_timing_scale=0.0, num_prefill=0,
+        config = MeshConfig(port=0, engine="torch" if args.real else "mock",
+                            mock_timing_scale=0.0, num_prefill=0,
                             num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
                             max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
                             stats_log_interval_s=0, num_gateways=gateways,
@@ -103,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         mesh.start(health_timeout_s=120)
         try:
             urls = [u for name, u in mesh.metrics_urls().items() if name.startswith("gateway")]
+            _warm_up(mesh.url, mesh.config.model_name, levels[0], args.prompt_len, output_len)
             for level in levels:
                 n = 2 * level
                 before = lag_buckets(urls, {})
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                              quantile(before, after, 0.99) * 1e3))
         finally:
             mesh.stop()
-    print(f"gateway(s) + {args.decode} mock decode workers (no compute), prompt "
+    workers = "tiny-moe" if args.real else "mock"
+    print(f"gateway(s) + {args.decode} {workers} decode workers, prompt "
           f"{args.prompt_len} tokens, {output_len} out, streamed; ratio: req/s against the "
           "first gateway count at the same concurrency")
     print(f"  {'gateways':>8} {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'ratio':>6} "
@@ -139,7 +156,38 @@ def main(argv: list[str] | None = None) -> int:
     for gateways, level, per_role in cpu_rows:
         cells = "  ".join(f"{role} {ms:.0f}" for role, ms in per_role.items())
         print(f"  gateways {gateways}, {level:4d} streams:  {cells}")
+    if args.peer_url:
+        _peer_table(args, levels, output_len, base)
     return 0
+
+
+def _warm_up(url: str, model: str, level: int, prompt_len: int, output_len: int) -> None:
+    """One unrecorded round at the first concurrency: first-call costs (kernel shapes, caches,
+    connection set-up) stay out of the table, for evenflow and the peer alike."""
+    asyncio.run(run_load(url, model, make_prompts(level, prompt_len, 500, seed=10**6),
+                         output_len, level))
+
+
+def _peer_table(args: argparse.Namespace, levels: list[int], output_len: int,
+                ours: dict[int, float]) -> None:
+    """The same streams against the peer; evenflow's req/s (first gateway count) / the peer's."""
+    base_url = args.peer_url.rstrip("/").removesuffix("/v1")
+    model = args.peer_model or httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0][
+        "id"]
+    _warm_up(base_url, model, levels[0], args.prompt_len, output_len)
+    print(f"\n{args.peer_name} at {base_url} ({model}), the same load generator and streams")
+    print(f"  {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'evenflow / ' + args.peer_name:>20}")
+    for level in levels:
+        load = asyncio.run(run_load(base_url, model, make_prompts(
+            2 * level, args.prompt_len, 500, seed=level), output_len, level))
+        ttft = [t.ttft * 1e3 for t in load.timings]
+        rps = len(load.timings) / load.wall
+        print(f"  {level:7d} {len(load.timings):5d} {load.errors:6d} {rps:8.1f} "
+              f"{load.throughput:9.0f} {percentile(ttft, 50):9.1f} {percentile(ttft, 99):9.1f} "
+              f"{ours[level] / rps if rps else float('nan'):19.2f}x")
+        if load.first_error:
+            print(f"    first error: {load.first_error}")
 
 
 if __name__ == "__main__":
