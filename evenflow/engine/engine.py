@@ -24,7 +24,7 @@ from evenflow.engine.prepack import prepack_model
 from evenflow.engine.profiling import ProfileControl, StepProfiler
 from evenflow.engine.quant import QuantConfig
 from evenflow.engine.runner import ModelRunner
-from evenflow.engine.sampling_params import SamplingParams
+from evenflow.engine.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.sequence import FinishReason, Sequence
 from evenflow.engine.tp_runner import TPGroup, TPLeaderRunner, threads_per_rank
@@ -215,7 +215,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
             raise ValueError(f"the prompt needs more KV blocks than the cache has "
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
-                       _sampling_params(params), export_kv=export_kv)
+                       sampling_params_of(params), export_kv=export_kv)
         resumed = seq.params.resumed_output_tokens
         self.guides.start(seq, seq.token_ids[len(seq.token_ids) - resumed:] if resumed else [])
         self._requests[request_id] = seq
@@ -242,7 +242,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
         tensor = torch.frombuffer(kv.data, dtype=torch.uint8) if len(kv.data) else torch.empty(
             0, dtype=torch.uint8)
         seq = Sequence(request_id, [*prompt_token_ids, first_token_id], len(prompt_token_ids),
-                       _sampling_params(params),
+                       sampling_params_of(params),
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
@@ -404,22 +404,3 @@ class Engine(ExpertPlacementControl, ProfileControl):
                           seq.step_logprobs if new else None,
                           seq.prompt_logprobs if new and seq.params.prompt_logprobs is not None
                           and seq.num_output_tokens == 1 else None)
-
-
-def _sampling_params(params: SamplingParams | SamplingSpec) -> SamplingParams:
-    """Wire settings -> validated SamplingParams (ValueError naming the field)."""
-    if isinstance(params, SamplingParams):
-        return params
-    return SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
-                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                          min_p=params.min_p, presence_penalty=params.presence_penalty,
-                          frequency_penalty=params.frequency_penalty,
-                          repetition_penalty=params.repetition_penalty,
-                          min_tokens=params.min_tokens,
-                          logit_bias=tuple((int(t), b) for t, b in params.logit_bias),
-                          allowed_token_ids=params.allowed_token_ids or None,
-                          logprobs=None if params.logprobs < 0 else params.logprobs,
-                          prompt_logprobs=None if params.prompt_logprobs < 0
-                          else params.prompt_logprobs, guide=params.guide or None,
-                          resumed_output_tokens=params.resumed_output_tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from evenflow.proto.messages import SamplingSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -103,3 +105,23 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.min_tokens or self.logit_bias
                     or self.allowed_token_ids)
+
+
+def sampling_params_of(params: SamplingParams | SamplingSpec) -> SamplingParams:
+    """Wire settings (proto SamplingSpec) -> validated SamplingParams (ValueError naming the
+    field); SamplingParams pass through."""
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=params.seed, max_tokens=params.max_tokens,
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                          min_p=params.min_p, presence_penalty=params.presence_penalty,
+                          frequency_penalty=params.frequency_penalty,
+                          repetition_penalty=params.repetition_penalty,
+                          min_tokens=params.min_tokens,
+                          logit_bias=tuple((int(t), b) for t, b in params.logit_bias),
+                          allowed_token_ids=params.allowed_token_ids or None,
+                          logprobs=None if params.logprobs < 0 else params.logprobs,
+                          prompt_logprobs=None if params.prompt_logprobs < 0
+                          else params.prompt_logprobs, guide=params.guide or None,
+                          resumed_output_tokens=params.resumed_output_tokens)
