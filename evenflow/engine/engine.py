@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from evenflow import models
+from evenflow.engine import native
 from evenflow.engine.block_manager import BlockManager, KVEventListener
 from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
 from evenflow.engine.expert_store import PlacementMoves, read_missing_experts
@@ -142,6 +143,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
                 layer.slot_counts = self.slot_counts[row]
             self.apply_placement(initial, None, version=0)
         self.eos_token_ids = set(cfg.eos_token_ids)
+        native.ops()  # built (first time on a machine: ~30 s) or loaded now, not in a request
         self.guides = self.runner.guides = Guides(self.model_dir, cfg.eos_token_ids,
                                                   cfg.vocab_size)
         self.kv_event_listener = kv_event_listener

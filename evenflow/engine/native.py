@@ -35,11 +35,11 @@ def enabled() -> bool:
 
 
 def build_dir() -> Path:
-    """Per source text, torch version and CPU flags: a copy built for another machine (a
-    shared home, a container image) is never loaded on one lacking its instructions."""
+    """Per source path and text, torch version and CPU flags: a copy built for another machine
+    (a shared home, a container image) is never loaded on one lacking its instructions."""
     digest = hashlib.sha256()
-    for source in SOURCES:
-        digest.update(source.read_bytes())
+    for source in SOURCES:  # (its path too: two checkouts must not rebuild each other's copy)
+        digest.update(str(source.resolve()).encode() + source.read_bytes())
     digest.update(f"{torch.__version__}|{cpu_description()}".encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
