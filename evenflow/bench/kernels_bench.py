@@ -144,7 +144,8 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
                     paged: Any) -> dict[str, float]:
     """Median µs of torch's decode attention path and of ours, in the same rounds."""
     import torch
-    import torch.nn.functional as F
+
+    from evenflow.engine.model import gathered_decode_attention
 
     heads, kv_heads, hd = 8, 2, 64
     slots_total = b * context * 2
@@ -155,14 +156,8 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
     lens = torch.full((b,), context)
     mask = torch.zeros(b, 1, 1, context, dtype=dtype)
 
-    def torch_path() -> object:
-        flat = slots.flatten()
-        kd = k_cache.index_select(0, flat).view(b, context, kv_heads, hd).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(b, context, kv_heads, hd).transpose(1, 2)
-        return F.scaled_dot_product_attention(
-            q.view(b, kv_heads, heads // kv_heads, hd), kd, vd, attn_mask=mask)
-
-    fns: dict[str, Callable[[], object]] = {"torch": torch_path}
+    fns: dict[str, Callable[[], object]] = {
+        "torch": lambda: gathered_decode_attention(q, k_cache, v_cache, slots, mask)}
     if paged is not None:
         fns["ours"] = lambda: paged(q, k_cache, v_cache, slots, lens, hd**-0.5)
     times: dict[str, list[float]] = {name: [] for name in fns}

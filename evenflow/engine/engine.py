@@ -218,8 +218,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
                        sampling_params_of(params), export_kv=export_kv)
-        resumed = seq.params.resumed_output_tokens
-        self.guides.start(seq, seq.token_ids[len(seq.token_ids) - resumed:] if resumed else [])
+        self.guides.start(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -248,8 +247,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
-        resumed = seq.params.resumed_output_tokens
-        self.guides.start(seq, seq.token_ids[len(prompt_token_ids) - resumed:])
+        self.guides.start(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 

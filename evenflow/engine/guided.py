@@ -42,16 +42,17 @@ class Guides:
         self._compiler: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
-    def start(self, seq: Sequence, consumed: Seq[int] = ()) -> None:
-        """Begin building seq's matcher (when it asks for a grammar); it will first consume
-        `consumed`: output tokens sampled elsewhere (a prefill worker's first token, a retried
-        request's earlier output)."""
+    def start(self, seq: Sequence) -> None:
+        """Begin building seq's matcher (when it asks for a grammar). It first consumes the
+        output made elsewhere: the prompt's last `resumed_output_tokens` (a retried request's
+        earlier output) and any token past the prompt (a prefill worker's first token)."""
         grammar = seq.params.guide
         if not grammar:
             return
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="evenflow-guide")
-        seq.guide = self._compiler.submit(self._build, grammar, list(consumed))
+        made_elsewhere = seq.token_ids[seq.num_prompt_tokens - seq.params.resumed_output_tokens:]
+        seq.guide = self._compiler.submit(self._build, grammar, made_elsewhere)
 
     def vocabulary(self) -> GuideVocabulary:
         return guide_vocabulary(self._model_dir, self._eos_ids, self._vocab_size)

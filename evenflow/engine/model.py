@@ -73,6 +73,19 @@ class RMSNorm(nn.Module):
         return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def gathered_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                              mask: Tensor | None) -> Tensor:
+    """torch's decode attention: q (B, nh, hd) over each sequence's context slots (B, L),
+    gathered into a padded copy, with an additive mask over the padding -> (B, nh, hd)."""
+    (B, L), (nh, hd), n_kv = slots.shape, q.shape[1:], k_cache.shape[1]
+    # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
+    qd = q.reshape(B, n_kv, nh // n_kv, hd)
+    flat = slots.flatten()
+    kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B, n_kv, L, hd)
+    vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).reshape(B, nh, hd)
+
+
 class Attention(nn.Module):
     """q, k and v come from one fused projection (qkv_proj: the loader concatenates the
     checkpoint's q_proj, k_proj and v_proj)."""
@@ -144,20 +157,13 @@ class Attention(nn.Module):
                           meta: AttentionMetadata) -> Tensor:
         """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
         assert meta.decode_slots is not None
-        B, L = meta.decode_slots.shape
-        n_kv, hd = self.num_kv_heads, self.head_dim
         paged = native.decode_attention() if meta.decode_lens is not None and \
-            B <= PAGED_ATTENTION_MAX_BATCH else None
+            meta.decode_slots.shape[0] <= PAGED_ATTENTION_MAX_BATCH else None
         if paged is not None:  # K and V read where they lie (kernels/paged_attention.cpp)
             return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
-                         hd**-0.5)
-        # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
-        qd = q.reshape(B, n_kv, self.num_heads // n_kv, hd)
-        flat = meta.decode_slots.flatten()
-        kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B,n_kv,L,hd)
-        vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        return o.reshape(B, self.num_heads, hd)
+                         self.head_dim**-0.5)
+        return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
+                                         meta.decode_mask)
 
 
 class DecoderLayer(nn.Module):

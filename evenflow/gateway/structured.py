@@ -76,12 +76,11 @@ def requested_format(req: CompletionRequest | ChatCompletionRequest) -> tuple[st
     for key, value in (req.structured_outputs or {}).items():
         kind = {"json": "json_schema", "regex": "regex", "choice": "choice",
                 "grammar": "grammar", "json_object": "json_object"}.get(key)
-        if kind == "json_object" and value:
-            found.append((kind, None, "structured_outputs"))
-        elif kind == "json_schema":
-            found.append((kind, _loads(value, "structured_outputs"), "structured_outputs"))
-        elif kind is not None and kind != "json_object" and value is not None:
-            found.append((kind, value, "structured_outputs"))
+        if kind is None or value is None or (kind == "json_object" and not value):
+            continue  # unset, or one of vLLM's other keys (whitespace options, ...)
+        if kind == "json_schema":
+            value = _loads(value, "structured_outputs")
+        found.append((kind, None if kind == "json_object" else value, "structured_outputs"))
     if len(found) > 1:
         raise APIError(400, f"{found[1][2]}: only one output format per request "
                        f"({found[0][2]} is set too)", param=found[1][2])

@@ -90,8 +90,7 @@ class _VocabularyBytes:
     not decided yet); it is past the tokenizer's ids and the engine never lets it be sampled.
     """
 
-    def __init__(self, spec: dict[str, Any], eos_id: int, bos_id: int | None,
-                 vocab_size: int | None) -> None:
+    def __init__(self, spec: dict[str, Any], eos_id: int, vocab_size: int | None) -> None:
         vocab: dict[str, int] = dict(spec["model"]["vocab"])
         prefix = spec.get("decoder", {}).get("prefix", "##")
         specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
@@ -113,7 +112,7 @@ class _VocabularyBytes:
                 self.words[text] = token_id
         self.special_token_ids = sorted(specials | set(range(self.space + 1, size)))
         self.eos_token_id = eos_id
-        self.bos_token_id = bos_id
+        self.bos_token_id = None  # (llguidance's attribute; grammars never start with it)
         self._longest = max(map(len, [*self.words, *self.pieces]), default=1)
 
     def __call__(self, data: bytes | str) -> list[int]:
@@ -169,7 +168,7 @@ def guide_vocabulary(model_dir: str | Path, eos_ids: Sequence[int],
         eos = list(eos_ids)
         never: tuple[int, ...] = ()
         if spec.get("decoder", {}).get("type") == "WordPiece":
-            vocabulary = _VocabularyBytes(spec, eos[0], None, vocab_size)
+            vocabulary = _VocabularyBytes(spec, eos[0], vocab_size)
             built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary),
                                            eos_token=eos)
             never = (vocabulary.space,)

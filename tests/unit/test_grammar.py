@@ -54,7 +54,7 @@ def test_a_bad_format_is_refused_with_the_reason(vocabulary, kind, value, words)
 def test_word_level_tokens_add_up_to_the_text(vocabulary):
     tok = Tokenizer(TINY)
     spec = __import__("json").loads((TINY / "tokenizer.json").read_text())
-    words = _VocabularyBytes(spec, tok.eos_token_id, None, None)
+    words = _VocabularyBytes(spec, tok.eos_token_id, None)
     for text in [' {"name": "bob", "age": 12}', "count ", " 17 18", "x", ' "a b"', " "]:
         ids = words(text.encode())
         assert b"".join(words.tokens[i] for i in ids) == text.encode(), text
