@@ -68,7 +68,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig
     model = load_model(model_dir, dtype, quant_config(config), shard,
                        show_progress=config.show_progress and shard is None)
     if config.prepack_weights:
-        prepack_model(model, dtype)
+        prepack_model(model, dtype, fuse_experts=config.expert_parallel_size == 1)
     return model
 
 

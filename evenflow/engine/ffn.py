@@ -1,8 +1,10 @@
 """The feed-forward half of a decoder layer: the dense MLP and the routed-expert MoE.
 
 MoE layers route each token to its top-k experts (through physical slots under an expert
-placement), group tokens by expert and run one matmul per expert; the expert weights are plain
-stacks, packed per expert for oneDNN (engine/prepack.py) or quantized (engine/quant.py).
+placement). Where the fused kernel serves (engine/fused_moe.py: bf16 with AVX512-BF16, or fp32)
+all routed experts run in one native call; otherwise tokens are grouped by expert and each
+expert runs its own matmuls, over plain stacks, weights packed per expert for oneDNN
+(engine/prepack.py) or quantized ones (engine/quant.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from evenflow.engine import fused_moe
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.quant import QuantStack
@@ -91,6 +94,9 @@ class MoE(nn.Module):
         # Per-expert weights packed for oneDNN (engine/prepack.py): w13 and w2 are then empty.
         self.packed: tuple[list[Tensor], list[Tensor]] | None = None
         self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
+        # Per-expert weights in the fused kernel's layout (engine/fused_moe.py); w13, w2 empty.
+        self.fused: tuple[list[Tensor], list[Tensor]] | None = None
+        self._slot_fused: tuple[list[Tensor], list[Tensor]] | None = None
         # Expert parallel (engine/ep_runner.py): this rank computes only its share of the
         # placement's slots (rank-major); tokens travel to them and back by all-to-all.
         self.ep: ProcessGroup | None = None
@@ -102,8 +108,12 @@ class MoE(nn.Module):
         self._local: list[tuple[Any, Any]] | None = None  # this rank's slots' weights, in order
         self._local_form = "plain"
 
-    def set_packed(self, w13: list[Tensor], w2: list[Tensor]) -> None:
-        self.packed = (w13, w2)
+    def set_packed(self, w13: list[Tensor], w2: list[Tensor], fused: bool = False) -> None:
+        """Per-expert weights packed for oneDNN, or (fused) for the fused kernel."""
+        if fused:
+            self.fused = (w13, w2)
+        else:
+            self.packed = (w13, w2)
         empty = torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype)
         self.w13 = nn.Parameter(empty, requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
@@ -116,10 +126,15 @@ class MoE(nn.Module):
         read (only ranks that keep just their own experts read any)."""
         if self.ep is not None and self.fetch_expert is not None:
             return self._place_own_slots(placement)
-        if self.packed is not None:  # a list of references: no copies
+        if self.packed is not None or self.fused is not None:  # references: no copies
             slots = placement.phy2log.tolist()
-            self._slot_packed = ([self.packed[0][e] for e in slots],
-                                 [self.packed[1][e] for e in slots])
+            stacks = self.packed or self.fused
+            assert stacks is not None
+            chosen = ([stacks[0][e] for e in slots], [stacks[1][e] for e in slots])
+            if self.fused is not None:
+                self._slot_fused = chosen
+            else:
+                self._slot_packed = chosen
         elif self.quantized is not None:
             q13, q2 = self.quantized
             self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
@@ -131,9 +146,11 @@ class MoE(nn.Module):
 
     @property
     def form(self) -> str:
-        """How expert weights are stored: "packed", "quantized" or "plain"."""
+        """How expert weights are stored: "fused", "packed", "quantized" or "plain"."""
         if self.resident is not None:
             return self._local_form
+        if self.fused is not None:
+            return "fused"
         return "packed" if self.packed else "quantized" if self.quantized else "plain"
 
     def _expert_weights(self, e: int) -> tuple[Any, Any]:
@@ -182,8 +199,9 @@ class MoE(nn.Module):
 
         if self.resident is not None:
             return sum(size(a) + size(b) for a, b in self.resident.values())
-        if self.packed is not None:
-            return sum(size(w) for w in self.packed[0] + self.packed[1])
+        stacks = self.packed or self.fused
+        if stacks is not None:
+            return sum(size(w) for w in stacks[0] + stacks[1])
         if self.quantized is not None:
             return self.quantized[0].nbytes() + self.quantized[1].nbytes()
         return self.w13.nbytes + self.w2.nbytes
@@ -209,6 +227,11 @@ class MoE(nn.Module):
             if self.slot_counts is not None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
                 self.slot_counts += counts
+        if self.fused is not None and self.ep is None:
+            stacks = self._slot_fused if self.placement is not None else self.fused
+            assert stacks is not None
+            out = fused_moe.run(x, groups.view(experts.shape), weights, stacks[0], stacks[1])
+            return self._add_shared_expert(x, out)
         gate_up, down = self._expert_linears()
         if self.ep is not None:
             out = self._expert_parallel(x, groups, weights, gate_up, down)
@@ -218,6 +241,9 @@ class MoE(nn.Module):
             if counts is None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
             out = self._grouped(x, groups, counts, weights, gate_up, down)
+        return self._add_shared_expert(x, out)
+
+    def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "paged_attention.cpp",
            Path(__file__).parent / "kernels" / "norm.cpp",
-           Path(__file__).parent / "kernels" / "rotary.cpp")
+           Path(__file__).parent / "kernels" / "rotary.cpp",
+           Path(__file__).parent / "kernels" / "fused_moe.cpp")
 
 
 def enabled() -> bool:
@@ -113,3 +114,11 @@ def decode_attention() -> Any | None:
         return None
     kernels = ops()
     return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
+
+
+@functools.cache
+def fused_moe() -> Any | None:
+    """The fused routed-experts kernel (kernels/fused_moe.cpp), or None: no native kernels, or
+    EVENFLOW_NATIVE_MOE=0 (the per-expert loop over oneDNN-packed weights)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_MOE") else None
+    return None if kernels is None else getattr(kernels, "fused_moe", None)

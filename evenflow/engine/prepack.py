@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from evenflow.engine import fused_moe
 from evenflow.engine.ffn import MoE
 from evenflow.engine.model import CausalLM
 
@@ -63,9 +64,15 @@ class PackedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, packed"
 
 
-def prepack_model(model: CausalLM, dtype: torch.dtype) -> None:
+def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True) -> None:
     """Pack every plain float linear layer and MoE expert stack of `model` (in place). A tied
-    lm_head stays as it is (packing would copy the embedding)."""
+    lm_head stays as it is (packing would copy the embedding). Expert stacks go to the fused
+    kernel's layout where it serves (`fuse_experts`: not on expert-parallel ranks, whose
+    experts run per expert between two all-to-alls), to oneDNN's otherwise."""
+    for module in model.modules():
+        if fuse_experts and isinstance(module, MoE) and _fusable(module, dtype):
+            module.set_packed([fused_moe.pack_weight(w, gate_up=True) for w in module.w13.data],
+                              [fused_moe.pack_weight(w) for w in module.w2.data], fused=True)
     if not available(dtype):
         return
     tied = model.config.tie_word_embeddings
@@ -78,3 +85,11 @@ def prepack_model(model: CausalLM, dtype: torch.dtype) -> None:
         if isinstance(module, MoE) and module.quantized is None and module.w13.numel():
             module.set_packed([pack(w) for w in module.w13.data],
                               [pack(w) for w in module.w2.data])
+
+
+def _fusable(moe: MoE, dtype: torch.dtype) -> bool:
+    """Plain float experts of this dtype, sizes the fused kernel takes (a tensor-parallel
+    shard's own intermediate size)."""
+    w13 = moe.w13
+    return (moe.quantized is None and w13.numel() > 0 and w13.dtype == dtype
+            and fused_moe.usable(dtype, w13.shape[2], w13.shape[1] // 2))

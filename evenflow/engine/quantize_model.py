@@ -103,7 +103,8 @@ def quantized_bytes(model: nn.Module) -> int:
             total += module.weight_q.nbytes()
         elif isinstance(module, MoE) and module.quantized is not None:
             total += sum(s.nbytes() for s in module.quantized)
-        elif isinstance(module, MoE) and module.packed is not None:
-            total += sum(t.nbytes for stack in module.packed for t in stack)
+        elif isinstance(module, MoE) and (module.packed or module.fused) is not None:
+            total += sum(t.nbytes for stack in (module.packed or module.fused or ())
+                         for t in stack)
     return total
 

@@ -1,0 +1,62 @@
+"""Expert weights in the layout of the fused routed-experts kernel (engine/kernels/fused_moe.cpp)
+and the call that runs a MoE layer's experts through it.
+
+A weight (N, K) is cut into panels of 64 output channels with the inputs outermost inside a
+panel: (N/64, K/2, 64, 2) in bfloat16 (input pairs side by side for vdpbf16ps), (N/64, K, 64) in
+float32. A gate_up weight (2I, K) first has its channels interleaved so that panel p holds gate
+channels [32p, 32p + 32) and then up channels [32p, 32p + 32): one panel gives 32 activations.
+Packing is a reorder, so the fused kernel reads the same values the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from evenflow.engine import native
+
+PANEL = 64
+
+
+def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """The fused kernel is built, switched on and takes this dtype and these sizes here."""
+    kernel = native.fused_moe()
+    if kernel is None or hidden % PANEL or intermediate % PANEL:
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
+
+
+def pack_weight(weight: Tensor, gate_up: bool = False) -> Tensor:
+    """weight (N, K) in the panel layout (a new contiguous tensor, same dtype)."""
+    n, k = weight.shape
+    if gate_up:  # panel p: gate [32p, 32p + 32), then up [32p, 32p + 32)
+        gate, up = weight.view(2, n // PANEL, PANEL // 2, k).unbind(0)
+        weight = torch.stack([gate, up], dim=1).reshape(n, k)
+    if weight.dtype == torch.bfloat16:
+        return weight.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def unpack_weight(packed: Tensor, gate_up: bool = False) -> Tensor:
+    """The plain (N, K) weight back from its panel layout."""
+    if packed.dtype == torch.bfloat16:
+        panels, half_k, _, _ = packed.shape
+        weight = packed.permute(0, 2, 1, 3).reshape(panels * PANEL, half_k * 2)
+    else:
+        panels, k, _ = packed.shape
+        weight = packed.permute(0, 2, 1).reshape(panels * PANEL, k)
+    if gate_up:
+        n, k = weight.shape
+        interleaved = weight.view(n // PANEL, 2, PANEL // 2, k)
+        weight = torch.cat([interleaved[:, 0].reshape(n // 2, k),
+                            interleaved[:, 1].reshape(n // 2, k)])
+    return weight
+
+
+def run(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tensor],
+        w2: list[Tensor]) -> Tensor:
+    """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum."""
+    return torch.ops.evenflow_kernels.fused_moe(x.contiguous(), slots.contiguous(),
+                                                route_weights.float().contiguous(), w13, w2)
