@@ -1,7 +1,7 @@
 """The feed-forward half of a decoder layer: the dense MLP and the routed-expert MoE.
 
 MoE layers route each token to its top-k experts (through physical slots under an expert
-placement). Where the fused kernel serves (engine/fused_moe.py: bf16 with AVX512-BF16, or fp32)
+placement). Where the fused kernel serves (engine/panels.py: bf16 with AVX512-BF16, or fp32)
 all routed experts run in one native call; otherwise tokens are grouped by expert and each
 expert runs its own matmuls, over plain stacks, weights packed per expert for oneDNN
 (engine/prepack.py) or quantized ones (engine/quant.py).
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evenflow.engine import fused_moe
+from evenflow.engine import panels
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.quant import QuantStack
@@ -94,7 +94,7 @@ class MoE(nn.Module):
         # Per-expert weights packed for oneDNN (engine/prepack.py): w13 and w2 are then empty.
         self.packed: tuple[list[Tensor], list[Tensor]] | None = None
         self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
-        # Per-expert weights in the fused kernel's layout (engine/fused_moe.py); w13, w2 empty.
+        # Per-expert weights in the fused kernel's layout (engine/panels.py); w13, w2 empty.
         self.fused: tuple[list[Tensor], list[Tensor]] | None = None
         self._slot_fused: tuple[list[Tensor], list[Tensor]] | None = None
         # Expert parallel (engine/ep_runner.py): this rank computes only its share of the
@@ -230,7 +230,7 @@ class MoE(nn.Module):
         if self.fused is not None and self.ep is None:
             stacks = self._slot_fused if self.placement is not None else self.fused
             assert stacks is not None
-            out = fused_moe.run(x, groups.view(experts.shape), weights, stacks[0], stacks[1])
+            out = panels.run_experts(x, groups.view(experts.shape), weights, stacks[0], stacks[1])
             return self._add_shared_expert(x, out)
         gate_up, down = self._expert_linears()
         if self.ep is not None:

@@ -32,8 +32,9 @@ class PrefillSegment:
 
 # Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) up
 # to this many decoding sequences, torch's gather + scaled_dot_product_attention above: torch's
-# bf16 flash kernel catches up from ~8 sequences (`evenflow bench kernels`, attention table).
-PAGED_ATTENTION_MAX_BATCH = 4
+# bf16 flash kernel catches up from ~16 sequences (`evenflow bench kernels`, attention table:
+# ours 1.28x at 8, 1.05-1.15x or below 1x at 16-32 depending on the run).
+PAGED_ATTENTION_MAX_BATCH = 8
 
 
 @dataclass

@@ -28,7 +28,9 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "paged_attention.cpp",
            Path(__file__).parent / "kernels" / "norm.cpp",
            Path(__file__).parent / "kernels" / "rotary.cpp",
-           Path(__file__).parent / "kernels" / "fused_moe.cpp")
+           Path(__file__).parent / "kernels" / "fused_moe.cpp",
+           Path(__file__).parent / "kernels" / "panel_linear.cpp")
+HEADERS = (Path(__file__).parent / "kernels" / "panel.h",)
 
 
 def enabled() -> bool:
@@ -39,7 +41,8 @@ def build_dir() -> Path:
     """Per source path and text, torch version and CPU flags: a copy built for another machine
     (a shared home, a container image) is never loaded on one lacking its instructions."""
     digest = hashlib.sha256()
-    for source in SOURCES:  # (its path too: two checkouts must not rebuild each other's copy)
+    # (the path too: two checkouts must not rebuild each other's copy)
+    for source in SOURCES + HEADERS:
         digest.update(str(source.resolve()).encode() + source.read_bytes())
     digest.update(f"{torch.__version__}|{cpu_description()}".encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -122,3 +125,11 @@ def fused_moe() -> Any | None:
     EVENFLOW_NATIVE_MOE=0 (the per-expert loop over oneDNN-packed weights)."""
     kernels = ops() if _switched_on("EVENFLOW_NATIVE_MOE") else None
     return None if kernels is None else getattr(kernels, "fused_moe", None)
+
+
+@functools.cache
+def panel_linear() -> Any | None:
+    """The dense linear over panel-packed weights (kernels/panel_linear.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_LINEAR=0 (oneDNN's packed linear)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_LINEAR") else None
+    return None if kernels is None else getattr(kernels, "panel_linear", None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from evenflow.engine import fused_moe
+from evenflow.engine import panels
 from evenflow.engine.ffn import MoE
 from evenflow.engine.model import CausalLM
 
@@ -71,8 +71,8 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
     experts run per expert between two all-to-alls), to oneDNN's otherwise."""
     for module in model.modules():
         if fuse_experts and isinstance(module, MoE) and _fusable(module, dtype):
-            module.set_packed([fused_moe.pack_weight(w, gate_up=True) for w in module.w13.data],
-                              [fused_moe.pack_weight(w) for w in module.w2.data], fused=True)
+            module.set_packed([panels.pack_weight(w, gate_up=True) for w in module.w13.data],
+                              [panels.pack_weight(w) for w in module.w2.data], fused=True)
     if not available(dtype):
         return
     tied = model.config.tie_word_embeddings
@@ -81,7 +81,8 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
             if type(child) is nn.Linear and child.weight.dtype == dtype and child.weight.numel():
                 if child is model.lm_head and tied:
                     continue
-                setattr(module, name, PackedLinear(child))
+                fast = panels.linear_usable(dtype, child.out_features, child.in_features)
+                setattr(module, name, panels.PanelLinear(child) if fast else PackedLinear(child))
         if isinstance(module, MoE) and module.quantized is None and module.w13.numel():
             module.set_packed([pack(w) for w in module.w13.data],
                               [pack(w) for w in module.w2.data])
@@ -92,4 +93,4 @@ def _fusable(moe: MoE, dtype: torch.dtype) -> bool:
     shard's own intermediate size)."""
     w13 = moe.w13
     return (moe.quantized is None and w13.numel() > 0 and w13.dtype == dtype
-            and fused_moe.usable(dtype, w13.shape[2], w13.shape[1] // 2))
+            and panels.usable(dtype, w13.shape[2], w13.shape[1] // 2))

@@ -7,7 +7,7 @@
 // dispatch and an allocation, where the step is bound by reading the expert weights. Here the
 // weights are read once, from a layout made for it, and nothing else is allocated per expert.
 //
-// Weight layout (packed once at load by evenflow/engine/fused_moe.py): a weight (N, K) is cut
+// Weight layout (packed once at load by evenflow/engine/panels.py): a weight (N, K) is cut
 // into panels of 64 output channels; within a panel the inputs run outermost, so a panel is
 // one contiguous stream and a vector load gives 16 channels at once (no horizontal sums):
 //   bf16: (N/64, K/2, 64, 2) — pairs of inputs side by side, for AVX512-BF16's vdpbf16ps;
@@ -23,160 +23,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
+
+#include "panel.h"
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));      // 16 x float32
-typedef int32_t i16v __attribute__((vector_size(64)));    // 16 x int32
-typedef uint32_t u16v __attribute__((vector_size(64)));   // 16 x uint32
-constexpr int kLanes = 16;
-constexpr int kPanel = 64;  // output channels per panel: 4 vectors
-#if defined(__AVX512F__)
-constexpr int kRows = 6;  // rows per register block: 24 accumulators of 32 registers
-#else
-constexpr int kRows = 2;  // AVX2: a 16-float vector is two registers of 16
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr bool kHasBf16Dot = true;
-#else
-constexpr bool kHasBf16Dot = false;
-#endif
-
-inline f16v load(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
-
-inline f16v splat(float x) { return f16v{} + x; }
-
-// e^x for x <= 0, 16 lanes (Cephes' expf polynomial; relative error ~2e-7)
-inline f16v exp_nonpositive(f16v x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  const i16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16v);  // round
-  const f16v nf = __builtin_convertvector(n, f16v);
-  f16v r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  f16v p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const u16v scale = __builtin_convertvector(n + 127, u16v) << 23;
-  f16v two_n;
-  std::memcpy(&two_n, &scale, sizeof two_n);
-  return p * two_n;
-}
-
-// silu(g) * u = g * sigmoid(g) * u, with sigmoid from e^-|g| (no overflow either way)
-inline f16v silu_mul(f16v g, f16v u) {
-  const f16v e = exp_nonpositive(g < 0.f ? g : -g);
-  const f16v sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
-  return g * sigmoid * u;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline void store_row(float* dst, const float* src, int n) { std::memcpy(dst, src, n * 4); }
-
-inline void store_row(uint16_t* dst, const float* src, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
-}
-
-// sums[r][c] = sum over k of x[r][k] * w[c][k] for one panel (64 channels) and MR rows.
-template <int MR>
-void panel_f32(const float* const* x, const float* w, int64_t k_total, float* sums) {
-  f16v acc[MR][4] = {};
-  for (int64_t k = 0; k < k_total; ++k) {
-    const float* wp = w + k * kPanel;
-    const f16v w0 = load(wp), w1 = load(wp + 16), w2 = load(wp + 32), w3 = load(wp + 48);
-    for (int r = 0; r < MR; ++r) {
-      const f16v xv = splat(x[r][k]);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-template <int MR>
-void panel_bf16(const uint16_t* const* x, const uint16_t* w, int64_t k_total, float* sums) {
-  __m512 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < k_total / 2; ++kp) {
-    const uint16_t* wp = w + kp * 2 * kPanel;
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + 32));
-    const __m512bh w2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + 64));
-    const __m512bh w3 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + 96));
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x[r] + 2 * kp, sizeof pair);
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * kPanel + v * kLanes, acc[r][v]);
-}
-#endif
-
-// One panel for m <= kRows rows: the register-blocked kernel of that row count.
-template <typename T>
-void panel(const T* const* x, int m, const T* w, int64_t k_total, float* sums) {
-  if constexpr (std::is_same_v<T, float>) {
-    switch (m) {
-      case 1: return panel_f32<1>(x, w, k_total, sums);
-#if defined(__AVX512F__)
-      case 2: return panel_f32<2>(x, w, k_total, sums);
-      case 3: return panel_f32<3>(x, w, k_total, sums);
-      case 4: return panel_f32<4>(x, w, k_total, sums);
-      case 5: return panel_f32<5>(x, w, k_total, sums);
-      default: return panel_f32<6>(x, w, k_total, sums);
-#else
-      default: return panel_f32<2>(x, w, k_total, sums);
-#endif
-    }
-  } else {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    switch (m) {
-      case 1: return panel_bf16<1>(x, w, k_total, sums);
-      case 2: return panel_bf16<2>(x, w, k_total, sums);
-      case 3: return panel_bf16<3>(x, w, k_total, sums);
-      case 4: return panel_bf16<4>(x, w, k_total, sums);
-      case 5: return panel_bf16<5>(x, w, k_total, sums);
-      default: return panel_bf16<6>(x, w, k_total, sums);
-    }
-#else
-    TORCH_CHECK(false, "bf16 fused MoE needs AVX512-BF16");
-#endif
-  }
-}
+using namespace evenflow_panel;
 
 template <typename T>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,

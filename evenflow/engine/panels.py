@@ -1,5 +1,5 @@
-"""Expert weights in the layout of the fused routed-experts kernel (engine/kernels/fused_moe.cpp)
-and the call that runs a MoE layer's experts through it.
+"""Weights in the panel layout of the native panel kernels (engine/kernels/panel.h): the fused
+routed-experts kernel (kernels/fused_moe.cpp) and the dense panel linear (panel_linear.cpp).
 
 A weight (N, K) is cut into panels of 64 output channels with the inputs outermost inside a
 panel: (N/64, K/2, 64, 2) in bfloat16 (input pairs side by side for vdpbf16ps), (N/64, K, 64) in
@@ -11,21 +11,31 @@ Packing is a reorder, so the fused kernel reads the same values the checkpoint h
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from evenflow.engine import native
 
 PANEL = 64
 
 
-def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
-    """The fused kernel is built, switched on and takes this dtype and these sizes here."""
-    kernel = native.fused_moe()
-    if kernel is None or hidden % PANEL or intermediate % PANEL:
-        return False
+def _dtype_served(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     return dtype == torch.bfloat16 and bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
+
+
+def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """The fused MoE kernel is built, switched on and takes this dtype and these sizes here."""
+    if native.fused_moe() is None or hidden % PANEL or intermediate % PANEL:
+        return False
+    return _dtype_served(dtype)
+
+
+def linear_usable(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+    """The panel linear is built, switched on and takes this dtype and this shape here."""
+    if native.panel_linear() is None or out_features % PANEL or in_features % 2:
+        return False
+    return _dtype_served(dtype)
 
 
 def pack_weight(weight: Tensor, gate_up: bool = False) -> Tensor:
@@ -55,8 +65,29 @@ def unpack_weight(packed: Tensor, gate_up: bool = False) -> Tensor:
     return weight
 
 
-def run(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tensor],
+def run_experts(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tensor],
         w2: list[Tensor]) -> Tensor:
     """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum."""
     return torch.ops.evenflow_kernels.fused_moe(x.contiguous(), slots.contiguous(),
                                                 route_weights.float().contiguous(), w13, w2)
+
+
+class PanelLinear(nn.Module):
+    """nn.Linear with its weight in the panel layout, run by kernels/panel_linear.cpp (the
+    plain copy is dropped)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed: Tensor
+        self.register_buffer("packed", pack_weight(linear.weight.data), persistent=False)
+        self.bias = linear.bias
+        self._bias = None if linear.bias is None else linear.bias.data.float().contiguous()
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.evenflow_kernels.panel_linear(flat, self.packed, self._bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, panels"
