@@ -297,6 +297,15 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
                                 api_key=key, progress=True))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
+    # A service whose exporter met the receiver before it listened is in retry backoff
+    # (1, 2, 4, ... s) and sends late: wait up to 3 flush waits more for the gateway's and a
+    # worker's spans.
+    deadline = time.monotonic() + 3 * flush_wait
+    while time.monotonic() < deadline:
+        services = {s.service for s in receiver.spans}
+        if "evenflow-gateway" in services and services & {"evenflow-prefill", "evenflow-decode"}:
+            break
+        time.sleep(0.25)
     return load, lag
 
 
