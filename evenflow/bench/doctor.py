@@ -298,9 +298,9 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
     # A service whose exporter met the receiver before it listened is in retry backoff
-    # (1, 2, 4, ... s) and sends late: wait up to 3 flush waits more for the gateway's and a
+    # (1, 2, 4, 8 s) and sends late: wait up to 15 s (or 3 flush waits) more for the gateway's and a
     # worker's spans.
-    deadline = time.monotonic() + 3 * flush_wait
+    deadline = time.monotonic() + max(15.0, 3 * flush_wait)
     while time.monotonic() < deadline:
         services = {s.service for s in receiver.spans}
         if "evenflow-gateway" in services and services & {"evenflow-prefill", "evenflow-decode"}:
