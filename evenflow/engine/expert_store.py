@@ -74,7 +74,8 @@ class ExpertReader:
         if form == "quantized":
             assert quantization is not None
             # as the loader does: quantized from the checkpoint's own precision
-            return (build_stack([quantize(torch.cat([gate, up]), quantization)], self._dtype),
+            return (build_stack([quantize(torch.cat([gate, up]), quantization)], self._dtype,
+                                gate_up=True),
                     build_stack([quantize(down, quantization)], self._dtype))
         w13, w2 = torch.cat([gate, up]).to(self._dtype), down.to(self._dtype)
         if form == "packed":

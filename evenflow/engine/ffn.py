@@ -23,6 +23,7 @@ from evenflow.engine import panels
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.quant import QuantStack
+from evenflow.engine.quant_panels import PanelStack
 from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
@@ -227,10 +228,9 @@ class MoE(nn.Module):
             if self.slot_counts is not None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
                 self.slot_counts += counts
-        if self.fused is not None and self.ep is None:
-            stacks = self._slot_fused if self.placement is not None else self.fused
-            assert stacks is not None
-            out = panels.run_experts(x, groups.view(experts.shape), weights, stacks[0], stacks[1])
+        fused = self._fused_experts() if self.ep is None else None
+        if fused is not None:  # every routed expert in one native call
+            out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
             return self._add_shared_expert(x, out)
         gate_up, down = self._expert_linears()
         if self.ep is not None:
@@ -242,6 +242,22 @@ class MoE(nn.Module):
                 counts = torch.bincount(groups, minlength=self.num_slots)
             out = self._grouped(x, groups, counts, weights, gate_up, down)
         return self._add_shared_expert(x, out)
+
+    def _fused_experts(self) -> tuple | None:
+        """The fused kernel's weight arguments (engine/panels.py) for the current slots, or
+        None when the experts are not stored for it."""
+        placed = self.placement is not None
+        if self.fused is not None:
+            stacks = self._slot_fused if placed else self.fused
+            assert stacks is not None
+            return stacks
+        quantized = self._slot_quantized if placed else self.quantized
+        if quantized is not None and isinstance(quantized[0], PanelStack) and \
+                isinstance(quantized[1], PanelStack) and quantized[1].in_features % 64 == 0 \
+                and quantized[1].out_features % 64 == 0:
+            (w13, s13, o13), (w2, s2, o2) = quantized[0].experts(), quantized[1].experts()
+            return w13, w2, s13, s2, o13, o2, quantized[0].group_size
+        return None
 
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
         if self.shared_expert is not None and self.shared_expert_gate is not None:

@@ -30,7 +30,8 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "rotary.cpp",
            Path(__file__).parent / "kernels" / "fused_moe.cpp",
            Path(__file__).parent / "kernels" / "panel_linear.cpp")
-HEADERS = (Path(__file__).parent / "kernels" / "panel.h",)
+HEADERS = (Path(__file__).parent / "kernels" / "panel.h",
+           Path(__file__).parent / "kernels" / "panel_quant.h")
 
 
 def enabled() -> bool:

@@ -66,10 +66,15 @@ def unpack_weight(packed: Tensor, gate_up: bool = False) -> Tensor:
 
 
 def run_experts(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tensor],
-        w2: list[Tensor]) -> Tensor:
-    """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum."""
-    return torch.ops.evenflow_kernels.fused_moe(x.contiguous(), slots.contiguous(),
-                                                route_weights.float().contiguous(), w13, w2)
+                w2: list[Tensor], scales13: list[Tensor] | tuple = (),
+                scales2: list[Tensor] | tuple = (), offsets13: list[Tensor] | tuple = (),
+                offsets2: list[Tensor] | tuple = (), group: int = 0) -> Tensor:
+    """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum.
+    Plain weights in x's dtype, or quantized ones (engine/quant_panels.py) with their scales
+    (and int4 offsets)."""
+    return torch.ops.evenflow_kernels.fused_moe(
+        x.contiguous(), slots.contiguous(), route_weights.float().contiguous(), w13, w2,
+        list(scales13), list(scales2), list(offsets13), list(offsets2), group)
 
 
 class PanelLinear(nn.Module):

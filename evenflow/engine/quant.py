@@ -295,8 +295,15 @@ class Int4Stack(QuantStack):
                    if t is not None)
 
 
-def build_stack(values: list[QuantValues], dtype: torch.dtype) -> QuantStack:
-    """The stored form for these weights (all of one shape and method)."""
+def build_stack(values: list[QuantValues], dtype: torch.dtype,
+                gate_up: bool = False) -> QuantStack:
+    """The stored form for these weights (all of one shape and method): panels for the native
+    panel kernels where they serve (engine/quant_panels.py; `gate_up`: a MoE layer's gate and
+    up stack, whose channels the fused kernel takes interleaved), else the forms above."""
+    from evenflow.engine import quant_panels  # (it builds on this module)
+
+    if quant_panels.usable(values, dtype, gate_up):
+        return quant_panels.PanelStack.build(values, gate_up)
     if values[0].bits == 8:
         return Int8Stack.build(values, dtype)
     return Int4Stack.build(values, dtype)

@@ -27,7 +27,7 @@
 #include <cstring>
 #include <vector>
 
-#include "panel.h"
+#include "panel_quant.h"
 
 namespace {
 
@@ -35,14 +35,14 @@ using namespace evenflow_panel;
 
 template <typename T>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
-                          const at::Tensor& route_weights, const std::vector<at::Tensor>& w13,
-                          const std::vector<at::Tensor>& w2) {
+                          const at::Tensor& route_weights, const std::vector<Weight>& w13,
+                          const std::vector<Weight>& w2, int64_t inter) {
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
   const int64_t experts = static_cast<int64_t>(w13.size());
-  const int64_t inter = w2[0].numel() / hidden;
   const int64_t pairs = tokens * top_k;
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* route = route_weights.data_ptr<float>();
+  const bool quantized = w13[0].format != Format::kPlain;
 
   // pairs grouped by expert (stable): order[s] is the pair at sorted position s
   std::vector<int64_t> start(experts + 1, 0);
@@ -62,53 +62,61 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   const int64_t n_active = static_cast<int64_t>(active.size());
 
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  std::vector<float> x_copy;
+  const float* xf = quantized ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
   std::vector<T> act(static_cast<size_t>(pairs * inter));
+  // float activations too where a quantized down panel may read them directly
+  std::vector<float> act_f(quantized && !std::is_same_v<T, float> ? pairs * inter : 0);
+  float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.data()) : act_f.data();
   std::vector<float> ys(static_cast<size_t>(pairs * hidden));
+  const int64_t scratch_size = quantized ? kPanel * std::max(hidden, inter) : 0;
 
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
   const int64_t panels13 = inter / (kPanel / 2);
   at::parallel_for(0, panels13 * n_active, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kPanel];
     alignas(64) float out[kRows * kPanel / 2];
-    const T* rows[kRows];
+    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
-      const T* w = reinterpret_cast<const T*>(w13[e].data_ptr()) + p * kPanel * hidden;
-      for (int64_t s0 = start[e]; s0 < start[e + 1]; s0 += kRows) {
-        const int m = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - s0));
-        for (int r = 0; r < m; ++r) rows[r] = xp + (order[s0 + r] / top_k) * hidden;
-        panel(rows, m, w, hidden, sums);
-        for (int r = 0; r < m; ++r) {
-          for (int v = 0; v < 2; ++v) {
-            const float* g = sums + r * kPanel + v * kLanes;
-            store(out + r * kPanel / 2 + v * kLanes, silu_mul(load(g), load(g + kPanel / 2)));
-          }
-          store_row(act.data() + (s0 + r) * inter + p * kPanel / 2, out + r * kPanel / 2,
-                    kPanel / 2);
-        }
-      }
+      const int64_t first = start[e];
+      run_panel<T>(
+          w13[e], p, hidden, start[e + 1] - first,
+          [&](int64_t i) { return xp + (order[first + i] / top_k) * hidden; },
+          [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; }, scratch.data(),
+          [&](int64_t r0, int mm, const float* sums) {
+            for (int r = 0; r < mm; ++r) {
+              for (int v = 0; v < 2; ++v) {
+                const float* g = sums + r * kPanel + v * kLanes;
+                store(out + r * kPanel / 2 + v * kLanes,
+                      silu_mul(load(g), load(g + kPanel / 2)));
+              }
+              const int64_t at = (first + r0 + r) * inter + p * kPanel / 2;
+              store_row(act.data() + at, out + r * kPanel / 2, kPanel / 2);
+              if (!act_f.empty()) std::memcpy(act_f.data() + at, out + r * kPanel / 2, 128);
+            }
+          });
     }
   });
 
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
   at::parallel_for(0, panels2 * n_active, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kPanel];
-    const T* rows[kRows];
+    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
-      const T* w = reinterpret_cast<const T*>(w2[e].data_ptr()) + p * kPanel * inter;
-      for (int64_t s0 = start[e]; s0 < start[e + 1]; s0 += kRows) {
-        const int m = static_cast<int>(std::min<int64_t>(kRows, start[e + 1] - s0));
-        for (int r = 0; r < m; ++r) rows[r] = act.data() + (s0 + r) * inter;
-        panel(rows, m, w, inter, sums);
-        for (int r = 0; r < m; ++r) {
-          const f16v scale = splat(route[order[s0 + r]]);
-          float* y = ys.data() + (s0 + r) * hidden + p * kPanel;
-          for (int v = 0; v < 4; ++v)
-            store(y + v * kLanes, load(sums + r * kPanel + v * kLanes) * scale);
-        }
-      }
+      const int64_t first = start[e];
+      run_panel<T>(
+          w2[e], p, inter, start[e + 1] - first,
+          [&](int64_t i) { return act.data() + (first + i) * inter; },
+          [&](int64_t i) { return actf + (first + i) * inter; }, scratch.data(),
+          [&](int64_t r0, int mm, const float* sums) {
+            for (int r = 0; r < mm; ++r) {
+              const f16v scale = splat(route[order[first + r0 + r]]);
+              float* y = ys.data() + (first + r0 + r) * hidden + p * kPanel;
+              for (int v = 0; v < 4; ++v)
+                store(y + v * kLanes, load(sums + r * kPanel + v * kLanes) * scale);
+            }
+          });
     }
   });
 
@@ -130,10 +138,39 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   return out;
 }
 
+// The weights of one slot's gate_up or down (n outputs, k inputs) as stored; checked.
+Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList offsets,
+                   size_t e, int64_t n, int64_t k, int64_t group, at::ScalarType act) {
+  TORCH_CHECK(data.is_contiguous(), "slot ", e, ": weights must be contiguous");
+  const auto type = data.scalar_type();
+  if (type == at::kChar || type == at::kByte) {
+    const bool int4 = type == at::kByte;
+    TORCH_CHECK(data.numel() == (int4 ? n * k / 2 : n * k) && e < scales.size(),
+                "slot ", e, ": quantized weights of the wrong size, or no scales");
+    const int64_t per_channel = int4 ? k / group : 1;
+    TORCH_CHECK(scales[e].scalar_type() == at::kFloat && scales[e].is_contiguous() &&
+                    scales[e].numel() == n * per_channel,
+                "slot ", e, ": scales must be contiguous float32, ", n * per_channel, " values");
+    if (int4) {
+      TORCH_CHECK(group > 0 && group % 2 == 0 && k % group == 0 && e < offsets.size() &&
+                      offsets[e].scalar_type() == at::kFloat && offsets[e].is_contiguous() &&
+                      offsets[e].numel() == n * per_channel,
+                  "slot ", e, ": int4 needs a group dividing K and float32 offsets");
+    }
+    return weight_of(data, &scales[e], int4 ? &offsets[e] : nullptr, group);
+  }
+  TORCH_CHECK(type == act && data.numel() == n * k,
+              "slot ", e, ": weights of the wrong size or dtype");
+  return weight_of(data, nullptr, nullptr, 0);
+}
+
 // x (T, H) float32 or bfloat16; ids (T, k) int64 slot ids; route_weights (T, k) float32;
-// w13[e] / w2[e]: slot e's gate_up and down weights in the packed layout above, x's dtype.
+// w13[e] / w2[e]: slot e's gate_up and down weights in a panel layout: plain in x's dtype, or
+// int8 / int4 with their scales (and int4 offsets, `group` inputs a group) per slot.
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& route_weights,
-                     at::TensorList w13, at::TensorList w2) {
+                     at::TensorList w13, at::TensorList w2, at::TensorList scales13,
+                     at::TensorList scales2, at::TensorList offsets13, at::TensorList offsets2,
+                     int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (T, H) matrix");
   TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && ids.scalar_type() == at::kLong &&
                   ids.size(0) == x.size(0),
@@ -142,30 +179,33 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
                   route_weights.scalar_type() == at::kFloat,
               "route_weights must be a contiguous float32 matrix shaped like ids");
   TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "one gate_up and one down per slot");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
+  TORCH_CHECK(!bf16 || kHasBf16Dot, "bfloat16 fused MoE needs AVX512-BF16");
   const int64_t hidden = x.size(1);
-  const int64_t inter = w2[0].numel() / hidden;
+  const int64_t inter = w2[0].numel() * (w2[0].scalar_type() == at::kByte ? 2 : 1) / hidden;
   TORCH_CHECK(hidden % kPanel == 0 && inter % kPanel == 0,
               "hidden and intermediate sizes must be multiples of 64");
+  std::vector<Weight> gate_up, down;
   for (size_t e = 0; e < w13.size(); ++e) {
-    TORCH_CHECK(w13[e].is_contiguous() && w2[e].is_contiguous() &&
-                    w13[e].scalar_type() == x.scalar_type() &&
-                    w2[e].scalar_type() == x.scalar_type() &&
-                    w13[e].numel() == 2 * inter * hidden && w2[e].numel() == hidden * inter,
-                "slot ", e, ": packed weights of the wrong size, dtype or layout");
+    gate_up.push_back(slot_weight(w13[e], scales13, offsets13, e, 2 * inter, hidden, group,
+                                  x.scalar_type()));
+    down.push_back(slot_weight(w2[e], scales2, offsets2, e, hidden, inter, group,
+                               x.scalar_type()));
+    TORCH_CHECK(gate_up.back().format == gate_up[0].format &&
+                    down.back().format == gate_up[0].format,
+                "every slot's weights must be stored alike");
   }
-  std::vector<at::Tensor> gate_up(w13.begin(), w13.end()), down(w2.begin(), w2.end());
-  if (x.scalar_type() == at::kFloat)
-    return fused_moe_impl<float>(x, ids, route_weights, gate_up, down);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(kHasBf16Dot, "bfloat16 fused MoE needs AVX512-BF16");
-  return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down);
+  if (bf16) return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down, inter);
+  return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
-  m.def("fused_moe(Tensor x, Tensor ids, Tensor route_weights, Tensor[] w13, Tensor[] w2) -> "
-        "Tensor");
+  m.def("fused_moe(Tensor x, Tensor ids, Tensor route_weights, Tensor[] w13, Tensor[] w2, "
+        "Tensor[] scales13, Tensor[] scales2, Tensor[] offsets13, Tensor[] offsets2, int group) "
+        "-> Tensor");
   m.def("fused_moe_bf16_supported", []() { return kHasBf16Dot; });
 }
 

@@ -1,11 +1,12 @@
-// A dense linear layer over a weight in the panel layout (kernels/panel.h): out = x @ w.T
-// (+ bias), x and out float32 or bfloat16.
+// A dense linear layer over a weight in a panel layout (kernels/panel.h, panel_quant.h):
+// out = x @ w.T (+ bias), x and out float32 or bfloat16, w plain in x's dtype or weight-only
+// int8 / int4.
 //
-// Why: oneDNN's linear costs ~20 µs a call before it reads a byte (measured by `evenflow bench
-// kernels`: a 16x512 weight, one row, 25 µs), and a decode step makes three such calls a layer
-// for a few rows. This kernel starts at once and streams each panel of the weight once per
-// block of rows; at prefill its register blocking keeps it level with oneDNN (the same panels
-// serve the fused MoE kernel at 2,048 tokens faster than oneDNN's per-expert calls).
+// Why: oneDNN's linear costs ~20 µs a call before it reads a byte (`evenflow bench kernels`:
+// a 16x512 weight, one row, 25 µs), and a decode step makes three such calls a layer for a few
+// rows. This kernel starts at once and streams each panel of the weight once per block of rows
+// (1.3-2.5x oneDNN at 1-32 rows; ~0.8-0.9x at 512+ rows in bf16, where prefill spends most of
+// its time in attention and the experts instead).
 //
 // Threads: ATen's pool over (row block, panel) tasks. Compiled at first use with
 // -march=native by evenflow/engine/native.py.
@@ -16,8 +17,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
-#include "panel.h"
+#include "panel_quant.h"
 
 namespace {
 
@@ -26,49 +28,74 @@ using namespace evenflow_panel;
 constexpr int64_t kRowBlock = 16 * kRows;  // rows a task takes (the panel stays in L2)
 
 template <typename T>
-void linear_impl(const T* x, int64_t rows, int64_t k_total, const T* w, int64_t n_total,
-                 const float* bias, T* out) {
+void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, const Weight& wt,
+                 int64_t n_total, const float* bias, T* out) {
   const int64_t panels = n_total / kPanel;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t scratch_size = wt.format == Format::kPlain ? 0 : kPanel * k_total;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kPanel];
-    const T* xs[kRows];
+    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = t / panels, p = t % panels;
-      const T* panel_w = w + p * kPanel * k_total;
-      const int64_t last = std::min(rows, (block + 1) * kRowBlock);
-      for (int64_t r0 = block * kRowBlock; r0 < last; r0 += kRows) {
-        const int m = static_cast<int>(std::min<int64_t>(kRows, last - r0));
-        for (int r = 0; r < m; ++r) xs[r] = x + (r0 + r) * k_total;
-        panel(xs, m, panel_w, k_total, sums);
-        for (int r = 0; r < m; ++r) {
-          float* row = sums + r * kPanel;
-          if (bias != nullptr)
-            for (int v = 0; v < kPanel; v += kLanes)
-              store(row + v, load(row + v) + load(bias + p * kPanel + v));
-          store_row(out + (r0 + r) * n_total + p * kPanel, row, kPanel);
-        }
-      }
+      const int64_t first = (t / panels) * kRowBlock, p = t % panels;
+      run_panel<T>(
+          wt, p, k_total, std::min(rows, first + kRowBlock) - first,
+          [&](int64_t i) { return x + (first + i) * k_total; },
+          [&](int64_t i) { return xf + (first + i) * k_total; }, scratch.data(),
+          [&](int64_t r0, int mm, float* sums) {
+            for (int r = 0; r < mm; ++r) {
+              float* row = sums + r * kPanel;
+              if (bias != nullptr)
+                for (int v = 0; v < kPanel; v += kLanes)
+                  store(row + v, load(row + v) + load(bias + p * kPanel + v));
+              store_row(out + (first + r0 + r) * n_total + p * kPanel, row, kPanel);
+            }
+          });
     }
   });
 }
 
-// x (M, K); w: the packed weight ((N/64, K/2, 64, 2) bf16 or (N/64, K, 64) f32, x's dtype);
-// bias: (N,) float32 or none.
+// x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
+// f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), or (N/64, K/2, 64) uint8 int4 nibbles
+// with scale and offset (N/64, K/group, 64); bias: (N,) float32 or none.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& offset, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type(),
-              "the packed weight must be contiguous, in x's dtype");
+  TORCH_CHECK(w.is_contiguous(), "the packed weight must be contiguous");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   TORCH_CHECK(!bf16 || kHasBf16Dot, "bfloat16 panel linear needs AVX512-BF16");
   const int64_t k_total = x.size(1);
-  const bool layout = bf16 ? (w.dim() == 4 && w.size(1) * 2 == k_total && w.size(2) == kPanel &&
-                              w.size(3) == 2)
-                           : (w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel);
-  TORCH_CHECK(layout, "the weight is not in the panel layout for ", k_total, " inputs");
+  const auto type = w.scalar_type();
+  bool layout;
+  if (type == at::kChar) {
+    layout = w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel;
+  } else if (type == at::kByte) {
+    layout = w.dim() == 3 && w.size(1) * 2 == k_total && w.size(2) == kPanel;
+  } else {
+    TORCH_CHECK(type == x.scalar_type(), "a plain packed weight must be in x's dtype");
+    layout = bf16 ? (w.dim() == 4 && w.size(1) * 2 == k_total && w.size(2) == kPanel &&
+                     w.size(3) == 2)
+                  : (w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel);
+  }
+  TORCH_CHECK(layout, "the weight is not in a panel layout for ", k_total, " inputs");
   const int64_t n_total = w.size(0) * kPanel;
+  if (type == at::kChar || type == at::kByte) {
+    const int64_t per_channel = type == at::kByte ? k_total / std::max<int64_t>(group, 1) : 1;
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous() && scale->numel() == n_total * per_channel,
+                "a quantized weight needs a contiguous float32 scale of ", n_total * per_channel,
+                " values");
+    if (type == at::kByte) {
+      TORCH_CHECK(group > 0 && group % 2 == 0 && k_total % group == 0 && offset.has_value() &&
+                      offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
+                      offset->numel() == scale->numel(),
+                  "int4 needs a group dividing K and a float32 offset shaped like the scale");
+    }
+  }
+  const Weight wt = weight_of(w, scale.has_value() ? &*scale : nullptr,
+                              offset.has_value() ? &*offset : nullptr, group);
   const float* bias_p = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -78,12 +105,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   }
   at::Tensor out = at::empty({x.size(0), n_total}, x.options());
   if (bf16) {
-    linear_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), k_total,
-                reinterpret_cast<const uint16_t*>(w.data_ptr()), n_total, bias_p,
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    std::vector<float> copy;
+    const float* xf = wt.format != Format::kPlain ? float_rows(xb, x.numel(), copy) : nullptr;
+    linear_impl(xb, xf, x.size(0), k_total, wt, n_total, bias_p,
                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
-    linear_impl(x.data_ptr<float>(), x.size(0), k_total, w.data_ptr<float>(), n_total, bias_p,
-                out.data_ptr<float>());
+    linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), x.size(0), k_total, wt, n_total,
+                bias_p, out.data_ptr<float>());
   }
   return out;
 }
@@ -91,7 +120,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
-  m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, Tensor? scale=None, "
+        "Tensor? offset=None, int group=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("panel_linear", &panel_linear); }

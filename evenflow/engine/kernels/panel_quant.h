@@ -1,0 +1,228 @@
+// Weight-only quantized panels for the panel kernels (fused_moe.cpp, panel_linear.cpp), and
+// the one routine both kernels run per (weight panel, block of rows): `run_panel`.
+//
+// Stored forms (made by evenflow/engine/panels.py), panels of 64 output channels as in panel.h:
+//   int8: (N/64, K, 64) int8, w = q * scale[n] (float32 (N,): applied to the sums);
+//   int4: (N/64, K/2, 64) uint8, byte (kp, c) holds k = 2kp in its low nibble and 2kp + 1 in
+//         its high one; w = q * scale + offset with float32 (N/64, G, 64) scale and offset per
+//         (group of `group` inputs, channel).
+// Few rows (decode) read the quantized panel directly: each weight vector is widened to float
+// in registers and meets every row with FMAs (float32 activations), so the weight is read once
+// at its stored size. From kDequantRows rows on, the panel is first dequantized into a plain
+// panel in the activations' dtype (a thread's scratch, L2-resident) and the plain kernel of
+// panel.h runs over it: the widening is then paid once for many rows.
+
+#pragma once
+
+#include "panel.h"
+
+namespace evenflow_panel {
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+enum class Format { kPlain, kInt8, kInt4 };
+
+// One weight (a dense layer's, or one expert's gate_up or down) as stored.
+struct Weight {
+  Format format = Format::kPlain;
+  const void* data = nullptr;
+  const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64)
+  const float* offset = nullptr;  // int4 only
+  int64_t group = 0;              // int4 only
+};
+
+#if defined(__AVX512F__)
+constexpr int kQuantRows = 4;  // rows per register block over a quantized panel
+#else
+constexpr int kQuantRows = 1;
+#endif
+constexpr int64_t kDequantRows = 8;  // from this many rows on, dequantize the panel first
+
+inline f16v widen(const int8_t* p) {
+  i8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, f16v);
+}
+
+template <int MR>
+void panel_int8(const float* const* x, const int8_t* w, int64_t k_total, float* sums) {
+  f16v acc[MR][4] = {};
+  for (int64_t k = 0; k < k_total; ++k) {
+    const int8_t* wp = w + k * kPanel;
+    const f16v w0 = widen(wp), w1 = widen(wp + 16), w2 = widen(wp + 32), w3 = widen(wp + 48);
+    for (int r = 0; r < MR; ++r) {
+      const f16v xv = splat(x[r][k]);
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+      acc[r][2] += xv * w2;
+      acc[r][3] += xv * w3;
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);
+}
+
+// the low (k = 2kp) and high (k = 2kp + 1) weights of 16 channels, dequantized
+inline void int4_pair(const uint8_t* p, f16v s, f16v o, f16v& low, f16v& high) {
+  u8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  low = __builtin_convertvector(b & 0xF, f16v) * s + o;
+  high = __builtin_convertvector(b >> 4, f16v) * s + o;
+}
+
+template <int MR>
+void panel_int4(const float* const* x, const uint8_t* w, const float* scale, const float* offset,
+                int64_t k_total, int64_t group, float* sums) {
+  f16v acc[MR][4] = {};
+  for (int64_t g = 0; g < k_total / group; ++g) {
+    for (int v = 0; v < 4; ++v) {
+      const f16v s = load(scale + g * kPanel + v * kLanes);
+      const f16v o = load(offset + g * kPanel + v * kLanes);
+      for (int64_t kp = g * group / 2; kp < (g + 1) * group / 2; ++kp) {
+        f16v low, high;
+        int4_pair(w + kp * kPanel + v * kLanes, s, o, low, high);
+        for (int r = 0; r < MR; ++r)
+          acc[r][v] += splat(x[r][2 * kp]) * low + splat(x[r][2 * kp + 1]) * high;
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);
+}
+
+template <int MR>
+void panel_quant_rows(const Weight& wt, int64_t p, const float* const* x, int64_t k_total,
+                      float* sums) {
+  if (wt.format == Format::kInt8) {
+    panel_int8<MR>(x, static_cast<const int8_t*>(wt.data) + p * kPanel * k_total, k_total, sums);
+  } else {
+    const int64_t groups = k_total / wt.group;
+    panel_int4<MR>(x, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total / 2,
+                   wt.scale + p * groups * kPanel, wt.offset + p * groups * kPanel, k_total,
+                   wt.group, sums);
+  }
+}
+
+inline void panel_quant(const Weight& wt, int64_t p, const float* const* x, int m,
+                        int64_t k_total, float* sums) {
+  switch (m) {
+    case 1: return panel_quant_rows<1>(wt, p, x, k_total, sums);
+#if defined(__AVX512F__)
+    case 2: return panel_quant_rows<2>(wt, p, x, k_total, sums);
+    case 3: return panel_quant_rows<3>(wt, p, x, k_total, sums);
+    default: return panel_quant_rows<4>(wt, p, x, k_total, sums);
+#else
+    default: return panel_quant_rows<1>(wt, p, x, k_total, sums);
+#endif
+  }
+}
+
+inline u16v bf16_bits(f16v f) {  // round to nearest even (finite values)
+  u16v u;
+  std::memcpy(&u, &f, sizeof u);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Panel p of a quantized weight as a plain panel of T (panel.h's layout). int8 stays unscaled
+// (q is exact in bf16; the scale goes on the sums, as on the direct path).
+template <typename T>
+void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
+  const int64_t groups = wt.format == Format::kInt4 ? k_total / wt.group : 1;
+  for (int64_t kp = 0; kp < k_total / 2; ++kp) {
+    for (int v = 0; v < 4; ++v) {
+      f16v low, high;
+      if (wt.format == Format::kInt8) {
+        const int8_t* q = static_cast<const int8_t*>(wt.data) + p * kPanel * k_total;
+        low = widen(q + 2 * kp * kPanel + v * kLanes);
+        high = widen(q + (2 * kp + 1) * kPanel + v * kLanes);
+      } else {
+        const int64_t g = 2 * kp / wt.group;
+        const int64_t at = (p * groups + g) * kPanel + v * kLanes;
+        int4_pair(static_cast<const uint8_t*>(wt.data) + (p * k_total / 2 + kp) * kPanel +
+                      v * kLanes,
+                  load(wt.scale + at), load(wt.offset + at), low, high);
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        store(dst + 2 * kp * kPanel + v * kLanes, low);
+        store(dst + (2 * kp + 1) * kPanel + v * kLanes, high);
+      } else {  // (kp, c, 2): channel c's pair as one 32-bit lane, k = 2kp in the low half
+        const u16v pair = bf16_bits(low) | (bf16_bits(high) << 16);
+        std::memcpy(dst + kp * 2 * kPanel + v * 2 * kLanes, &pair, sizeof pair);
+      }
+    }
+  }
+}
+
+// sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows) at a time; epilogue(r0,
+// mm, sums) gets each block's mm x 64 sums (int8's scale applied). row_t(i) / row_f(i): row i
+// in T / in float32 (the latter read only for quantized weights with few rows). scratch: 64 x K
+// values of T, for a dequantized panel.
+template <typename T, typename RowT, typename RowF, typename Epilogue>
+void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const RowT& row_t,
+               const RowF& row_f, T* scratch, const Epilogue& epilogue) {
+  alignas(64) float sums[kRows * kPanel];
+  const T* plain = nullptr;
+  if (wt.format == Format::kPlain) {
+    plain = static_cast<const T*>(wt.data) + p * kPanel * k_total;
+  } else if (m >= kDequantRows) {
+    dequantize_panel(wt, p, k_total, scratch);
+    plain = scratch;
+  }
+  const int step = plain != nullptr ? kRows : kQuantRows;
+  for (int64_t r0 = 0; r0 < m; r0 += step) {
+    const int mm = static_cast<int>(std::min<int64_t>(step, m - r0));
+    if (plain != nullptr) {
+      const T* rows[kRows];
+      for (int r = 0; r < mm; ++r) rows[r] = row_t(r0 + r);
+      panel(rows, mm, plain, k_total, sums);
+    } else {
+      const float* rows[kQuantRows];
+      for (int r = 0; r < mm; ++r) rows[r] = row_f(r0 + r);
+      panel_quant(wt, p, rows, mm, k_total, sums);
+    }
+    if (wt.format == Format::kInt8) {
+      for (int r = 0; r < mm; ++r)
+        for (int v = 0; v < 4; ++v) {
+          float* s = sums + r * kPanel + v * kLanes;
+          store(s, load(s) * load(wt.scale + p * kPanel + v * kLanes));
+        }
+    }
+    epilogue(r0, mm, sums);
+  }
+}
+
+// x's rows as float32 (a copy for bf16; x itself for float32): the quantized panels' direct path
+// reads float rows.
+template <typename T>
+const float* float_rows(const T* x, int64_t n, std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    copy.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+      std::memcpy(&copy[i], &bits, sizeof bits);
+    }
+    return copy.data();
+  }
+}
+
+// A weight from its tensors: plain in x's dtype, int8 (kChar) or int4 nibbles (kByte).
+inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const at::Tensor* offset,
+                        int64_t group) {
+  Weight wt;
+  wt.data = data.data_ptr();
+  if (data.scalar_type() == at::kChar) {
+    wt.format = Format::kInt8;
+    wt.scale = scale->data_ptr<float>();
+  } else if (data.scalar_type() == at::kByte) {
+    wt.format = Format::kInt4;
+    wt.scale = scale->data_ptr<float>();
+    wt.offset = offset->data_ptr<float>();
+    wt.group = group;
+  }
+  return wt;
+}
+
+}  // namespace evenflow_panel
