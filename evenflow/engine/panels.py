@@ -11,6 +11,7 @@ Packing is a reorder, so the fused kernel reads the same values the checkpoint h
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine import native
@@ -31,9 +32,11 @@ def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     return _dtype_served(dtype)
 
 
-def linear_usable(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
-    """The panel linear is built, switched on and takes this dtype and this shape here."""
-    if native.panel_linear() is None or out_features % PANEL or in_features % 2:
+def linear_usable(dtype: torch.dtype, out_features: int, in_features: int,
+                  padded: bool = False) -> bool:
+    """The panel linear is built, switched on and takes this dtype and this shape here
+    (`padded`: outputs beyond a multiple of 64 are computed on zero rows and dropped)."""
+    if native.panel_linear() is None or (out_features % PANEL and not padded) or in_features % 2:
         return False
     return _dtype_served(dtype)
 
@@ -79,19 +82,26 @@ def run_experts(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tenso
 
 class PanelLinear(nn.Module):
     """nn.Linear with its weight in the panel layout, run by kernels/panel_linear.cpp (the
-    plain copy is dropped)."""
+    plain copy is dropped). Outputs are padded to a whole panel with zero rows where needed
+    (a MoE router's 8 experts: reading 64 rows costs less than oneDNN's ~40 µs call)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, bias = linear.weight.data, linear.bias
+        pad = -self.out_features % PANEL
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
         self.packed: Tensor
-        self.register_buffer("packed", pack_weight(linear.weight.data), persistent=False)
-        self.bias = linear.bias
-        self._bias = None if linear.bias is None else linear.bias.data.float().contiguous()
+        self.register_buffer("packed", pack_weight(weight), persistent=False)
+        self.bias = bias
+        self._bias = None if bias is None else F.pad(bias.data.float(), (0, pad)).contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.evenflow_kernels.panel_linear(flat, self.packed, self._bias)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features].contiguous()
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -81,7 +81,8 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
             if type(child) is nn.Linear and child.weight.dtype == dtype and child.weight.numel():
                 if child is model.lm_head and tied:
                     continue
-                fast = panels.linear_usable(dtype, child.out_features, child.in_features)
+                fast = panels.linear_usable(dtype, child.out_features, child.in_features,
+                                            padded=True)
                 setattr(module, name, panels.PanelLinear(child) if fast else PackedLinear(child))
         if isinstance(module, MoE) and module.quantized is None and module.w13.numel():
             module.set_packed([pack(w) for w in module.w13.data],

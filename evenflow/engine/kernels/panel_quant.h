@@ -37,12 +37,38 @@ constexpr int kQuantRows = 4;  // rows per register block over a quantized panel
 #else
 constexpr int kQuantRows = 1;
 #endif
-constexpr int64_t kDequantRows = 8;  // from this many rows on, dequantize the panel first
+constexpr int64_t kDequantRows = 8;
+constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream  // from this many rows on, dequantize the panel first
 
+// 16 int8 / uint8 values as float32 (intrinsics where AVX-512 has them: GCC's generic
+// conversion of byte vectors goes lane by lane)
 inline f16v widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  f16v v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
   i8x16 b;
   std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, f16v);
+  const i16v wide = __builtin_convertvector(b, i16v);
+  return __builtin_convertvector(wide, f16v);
+#endif
+}
+
+inline f16v widen_nibbles(u8x16 b) {
+#if defined(__AVX512F__)
+  __m128i bytes;
+  std::memcpy(&bytes, &b, sizeof bytes);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  f16v v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  const i16v wide = __builtin_convertvector(b, i16v);
+  return __builtin_convertvector(wide, f16v);
+#endif
 }
 
 template <int MR>
@@ -50,6 +76,7 @@ void panel_int8(const float* const* x, const int8_t* w, int64_t k_total, float* 
   f16v acc[MR][4] = {};
   for (int64_t k = 0; k < k_total; ++k) {
     const int8_t* wp = w + k * kPanel;
+    __builtin_prefetch(wp + kPrefetch);
     const f16v w0 = widen(wp), w1 = widen(wp + 16), w2 = widen(wp + 32), w3 = widen(wp + 48);
     for (int r = 0; r < MR; ++r) {
       const f16v xv = splat(x[r][k]);
@@ -67,8 +94,8 @@ void panel_int8(const float* const* x, const int8_t* w, int64_t k_total, float* 
 inline void int4_pair(const uint8_t* p, f16v s, f16v o, f16v& low, f16v& high) {
   u8x16 b;
   std::memcpy(&b, p, sizeof b);
-  low = __builtin_convertvector(b & 0xF, f16v) * s + o;
-  high = __builtin_convertvector(b >> 4, f16v) * s + o;
+  low = widen_nibbles(b & 0xF) * s + o;
+  high = widen_nibbles(b >> 4) * s + o;
 }
 
 template <int MR>
@@ -76,14 +103,23 @@ void panel_int4(const float* const* x, const uint8_t* w, const float* scale, con
                 int64_t k_total, int64_t group, float* sums) {
   f16v acc[MR][4] = {};
   for (int64_t g = 0; g < k_total / group; ++g) {
+    f16v s[4], o[4];
     for (int v = 0; v < 4; ++v) {
-      const f16v s = load(scale + g * kPanel + v * kLanes);
-      const f16v o = load(offset + g * kPanel + v * kLanes);
-      for (int64_t kp = g * group / 2; kp < (g + 1) * group / 2; ++kp) {
+      s[v] = load(scale + g * kPanel + v * kLanes);
+      o[v] = load(offset + g * kPanel + v * kLanes);
+    }
+    for (int64_t kp = g * group / 2; kp < (g + 1) * group / 2; ++kp) {
+      const uint8_t* wp = w + kp * kPanel;
+      __builtin_prefetch(wp + kPrefetch);
+      f16v xl[MR], xh[MR];
+      for (int r = 0; r < MR; ++r) {
+        xl[r] = splat(x[r][2 * kp]);
+        xh[r] = splat(x[r][2 * kp + 1]);
+      }
+      for (int v = 0; v < 4; ++v) {
         f16v low, high;
-        int4_pair(w + kp * kPanel + v * kLanes, s, o, low, high);
-        for (int r = 0; r < MR; ++r)
-          acc[r][v] += splat(x[r][2 * kp]) * low + splat(x[r][2 * kp + 1]) * high;
+        int4_pair(wp + v * kLanes, s[v], o[v], low, high);
+        for (int r = 0; r < MR; ++r) acc[r][v] += xl[r] * low + xh[r] * high;
       }
     }
   }
@@ -124,6 +160,14 @@ inline u16v bf16_bits(f16v f) {  // round to nearest even (finite values)
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 16-bit lane order taking [a0..a15, b0..b15] to [a0, b0, a1, b1, ...]
+inline __m512i interleave_halves() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                          22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+#endif
+
 // Panel p of a quantized weight as a plain panel of T (panel.h's layout). int8 stays unscaled
 // (q is exact in bf16; the scale goes on the sums, as on the direct path).
 template <typename T>
@@ -146,9 +190,18 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
       if constexpr (std::is_same_v<T, float>) {
         store(dst + 2 * kp * kPanel + v * kLanes, low);
         store(dst + (2 * kp + 1) * kPanel + v * kLanes, high);
-      } else {  // (kp, c, 2): channel c's pair as one 32-bit lane, k = 2kp in the low half
+      } else {  // (kp, c, 2): channel c's pair side by side, k = 2kp first
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        __m512 lo, hi;
+        std::memcpy(&lo, &low, sizeof lo);
+        std::memcpy(&hi, &high, sizeof hi);
+        const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(dst + kp * 2 * kPanel + v * 2 * kLanes,
+                            _mm512_permutexvar_epi16(interleave_halves(), halves));
+#else
         const u16v pair = bf16_bits(low) | (bf16_bits(high) << 16);
         std::memcpy(dst + kp * 2 * kPanel + v * 2 * kLanes, &pair, sizeof pair);
+#endif
       }
     }
   }
