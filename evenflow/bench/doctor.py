@@ -297,13 +297,15 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
                                 api_key=key, progress=True))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
-    # A service whose exporter met the receiver before it listened is in retry backoff
-    # (1, 2, 4, 8 s) and sends late: wait up to 15 s (or 3 flush waits) more for the gateway's and a
-    # worker's spans.
-    deadline = time.monotonic() + max(15.0, 3 * flush_wait)
+    # A service whose exporter met the receiver before it listened (spans from the mesh's start)
+    # retries that batch with backoff for up to its export timeout (10 s) and sends the
+    # workload's spans after it: wait up to 20 s (or 3 flush waits) more for the gateway's route
+    # spans and a worker's.
+    deadline = time.monotonic() + max(20.0, 3 * flush_wait)
     while time.monotonic() < deadline:
-        services = {s.service for s in receiver.spans}
-        if "evenflow-gateway" in services and services & {"evenflow-prefill", "evenflow-decode"}:
+        names = {(s.service, s.name) for s in receiver.spans}
+        if ("evenflow-gateway", "route") in names and \
+                {service for service, _ in names} & {"evenflow-prefill", "evenflow-decode"}:
             break
         time.sleep(0.25)
     return load, lag
