@@ -1,0 +1,166 @@
+"""The panel kernels compute what the weights say: the fused MoE kernel (every routed expert of
+a layer in one call, engine/kernels/fused_moe.cpp) and the panel linear (panel_linear.cpp), over
+plain fp32 / bf16 weights and int8 / int4 ones, for few rows (quantized panels read directly)
+and many (dequantized first); the packing reorders without changing a value; and the engine's
+greedy output is the same with them as with oneDNN's per-expert path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evenflow.engine import native, panels
+from evenflow.engine.quant import QuantConfig, QuantValues, quantize
+from evenflow.engine.quant_panels import PanelStack
+
+DTYPES = [torch.float32, torch.bfloat16]
+H, INTER, EXPERTS, TOP_K = 128, 192, 6, 2
+
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    if native.fused_moe() is None or native.panel_linear() is None:
+        pytest.skip("native kernels unavailable")
+
+
+def served(dtype: torch.dtype) -> None:
+    if not panels.usable(dtype, H, 64):
+        pytest.skip(f"the panel kernels do not take {dtype} on this CPU")
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (actual.float() - expected).abs().max().item() <= tol * expected.abs().max().item()
+
+
+def moe_reference(x, ids, route, gate_up, down):
+    """Per token, per chosen expert: down(silu(gate) * up), weighted and summed, in float32."""
+    out = torch.zeros(x.shape[0], down[0].shape[0])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (x[t].float() @ gate_up[e].T).chunk(2)
+            out[t] += (F.silu(gate) * up) @ down[e].T * route[t, j]
+    return out
+
+
+def routing(tokens: int, slots: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(slots, generator=g)[:TOP_K] for _ in range(tokens)])
+    return ids, torch.rand(tokens, TOP_K, generator=g)
+
+
+def test_packing_reorders_without_changing_a_value():
+    w = torch.randn(2 * INTER, H)
+    for dtype in DTYPES:
+        for gate_up in (False, True):
+            packed = panels.pack_weight(w.to(dtype), gate_up=gate_up)
+            assert torch.equal(panels.unpack_weight(packed, gate_up=gate_up), w.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_matches_the_per_expert_formula(dtype):
+    served(dtype)
+    g = torch.Generator().manual_seed(0)
+    gate_up = [(torch.randn(2 * INTER, H, generator=g) * 0.1).to(dtype) for _ in range(EXPERTS)]
+    down = [(torch.randn(H, INTER, generator=g) * 0.1).to(dtype) for _ in range(EXPERTS)]
+    w13 = [panels.pack_weight(w, gate_up=True) for w in gate_up]
+    w2 = [panels.pack_weight(w) for w in down]
+    for tokens in (1, 5, 40):  # 40 tokens: several row blocks per expert
+        x = torch.randn(tokens, H, generator=g).to(dtype)
+        ids, route = routing(tokens, EXPERTS, g)
+        expected = moe_reference(x, ids, route, [w.float() for w in gate_up],
+                                 [w.float() for w in down])
+        close(panels.run_experts(x, ids, route, w13, w2), expected, dtype)
+    # slots of a placement are references: slot 6 is expert 0 again
+    ids = torch.tensor([[6, 1], [0, 6]])
+    x = torch.randn(2, H, generator=g).to(dtype)
+    route = torch.rand(2, 2, generator=g)
+    got = panels.run_experts(x, ids, route, w13 + w13[:1], w2 + w2[:1])
+    close(got, moe_reference(x, ids % EXPERTS, route, [w.float() for w in gate_up],
+                             [w.float() for w in down]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 64),
+                                    QuantConfig("int4", 32, symmetric=True)],
+                         ids=["int8", "int4-g64", "int4-g32-sym"])
+def test_quantized_panels_match_the_dequantized_weight(dtype, config):
+    served(dtype)
+    g = torch.Generator().manual_seed(1)
+    values = [quantize(torch.randn(2 * INTER, H, generator=g) * 0.05, config)
+              for _ in range(EXPERTS)]
+    downs = [quantize(torch.randn(H, INTER, generator=g) * 0.05, config)
+             for _ in range(EXPERTS)]
+    linear = PanelStack.build(values[:1])
+    gate_up = PanelStack.build(values, gate_up=True)
+    down = PanelStack.build(downs)
+    for rows in (1, 3, 40):  # direct reads (few rows) and dequantized panels (many)
+        x = torch.randn(rows, H, generator=g).to(dtype)
+        close(linear.linear(x), x.float() @ values[0].dequantize().T, dtype)
+        close(gate_up.linear(x, 2), x.float() @ values[2].dequantize().T, dtype)  # plain order
+        ids, route = routing(rows, EXPERTS, g)
+        (w13, s13, o13), (w2, s2, o2) = gate_up.experts(), down.experts()
+        got = panels.run_experts(x, ids, route, w13, w2, s13, s2, o13, o2, gate_up.group_size)
+        expected = moe_reference(x, ids, route, [v.dequantize() for v in values],
+                                 [v.dequantize() for v in downs])
+        close(got, expected, dtype)
+
+
+def test_a_placement_selects_quantized_slots_by_reference():
+    values = [quantize(torch.randn(128, H) * 0.05, QuantConfig("int8")) for _ in range(4)]
+    stack = PanelStack.build(values)
+    slots = stack.select(torch.tensor([2, 0, 2]))
+    assert slots.data[0] is stack.data[2] and slots.num == 3
+    x = torch.randn(2, H)
+    assert torch.equal(slots.linear(x, 2), stack.linear(x, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_panel_linear_matches_torch_and_pads_to_a_panel(dtype):
+    served(dtype)
+    g = torch.Generator().manual_seed(2)
+    for out_features in (192, 8):  # 8: a MoE router, padded to one panel of 64
+        layer = torch.nn.Linear(H, out_features, bias=True).to(dtype)
+        fast = panels.PanelLinear(layer)
+        for rows in (1, 7, 200):
+            x = torch.randn(rows, H, generator=g).to(dtype)
+            got = fast(x)
+            assert got.shape == (rows, out_features)
+            close(got, F.linear(x.float(), layer.weight.float(), layer.bias.float()), dtype)
+
+
+def test_unusable_shapes_are_refused_not_miscomputed():
+    x = torch.randn(2, H)
+    with pytest.raises(RuntimeError, match="panel layout"):
+        torch.ops.evenflow_kernels.panel_linear(x, torch.randn(64, H + 2, 64), None)
+    with pytest.raises(RuntimeError, match="wrong size"):  # gate_up sized for another INTER
+        panels.run_experts(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+                           [torch.randn(2 * 64 * H)], [torch.randn(H * INTER)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_output_is_the_same_as_the_per_expert_path(monkeypatch, dtype, quantization):
+    from evenflow import LLM, SamplingParams
+
+    if dtype == "bfloat16":
+        served(torch.bfloat16)
+    prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r ="]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    fused = LLM("tiny-moe", dtype=dtype, quantization=quantization)
+    assert fused.engine.model.moe_layers()[0]._fused_experts() is not None
+    with_panels = [o.token_ids for o in fused.generate(prompts, params)]
+    monkeypatch.setattr(native, "fused_moe", lambda: None)
+    monkeypatch.setattr(native, "panel_linear", lambda: None)
+    per_expert = LLM("tiny-moe", dtype=dtype, quantization=quantization)
+    assert per_expert.engine.model.moe_layers()[0]._fused_experts() is None
+    assert [o.token_ids for o in per_expert.generate(prompts, params)] == with_panels
+
+
+def test_values_round_trip_through_the_int4_nibbles():
+    q = torch.randint(0, 16, (64, H), dtype=torch.uint8)
+    values = QuantValues(4, q, torch.ones(64, H // 32), torch.zeros(64, H // 32))
+    stack = PanelStack.build([values])
+    eye = torch.eye(H)
+    assert torch.equal(stack.linear(eye).T, q.float())
