@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "panel.h"
+
 namespace {
 
 typedef float f16v __attribute__((vector_size(64)));      // 16 x float32
@@ -58,25 +60,7 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-// e^x for x <= 0, 16 lanes (Cephes' expf polynomial; relative error ~2e-7)
-inline f16v exp_nonpositive(f16v x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  const i16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16v);  // round
-  const f16v nf = __builtin_convertvector(n, f16v);
-  f16v r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  f16v p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const u16v scale = __builtin_convertvector(n + 127, u16v) << 23;
-  f16v two_n;
-  std::memcpy(&two_n, &scale, sizeof two_n);
-  return p * two_n;
-}
+using evenflow_panel::exp_nonpositive;  // e^x for x <= 0, 16 lanes (kernels/panel.h)
 
 inline float hsum(f16v v) {
 #if defined(__AVX512F__)

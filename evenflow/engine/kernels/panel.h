@@ -1,4 +1,5 @@
-// Shared pieces of the panel kernels (fused_moe.cpp, panel_linear.cpp): the register-blocked
+// Shared pieces of the panel kernels (fused_moe.cpp, panel_linear.cpp; its float helpers also
+// serve paged_attention.cpp and weight_only.cpp): the register-blocked
 // matmul over one panel of 64 output channels in the packed layout, and float helpers.
 //
 // Packed layout (made by evenflow/engine/panels.py): a weight (N, K) is cut into panels of

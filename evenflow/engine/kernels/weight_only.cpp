@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "panel.h"
+
 namespace {
 
 typedef float f16v __attribute__((vector_size(64)));      // 16 x float32
@@ -48,13 +50,7 @@ inline float hsum(f16v v) {
   return s;
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using evenflow_panel::float_to_bf16;  // round to nearest even, as torch does (panel.h)
 
 // x (M, K) as float32, contiguous: a bf16 input is widened once per call.
 std::vector<float> rows_as_float(const at::Tensor& x, int64_t m, int64_t k) {
