@@ -10,6 +10,9 @@ client's own timings, prints:
 - the slowest instance: each worker's prefill ms per prompt token or decode ms per output token
   against its peers' median;
 - the gateway's event-loop lag p99;
+- with expert-parallel (DEP) workers (`--expert-parallel N` here, or `--nats URL` with `--url`):
+  each EP rank's MoE compute, collective wait and rows per step from the reports it sends the
+  balancer, against its group's median;
 - a verdict naming the slowest layer and instance, with the evidence.
 `--json FILE` writes the same as JSON, `--png FILE` the waterfall as a chart.
 
@@ -31,7 +34,9 @@ import statistics
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_load
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
@@ -57,7 +62,7 @@ def _ms(values: list[float]) -> dict:
 
 
 def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
-            loop_lag_p99_s: float | None) -> dict:
+            loop_lag_p99_s: float | None, ep_ranks: list[dict] | None = None) -> dict:
     by_name: dict[str, list[ReceivedSpan]] = defaultdict(list)
     for span in spans:
         by_name[span.name].append(span)
@@ -87,9 +92,9 @@ def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
                     "p50": (1 - accounted) * ttft_p50 * 1e3 if ttfts else None, "p99": None,
                     "share": 1 - accounted if ttfts else None, "of": "TTFT", "spans": 0})
     instances = _instances(by_name)
-    return {"waterfall": rows, "instances": instances,
+    return {"waterfall": rows, "instances": instances, "ep_ranks": ep_ranks or [],
             "gateway_loop_lag_p99_ms": None if loop_lag_p99_s is None else loop_lag_p99_s * 1e3,
-            "verdict": _verdict(rows, instances, loop_lag_p99_s)}
+            "verdict": _verdict(rows, instances, loop_lag_p99_s, ep_ranks or [])}
 
 
 def _instances(by_name: dict[str, list[ReceivedSpan]]) -> list[dict]:
@@ -115,7 +120,8 @@ def _instances(by_name: dict[str, list[ReceivedSpan]]) -> list[dict]:
     return out
 
 
-def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None) -> str:
+def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None,
+             ep_ranks: list[dict]) -> str:
     before = [r for r in rows[:4] if r["share"] is not None]
     worst = max(before, key=lambda r: r["share"]) if before else None
     parts = []
@@ -129,6 +135,14 @@ def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None) -> st
     elif instances:
         parts.append(f"no instance stands out (every worker within {STANDS_OUT:g}x of its peers' "
                      "median)")
+    rank = max(ep_ranks, key=lambda r: r["vs_group"], default=None)
+    if rank is not None and rank["vs_group"] > STANDS_OUT:
+        parts.append(f"slowest EP rank: {rank['group']} {rank['rank']}, MoE compute "
+                     f"{rank['moe_compute_ms']:.2f} ms per step = {rank['vs_group']:.2f}x its "
+                     f"group's median ({rank['rows_per_step']:.1f} rows per step)")
+    elif ep_ranks:
+        parts.append(f"EP ranks even (every rank's MoE compute within {STANDS_OUT:g}x of its "
+                     "group's median)")
     if lag_s is not None and lag_s > 0.05:
         parts.append(f"the gateway's event loop lags: p99 {lag_s * 1e3:.0f} ms")
     return "; ".join(parts) or "not enough traces to say"
@@ -153,6 +167,10 @@ def print_report(result: dict) -> None:
     for i in result["instances"]:
         print(f"  {i['role']:7} {i['worker']:8} {i['ms_per_token']:8.3f} ms/token  "
               f"{i['vs_peers']:.2f}x peers ({i['samples']} requests)")
+    for r in result["ep_ranks"]:
+        print(f"  EP rank {r['group']}/{r['rank']:6} MoE {r['moe_compute_ms']:7.2f} ms/step, "
+              f"collectives {r['moe_wait_ms']:7.2f} ms/step, {r['rows_per_step']:6.1f} rows/step"
+              f"  {r['vs_group']:.2f}x group ({r['steps']} steps)")
     lag = result["gateway_loop_lag_p99_ms"]
     if lag is not None:
         print(f"  gateway event-loop lag p99: {lag:.1f} ms (bucket bound)")
@@ -197,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flush-wait", type=float, default=6.0,
                     help="--url: seconds to wait for the services' last spans (their batch "
                     "exporters send every 5 s)")
+    ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                    help="local mesh: every worker a DEP group of N expert-parallel ranks")
+    ap.add_argument("--nats", default=None, metavar="URL",
+                    help="--url: the mesh's NATS, to read its EP ranks' load reports")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -206,17 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         receiver = OTLPReceiver(args.otlp_host, 4318 if args.otlp_port is None
                                 else args.otlp_port)
         try:
-            load, lag = _run_against(args.url.rstrip("/"), receiver, prompt_len, output_len,
-                                     requests, concurrency, args.flush_wait)
+            load, lag, ep_ranks = _run_against(args.url.rstrip("/"), receiver, prompt_len,
+                                               output_len, requests, concurrency,
+                                               args.flush_wait, args.nats)
         finally:
             receiver.stop()
         where = f"the mesh at {args.url}"
     else:
         receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
-        load, lag = _run_local(args, receiver, prompt_len, output_len, requests, concurrency)
+        load, lag, ep_ranks = _run_local(args, receiver, prompt_len, output_len, requests,
+                                         concurrency)
         where = f"{args.prefill} prefill + {args.decode} decode workers"
     result = analyse(receiver.spans, [t.ttft for t in load.timings],
-                     [t.e2e for t in load.timings], lag)
+                     [t.e2e for t in load.timings], lag, ep_ranks)
     result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
                           "output_tokens": output_len, "requests": requests,
                           "concurrency": concurrency, "failed": load.errors,
@@ -242,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int,
-               output_len: int, requests: int, concurrency: int) -> tuple[LoadResult, float | None]:
+               output_len: int, requests: int, concurrency: int
+               ) -> tuple[LoadResult, float | None, list[dict]]:
     """A local mesh exporting its spans to `receiver`, the workload through it."""
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.services.config import MeshConfig
@@ -252,8 +277,9 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
         Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
     mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=args.prefill,
                                 num_decode=args.decode, local_prefill_threshold=0,
-                                threads_per_worker=1, num_ep_ranks=0, kv_cache_gb=0.5,
-                                stats_log_interval_s=0))
+                                threads_per_worker=1, kv_cache_gb=0.5, stats_log_interval_s=0,
+                                num_ep_ranks=args.expert_parallel if args.expert_parallel > 1
+                                else 0, expert_parallel_size=args.expert_parallel))
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     try:
         mesh.start(env=env, health_timeout_s=300)
@@ -265,17 +291,19 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
 
         vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
         prompts = make_prompts(requests, prompt_len, vocab, seed=3)
-        load = asyncio.run(run_load(mesh.url, mesh.config.model_name, prompts, output_len,
-                                    concurrency, progress=True))
-        return load, _loop_lag_p99(mesh.url)
+        load, ep_ranks = asyncio.run(_watching_ranks(
+            mesh.admin_nats_url or mesh.config.nats_url if args.expert_parallel > 1 else None,
+            run_load(mesh.url, mesh.config.model_name, prompts, output_len, concurrency,
+                     progress=True)))
+        return load, _loop_lag_p99(mesh.url), ep_ranks
     finally:
         mesh.stop()  # the services flush their spans as they exit
         receiver.stop()
 
 
 def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: int,
-                 requests: int, concurrency: int, flush_wait: float
-                 ) -> tuple[LoadResult, float | None]:
+                 requests: int, concurrency: int, flush_wait: float, nats_url: str | None
+                 ) -> tuple[LoadResult, float | None, list[dict]]:
     """The workload against a running mesh's gateway; its services' spans, if they export to
     `receiver`, arrive meanwhile and up to `flush_wait` s after."""
     import os
@@ -293,8 +321,8 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
     rng = random.Random(3)
     prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
-    load = asyncio.run(run_load(url, model, prompts, output_len, concurrency,
-                                api_key=key, progress=True))
+    load, ep_ranks = asyncio.run(_watching_ranks(nats_url, run_load(
+        url, model, prompts, output_len, concurrency, api_key=key, progress=True)))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
     # A service whose exporter met the receiver before it listened (spans from the mesh's start)
@@ -308,7 +336,25 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
                 {service for service, _ in names} & {"evenflow-prefill", "evenflow-decode"}:
             break
         time.sleep(0.25)
-    return load, lag
+    return load, lag, ep_ranks
+
+
+async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, LoadResult]
+                          ) -> tuple[LoadResult, list[dict]]:
+    """The workload, with the EP ranks' load reports collected from NATS meanwhile (and for one
+    report interval after, so that the last steps are counted)."""
+    if nats_url is None:
+        return await workload, []
+    from evenflow.bench.ep_watch import RankLoadWatch
+
+    watch = RankLoadWatch()
+    await watch.start(nats_url)
+    try:
+        load = await workload
+        await asyncio.sleep(1.5)
+    finally:
+        await watch.stop()
+    return load, watch.summary()
 
 
 if __name__ == "__main__":

@@ -83,3 +83,17 @@ def test_doctor_names_the_gateway_when_streams_flood_it(tmp_path):
     assert result["workload"]["failed"] == 0
     assert result["verdict"].startswith("slowest layer before the first token: gateway")
     assert result["gateway_loop_lag_p99_ms"] is not None
+
+
+def test_doctor_reports_each_expert_parallel_rank_against_its_group(tmp_path):
+    # DEP workers of 2 ranks: the doctor reads the load reports every rank sends the balancer
+    out = tmp_path / "doctor.json"
+    assert doctor.main(["--model", "tiny-moe", "--workload", "chat", "--prefill", "1",
+                        "--decode", "1", "--expert-parallel", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["failed"] == 0
+    ranks = {(r["group"].rsplit("-", 1)[-1], r["rank"]): r for r in result["ep_ranks"]}
+    assert {("d0", "d0r0"), ("d0", "d0r1"), ("p0", "p0r0"), ("p0", "p0r1")} <= set(ranks)
+    for rank in ranks.values():
+        assert rank["steps"] > 0 and rank["moe_compute_ms"] > 0 and rank["rows_per_step"] > 0
+    assert "EP rank" in result["verdict"]
