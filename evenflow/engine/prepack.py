@@ -6,7 +6,9 @@ the weight. `F.linear` over a plain row-major bf16 weight reads it at about half
 reaches with a weight reordered for its kernel (measured here: 1.8-2.3x at 1-2 rows, 1.2x at 32,
 ~1.03x at 512; bitwise the same result). So after loading, every dense linear layer becomes a
 `PackedLinear` and each MoE layer's expert stacks become per-expert packed weights, run by the
-per-expert loop (which then beats the padded batched matmul at decode too).
+per-expert loop (which then beats the padded batched matmul at decode too) — unless the engine's
+own panel kernels serve (engine/panels.py: bf16 with AVX512-BF16, or fp32): then dense layers
+become `PanelLinear` (no per-call start-up) and expert stacks go to the fused MoE kernel's layout.
 
 Only plain (unquantized) float weights are packed, and only where torch has oneDNN; quantized
 layers keep their own kernels. `prepack_weights=False` in EngineConfig turns this off.
