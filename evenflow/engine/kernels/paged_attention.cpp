@@ -29,21 +29,14 @@
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));      // 16 x float32
-typedef int32_t i16v __attribute__((vector_size(64)));    // 16 x int32
-typedef uint32_t u16v __attribute__((vector_size(64)));   // 16 x uint32
+// vector types and helpers shared with the panel kernels (kernels/panel.h)
+using evenflow_panel::f16v;
+using evenflow_panel::kLanes;
+using evenflow_panel::load;
+using evenflow_panel::splat;
+using evenflow_panel::store;
+using evenflow_panel::u16v;
 typedef uint16_t u16x16 __attribute__((vector_size(32)));  // 16 x bf16 bits
-constexpr int kLanes = 16;
-
-inline f16v load(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
-
-inline f16v splat(float x) { return f16v{} + x; }
 
 // n values (n a multiple of 16) widened to float32
 inline void to_float(const float* src, float* dst, int64_t n) {
