@@ -225,7 +225,8 @@ class DecodeWorker(WorkerService):
                ctx: Context | None) -> None:
         self.send(subject, ErrorMessage(request_id=request_id, code=code,
                                         description=description,
-                                        retryable=code in errors.RETRYABLE), ctx)
+                                        retryable=code in errors.RETRYABLE,
+                                        worker_id=self.worker_id), ctx)
 
     async def _sweep_transfers(self) -> None:
         """Transfers that never complete are dropped (the gateway times the request out)."""

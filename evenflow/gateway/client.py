@@ -385,7 +385,11 @@ class GatewayClient:
                     # A full decode worker is tried again once it heartbeats again (room may
                     # be back); the wait for room is bounded by queue_timeout_s, not retries.
                     no_room = item.code == errors.NO_CAPACITY and flight.decode is not None
-                    if not item.retryable or (retries <= 0 and not no_room):
+                    # A draining worker is taken out of routing at once; going elsewhere is
+                    # not a failure, so it spends no retry (bounded: one per worker).
+                    drained = (item.code == errors.DRAINING
+                               and self.registry.mark_draining(item.worker_id))
+                    if not item.retryable or (retries <= 0 and not no_room and not drained):
                         raise RequestFailed(item.code, item.description)
                     RETRIES.labels(code=item.code).inc()
                     log.info("request %s: %s (%s) after %d tokens; sending it again",
@@ -393,7 +397,7 @@ class GatewayClient:
                     if no_room:
                         assert flight.decode is not None
                         flight.refused[flight.decode] = time.monotonic()
-                    else:
+                    elif not drained:
                         retries -= 1
                         if flight.decode and item.code != errors.LOST_IN_OUTAGE:
                             exclude.add(flight.decode)  # before _release forgets it: not again

@@ -26,6 +26,11 @@ class WorkerState:
     seen_at: float  # local monotonic clock
     inflight: int = 0  # this gateway's requests routed there and not finished
     inflight_blocks: int = 0  # blocks those requests still have to prefill there
+    draining: bool = False  # it said so (heartbeat or a refusal); one-way for this epoch
+
+    @property
+    def takes_work(self) -> bool:
+        return not (self.draining or self.heartbeat.draining or self.heartbeat.unhealthy)
 
     @property
     def worker_id(self) -> str:
@@ -89,6 +94,16 @@ class WorkerRegistry:
             self.workers[hb.worker_id] = WorkerState(hb, time.monotonic())
         else:
             state.heartbeat, state.seen_at = hb, time.monotonic()
+            state.draining = state.draining or hb.draining  # (a late older heartbeat: still)
+
+    def mark_draining(self, worker_id: str) -> bool:
+        """`worker_id` refused a request because it is draining: route nothing more there, at
+        once rather than at its next heartbeat. False if the worker is unknown."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return False
+        state.draining = True
+        return True
 
     # -- this gateway's own load on each worker (fresh, exact) ------------------------------
     def acquire(self, decode: WorkerState, prefill: WorkerState | None,
@@ -127,8 +142,8 @@ class WorkerRegistry:
     def live(self, role: Role) -> list[WorkerState]:
         """Workers of `role` that heartbeat and take new work (not draining, not unhealthy)."""
         return sorted((s for s in self.workers.values()
-                       if s.heartbeat.role == role and not s.heartbeat.draining
-                       and not s.heartbeat.unhealthy and self.is_live(s.worker_id)),
+                       if s.heartbeat.role == role and s.takes_work
+                       and self.is_live(s.worker_id)),
                       key=lambda s: s.worker_id)
 
     def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,

@@ -150,7 +150,7 @@ class PrefillWorker(WorkerService):
               ctx: Context | None) -> None:
         self.send(req.reply_subject, ErrorMessage(
             request_id=req.request_id, code=code, description=description,
-            retryable=code in errors.RETRYABLE), ctx)
+            retryable=code in errors.RETRYABLE, worker_id=self.worker_id), ctx)
 
     # -- outbound ---------------------------------------------------------------------------
     def on_outputs(self, outputs: StepDone) -> None:

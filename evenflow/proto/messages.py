@@ -178,6 +178,7 @@ class ErrorMessage:
     code: str  # one of proto.errors
     description: str
     retryable: bool = False
+    worker_id: str = ""  # the worker that answered ("" : the gateway itself, or an older peer)
 
 
 # -- KV events (vLLM's schema) --------------------------------------------------------------

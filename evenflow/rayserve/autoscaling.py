@@ -23,19 +23,25 @@ def _metric_total(ctx: Any, name: str) -> float:
 
 
 def _decide(ctx: Any, desired: int) -> tuple[int, dict[str, Any]]:
-    log.debug("evenflow policy %s: desired %d, current %d", ctx.deployment_name, desired,
-              ctx.current_num_replicas)
+    """Serve's delays apply on top, measured against its target (`target_num_replicas`, which
+    counts replicas still starting), so holding means answering the target, not the running
+    count. While a scale-up is under way (target > running) nothing shrinks: the running
+    replicas' signal alone is not the fleet's, and stopping a replica that is still loading
+    its model is churn (each start costs a process and a model load)."""
+    running = ctx.current_num_replicas
+    target = max(running, getattr(ctx, "target_num_replicas", running) or running)
+    log.debug("evenflow policy %s: desired %d, running %d, target %d", ctx.deployment_name,
+              desired, running, target)
     state = dict(ctx.policy_state or {})
     desired = max(ctx.capacity_adjusted_min_replicas,
                   min(ctx.capacity_adjusted_max_replicas, desired))
-    current = ctx.current_num_replicas
-    if desired >= current:
+    if desired >= target or target > running:
         state["low_periods"] = 0
-        return desired, state
+        return max(desired, target), state
     state["low_periods"] = state.get("low_periods", 0) + 1
     if state["low_periods"] >= DOWNSCALE_PERIODS:  # low long enough: keep saying so
         return desired, state
-    return current, state
+    return target, state
 
 
 class PrefillPolicy:

@@ -370,6 +370,11 @@ class WorkerService:
         log.info("%s %s ready", self.role, self.worker_id)
         await self._stop.wait()
         self.draining = True  # heartbeats now say so; new work is refused
+        try:  # say it now, not at the next beat: gateways stop routing here sooner
+            await asyncio.wait_for(self.bus.publish(
+                subjects.heartbeat(self.role, self.worker_id), self.heartbeat()), timeout=1)
+        except Exception:
+            log.warning("draining heartbeat failed (NATS down?)")
         deadline = time.monotonic() + 10
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

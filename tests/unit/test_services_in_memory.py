@@ -187,6 +187,52 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
     asyncio.run(scenario())
 
 
+class DrainingDecodeWorker(FakeDecodeWorker):
+    """Shutting down: refuses every request with DRAINING, while its heartbeats (stale, as one
+    in flight when it began to drain) still say it takes work."""
+
+    async def _on_message(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, DecodeRequest):
+            self.requests.append(message.request_id)
+            await self.bus.publish(message.reply_subject, ErrorMessage(
+                request_id=message.request_id, code=errors.DRAINING, description="draining",
+                retryable=True, worker_id=self.worker_id))
+
+
+def test_draining_workers_are_left_at_once_without_spending_retries():
+    # Two workers drain at once (a scale-down) and the gateway has no retry budget: each
+    # refusal takes that worker out of routing before its heartbeat says so, and the request
+    # still lands on the third; later requests never go to the draining ones.
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
+                        decode_retries=0)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        workers = [DrainingDecodeWorker(broker, "d0", full=False),
+                   DrainingDecodeWorker(broker, "d1", full=False),
+                   FakeDecodeWorker(broker, "d2", full=False)]
+        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+        await client.start()
+        for w in workers:
+            await w.open()
+        while len(client.registry.live(Role.DECODE)) < 3:
+            await asyncio.sleep(0.01)
+        for request_id in ("r1", "r2"):
+            deltas = [d async for d in client.generate([1, 2, 3], GREEDY, request_id)]
+            assert [t for d in deltas for t in d.token_ids] == [11, 12]
+        assert workers[0].requests == ["r1"] and workers[1].requests == ["r1.1"]
+        assert workers[2].requests == ["r1.2", "r2"]
+        for w in workers[:2]:
+            await w.beat()  # a stale heartbeat does not bring a draining worker back
+        await asyncio.sleep(0.05)
+        assert [s.worker_id for s in client.registry.live(Role.DECODE)] == ["d2"]
+        await client.close()
+        for w in workers:
+            await w.bus.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_request_waits_for_room_on_a_full_worker_then_runs():
     # One decode worker, full when the request comes: the request is not failed at once (as
     # vLLM's waiting queue) but sent again once the worker heartbeats (with room); a worker
