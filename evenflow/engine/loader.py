@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from evenflow.engine import gptq
+from evenflow.engine import gptq, safetensors_io
 from evenflow.engine.config import ModelConfig, ModelLoadError, load_config
 from evenflow.engine.hf_names import EXPERT, ROLE
 from evenflow.engine.model import CausalLM
@@ -64,20 +64,28 @@ def tensor_names(files: list[Path]) -> dict[Path, list[str]]:
 
 def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
                   ) -> dict[str, Tensor]:
+    """The tensors `wanted` picks, each in memory of its own (no file mapping stays)."""
     tensors: dict[str, Tensor] = {}
     for path, in_file in names.items():
         chosen = [name for name in in_file if wanted(name)]
         if not chosen:
             continue
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in chosen:
-                    # a copy: safetensors hands out views of its file mapping, which would
-                    # keep every page read so far resident
-                    tensors[name] = f.get_tensor(name).clone()
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            tensors.update(safetensors_io.read(path, chosen))
+        except (OSError, safetensors_io.SafetensorsError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
     return tensors
+
+
+def _shapes(names: dict[Path, list[str]], wanted: Callable[[str], bool]
+            ) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors `wanted` picks, from the files' headers (nothing read)."""
+    try:
+        return {name: entry.shape for path, in_file in names.items()
+                for name, entry in safetensors_io.header(path).items()
+                if name in in_file and wanted(name)}
+    except (OSError, safetensors_io.SafetensorsError) as exc:
+        raise ModelLoadError(f"corrupt or unreadable safetensors file ({exc})") from exc
 
 
 def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterable[int],
@@ -176,12 +184,16 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     names = tensor_names(files)
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
-        tensors = _read_tensors(names, _starts_with(prefix))
+        stream_experts = (quantization is not None and spec is None and shard is None
+                          and cfg.sparse_layers[layer]
+                          and _expert_names(cfg, layer, names, quantization) is not None)
+        tensors = _read_tensors(names, lambda name, p=prefix, s=stream_experts: (
+            name.startswith(p) and not (s and EXPERT.match(name))))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
-        if quantization is not None and cfg.sparse_layers[layer] and "mlp.w13" not in given \
-                and shard is None:
-            given.update(_quantize_experts_as_read(cfg, layer, tensors, quantization))
+        if stream_experts:
+            assert quantization is not None
+            given.update(_quantize_experts_as_read(cfg, layer, names, quantization))
         covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
                    f"{prefix}{name}" for name in given}
         renamed = _to_model_names(cfg, tensors, [layer], "mlp.w13" in given)
@@ -219,21 +231,35 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                              f"{on_meta[:3]}")
 
 
-def _quantize_experts_as_read(cfg: ModelConfig, layer: int, tensors: dict[str, Tensor],
+def _expert_names(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
+                  config: QuantConfig) -> dict[tuple[int, str], str] | None:
+    """One layer's per-expert HF weight names by (expert, role), when every one is stored on
+    its own and fits `config`; else None (stored stacked, or a shape that does not fit)."""
+    shapes = _shapes(names, lambda name: (m := EXPERT.match(name)) is not None
+                     and int(m[1]) == layer)
+    found = {(int(m[2]), ROLE[m[3]]): name for name in shapes if (m := EXPERT.match(name))}
+    if len(found) != 3 * cfg.num_experts or not all(config.fits(s) for s in shapes.values()):
+        return None
+    return found
+
+
+def _quantize_experts_as_read(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
                               config: QuantConfig) -> dict[str, list[QuantValues]]:
-    """One layer's per-expert HF weights quantized straight away, each original dropped as
-    soon as it is done (no full-precision stack of the layer's experts is ever built);
-    nothing when they are stored stacked or a shape does not fit (all or none)."""
-    found = {(int(m[2]), ROLE[m[3]]): name for name in tensors
-             if (m := EXPERT.match(name)) and int(m[1]) == layer}
-    if len(found) != 3 * cfg.num_experts or not all(
-            config.fits(tensors[name].shape) for name in found.values()):
-        return {}
+    """One layer's per-expert HF weights read and quantized one expert at a time, each
+    original dropped (and its memory given back) before the next is read: no full-precision
+    copy of the layer's experts is ever held."""
+    found = _expert_names(cfg, layer, names, config)
+    assert found is not None
     w13, w2 = [], []
     for e in range(cfg.num_experts):
+        mine = {found[(e, "gate")], found[(e, "up")], found[(e, "down")]}
+        tensors = _read_tensors(names, mine.__contains__)
         gate, up = tensors.pop(found[(e, "gate")]), tensors.pop(found[(e, "up")])
         w13.append(quantize(torch.cat([gate, up]), config))
+        del gate, up
         w2.append(quantize(tensors.pop(found[(e, "down")]), config))
+        del tensors
+        _return_freed_memory()
     return {"mlp.w13": w13, "mlp.w2": w2}
 
 
@@ -252,10 +278,6 @@ def _return_freed_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
-
-
-def _starts_with(prefix: str) -> Callable[[str], bool]:
-    return lambda name: name.startswith(prefix)
 
 
 def _drop_covered(layer: torch.nn.Module, covered: set[str], prefix: str,

@@ -88,23 +88,25 @@ class QuantValues:
 
 def quantize(w: Tensor, config: QuantConfig) -> QuantValues:
     """Round-to-nearest quantization of one (N, K) weight."""
-    w = w.float()
+    # In place on one float32 copy: a load quantizing as it reads holds one weight's worth of
+    # temporaries, not five.
+    w = w.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if config.method == "int8":
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
-        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        q = w.div_(scale).round_().clamp_(-128, 127).to(torch.int8)
         return QuantValues(8, q, scale, None)
     n, k = w.shape
     groups = w.view(n, k // config.group_size, config.group_size)
     if config.symmetric:
         scale = (groups.abs().amax(dim=-1) / 7.5).clamp(min=1e-12)  # q - 8 in [-8, 7]
-        q = torch.round(groups / scale.unsqueeze(-1) + 8).clamp(0, 15)
+        q = groups.div_(scale.unsqueeze(-1)).add_(8).round_().clamp_(0, 15)
         return QuantValues(4, q.to(torch.uint8).view(n, k), scale, None)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
     # An integer zero point, as GPTQ stores it; at least 1, since GPTQ's format stores zero - 1
     # in 4 bits (a group with no negative weight loses a little of its top end).
     zero = torch.round(-low / scale).clamp(1, 15)
-    q = torch.round(groups / scale.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, 15)
+    q = groups.div_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, 15)
     return QuantValues(4, q.to(torch.uint8).view(n, k), scale, zero)
 
 
@@ -296,14 +298,15 @@ class Int4Stack(QuantStack):
 
 
 def build_stack(values: list[QuantValues], dtype: torch.dtype,
-                gate_up: bool = False) -> QuantStack:
+                gate_up: bool = False, consume: bool = False) -> QuantStack:
     """The stored form for these weights (all of one shape and method): panels for the native
     panel kernels where they serve (engine/quant_panels.py; `gate_up`: a MoE layer's gate and
-    up stack, whose channels the fused kernel takes interleaved), else the forms above."""
+    up stack, whose channels the fused kernel takes interleaved), else the forms above.
+    `consume`: the panel form may empty `values` as it goes (the caller is done with them)."""
     from evenflow.engine import quant_panels  # (it builds on this module)
 
     if quant_panels.usable(values, dtype, gate_up):
-        return quant_panels.PanelStack.build(values, gate_up)
+        return quant_panels.PanelStack.build(values, gate_up, consume)
     if values[0].bits == 8:
         return Int8Stack.build(values, dtype)
     return Int4Stack.build(values, dtype)

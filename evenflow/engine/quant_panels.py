@@ -68,13 +68,21 @@ class PanelStack(QuantStack):
         self.data, self.scale, self.offset = data, scale, offset
 
     @classmethod
-    def build(cls, values: list[QuantValues], gate_up: bool = False) -> PanelStack:
+    def build(cls, values: list[QuantValues], gate_up: bool = False,
+              consume: bool = False) -> PanelStack:
+        """`consume`: empty `values` as each is packed (a load then never holds a layer's
+        unpacked values next to its packed ones)."""
         n, k = values[0].q.shape
-        packed = [_pack(v, gate_up) for v in values]
+        bits, group_size = values[0].bits, values[0].group_size if values[0].bits == 4 else 0
+        if consume:
+            packed = []
+            while values:
+                packed.append(_pack(values.pop(0), gate_up))
+        else:
+            packed = [_pack(v, gate_up) for v in values]
         offsets = [o for _, _, o in packed if o is not None]
-        return cls(values[0].bits, values[0].group_size if values[0].bits == 4 else 0, n, k,
-                   [d for d, _, _ in packed], [s for _, s, _ in packed],
-                   offsets if values[0].bits == 4 else None, gate_up)
+        return cls(bits, group_size, n, k, [d for d, _, _ in packed],
+                   [s for _, s, _ in packed], offsets if bits == 4 else None, gate_up)
 
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()

@@ -77,7 +77,9 @@ def _quantize_experts(moe: MoE, config: QuantConfig, dtype: torch.dtype,
         w2 = [quantize(w, config) for w in moe.w2.data]
     if w13 is None or w2 is None:
         return
-    moe.quantized = (build_stack(w13, dtype, gate_up=True), build_stack(w2, dtype))
+    # (the values are this function's or the loader's, handed over: consumed as packed)
+    moe.quantized = (build_stack(w13, dtype, gate_up=True, consume=True),
+                     build_stack(w2, dtype, consume=True))
     moe.w13 = nn.Parameter(torch.empty(0, *moe.w13.shape[1:], dtype=dtype), requires_grad=False)
     moe.w2 = nn.Parameter(torch.empty(0, *moe.w2.shape[1:], dtype=dtype), requires_grad=False)
 
