@@ -187,8 +187,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         stream_experts = (quantization is not None and spec is None and shard is None
                           and cfg.sparse_layers[layer]
                           and _expert_names(cfg, layer, names, quantization) is not None)
-        tensors = _read_tensors(names, lambda name, p=prefix, s=stream_experts: (
-            name.startswith(p) and not (s and EXPERT.match(name))))
+        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=stream_experts))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
         if stream_experts:
@@ -229,6 +228,10 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     if on_meta:
         raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
                              f"{on_meta[:3]}")
+
+
+def _layer_tensors(prefix: str, skip_experts: bool) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefix) and not (skip_experts and bool(EXPERT.match(name)))
 
 
 def _expert_names(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],

@@ -84,7 +84,7 @@ def read(path: Path, names: list[str]) -> dict[str, Tensor]:
         for name in sorted(names, key=lambda n: entries[n].begin):
             entry = entries[name]
             data = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
-            view, done = memoryview(data.numpy()), 0
+            view, done = memoryview(data.numpy()), 0  # type: ignore[arg-type]
             f.seek(entry.begin)
             while done < len(view):  # (one read returns at most ~2 GiB on Linux)
                 got = f.readinto(view[done:])
