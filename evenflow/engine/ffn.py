@@ -24,6 +24,7 @@ from evenflow.engine.config import ModelConfig
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.quant import QuantStack
 from evenflow.engine.quant_panels import PanelStack
+from evenflow.engine.routing import route
 from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
@@ -214,14 +215,9 @@ class MoE(nn.Module):
         return self.num_experts
 
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat_experts = experts.flatten()  # (T*k,)
-        if self.counts is not None:
-            self.counts += torch.bincount(flat_experts, minlength=self.num_experts)
-        groups = flat_experts
+        weights, experts = route(self.gate, x, self.num_experts, self.top_k,
+                                 self.norm_topk_prob, self.counts)  # (T, k) each
+        groups = flat_experts = experts.flatten()  # (T*k,)
         counts: Tensor | None = None
         if self.placement is not None:  # each pair goes to one physical slot of its expert
             groups = self.placement.slots_for(flat_experts)

@@ -29,7 +29,8 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "norm.cpp",
            Path(__file__).parent / "kernels" / "rotary.cpp",
            Path(__file__).parent / "kernels" / "fused_moe.cpp",
-           Path(__file__).parent / "kernels" / "panel_linear.cpp")
+           Path(__file__).parent / "kernels" / "panel_linear.cpp",
+           Path(__file__).parent / "kernels" / "routing.cpp")
 HEADERS = (Path(__file__).parent / "kernels" / "panel.h",
            Path(__file__).parent / "kernels" / "panel_quant.h")
 
@@ -134,3 +135,11 @@ def panel_linear() -> Any | None:
     kernels, or EVENFLOW_NATIVE_LINEAR=0 (oneDNN's packed linear)."""
     kernels = ops() if _switched_on("EVENFLOW_NATIVE_LINEAR") else None
     return None if kernels is None else getattr(kernels, "panel_linear", None)
+
+
+@functools.cache
+def route_topk() -> Any | None:
+    """MoE routing in one call (kernels/routing.cpp), or None: no native kernels, or
+    EVENFLOW_NATIVE_ROUTING=0 (torch's softmax, topk and bincount)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_ROUTING") else None
+    return None if kernels is None else getattr(kernels, "route_topk", None)

@@ -97,6 +97,10 @@ class PanelLinear(nn.Module):
         self.bias = bias
         self._bias = None if bias is None else F.pad(bias.data.float(), (0, pad)).contiguous()
 
+    def padded(self, x: Tensor) -> Tensor:
+        """x (T, in) -> (T, a whole number of panels): the zero rows' outputs included."""
+        return torch.ops.evenflow_kernels.panel_linear(x.contiguous(), self.packed, self._bias)
+
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.evenflow_kernels.panel_linear(flat, self.packed, self._bias)
