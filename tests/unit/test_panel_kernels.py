@@ -95,7 +95,9 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     linear = PanelStack.build(values[:1])
     gate_up = PanelStack.build(values, gate_up=True)
     down = PanelStack.build(downs)
-    for rows in (1, 3, 40):  # direct reads (few rows) and dequantized panels (many)
+    # direct reads (few rows: 1 to 4 a register block; int4 on bf16 rows stays direct up to
+    # 15) and dequantized panels (many)
+    for rows in (1, 3, 5, 11, 40):
         x = torch.randn(rows, H, generator=g).to(dtype)
         close(linear.linear(x), x.float() @ values[0].dequantize().T, dtype)
         close(gate_up.linear(x, 2), x.float() @ values[2].dequantize().T, dtype)  # plain order
