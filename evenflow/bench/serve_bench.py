@@ -4,6 +4,8 @@
    512-token prompts, TPOT at batch 1 and 16.
 2. The same through a local mesh it starts (gateway + 1 prefill + 1 decode worker, every prompt
    disaggregated): TTFT p50 and TPOT at concurrency 1 and 16 -> mesh overhead and ratios.
+   1. and 2. alternate run by run (offline, mesh, offline, ...): this host's speed drifts by
+   several percent over the minutes a run takes, more than the overhead being measured.
 3. KV-transfer bandwidth prefill -> decode (decode workers' counters: bytes / (export start ->
    transfer complete)) next to raw NATS publish bandwidth for the same bytes in the same chunks.
 4. A load run (concurrency, prompt and output lengths, shared prefix) printing TTFT, TPOT and ITL
@@ -29,7 +31,6 @@ from pathlib import Path
 from evenflow.bench.loadgen import (
     LoadResult,
     make_prompts,
-    percentile,
     result_json,
     run_load,
     summary_rows,
@@ -37,34 +38,68 @@ from evenflow.bench.loadgen import (
 )
 
 
-def offline_baseline(model: str, prompt_len: int, reps: int, out_len: int) -> dict:
-    from evenflow.engine.engine import Engine, EngineConfig
-    from evenflow.engine.sampling_params import SamplingParams
+class OfflineEngine:
+    """The engine alone, in this process (one thread, like a worker), timed the way the mesh
+    is: TTFT from adding a request to its first token, TPOT as the median step after it."""
 
-    engine = Engine(EngineConfig(model=model, num_threads=1, kv_cache_gb=0.5))
-    vocab = engine.model_config.vocab_size
-    ids = iter(range(10**9))
+    def __init__(self, model: str) -> None:
+        from evenflow.engine.engine import Engine, EngineConfig
 
-    def steps(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
+        self.engine = Engine(EngineConfig(model=model, num_threads=1, kv_cache_gb=0.5))
+        self.vocab = self.engine.model_config.vocab_size
+        self._ids = iter(range(10**9))
+        self.run(make_prompts(2, 64, self.vocab, seed=99), 2)  # warm-up
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
+        """(seconds to the first token, seconds of each step) for these prompts at once."""
+        from evenflow.engine.sampling_params import SamplingParams
+
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         for p in prompts:
-            engine.add_request(str(next(ids)), p, params)
+            self.engine.add_request(str(next(self._ids)), p, params)
         first, times = None, []
-        while engine.has_unfinished():
+        while self.engine.has_unfinished():
             t0 = time.perf_counter()
-            engine.step()
+            self.engine.step()
             times.append(time.perf_counter() - t0)
             if first is None:
                 first = time.perf_counter() - start
         return first or 0.0, times
 
-    steps(make_prompts(2, prompt_len, vocab, seed=99), 2)  # warm-up
-    ttfts = [steps(make_prompts(1, prompt_len, vocab, seed=100 + r), 1)[0] for r in range(reps)]
-    _, one = steps(make_prompts(1, 128, vocab, seed=7), out_len)
-    _, sixteen = steps(make_prompts(16, 128, vocab, seed=8), out_len)
-    return {"ttft": statistics.median(ttfts), "tpot1": statistics.median(one[1:]),
-            "tpot16": statistics.median(sixteen[1:]), "vocab": vocab}
+
+def interleaved_overhead(offline: OfflineEngine, url: str, model: str, prompt_len: int,
+                         reps: int, out_len: int) -> tuple[dict, dict, int]:
+    """TTFT and TPOT of the engine alone and through the mesh, measured in alternation (one
+    offline run, then one through the mesh, and again) so that the machine's drift over the
+    minutes a run takes falls on both alike. -> (offline, mesh, failed requests)."""
+    vocab, failed = offline.vocab, 0
+
+    def mesh_run(prompts: list[list[int]], max_tokens: int) -> LoadResult:
+        nonlocal failed
+        result = asyncio.run(run_load(url, model, prompts, max_tokens, len(prompts)))
+        failed += result.errors
+        return result
+
+    mesh_run(make_prompts(2, prompt_len, vocab, seed=98), 2)  # warm-up
+    offline.run(make_prompts(1, prompt_len, vocab, seed=97), 1)
+    times: dict[str, dict[str, list[float]]] = {
+        "offline": {"ttft": [], "tpot1": [], "tpot16": []},
+        "mesh": {"ttft": [], "tpot1": [], "tpot16": []}}
+    for r in range(reps):
+        times["offline"]["ttft"].append(
+            offline.run(make_prompts(1, prompt_len, vocab, seed=100 + r), 1)[0])
+        times["mesh"]["ttft"] += [t.ttft for t in mesh_run(
+            make_prompts(1, prompt_len, vocab, seed=200 + r), 2).timings]
+    for batch, key, rounds in ((1, "tpot1", 3), (16, "tpot16", 2)):
+        for r in range(rounds):
+            times["offline"][key] += offline.run(
+                make_prompts(batch, 128, vocab, seed=300 + 10 * batch + r), out_len)[1][1:]
+            times["mesh"][key] += [t.tpot for t in mesh_run(
+                make_prompts(batch, 128, vocab, seed=400 + 10 * batch + r), out_len).timings]
+    medians = {side: {key: statistics.median(values) if values else float("nan")
+                      for key, values in by_key.items()} for side, by_key in times.items()}
+    return medians["offline"], medians["mesh"], failed
 
 
 async def decode_kv_counters(nats_url: str) -> tuple[int, float]:
@@ -128,23 +163,14 @@ async def raw_nats_bandwidth(nats_url: str, transfer_bytes: int, chunk_bytes: in
     return chunks * chunk_bytes * transfers / elapsed
 
 
-async def mesh_figures(url: str, model: str, nats_url: str, vocab: int, prompt_len: int,
-                       reps: int, out_len: int, kv_prompt_len: int) -> dict:
-    await run_load(url, model, make_prompts(2, prompt_len, vocab, seed=98), 2, 1)  # warm-up
-    ttft = await run_load(url, model, make_prompts(reps, prompt_len, vocab, seed=200), 2, 1)
-    one = await run_load(url, model, make_prompts(3, 128, vocab, seed=300), out_len, 1)
-    sixteen = await run_load(url, model, make_prompts(16, 128, vocab, seed=400), out_len, 16)
+async def kv_figures(url: str, model: str, nats_url: str, vocab: int,
+                     kv_prompt_len: int) -> dict:
+    """Bytes and seconds of the prefill -> decode KV transfers of a few long prompts."""
     bytes0, secs0 = await decode_kv_counters(nats_url)
     kv_runs = 4
     await run_load(url, model, make_prompts(kv_runs, kv_prompt_len, vocab, seed=500), 2, 1)
     bytes1, secs1 = await decode_kv_counters(nats_url)
-    return {
-        "ttft": percentile([t.ttft for t in ttft.timings], 50),
-        "tpot1": percentile([t.tpot for t in one.timings], 50),
-        "tpot16": percentile([t.tpot for t in sixteen.timings], 50),
-        "errors": ttft.errors + one.errors + sixteen.errors,
-        "kv_bytes": bytes1 - bytes0, "kv_seconds": secs1 - secs0, "kv_runs": kv_runs,
-    }
+    return {"kv_bytes": bytes1 - bytes0, "kv_seconds": secs1 - secs0, "kv_runs": kv_runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,52 +212,46 @@ def main(argv: list[str] | None = None) -> int:
                                                           else "mixtral-110m"),
         QUICK_MODEL if args.quick else None))
     print(f"model: {model}")
-    offline = offline_baseline(model, args.overhead_prompt_len, args.reps, args.output_len)
-    # No expert placement: the offline baseline runs without it, and this measures the mesh.
+    offline_engine = OfflineEngine(model)
+    # No expert placement: the offline engine runs without it, and this measures the mesh.
     config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
                         kv_cache_gb=0.5, num_ep_ranks=0)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:
         name = mesh.config.model_name
-        figures = asyncio.run(mesh_figures(
-            mesh.url, name, mesh.admin_nats_url or mesh.config.nats_url or "", offline["vocab"],
-            args.overhead_prompt_len, args.reps, args.output_len, args.kv_prompt_len))
-        per_transfer = figures["kv_bytes"] / max(1, figures["kv_runs"])
+        offline, meshed, failed = interleaved_overhead(
+            offline_engine, mesh.url, name, args.overhead_prompt_len, args.reps,
+            args.output_len)
+        vocab = offline_engine.vocab
+        del offline_engine  # (its memory, before the load run)
         admin_url = mesh.admin_nats_url or mesh.config.nats_url or ""
+        figures = asyncio.run(kv_figures(mesh.url, name, admin_url, vocab, args.kv_prompt_len))
+        per_transfer = figures["kv_bytes"] / max(1, figures["kv_runs"])
         raw = asyncio.run(raw_nats_bandwidth(admin_url, int(per_transfer),
                                              config.kv_chunk_bytes, figures["kv_runs"]))
         load = asyncio.run(run_load(
-            mesh.url, name, make_prompts(args.num_requests, args.prompt_len, offline["vocab"],
+            mesh.url, name, make_prompts(args.num_requests, args.prompt_len, vocab,
                                          args.shared_prefix, seed=600),
             args.output_len, args.concurrency))
     finally:
         mesh.stop()
-    # The machine's speed drifts by several percent over minutes: measure the engine alone
-    # again now and use the mean of both runs, printing each.
-    again = offline_baseline(model, args.overhead_prompt_len, args.reps, args.output_len)
-    print("offline engine before / after the mesh runs: TTFT "
-          f"{offline['ttft'] * 1e3:.1f} / {again['ttft'] * 1e3:.1f} ms, TPOT batch 1 "
-          f"{offline['tpot1'] * 1e3:.2f} / {again['tpot1'] * 1e3:.2f} ms, batch 16 "
-          f"{offline['tpot16'] * 1e3:.2f} / {again['tpot16'] * 1e3:.2f} ms")
-    for key in ("ttft", "tpot1", "tpot16"):
-        offline[key] = (offline[key] + again[key]) / 2
 
     ms = 1e3
     kv_bw = figures["kv_bytes"] / figures["kv_seconds"] if figures["kv_seconds"] else 0.0
     print(f"\nmesh overhead ({args.overhead_prompt_len}-token prompts for TTFT, 128 in / "
-          f"{args.output_len} out for TPOT; offline = the engine alone, 1 thread, mean of the "
-          "runs before and after)")
+          f"{args.output_len} out for TPOT; offline = the engine alone, 1 thread, in this "
+          "process; offline and mesh runs alternate, medians)")
     print(f"{'metric':34} {'offline':>10} {'mesh':>10} {'mesh - offline':>15} {'ratio':>7}")
     for label, key in (("TTFT p50 (ms)", "ttft"), ("TPOT p50, batch 1 (ms)", "tpot1"),
                        ("TPOT p50, batch 16 (ms)", "tpot16")):
-        a, b = offline[key] * ms, figures[key] * ms
+        a, b = offline[key] * ms, meshed[key] * ms
         print(f"{label:34} {a:10.2f} {b:10.2f} {b - a:15.2f} {b / a:6.2f}x")
     print(f"{'KV transfer (MB/s)':34} {raw / 1e6:10.1f} {kv_bw / 1e6:10.1f} {'':15} "
           f"{kv_bw / raw if raw else 0:6.2f}x   (raw NATS publish vs prefill->decode, "
           f"{per_transfer / 1e6:.2f} MB per request)")
-    if figures["errors"]:
-        print(f"  ({figures['errors']} requests failed during the overhead runs)")
+    if failed:
+        print(f"  ({failed} requests failed during the overhead runs)")
     _report(args, load, "gateway")
     return 0
 
