@@ -37,6 +37,12 @@ class PrefillSegment:
 PAGED_ATTENTION_MAX_BATCH = 8
 
 
+def paged_decode_attention(batch: int) -> bool:
+    """Whether a decode step of `batch` sequences runs the paged kernel (else torch's gathered
+    attention, which alone needs the padding mask)."""
+    return batch <= PAGED_ATTENTION_MAX_BATCH and native.decode_attention() is not None
+
+
 @dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes, and what each query attends to.
@@ -48,7 +54,7 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     num_prefill_tokens: int
     decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
-    decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a context slot is real, -inf else
+    decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a slot is real, -inf else (None: paged)
     decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
 
 
@@ -158,9 +164,10 @@ class Attention(nn.Module):
                           meta: AttentionMetadata) -> Tensor:
         """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
         assert meta.decode_slots is not None
-        paged = native.decode_attention() if meta.decode_lens is not None and \
-            meta.decode_slots.shape[0] <= PAGED_ATTENTION_MAX_BATCH else None
-        if paged is not None:  # K and V read where they lie (kernels/paged_attention.cpp)
+        if meta.decode_lens is not None and paged_decode_attention(meta.decode_slots.shape[0]):
+            # K and V read where they lie (kernels/paged_attention.cpp)
+            paged = native.decode_attention()
+            assert paged is not None
             return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
                          self.head_dim**-0.5)
         return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
@@ -178,15 +185,23 @@ class DecoderLayer(nn.Module):
         self.tp: ProcessGroup | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
-                meta: AttentionMetadata) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv[0], kv[1], meta)
+                meta: AttentionMetadata, pending: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """x: the residual stream; pending: the layer before's MLP output, not yet added to it
+        (the add is fused into this layer's first norm, as the attention output's is into the
+        second). -> (the residual stream, this layer's MLP output: the next layer's pending)."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(pending, x)
+        attn = self.self_attn(h, cos, sin, kv[0], kv[1], meta)
         if self.tp is not None:
             self.tp.all_reduce(attn)
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)
         mlp = self.mlp(h)
         if self.tp is not None:
             self.tp.all_reduce(mlp)
-        return x + mlp
+        return x, mlp
 
 
 class Backbone(nn.Module):
@@ -249,10 +264,13 @@ class CausalLM(nn.Module):
         cos = self._cos[positions].unsqueeze(1)  # (T, 1, hd)
         sin = self._sin[positions].unsqueeze(1)
         x = self._embed(input_ids)
+        pending: Tensor | None = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        x = self.model.norm(x[logit_rows])
-        return self._logits(x)
+            x, pending = layer(x, cos, sin, kv, meta, pending)
+        if pending is None:  # (no layers)
+            return self._logits(self.model.norm(x[logit_rows]))
+        _, h = self.model.norm.add_and_norm(pending[logit_rows], x[logit_rows])
+        return self._logits(h)
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         if self.tp is None:

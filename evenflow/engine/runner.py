@@ -10,7 +10,12 @@ from torch import Tensor
 
 from evenflow.engine.guided import Guides
 from evenflow.engine.logits_processing import record_prompt_logprobs
-from evenflow.engine.model import AttentionMetadata, CausalLM, PrefillSegment
+from evenflow.engine.model import (
+    AttentionMetadata,
+    CausalLM,
+    PrefillSegment,
+    paged_decode_attention,
+)
 from evenflow.engine.placement import SlotPlacement
 from evenflow.engine.sampler import sample
 from evenflow.engine.scheduler import ScheduledChunk
@@ -135,8 +140,11 @@ class ModelRunner:
             decode_lens = ctx
             # Additive mask in the model's dtype, made once per step: torch's CPU attention
             # turns a bool mask into this in every layer (measured 1.3x slower at batch 32).
-            decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype).masked_fill_(
-                ~real.view(len(decodes), 1, 1, max_ctx), float("-inf"))
+            # The paged kernel reads the lengths instead.
+            if not paged_decode_attention(len(decodes)):
+                decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype
+                                          ).masked_fill_(~real.view(len(decodes), 1, 1, max_ctx),
+                                                         float("-inf"))
             input_ids.extend(c.token_ids[0] for c in decodes)
             position_parts.append(positions)
             slot_parts.append(decode_slots.gather(1, positions.unsqueeze(1)).squeeze(1))
