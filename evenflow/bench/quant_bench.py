@@ -7,6 +7,11 @@ subprocess, same threads): decode ms/step at batch 1, 8 and 32 (128-token prompt
 the kernels the engine picks (ours among them: engine/native.py) and on torch's kernels alone
 (EVENFLOW_NATIVE_KERNELS=0, the `-torch` columns).
 
+Then native, int8 and int4-g64 once more, the three engines in one process, their runs
+alternating batch size by batch size (native, int8, int4, native, ...; median of 3 rounds): the
+headline ratios. On a shared host the speed drifts between the variants' processes by more than
+quantization changes it; alternating puts the same drift on each.
+
 Quality, two tables:
 - the 110M model, 200 random prompts: greedy agreement with the unquantized model (share of
   prompts whose 64 greedy tokens all agree, mean first-divergence position, mean share of
@@ -128,6 +133,51 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     return result
 
 
+INTERLEAVED = ("native", "int8", "int4-g64")
+
+
+def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
+    """Decode ms/step per batch and prefill ms of INTERLEAVED's engines in this one process,
+    in alternating rounds (medians)."""
+    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.sampling_params import SamplingParams
+
+    engines = {v: Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
+                                      max_num_batched_tokens=4096, num_kv_blocks=2048,
+                                      **VARIANTS[v])) for v in INTERLEAVED}
+    vocab = engines["native"].model_config.vocab_size
+    ids = iter(range(10**9))
+
+    def steps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[float]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(str(next(ids)), p, params)
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    for engine in engines.values():
+        steps(engine, _random_prompts(2, 32, vocab, 99), 4)  # warm-up
+    rounds = 3
+    decode: dict[str, dict[int, list[float]]] = {v: {} for v in engines}
+    for b in plan["batches"]:
+        for r in range(rounds):
+            for v, engine in engines.items():
+                times = steps(engine, _random_prompts(b, plan["prompt"], vocab, 50 * b + r),
+                              plan["output"])
+                decode[v].setdefault(b, []).append(statistics.median(times[1:]))
+    prefill: dict[str, list[float]] = {v: [] for v in engines}
+    for r in range(rounds):
+        for v, engine in engines.items():
+            prefill[v].append(sum(steps(engine, _random_prompts(1, plan["prefill"], vocab,
+                                                                 700 + r), 1)))
+    return {v: {"decode_ms": {b: statistics.median(t) * 1e3 for b, t in decode[v].items()},
+                "prefill_ms": statistics.median(prefill[v]) * 1e3} for v in engines}
+
+
 def run_tasks(variant: str, threads: int, plan: dict) -> dict:
     from evenflow import LLM, SamplingParams
 
@@ -156,6 +206,8 @@ def _worker(argv: list[str]) -> int:
     kind, variant, threads, plan = argv[0], argv[1], int(argv[2]), json.loads(argv[4])
     if kind == "speed":
         print(json.dumps(run_speed_and_quality(argv[3], variant, threads, plan)))
+    elif kind == "interleaved":
+        print(json.dumps(run_interleaved(argv[3], threads, plan)))
     else:
         print(json.dumps(run_tasks(variant, threads, plan)))
     return 0
@@ -207,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     results, logits = {}, {}
     tasks = {}
     with tempfile.TemporaryDirectory() as tmp, Progress(
-            "bench quant: variants measured", len(VARIANTS) + len(TASK_VARIANTS),
+            "bench quant: variants measured", len(VARIANTS) + len(TASK_VARIANTS) + 1,
             on_terminal()) as progress:
         for variant in VARIANTS:
             path = os.path.join(tmp, f"{variant}.pt")
@@ -216,11 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results[variant], logits[variant] = result, torch.load(path)
             progress.update()
+        alternating = _spawn("interleaved", "native", ckpt, args.threads, plan, "")
+        progress.update()
         for v in TASK_VARIANTS:
             tasks[v] = _spawn("tasks", v, ckpt, args.threads, plan, "")
             progress.update()
     base = results["native"]
-    print(f"\nspeed and memory ({dtype} activations; ratio = unquantized / quantized time)")
+    print(f"\nspeed and memory, each variant in its own process ({dtype} activations; ratio = "
+          "unquantized / quantized time)")
     header = f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS)
     print(header)
 
@@ -238,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     row("weights (MiB)", [results[v]["weights_mb"] for v in VARIANTS], base["weights_mb"])
     row("peak RSS added by the load (MiB)", [results[v]["load_peak_mb"] for v in VARIANTS],
         base["load_peak_mb"])
+    if alternating is not None:
+        print(f"\n{', '.join(INTERLEAVED)} in one process, runs alternating (median of 3 "
+              "rounds; ratio = unquantized / quantized time)")
+        print(f"{'metric':34}" + "".join(f"{v:>12}" for v in INTERLEAVED))
+        first = alternating[INTERLEAVED[0]]
+        for b in plan["batches"]:
+            row(f"decode batch {b} (ms/step)",
+                [alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED],
+                first["decode_ms"][str(b)])
+        row(f"prefill {plan['prefill']} tokens (ms)",
+            [alternating[v]["prefill_ms"] for v in INTERLEAVED], first["prefill_ms"])
     print(f"\nquality on the 110M model: {plan['quality_prompts']} prompts, "
           f"{plan['quality_tokens']} greedy tokens, against the unquantized model in {dtype}")
     print(f"{'variant':12}{'identical %':>13}{'first div.':>12}{'agree %':>10}{'cosine':>10}")
