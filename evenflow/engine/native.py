@@ -2,6 +2,11 @@
 runs them (-march=native: AVX-512 where the CPU has it, AVX2 elsewhere) and registered as torch
 ops under `torch.ops.evenflow_kernels`.
 
+EVENFLOW_NATIVE_MARCH=haswell (any GCC -march value) builds them for another instruction set
+than this CPU's: with oneDNN and ATen held to AVX2 too (ONEDNN_MAX_CPU_ISA=AVX2,
+ATEN_CPU_CAPABILITY=avx2), an AVX-512 machine runs an AVX2 machine's code paths (not its caches
+or memory) — how `evenflow bench engine` is measured for AVX2 here.
+
 A build takes ~30 s once per machine, source and torch version; the result is kept in
 ~/.cache/evenflow/kernels/<key> (torch's build lock makes processes starting together wait for
 one build). Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0, `ops()` is None and
@@ -39,6 +44,11 @@ def enabled() -> bool:
     return os.environ.get("EVENFLOW_NATIVE_KERNELS", "1").lower() not in ("0", "false", "off")
 
 
+def march() -> str:
+    """The -march the kernels are built for: this CPU's, unless EVENFLOW_NATIVE_MARCH says."""
+    return os.environ.get("EVENFLOW_NATIVE_MARCH") or "native"
+
+
 def build_dir() -> Path:
     """Per source path and text, torch version and CPU flags: a copy built for another machine
     (a shared home, a container image) is never loaded on one lacking its instructions."""
@@ -46,7 +56,7 @@ def build_dir() -> Path:
     # (the path too: two checkouts must not rebuild each other's copy)
     for source in SOURCES + HEADERS:
         digest.update(str(source.resolve()).encode() + source.read_bytes())
-    digest.update(f"{torch.__version__}|{cpu_description()}".encode())
+    digest.update(f"{torch.__version__}|{cpu_description()}|{march()}".encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
 
@@ -79,7 +89,7 @@ def ops() -> Any | None:
             build_directory=str(where), is_python_module=False, verbose=False,
             # -fopenmp: at::parallel_for is OpenMP in torch's build; the extension then shares
             # torch's libgomp (same soname, already loaded) and its threads
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"],
             extra_ldflags=["-fopenmp"])
         took = time.perf_counter() - started
         if took > 2.0:
