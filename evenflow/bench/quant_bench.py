@@ -139,8 +139,8 @@ INTERLEAVED = ("native", "int8", "int4-g64")
 def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
     """Decode ms/step per batch and prefill ms of INTERLEAVED's engines in this one process,
     in alternating rounds (medians)."""
+    from evenflow.bench.stepping import drive
     from evenflow.engine.engine import Engine, EngineConfig
-    from evenflow.engine.sampling_params import SamplingParams
 
     engines = {v: Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
                                       max_num_batched_tokens=4096, num_kv_blocks=2048,
@@ -149,15 +149,7 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
     ids = iter(range(10**9))
 
     def steps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[float]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(str(next(ids)), p, params)
-        times = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        return times
+        return drive(engine, prompts, max_tokens, ids)
 
     for engine in engines.values():
         steps(engine, _random_prompts(2, 32, vocab, 99), 4)  # warm-up
