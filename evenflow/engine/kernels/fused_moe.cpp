@@ -207,6 +207,7 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
         "Tensor[] scales13, Tensor[] scales2, Tensor[] offsets13, Tensor[] offsets2, int group) "
         "-> Tensor");
   m.def("fused_moe_bf16_supported", []() { return kHasBf16Dot; });
+  m.def("panel_kernels_fast", []() { return kPanelsFast; });
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("fused_moe", &fused_moe); }

@@ -32,6 +32,15 @@ constexpr int kRows = 6;  // rows per register block: 24 accumulators of 32 regi
 constexpr int kRows = 2;  // AVX2: a 16-float vector is two registers of 16
 #endif
 
+// Built for AVX-512: the panel kernels' 64-channel register blocks fit its 32 registers. On
+// AVX2 (16 registers) they spill and measured ~20x slower than oneDNN, so the engine keeps
+// oneDNN there (engine/panels.py asks `panel_kernels_fast`).
+#if defined(__AVX512F__)
+constexpr bool kPanelsFast = true;
+#else
+constexpr bool kPanelsFast = false;
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kHasBf16Dot = true;
 #else
