@@ -77,17 +77,6 @@ def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
     return tensors
 
 
-def _shapes(names: dict[Path, list[str]], wanted: Callable[[str], bool]
-            ) -> dict[str, tuple[int, ...]]:
-    """The shapes of the tensors `wanted` picks, from the files' headers (nothing read)."""
-    try:
-        return {name: entry.shape for path, in_file in names.items()
-                for name, entry in safetensors_io.header(path).items()
-                if name in in_file and wanted(name)}
-    except (OSError, safetensors_io.SafetensorsError) as exc:
-        raise ModelLoadError(f"corrupt or unreadable safetensors file ({exc})") from exc
-
-
 def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterable[int],
                     quantized_experts: bool = False) -> dict[str, Tensor]:
     """Rename HF tensors to this model's parameters, fusing q/k/v and stacking experts into
@@ -184,15 +173,16 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     names = tensor_names(files)
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
-        stream_experts = (quantization is not None and spec is None and shard is None
-                          and cfg.sparse_layers[layer]
-                          and _expert_names(cfg, layer, names, quantization) is not None)
-        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=stream_experts))
+        # quantized as read, one expert at a time (None: read with the layer, as stored)
+        experts = _expert_names(cfg, layer, names, quantization) if (
+            quantization is not None and spec is None and shard is None
+            and cfg.sparse_layers[layer]) else None
+        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None))
         given_hf = gptq.take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
-        if stream_experts:
+        if experts is not None:
             assert quantization is not None
-            given.update(_quantize_experts_as_read(cfg, layer, names, quantization))
+            given.update(_quantize_experts_as_read(cfg, experts, quantization))
         covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
                    f"{prefix}{name}" for name in given}
         renamed = _to_model_names(cfg, tensors, [layer], "mlp.w13" in given)
@@ -235,33 +225,41 @@ def _layer_tensors(prefix: str, skip_experts: bool) -> Callable[[str], bool]:
 
 
 def _expert_names(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
-                  config: QuantConfig) -> dict[tuple[int, str], str] | None:
-    """One layer's per-expert HF weight names by (expert, role), when every one is stored on
-    its own and fits `config`; else None (stored stacked, or a shape that does not fit)."""
-    shapes = _shapes(names, lambda name: (m := EXPERT.match(name)) is not None
-                     and int(m[1]) == layer)
-    found = {(int(m[2]), ROLE[m[3]]): name for name in shapes if (m := EXPERT.match(name))}
-    if len(found) != 3 * cfg.num_experts or not all(config.fits(s) for s in shapes.values()):
+                  config: QuantConfig) -> dict[tuple[int, str], tuple[Path, str]] | None:
+    """One layer's per-expert HF weights by (expert, role) -> (file, name), when every one is
+    stored on its own and fits `config`; else None (stored stacked, or a shape that does not
+    fit)."""
+    try:
+        found = {(int(m[2]), ROLE[m[3]]): (path, name, entry.shape)
+                 for path, in_file in names.items()
+                 for name, entry in safetensors_io.header(path).items()
+                 if (m := EXPERT.match(name)) and int(m[1]) == layer and name in in_file}
+    except (OSError, safetensors_io.SafetensorsError) as exc:
+        raise ModelLoadError(f"corrupt or unreadable safetensors file ({exc})") from exc
+    if len(found) != 3 * cfg.num_experts or not all(config.fits(shape)
+                                                    for _, _, shape in found.values()):
         return None
-    return found
+    return {key: (path, name) for key, (path, name, _) in found.items()}
 
 
-def _quantize_experts_as_read(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
+def _quantize_experts_as_read(cfg: ModelConfig, found: dict[tuple[int, str], tuple[Path, str]],
                               config: QuantConfig) -> dict[str, list[QuantValues]]:
-    """One layer's per-expert HF weights read and quantized one expert at a time, each
-    original dropped (and its memory given back) before the next is read: no full-precision
-    copy of the layer's experts is ever held."""
-    found = _expert_names(cfg, layer, names, config)
-    assert found is not None
+    """One layer's per-expert HF weights (`_expert_names`) read and quantized one expert at a
+    time, each original dropped (and its memory given back) before the next is read: no
+    full-precision copy of the layer's experts is ever held."""
+
+    def read(e: int, role: str) -> Tensor:
+        path, name = found[(e, role)]
+        try:
+            return safetensors_io.read(path, [name])[name]
+        except (OSError, safetensors_io.SafetensorsError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})"
+                                 ) from exc
+
     w13, w2 = [], []
     for e in range(cfg.num_experts):
-        mine = {found[(e, "gate")], found[(e, "up")], found[(e, "down")]}
-        tensors = _read_tensors(names, mine.__contains__)
-        gate, up = tensors.pop(found[(e, "gate")]), tensors.pop(found[(e, "up")])
-        w13.append(quantize(torch.cat([gate, up]), config))
-        del gate, up
-        w2.append(quantize(tensors.pop(found[(e, "down")]), config))
-        del tensors
+        w13.append(quantize(torch.cat([read(e, "gate"), read(e, "up")]), config))
+        w2.append(quantize(read(e, "down"), config))
         _return_freed_memory()
     return {"mlp.w13": w13, "mlp.w2": w2}
 
