@@ -30,7 +30,7 @@ class WorkerState:
 
     @property
     def takes_work(self) -> bool:
-        return not (self.draining or self.heartbeat.draining or self.heartbeat.unhealthy)
+        return not (self.draining or self.heartbeat.unhealthy)
 
     @property
     def worker_id(self) -> str:
@@ -91,7 +91,7 @@ class WorkerRegistry:
     def observe(self, hb: WorkerHeartbeat) -> None:
         state = self.workers.get(hb.worker_id)
         if state is None or state.heartbeat.epoch != hb.epoch:  # new, or restarted
-            self.workers[hb.worker_id] = WorkerState(hb, time.monotonic())
+            self.workers[hb.worker_id] = WorkerState(hb, time.monotonic(), draining=hb.draining)
         else:
             state.heartbeat, state.seen_at = hb, time.monotonic()
             state.draining = state.draining or hb.draining  # (a late older heartbeat: still)

@@ -342,12 +342,16 @@ class WorkerService:
     async def _heartbeats(self) -> None:
         while True:
             self._export_engine_gauges()
-            try:
-                await self.bus.publish(subjects.heartbeat(self.role, self.worker_id),
-                                       self.heartbeat())
-            except Exception:
-                log.warning("heartbeat failed (NATS down?)")
+            await self._beat()
             await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _beat(self, timeout_s: float | None = None) -> None:
+        """One heartbeat (within timeout_s, if given); never raises (NATS may be down)."""
+        try:
+            await asyncio.wait_for(self.bus.publish(
+                subjects.heartbeat(self.role, self.worker_id), self.heartbeat()), timeout_s)
+        except Exception:
+            log.warning("heartbeat failed (NATS down?)")
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does); `run` returns once done."""
@@ -370,11 +374,7 @@ class WorkerService:
         log.info("%s %s ready", self.role, self.worker_id)
         await self._stop.wait()
         self.draining = True  # heartbeats now say so; new work is refused
-        try:  # say it now, not at the next beat: gateways stop routing here sooner
-            await asyncio.wait_for(self.bus.publish(
-                subjects.heartbeat(self.role, self.worker_id), self.heartbeat()), timeout=1)
-        except Exception:
-            log.warning("draining heartbeat failed (NATS down?)")
+        await self._beat(timeout_s=1)  # now, not at the next beat: routing stops sooner
         deadline = time.monotonic() + 10
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
