@@ -158,6 +158,19 @@ class FakeDecodeWorker:
             await self.bus.publish(message.reply_subject, reply)
 
 
+async def a_gateway_seeing(broker: InMemoryBroker, workers: list[FakeDecodeWorker],
+                           config: MeshConfig) -> GatewayClient:
+    """A started gateway client on `broker`, once it sees every one of `workers` (opened
+    here) live."""
+    client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
+    await client.start()
+    for w in workers:
+        await w.open()
+    while len(client.registry.live(Role.DECODE)) < len(workers):
+        await asyncio.sleep(0.01)
+    return client
+
+
 def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
     # least_load breaks ties by worker id, so without the exclusion the retry would go back to
     # d0, which just said it is full.
@@ -168,12 +181,7 @@ def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
         broker = InMemoryBroker()
         workers = [FakeDecodeWorker(broker, "d0", full=True),
                    FakeDecodeWorker(broker, "d1", full=False)]
-        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-        await client.start()
-        for w in workers:
-            await w.open()
-        while len(client.registry.live(Role.DECODE)) < 2:
-            await asyncio.sleep(0.01)
+        client = await a_gateway_seeing(broker, workers, config)
         deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
         assert [t for d in deltas for t in d.token_ids] == [11, 12]
         assert workers[0].requests == ["r1"] and workers[1].requests == ["r1.1"]  # per attempt
@@ -211,12 +219,7 @@ def test_draining_workers_are_left_at_once_without_spending_retries():
         workers = [DrainingDecodeWorker(broker, "d0", full=False),
                    DrainingDecodeWorker(broker, "d1", full=False),
                    FakeDecodeWorker(broker, "d2", full=False)]
-        client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-        await client.start()
-        for w in workers:
-            await w.open()
-        while len(client.registry.live(Role.DECODE)) < 3:
-            await asyncio.sleep(0.01)
+        client = await a_gateway_seeing(broker, workers, config)
         for request_id in ("r1", "r2"):
             deltas = [d async for d in client.generate([1, 2, 3], GREEDY, request_id)]
             assert [t for d in deltas for t in d.token_ids] == [11, 12]
@@ -272,12 +275,7 @@ async def one_worker_and_a_gateway(worker_cls: type[FakeDecodeWorker], config: M
     """A fake decode worker "d0" and a gateway client that sees it live, on one broker."""
     broker = InMemoryBroker()
     worker = worker_cls(broker, "d0", full=False)
-    client = GatewayClient(config, trace.get_tracer("test"), b"", InMemoryBus(broker, "gw"))
-    await client.start()
-    await worker.open()
-    while not client.registry.live(Role.DECODE):
-        await asyncio.sleep(0.01)
-    return worker, client
+    return worker, await a_gateway_seeing(broker, [worker], config)
 
 
 class GappyDecodeWorker(FakeDecodeWorker):

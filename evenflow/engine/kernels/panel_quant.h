@@ -147,7 +147,8 @@ void panel_int4_bf16(const uint16_t* const* x, const uint8_t* w, const float* sc
       0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
   // the totals live in `sums` (updated once a group): registers hold only the group's part
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * kPanel + v * kLanes, _mm512_setzero_ps());
+    for (int v = 0; v < 4; ++v)
+      _mm512_storeu_ps(sums + r * kPanel + v * kLanes, _mm512_setzero_ps());
   for (int64_t g = 0; g < k_total / group; ++g) {
     __m512 part[MR][4];
     float xsum[MR];
