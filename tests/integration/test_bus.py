@@ -71,8 +71,22 @@ def test_redis_client_fails_fast_when_redis_is_gone():
     assert took < 1.0
 
 
-def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats_server):
-    from evenflow.services.reassembly import ReassemblyBudget
+def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats_server,
+                                                                          monkeypatch):
+    from evenflow.services import bus as bus_module
+    from evenflow.services.reassembly import Reassembly, ReassemblyBudget
+
+    seen = {"frames": 0, "max_held": 0}
+
+    class Watched(Reassembly):  # what the receiver's reassembly took in, and held at most
+        def add(self, header: str, data: bytes) -> bytes | None:
+            out = super().add(header, data)
+            if header.endswith(" rogue"):
+                seen["frames"] += 1
+                seen["max_held"] = max(seen["max_held"], self.held_by("rogue"))
+            return out
+
+    monkeypatch.setattr(bus_module, "Reassembly", Watched)
 
     async def scenario():
         budget = ReassemblyBudget(peer_bytes=4 * 2**20, total_bytes=8 * 2**20)
@@ -97,9 +111,9 @@ def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats
         await sender.publish("t.flood", big)
         await asyncio.wait_for(arrived.wait(), 10)
         # the big message comes over another connection: on a loaded machine it may be handled
-        # before the rogue's last frames; give those a moment to be dropped (or held)
+        # before the rogue's last frames; give those a moment to arrive (and be dropped or held)
         deadline = asyncio.get_running_loop().time() + 5
-        while receiver.dropped < 200 - 64 and asyncio.get_running_loop().time() < deadline:
+        while seen["frames"] < 200 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for bus in (rogue, sender, receiver):
             await bus.close()
@@ -107,4 +121,8 @@ def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats
 
     got, dropped = asyncio.run(scenario())
     assert len(got[0].data) == 3 * 1024 * 1024
-    assert dropped >= 200 - 64  # at most 4 MiB of the rogue's frames held at a time
+    # At most 4 MiB of the rogue's frames held at a time: every frame past 64 was dropped,
+    # counted against the frames that reached the receiver (on a loaded 2-core machine CI saw
+    # 3 of the 200 still missing after the wait).
+    assert seen["max_held"] <= 4 * 2**20
+    assert seen["frames"] >= 100 and dropped >= seen["frames"] - 64
