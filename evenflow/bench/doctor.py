@@ -38,7 +38,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_load
+from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_client, run_load
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 WORKLOADS = {  # prompt tokens, output tokens, requests, concurrency
@@ -291,7 +291,7 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
 
         vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
         prompts = make_prompts(requests, prompt_len, vocab, seed=3)
-        load, ep_ranks = asyncio.run(_watching_ranks(
+        load, ep_ranks = run_client(_watching_ranks(
             mesh.admin_nats_url or mesh.config.nats_url if args.expert_parallel > 1 else None,
             run_load(mesh.url, mesh.config.model_name, prompts, output_len, concurrency,
                      progress=True)))
@@ -321,7 +321,7 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
     rng = random.Random(3)
     prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
-    load, ep_ranks = asyncio.run(_watching_ranks(nats_url, run_load(
+    load, ep_ranks = run_client(_watching_ranks(nats_url, run_load(
         url, model, prompts, output_len, concurrency, api_key=key, progress=True)))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)

@@ -21,13 +21,12 @@ Both get one unrecorded warm-up round first.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import sys
 
 import httpx
 
-from evenflow.bench.loadgen import make_prompts, percentile, run_load
+from evenflow.bench.loadgen import make_prompts, percentile, run_client, run_load
 
 _BUCKET = re.compile(r'^evenflow_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = 2 * level
                 before = lag_buckets(urls, {})
                 cpu_before = cpu_by_role(mesh)
-                load = asyncio.run(run_load(mesh.url, mesh.config.model_name,
+                load = run_client(run_load(mesh.url, mesh.config.model_name,
                                             make_prompts(n, args.prompt_len, 500, seed=level),
                                             output_len, level))
                 cpu = {role: used - cpu_before.get(role, 0.0)
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 def _warm_up(url: str, model: str, level: int, prompt_len: int, output_len: int) -> None:
     """One unrecorded round at the first concurrency: first-call costs (kernel shapes, caches,
     connection set-up) stay out of the table, for evenflow and the peer alike."""
-    asyncio.run(run_load(url, model, make_prompts(level, prompt_len, 500, seed=10**6),
+    run_client(run_load(url, model, make_prompts(level, prompt_len, 500, seed=10**6),
                          output_len, level))
 
 
@@ -179,7 +178,7 @@ def _peer_table(args: argparse.Namespace, levels: list[int], output_len: int,
     print(f"  {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'evenflow / ' + args.peer_name:>20}")
     for level in levels:
-        load = asyncio.run(run_load(base_url, model, make_prompts(
+        load = run_client(run_load(base_url, model, make_prompts(
             2 * level, args.prompt_len, 500, seed=level), output_len, level))
         ttft = [t.ttft * 1e3 for t in load.timings]
         rps = len(load.timings) / load.wall

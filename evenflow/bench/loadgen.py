@@ -10,11 +10,17 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 import orjson
+
+from evenflow.bench.sse_client import SSEClient
+
+# What a failed request raises here: an HTTP status, an error event, a lost connection.
+REQUEST_ERRORS = (RuntimeError, OSError, EOFError, ValueError)
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +51,17 @@ class LoadResult:
         return sum(t.output_tokens for t in self.timings) / self.wall if self.wall else 0.0
 
 
+def run_client(main: Coroutine[Any, Any, T]) -> T:
+    """Run a load generator's coroutine on uvloop when it is installed (its per-event cost is
+    a fraction of asyncio's: the load generator shares this machine's CPUs with what it
+    measures), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -62,22 +79,19 @@ def make_prompts(n: int, length: int, vocab: int, shared_prefix: int = 0,
             for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      max_tokens: int, headers: dict[str, str]) -> RequestTiming:
+async def one_request(client: SSEClient, model: str, prompt: list[int], max_tokens: int,
+                      headers: dict[str, str]) -> RequestTiming:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
     pieces: list[str] = []
     usage: dict = {}
-    async with client.stream("POST", url + "/v1/completions", json=body,
-                             headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with client.stream("/v1/completions", body, headers) as events:
+        async for data in events:
+            if data == b"[DONE]":
                 continue
-            chunk = orjson.loads(line[6:])
+            chunk = orjson.loads(data)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):
@@ -107,22 +121,21 @@ async def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: i
     slots = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(client: httpx.AsyncClient, prompt: list[int], t0: float) -> None:
+    async def one(client: SSEClient, prompt: list[int], t0: float) -> None:
         nonlocal done
         async with slots:
             try:
-                timing = await one_request(client, url, model, prompt, max_tokens, headers)
+                timing = await one_request(client, model, prompt, max_tokens, headers)
                 timing.started -= t0
                 result.timings.append(timing)
-            except (RuntimeError, httpx.HTTPError) as exc:
+            except REQUEST_ERRORS as exc:
                 result.errors += 1
                 result.first_error = result.first_error or str(exc)
         done += 1
         if progress:
             _progress(done, len(prompts))
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with SSEClient(url, timeout_s=300, max_idle=concurrency + 4) as client:
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from evenflow.bench.loadgen import one_request, percentile
+from evenflow.bench.loadgen import REQUEST_ERRORS, one_request, percentile, run_client
+from evenflow.bench.sse_client import SSEClient
 from evenflow.proto.hashing import chain_hashes, namespace_salt
 
 
@@ -92,7 +93,7 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
     for s in range(w.sessions):
         sessions.put_nowait(s)
 
-    async def session(client: httpx.AsyncClient, s: int) -> None:
+    async def session(client: SSEClient, s: int) -> None:
         srng = random.Random(seed * 1000 + s)
         history = list(systems[s % w.system_prompts])
         for _ in range(w.turns):
@@ -103,8 +104,8 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             prompt = history + user
             oracle_hit = oracle.hit_tokens(prompt)
             try:
-                t = await one_request(client, url, model, prompt, varied(srng, w.output_len), {})
-            except (RuntimeError, httpx.HTTPError):
+                t = await one_request(client, model, prompt, varied(srng, w.output_len), {})
+            except REQUEST_ERRORS:
                 result.errors += 1
                 return
             answer = tokenizer.encode(t.text, add_special_tokens=False)
@@ -119,11 +120,11 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
             if w.think_ms > 0:
                 await asyncio.sleep(srng.expovariate(1000.0 / w.think_ms))
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: SSEClient) -> None:
         while not sessions.empty():
             await session(client, sessions.get_nowait())
 
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with SSEClient(url, timeout_s=120) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(w.concurrency)))
         result.wall = time.perf_counter() - start
@@ -152,7 +153,7 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
         assert model_dir is not None
         tokenizer = Tokenizer(model_dir)
         oracle = Oracle(config.block_size, namespace_salt(model_dir.name))
-        result = asyncio.run(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
+        result = run_client(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
                                           seed=1, multi_turn=multi_turn))
         result.lookup_s = mean_lookup_seconds(mesh.url)
         return result

@@ -34,10 +34,12 @@ from evenflow.bench.loadgen import (
     make_prompts,
     one_request,
     result_json,
+    run_client,
     run_load,
     summary_rows,
     write_plots,
 )
+from evenflow.bench.sse_client import SSEClient
 
 
 class OfflineEngine:
@@ -71,43 +73,78 @@ class OfflineEngine:
 
 
 async def interleaved_overhead(offline: OfflineEngine, url: str, model: str, prompt_len: int,
-                               reps: int, out_len: int) -> tuple[dict, dict, int]:
+                               reps: int, out_len: int, tpot_rounds: tuple[int, int] = (3, 2)
+                               ) -> tuple[dict, dict, int]:
     """TTFT and TPOT of the engine alone and through the mesh, measured in alternation (one
     offline run, then one through the mesh, and again) so that the machine's drift over the
     minutes a run takes falls on both alike; the mesh runs share one HTTP client (kept-alive
     connections, as the old all-mesh-at-once runs had). -> (offline, mesh, failed requests)."""
-    import httpx
-
     vocab, failed = offline.vocab, 0
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with SSEClient(url, timeout_s=300) as client:
 
         async def mesh_run(prompts: list[list[int]], max_tokens: int) -> list[RequestTiming]:
             nonlocal failed
             outcomes = await asyncio.gather(
-                *(one_request(client, url, model, p, max_tokens, {}) for p in prompts),
+                *(one_request(client, model, p, max_tokens, {}) for p in prompts),
                 return_exceptions=True)
             failed += sum(isinstance(o, BaseException) for o in outcomes)
             return [o for o in outcomes if isinstance(o, RequestTiming)]
 
         await mesh_run(make_prompts(2, prompt_len, vocab, seed=98), 2)  # warm-up
         offline.run(make_prompts(1, prompt_len, vocab, seed=97), 1)
+        keys = ("ttft", "tpot1", "tpot16", "gap16", "rest16")
         times: dict[str, dict[str, list[float]]] = {
-            "offline": {"ttft": [], "tpot1": [], "tpot16": []},
-            "mesh": {"ttft": [], "tpot1": [], "tpot16": []}}
+            "offline": {key: [] for key in keys}, "mesh": {key: [] for key in keys}}
         for r in range(reps):  # (the offline runs block this loop: the mesh is idle then)
             times["offline"]["ttft"].append(
                 offline.run(make_prompts(1, prompt_len, vocab, seed=100 + r), 1)[0])
             times["mesh"]["ttft"] += [t.ttft for t in await mesh_run(
                 make_prompts(1, prompt_len, vocab, seed=200 + r), 2)]
-        for batch, key, rounds in ((1, "tpot1", 3), (16, "tpot16", 2)):
+        for batch, key, rounds in ((1, "tpot1", tpot_rounds[0]), (16, "tpot16", tpot_rounds[1])):
             for r in range(rounds):
-                times["offline"][key] += offline.run(
-                    make_prompts(batch, 128, vocab, seed=300 + 10 * batch + r), out_len)[1][1:]
-                times["mesh"][key] += [t.tpot for t in await mesh_run(
-                    make_prompts(batch, 128, vocab, seed=400 + 10 * batch + r), out_len)]
+                steps = offline.run(
+                    make_prompts(batch, 128, vocab, seed=300 + 10 * batch + r), out_len)[1]
+                timings = await mesh_run(
+                    make_prompts(batch, 128, vocab, seed=400 + 10 * batch + r), out_len)
+                times["offline"][key] += steps[1:]
+                times["mesh"][key] += [t.tpot for t in timings]
+                if batch == 16 and out_len >= 3:  # TPOT = the first gap + the ones after it
+                    times["offline"]["gap16"].append(steps[1])
+                    times["offline"]["rest16"] += steps[2:]
+                    times["mesh"]["gap16"] += [t.itls[0] for t in timings if len(t.itls) > 1]
+                    times["mesh"]["rest16"] += [statistics.fmean(t.itls[1:]) for t in timings
+                                                if len(t.itls) > 1]
     medians = {side: {key: statistics.median(values) if values else float("nan")
                       for key, values in by_key.items()} for side, by_key in times.items()}
     return medians["offline"], medians["mesh"], failed
+
+
+def busy_neighbour_tpot(offline: OfflineEngine, out_len: int, rounds: int = 2
+                        ) -> tuple[float, float, int]:
+    """The engine alone at batch 16 with the machine's other CPUs idle, then with a spinning
+    Python process on each (alternating, medians) -> (idle s, busy s, spinners). A mesh must
+    run its gateway, NATS and client somewhere while a decode worker steps; where CPUs share a
+    physical core (SMT siblings, a VM's vCPUs) that alone slows the step, whoever is busy."""
+    import os
+    import subprocess
+    import sys
+
+    spinners = max(1, (os.cpu_count() or 2) - 1)
+    idle: list[float] = []
+    busy: list[float] = []
+    for r in range(rounds):
+        idle += offline.run(make_prompts(16, 128, offline.vocab, seed=700 + r), out_len)[1][1:]
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                 for _ in range(spinners)]
+        try:
+            time.sleep(0.2)
+            busy += offline.run(make_prompts(16, 128, offline.vocab, seed=800 + r),
+                                out_len)[1][1:]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    return statistics.median(idle), statistics.median(busy), spinners
 
 
 async def decode_kv_counters(nats_url: str) -> tuple[int, float]:
@@ -209,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return _against(args)
     if args.quick:
         args.concurrency, args.num_requests, args.prompt_len, args.output_len = 4, 8, 32, 8
-        args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 2
+        args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 6
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
     from evenflow.services.config import MeshConfig
@@ -228,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     mesh.start(health_timeout_s=300)
     try:
         name = mesh.config.model_name
-        offline, meshed, failed = asyncio.run(interleaved_overhead(
+        offline, meshed, failed = run_client(interleaved_overhead(
             offline_engine, mesh.url, name, args.overhead_prompt_len, args.reps,
-            args.output_len))
+            args.output_len, (6, 8) if args.quick else (3, 2)))  # quick: ~1 ms steps, noisy
+        neighbours = busy_neighbour_tpot(offline_engine, args.output_len)
         vocab = offline_engine.vocab
         del offline_engine  # (its memory, before the load run)
         admin_url = mesh.admin_nats_url or mesh.config.nats_url or ""
@@ -238,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         per_transfer = figures["kv_bytes"] / max(1, figures["kv_runs"])
         raw = asyncio.run(raw_nats_bandwidth(admin_url, int(per_transfer),
                                              config.kv_chunk_bytes, figures["kv_runs"]))
-        load = asyncio.run(run_load(
+        load = run_client(run_load(
             mesh.url, name, make_prompts(args.num_requests, args.prompt_len, vocab,
                                          args.shared_prefix, seed=600),
             args.output_len, args.concurrency))
@@ -249,15 +287,24 @@ def main(argv: list[str] | None = None) -> int:
     kv_bw = figures["kv_bytes"] / figures["kv_seconds"] if figures["kv_seconds"] else 0.0
     print(f"\nmesh overhead ({args.overhead_prompt_len}-token prompts for TTFT, 128 in / "
           f"{args.output_len} out for TPOT; offline = the engine alone, 1 thread, in this "
-          "process; offline and mesh runs alternate, medians)")
+          "process; offline and mesh runs alternate, medians; a batch-16 TPOT is its first "
+          "gap - through the mesh the prefill -> decode handoff, offline the first decode "
+          "step - and the mean of the gaps after it)")
     print(f"{'metric':34} {'offline':>10} {'mesh':>10} {'mesh - offline':>15} {'ratio':>7}")
     for label, key in (("TTFT p50 (ms)", "ttft"), ("TPOT p50, batch 1 (ms)", "tpot1"),
-                       ("TPOT p50, batch 16 (ms)", "tpot16")):
+                       ("TPOT p50, batch 16 (ms)", "tpot16"),
+                       ("  its first gap, p50 (ms)", "gap16"),
+                       ("  the gaps after it, p50 (ms)", "rest16")):
         a, b = offline[key] * ms, meshed[key] * ms
         print(f"{label:34} {a:10.2f} {b:10.2f} {b - a:15.2f} {b / a:6.2f}x")
     print(f"{'KV transfer (MB/s)':34} {raw / 1e6:10.1f} {kv_bw / 1e6:10.1f} {'':15} "
           f"{kv_bw / raw if raw else 0:6.2f}x   (raw NATS publish vs prefill->decode, "
           f"{per_transfer / 1e6:.2f} MB per request)")
+    idle, busy, spinners = neighbours
+    print(f"{'TPOT p50, batch 16, CPUs busy (ms)':34} {idle * ms:10.2f} {busy * ms:10.2f} "
+          f"{(busy - idle) * ms:15.2f} {busy / idle:6.2f}x   (the engine alone, the other "
+          f"{spinners} CPU(s) idle vs each running a spinning process: what any neighbour "
+          "costs a step on this machine)")
     if failed:
         print(f"  ({failed} requests failed during the overhead runs)")
     _report(args, load, "gateway")
@@ -291,7 +338,7 @@ def _against(args: argparse.Namespace) -> int:
         models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
         model = models[0]["id"]
     print(f"server: {url}, model: {model}")
-    load = asyncio.run(run_load(
+    load = run_client(run_load(
         url, model, make_prompts(args.num_requests, args.prompt_len, args.vocab_size,
                                  args.shared_prefix, seed=600),
         args.output_len, args.concurrency, args.api_key, args.request_rate, progress=True))

@@ -348,10 +348,13 @@ class GatewayClient:
                         item = ErrorMessage(request_id=wire_id, code=errors.LOST_IN_OUTAGE,
                                             description="a token delta never arrived",
                                             retryable=True)
+                    elif not flight.queue.empty():
+                        item = flight.queue.get_nowait()
                     else:
                         wait = 0.25 if deadline is None else max(
                             0.0, min(0.25, deadline - time.monotonic()))
-                        item = await asyncio.wait_for(flight.queue.get(), timeout=wait)
+                        async with asyncio.timeout(wait):  # (wait_for would start a task)
+                            item = await flight.queue.get()
                 except TimeoutError:
                     if ordering.held:
                         continue  # waiting for a delta's predecessor: ordering.lost decides
