@@ -196,11 +196,9 @@ class Bus:
             self._count_dropped(f"{subject}: {reason}")
 
     async def close(self) -> None:
-        """Drain: finish delivering what arrived, then close the connection."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        """Drain: finish delivering what arrived, then close the connection. The listeners
+        run while it drains (a subscription's drain waits for its queue to be read: with them
+        cancelled first, every close waited out its 2 s bound and logged a lost future)."""
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=2)
@@ -209,3 +207,7 @@ class Bus:
                     await asyncio.wait_for(self.nc.close(), timeout=2)
                 except Exception:  # the server is gone too: nothing to tell it
                     pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
