@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         QUICK_MODEL if args.quick else None))
     print(f"model: {model}")
     offline_engine = OfflineEngine(model)
+    from evenflow.bench.machine import machine_line
+
+    print(machine_line(offline_engine.engine.kv_dtype_name, 1))
     # No expert placement: the offline engine runs without it, and this measures the mesh.
     config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
                         kv_cache_gb=0.5, num_ep_ranks=0)
