@@ -35,12 +35,14 @@ def write_word_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     write(path, vocab_size, bos_id=0, eos_id=1)
 
 
-def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Save a random `arch` model to `path`; returns the transformers model (the oracle)."""
+def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    overrides: dict | None = None):
+    """Save a random `arch` model to `path` (`overrides`: config fields to change); returns
+    the transformers model (the oracle)."""
     import transformers
 
     config_cls, model_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**_COMMON, **extra)
+    config = getattr(transformers, config_cls)(**(_COMMON | extra | (overrides or {})))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
     path.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,9 @@ Ratios: dense time / kernel time (> 1: faster than unquantized), and torch / our
 Then decode attention over the paged KV cache, per batch size (the 110M model's heads: 8 query
 heads, 2 KV heads, head_dim 64; `--context` tokens each, scattered over the cache): torch's path
 (gather K and V with index_select, then scaled_dot_product_attention with a padding mask) against
-engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel up
-to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model.py), torch's path above.
+engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel at
+every batch size where it keeps the head shape in registers (this one, on AVX-512 builds), else
+up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model.py), torch's path above.
 """
 
 from __future__ import annotations
@@ -131,8 +132,11 @@ def _attention_table(batches: list[int], context: int, rounds: int, dtype: Any,
     from evenflow.engine.model import PAGED_ATTENTION_MAX_BATCH
 
     paged = native.decode_attention()
+    use = ("at every batch (its register path serves these heads)"
+           if native.decode_attention_registers(64, 4)
+           else f"up to batch {PAGED_ATTENTION_MAX_BATCH}")
     print(f"\ndecode attention, {context} tokens per sequence: median µs per layer call "
-          f"(the engine uses ours up to batch {PAGED_ATTENTION_MAX_BATCH})")
+          f"(the engine uses ours {use})")
     print(f"{'batch':>5} {'torch':>9} {'ours':>9} {'torch/ours':>11}")
     for b in batches:
         med = _time_attention(b, context, rounds, dtype, g, paged)

@@ -30,17 +30,23 @@ class PrefillSegment:
     slots: Tensor | None  # (ctx_len,) cache slots of the whole context; None if ctx_len == q_len
 
 
-# Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) up
-# to this many decoding sequences, torch's gather + scaled_dot_product_attention above: torch's
-# bf16 flash kernel catches up from ~16 sequences (`evenflow bench kernels`, attention table:
-# ours 1.28x at 8, 1.05-1.15x or below 1x at 16-32 depending on the run).
+# Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) at
+# every batch size where its register-resident path serves the head shape (AVX-512 builds; head
+# dim 64 with 1, 2 or 4 queries per KV head, 128 with 1 or 2): 4-6x torch's gather +
+# scaled_dot_product_attention at 1-32 sequences (`evenflow bench kernels`). Its general loop
+# serves other shapes up to this many sequences, torch's path above: torch's bf16 flash kernel
+# caught up with that loop from ~16 sequences.
 PAGED_ATTENTION_MAX_BATCH = 8
 
 
-def paged_decode_attention(batch: int) -> bool:
-    """Whether a decode step of `batch` sequences runs the paged kernel (else torch's gathered
-    attention, which alone needs the padding mask)."""
-    return batch <= PAGED_ATTENTION_MAX_BATCH and native.decode_attention() is not None
+def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
+    """Whether a decode step of `batch` sequences (heads of `head_dim`, `group` queries per KV
+    head) runs the paged kernel (else torch's gathered attention, which alone needs the padding
+    mask)."""
+    if native.decode_attention() is None:
+        return False
+    return batch <= PAGED_ATTENTION_MAX_BATCH or native.decode_attention_registers(head_dim,
+                                                                                 group)
 
 
 @dataclass
@@ -164,7 +170,8 @@ class Attention(nn.Module):
                           meta: AttentionMetadata) -> Tensor:
         """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
         assert meta.decode_slots is not None
-        if meta.decode_lens is not None and paged_decode_attention(meta.decode_slots.shape[0]):
+        if meta.decode_lens is not None and paged_decode_attention(
+                meta.decode_slots.shape[0], self.head_dim, self.num_heads // self.num_kv_heads):
             # K and V read where they lie (kernels/paged_attention.cpp)
             paged = native.decode_attention()
             assert paged is not None

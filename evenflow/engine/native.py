@@ -131,6 +131,14 @@ def decode_attention() -> Any | None:
     return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
 
 
+@functools.lru_cache(maxsize=64)
+def decode_attention_registers(head_dim: int, group: int) -> bool:
+    """Whether the paged decode attention keeps this head shape in registers (AVX-512 builds:
+    then it beats torch's gathered attention at any batch size)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.paged_attention_registers(head_dim, group))
+
+
 @functools.cache
 def fused_moe() -> Any | None:
     """The fused routed-experts kernel (kernels/fused_moe.cpp), or None: no native kernels, or

@@ -57,6 +57,7 @@ class ModelRunner:
         # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
         # attention positions read it, never uninitialised memory (0 * NaN would poison a row).
         self.null_slot = slots
+        self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
         self.kv_caches = []
         for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
@@ -141,7 +142,7 @@ class ModelRunner:
             # Additive mask in the model's dtype, made once per step: torch's CPU attention
             # turns a bool mask into this in every layer (measured 1.3x slower at batch 32).
             # The paged kernel reads the lengths instead.
-            if not paged_decode_attention(len(decodes)):
+            if not paged_decode_attention(len(decodes), *self.attention_shape):
                 decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype
                                           ).masked_fill_(~real.view(len(decodes), 1, 1, max_ctx),
                                                          float("-inf"))

@@ -42,6 +42,19 @@ def test_batch_of_different_lengths(checkpoint):
         assert out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])
+def test_head_dim_64_at_a_batch_of_twelve(tmp_path, heads, kv_heads):
+    """Heads of 64 with 2 or 4 queries per KV head: the paged attention's register path, which
+    the engine takes at any batch size on AVX-512 builds (torch's path elsewhere)."""
+    hf = make_checkpoint("llama", tmp_path, overrides=dict(
+        hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads))
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts([3 + 7 * i for i in range(12)], seed=5)
+    outs = LLM(str(tmp_path), dtype="float32", block_size=16).generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference(hf, prompt)
+
+
 def test_shared_prefix_hits_cache(checkpoint):
     path, hf = checkpoint
     prefix = random_prompts([40], seed=7)[0]

@@ -55,6 +55,12 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 
 using evenflow_panel::exp_nonpositive;  // e^x for x <= 0, 16 lanes (kernels/panel.h)
 
+inline float hsum_max(f16v v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
 inline float hsum(f16v v) {
 #if defined(__AVX512F__)
   __m512 m;
@@ -67,6 +73,147 @@ inline float hsum(f16v v) {
 #endif
 }
 
+// 16 values of T at p as float32
+inline f16v load_f(const float* p) { return load(p); }
+
+inline f16v load_f(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16v bits = __builtin_convertvector(h, u16v) << 16;
+  f16v f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+inline __m512 m512(f16v v) {
+  __m512 m;
+  std::memcpy(&m, &v, sizeof m);
+  return m;
+}
+
+inline f16v f16(__m512 m) {
+  f16v v;
+  std::memcpy(&v, &m, sizeof v);
+  return v;
+}
+
+// lane t of the result = the sum of r[t]'s 16 lanes: four shuffle-and-add levels for all 16
+// rows at once, instead of one horizontal reduction (a chain of ~8 dependent steps) per row
+inline f16v row_sums(const f16v* r) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: r[2i]'s two pair sums, r[2i+1]'s
+    const __m512 a = m512(r[2 * i]), b = m512(r[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i)  // per 128-bit block: the block sums of r[4i] .. r[4i+3]
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // block k of the result: the four blocks of y[k] added (a 4 x 4 block transpose-and-sum)
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44),
+                                   _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44),
+                                   _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
+  return f16(_mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                           _mm512_shuffle_f32x4(u01, u23, 0xDD)));
+}
+
+// One (sequence, KV head) with its G queries and head_dim = 16 * V, every running value in
+// registers (G * V <= 16 accumulators): scores 16 tokens at a time (their dot products summed
+// by row_sums), the running max as a vector, V accumulated without touching memory.
+// `scores`: a (G, padded) scratch.
+template <typename T, int V, int G>
+void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* ctx,
+                  int64_t len, int64_t row, float scale, float* scores, T* out) {
+  constexpr int hd = V * kLanes;
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  f16v qv[G][V], top[G];
+  for (int i = 0; i < G; ++i) {
+    for (int v = 0; v < V; ++v) qv[i][v] = load_f(q + i * hd + v * kLanes) * scale;
+    top[i] = splat(-1e30f);
+  }
+  const f16v lane = f16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
+    f16v part[G][kLanes];
+    for (int t = 0; t < n; ++t) {
+      const T* kr = k_base + ctx[t0 + t] * row;
+      f16v kv[V];
+      for (int v = 0; v < V; ++v) kv[v] = load_f(kr + v * kLanes);
+      for (int i = 0; i < G; ++i) {
+        f16v s = qv[i][0] * kv[0];
+        for (int v = 1; v < V; ++v) s += qv[i][v] * kv[v];
+        part[i][t] = s;
+      }
+    }
+    for (int t = n; t < kLanes; ++t)
+      for (int i = 0; i < G; ++i) part[i][t] = f16v{};
+    const f16v real = lane < static_cast<float>(n) ? splat(1.f) : splat(0.f);
+    for (int i = 0; i < G; ++i) {
+      f16v s = row_sums(part[i]);
+      s = real > 0.f ? s : splat(-1e30f);  // padding: e^(-1e30 - max) = 0
+      store(scores + i * padded + t0, s);
+      top[i] = top[i] > s ? top[i] : s;
+    }
+  }
+  f16v acc[G][V];
+  float inv[G];
+  for (int i = 0; i < G; ++i) {  // probabilities, and their sum
+    const float m = hsum_max(top[i]);
+    float* si = scores + i * padded;
+    f16v sum = {};
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const f16v p = exp_nonpositive(load(si + t) - m);
+      store(si + t, p);
+      sum += p;
+    }
+    const float total = hsum(sum);
+    inv[i] = total > 0.f ? 1.f / total : 0.f;
+    for (int v = 0; v < V; ++v) acc[i][v] = f16v{};
+  }
+  for (int64_t t = 0; t < len; ++t) {  // V read once, in place
+    const T* vr = v_base + ctx[t] * row;
+    f16v vv[V];
+    for (int v = 0; v < V; ++v) vv[v] = load_f(vr + v * kLanes);
+    for (int i = 0; i < G; ++i) {
+      const f16v p = splat(scores[i * padded + t]);
+      for (int v = 0; v < V; ++v) acc[i][v] += p * vv[v];
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    alignas(64) float o[hd];
+    for (int v = 0; v < V; ++v) store(o + v * kLanes, acc[i][v] * inv[i]);
+    T* dst = out + i * hd;
+    for (int d = 0; d < hd; ++d) dst[d] = static_cast<T>(o[d]);
+  }
+}
+
+// the register-resident path for this head shape, or nullptr (then the general loop below)
+template <typename T>
+using GroupKernel = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
+                             float, float*, T*);
+
+template <typename T>
+GroupKernel<T> group_kernel(int64_t head_dim, int64_t group) {
+  if (head_dim == 64) {
+    switch (group) {
+      case 1: return attend_group<T, 4, 1>;
+      case 2: return attend_group<T, 4, 2>;
+      case 4: return attend_group<T, 4, 4>;
+      default: return nullptr;
+    }
+  }
+  if (head_dim == 128) {
+    switch (group) {
+      case 1: return attend_group<T, 8, 1>;
+      case 2: return attend_group<T, 8, 2>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots,
                       const int64_t* lens, T* out, int64_t batch, int64_t heads,
@@ -74,6 +221,22 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // one cache slot
   const int64_t vecs = head_dim / kLanes;
+#if defined(__AVX512F__)
+  if (const GroupKernel<T> kernel = group_kernel<T>(head_dim, group); kernel != nullptr) {
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / kv_heads, g = task % kv_heads;
+        const int64_t padded = (lens[b] + kLanes - 1) / kLanes * kLanes;
+        scores.resize(group * std::max<int64_t>(padded, kLanes));
+        kernel(q + (b * heads + g * group) * head_dim, k_cache + g * head_dim,
+               v_cache + g * head_dim, slots + b * width, lens[b], row, scale, scores.data(),
+               out + (b * heads + g * group) * head_dim);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, kf(head_dim), top, total;
     for (int64_t task = begin; task < end; ++task) {
@@ -179,6 +342,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor lens, float scale) -> Tensor");
+  // whether this head shape takes the register-resident path (then the kernel beats torch's
+  // gathered attention at every batch size, not only at small ones)
+  m.def("paged_attention_registers", [](int64_t head_dim, int64_t group) {
+#if defined(__AVX512F__)
+    return group_kernel<float>(head_dim, group) != nullptr;
+#else
+    (void)head_dim, (void)group;
+    return false;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
