@@ -33,9 +33,11 @@ class PrefillSegment:
 # Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) at
 # every batch size where its register-resident path serves the head shape (AVX-512 builds; head
 # dim 64 with 1, 2 or 4 queries per KV head, 128 with 1 or 2): 4-6x torch's gather +
-# scaled_dot_product_attention at 1-32 sequences (`evenflow bench kernels`). Its general loop
-# serves other shapes up to this many sequences, torch's path above: torch's bf16 flash kernel
-# caught up with that loop from ~16 sequences.
+# scaled_dot_product_attention at 1-32 sequences (`evenflow bench kernels`). On AVX-512 builds
+# its general loop serves other shapes up to this many sequences, torch's path above (torch's
+# bf16 flash kernel caught up with that loop from ~16 sequences). Built for AVX2 the loop ran
+# 0.24-0.45x torch's path from 2 sequences on (and 0.43-2.4x at one, by the run) under the
+# AVX2 emulation: there torch's path serves every batch.
 PAGED_ATTENTION_MAX_BATCH = 8
 
 
@@ -45,8 +47,9 @@ def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
     mask)."""
     if native.decode_attention() is None:
         return False
-    return batch <= PAGED_ATTENTION_MAX_BATCH or native.decode_attention_registers(head_dim,
-                                                                                 group)
+    if native.decode_attention_registers(head_dim, group):
+        return True
+    return batch <= PAGED_ATTENTION_MAX_BATCH and native.built_for_avx512()
 
 
 @dataclass

@@ -131,6 +131,14 @@ def decode_attention() -> Any | None:
     return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
 
 
+@functools.cache
+def built_for_avx512() -> bool:
+    """Whether the kernels were built for AVX-512 (the panel and attention loops need its 32
+    registers; built for AVX2 they lose to torch's and oneDNN's paths)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.panel_kernels_fast())
+
+
 @functools.lru_cache(maxsize=64)
 def decode_attention_registers(head_dim: int, group: int) -> bool:
     """Whether the paged decode attention keeps this head shape in registers (AVX-512 builds:
