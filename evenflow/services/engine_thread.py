@@ -145,9 +145,10 @@ EngineEvent = (Admitted | Rejected | StepDone | StepFailed | KVEventsTaken | KVS
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine reports itself unhealthy
 EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step again
 # A busy engine's KV events (blocks stored / removed) go out together at most this often, not
-# after every step: a decode step at batch 16 fills about one block, and a message per step
-# cost the worker, NATS and the KV indexer ~0.5 ms of CPU per step together. An idle engine
-# flushes at once, so an index never lags a finished prefill.
+# after every step: at batch 16 a decode step fills about one block, and a message per step
+# meant one more publish, NATS delivery and Redis pipeline per step for the worker, NATS and the
+# KV indexer, on CPUs the decode step shares. An idle engine flushes at once, so an index never
+# lags a finished prefill.
 KV_EVENTS_INTERVAL_S = 0.05
 
 
