@@ -32,7 +32,7 @@ class PrefillSegment:
 
 # Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) at
 # every batch size where its register-resident path serves the head shape (AVX-512 builds; head
-# dim 64 with 1, 2 or 4 queries per KV head, 128 with 1 or 2): 4-6x torch's gather +
+# dim 64 or 128, a KV head's queries 4 / 2 / 1 at a time): 4-6x torch's gather +
 # scaled_dot_product_attention at 1-32 sequences (`evenflow bench kernels`). On AVX-512 builds
 # its general loop serves other shapes up to this many sequences, torch's path above (torch's
 # bf16 flash kernel caught up with that loop from ~16 sequences). Built for AVX2 the loop ran

@@ -25,10 +25,10 @@ def reference(q, k_cache, v_cache, slots, lens):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-# (8, 2, 64), (8, 8, 64) and (4, 2, 128) take the register-resident path (AVX-512 builds), the
-# others the general loop
-@pytest.mark.parametrize("heads, kv_heads, hd",
-                         [(8, 2, 64), (8, 8, 64), (4, 2, 128), (4, 4, 32), (16, 2, 128)])
+# head dim 64 and 128 take the register-resident path on AVX-512 builds (8 or 3 queries per KV
+# head: in sub-groups of 4, 2 or 1), head dim 32 the general loop
+@pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (8, 8, 64), (12, 4, 64), (4, 2, 128),
+                                                 (32, 8, 128), (16, 2, 128), (4, 4, 32)])
 def test_matches_torch_attention(dtype, tolerance, heads, kv_heads, hd):
     kernel = native.decode_attention()
     if kernel is None:

@@ -185,34 +185,39 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
   }
 }
 
-// the register-resident path for this head shape, or nullptr (then the general loop below)
+// the register-resident path for this head shape: a kernel for `sub` of a KV head's queries at
+// a time (each call reads that head's K and V again, from cache), or no kernel (then the
+// general loop below)
 template <typename T>
 using GroupKernel = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
                              float, float*, T*);
 
 template <typename T>
-GroupKernel<T> group_kernel(int64_t head_dim, int64_t group) {
+struct GroupPath {
+  GroupKernel<T> kernel = nullptr;
+  int64_t sub = 0;
+};
+
+template <typename T>
+GroupPath<T> group_path(int64_t head_dim, int64_t group) {
 #if !defined(__AVX512F__)
   // AVX2's 16 registers cannot hold the accumulators (an AVX2 build of this path ran 0.35-0.65x
   // torch's gathered attention from batch 8 on, under the AVX2 emulation); the loop below serves
-  return nullptr;
+  (void)head_dim, (void)group;
+  return {};
+#else
+  if (group < 1) return {};
+  if (head_dim == 64) {  // up to 4 queries x 4 vectors of accumulators
+    if (group % 4 == 0) return {attend_group<T, 4, 4>, 4};
+    if (group % 2 == 0) return {attend_group<T, 4, 2>, 2};
+    return {attend_group<T, 4, 1>, 1};
+  }
+  if (head_dim == 128) {  // up to 2 queries x 8 vectors
+    if (group % 2 == 0) return {attend_group<T, 8, 2>, 2};
+    return {attend_group<T, 8, 1>, 1};
+  }
+  return {};
 #endif
-  if (head_dim == 64) {
-    switch (group) {
-      case 1: return attend_group<T, 4, 1>;
-      case 2: return attend_group<T, 4, 2>;
-      case 4: return attend_group<T, 4, 4>;
-      default: return nullptr;
-    }
-  }
-  if (head_dim == 128) {
-    switch (group) {
-      case 1: return attend_group<T, 8, 1>;
-      case 2: return attend_group<T, 8, 2>;
-      default: return nullptr;
-    }
-  }
-  return nullptr;
 }
 
 template <typename T>
@@ -222,16 +227,17 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // one cache slot
   const int64_t vecs = head_dim / kLanes;
-  if (const GroupKernel<T> kernel = group_kernel<T>(head_dim, group); kernel != nullptr) {
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  if (const GroupPath<T> path = group_path<T>(head_dim, group); path.kernel != nullptr) {
+    const int64_t subs = group / path.sub;  // tasks: (sequence, KV head, queries sub-group)
+    at::parallel_for(0, batch * kv_heads * subs, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / kv_heads, g = task % kv_heads;
+        const int64_t b = task / (kv_heads * subs), g = task / subs % kv_heads;
+        const int64_t first = (b * heads + g * group + task % subs * path.sub) * head_dim;
         const int64_t padded = (lens[b] + kLanes - 1) / kLanes * kLanes;
-        scores.resize(group * std::max<int64_t>(padded, kLanes));
-        kernel(q + (b * heads + g * group) * head_dim, k_cache + g * head_dim,
-               v_cache + g * head_dim, slots + b * width, lens[b], row, scale, scores.data(),
-               out + (b * heads + g * group) * head_dim);
+        scores.resize(path.sub * std::max<int64_t>(padded, kLanes));
+        path.kernel(q + first, k_cache + g * head_dim, v_cache + g * head_dim,
+                    slots + b * width, lens[b], row, scale, scores.data(), out + first);
       }
     });
     return;
@@ -344,7 +350,7 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   // whether this head shape takes the register-resident path (then the kernel beats torch's
   // gathered attention at every batch size, not only at small ones)
   m.def("paged_attention_registers", [](int64_t head_dim, int64_t group) {
-    return group_kernel<float>(head_dim, group) != nullptr;
+    return group_path<float>(head_dim, group).kernel != nullptr;
   });
 }
 
