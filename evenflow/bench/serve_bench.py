@@ -23,7 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +42,7 @@ from evenflow.bench.loadgen import (
     summary_rows,
     write_plots,
 )
+from evenflow.bench.machine import machine_line
 from evenflow.bench.sse_client import SSEClient
 
 
@@ -125,10 +129,6 @@ def busy_neighbour_tpot(offline: OfflineEngine, out_len: int, rounds: int = 2
     Python process on each (alternating, medians) -> (idle s, busy s, spinners). A mesh must
     run its gateway, NATS and client somewhere while a decode worker steps; where CPUs share a
     physical core (SMT siblings, a VM's vCPUs) that alone slows the step, whoever is busy."""
-    import os
-    import subprocess
-    import sys
-
     spinners = max(1, (os.cpu_count() or 2) - 1)
     idle: list[float] = []
     busy: list[float] = []
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.concurrency, args.num_requests, args.prompt_len, args.output_len = 4, 8, 32, 8
         args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 6
+    tpot_rounds = (6, 8) if args.quick else (3, 2)  # batch 1, batch 16 (quick: ~1 ms steps)
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
     from evenflow.services.config import MeshConfig
@@ -258,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         QUICK_MODEL if args.quick else None))
     print(f"model: {model}")
     offline_engine = OfflineEngine(model)
-    from evenflow.bench.machine import machine_line
-
     print(machine_line(offline_engine.engine.kv_dtype_name, 1))
     # No expert placement: the offline engine runs without it, and this measures the mesh.
     config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         name = mesh.config.model_name
         offline, meshed, failed = run_client(interleaved_overhead(
             offline_engine, mesh.url, name, args.overhead_prompt_len, args.reps,
-            args.output_len, (6, 8) if args.quick else (3, 2)))  # quick: ~1 ms steps, noisy
+            args.output_len, tpot_rounds))
         neighbours = busy_neighbour_tpot(offline_engine, args.output_len)
         vocab = offline_engine.vocab
         del offline_engine  # (its memory, before the load run)

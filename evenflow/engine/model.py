@@ -63,6 +63,8 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     num_prefill_tokens: int
     decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
+    # The runner picks the decode attention once per step (paged_decode_attention) and fills
+    # the one input it reads: lens for the paged kernel, the additive mask for torch's path.
     decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a slot is real, -inf else (None: paged)
     decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
 
@@ -173,9 +175,7 @@ class Attention(nn.Module):
                           meta: AttentionMetadata) -> Tensor:
         """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
         assert meta.decode_slots is not None
-        if meta.decode_lens is not None and paged_decode_attention(
-                meta.decode_slots.shape[0], self.head_dim, self.num_heads // self.num_kv_heads):
-            # K and V read where they lie (kernels/paged_attention.cpp)
+        if meta.decode_lens is not None:  # K and V read where they lie (paged_attention.cpp)
             paged = native.decode_attention()
             assert paged is not None
             return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,

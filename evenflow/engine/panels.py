@@ -22,12 +22,11 @@ PANEL = 64
 def _dtype_served(dtype: torch.dtype) -> bool:
     """Kernels built for AVX-512 (on AVX2 they lose to oneDNN: kernels/panel.h), and bf16 only
     with AVX512-BF16's dot product."""
-    kernels = torch.ops.evenflow_kernels
-    if not kernels.panel_kernels_fast():
+    if not native.built_for_avx512():
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(kernels.fused_moe_bf16_supported())
+    return dtype == torch.bfloat16 and bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
 
 
 def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
