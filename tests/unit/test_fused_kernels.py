@@ -52,25 +52,26 @@ def test_norms_match_torch(dtype):
     if kernels is None:
         pytest.skip("native kernels unavailable")
     g = torch.Generator().manual_seed(1)
-    x, residual = (torch.randn(7, 512, generator=g).to(dtype) for _ in range(2))
-    weight = (torch.rand(512, generator=g) + 0.5).to(dtype)
+    x, residual = (torch.randn(7, 520, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(520, generator=g) + 0.5).to(dtype)  # (520: whole vectors and a tail)
     exact = dtype == torch.bfloat16  # (float32 sums in another order: within an ulp or two)
     check = torch.testing.assert_close if not exact else (
         lambda a, b: torch.testing.assert_close(a, b, atol=0, rtol=0))
-    check(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (512,), weight, 1e-5))
+    check(kernels.rms_norm(x, weight, 1e-5), F.rms_norm(x, (520,), weight, 1e-5))
     total, normed = kernels.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, x + residual)
-    check(normed, F.rms_norm(x + residual, (512,), weight, 1e-5))
+    check(normed, F.rms_norm(x + residual, (520,), weight, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_kv_write_are_bit_identical_to_torch(dtype):
+@pytest.mark.parametrize("hd", [64, 128, 48])  # (48: half a head is not whole vectors)
+def test_rotary_and_kv_write_are_bit_identical_to_torch(dtype, hd):
     fused = native.rotary_kv_write()
     if fused is None:
         pytest.skip("native kernels unavailable")
     g = torch.Generator().manual_seed(2)
-    tokens, heads, kv_heads, hd = 5, 8, 2, 64
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, hd, generator=g).to(dtype)
+    tokens, heads, kv_heads = 5, 8, 2
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, hd, generator=g) * 3).to(dtype)
     cos, sin = (torch.randn(tokens, 1, hd, generator=g).to(dtype) for _ in range(2))
     k_cache, v_cache = (torch.zeros(40, kv_heads, hd, dtype=dtype) for _ in range(2))
     slots = torch.tensor([3, 9, 10, 31, 0])
