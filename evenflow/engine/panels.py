@@ -20,13 +20,12 @@ PANEL = 64
 
 
 def _dtype_served(dtype: torch.dtype) -> bool:
-    """Kernels built for AVX-512 (on AVX2 they lose to oneDNN: kernels/panel.h), and bf16 only
-    with AVX512-BF16's dot product."""
-    if not native.built_for_avx512():
-        return False
+    """float32 on AVX-512 and AVX2 builds (each with its own register blocking:
+    kernels/panel.h), bf16 only with AVX512-BF16's dot product."""
     if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
+        return native.panels_f32_fast()
+    return dtype == torch.bfloat16 and native.built_for_avx512() and \
+        bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
 
 
 def usable(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from evenflow.engine import panels
+from evenflow.engine import native, panels
 from evenflow.engine.quant import QuantStack, QuantValues
 
 PANEL = panels.PANEL
@@ -29,6 +29,8 @@ def usable(values: list[QuantValues], dtype: torch.dtype, gate_up: bool = False)
     """The panel kernels take these weights and activations here (a gate_up stack: gate and
     up each a whole number of panels)."""
     n, k = values[0].q.shape
+    if not native.built_for_avx512():  # (the quantized panels' loops are AVX-512's)
+        return False
     if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
         return False
     return panels.usable(dtype, PANEL, PANEL) and panels.linear_usable(dtype, n, k)

@@ -33,10 +33,31 @@ namespace {
 
 using namespace evenflow_panel;
 
+// One expert's rows [first, first + m) of the grouped pairs through ATen's matmul over its
+// panels (AVX2 builds, float32, many rows: kBlasRows): ys rows get down(silu(gate) * up) times
+// each pair's routing weight. Panel p of gate_up gives gate and up channels [32p, 32p + 32).
+void expert_by_matmul(const at::Tensor& x, const std::vector<int64_t>& order, int64_t first,
+                      int64_t m, int64_t top_k, const float* route, const at::Tensor& w13,
+                      const at::Tensor& w2, int64_t inter, float* ys) {
+  const int64_t hidden = x.size(1);
+  at::Tensor rows = at::empty({m}, at::kLong), weights = at::empty({m, 1}, at::kFloat);
+  for (int64_t i = 0; i < m; ++i) {
+    rows.data_ptr<int64_t>()[i] = order[first + i] / top_k;
+    weights.data_ptr<float>()[i] = route[order[first + i]];
+  }
+  const at::Tensor h = at::matmul(x.index_select(0, rows), w13.view({inter / 32, hidden, 64}));
+  const at::Tensor act = (at::silu(h.narrow(2, 0, 32)) * h.narrow(2, 32, 32))
+                             .permute({1, 0, 2})
+                             .reshape({m, inter});
+  at::Tensor y = matmul_over_panels(act, w2).mul_(weights);
+  std::memcpy(ys + first * hidden, y.contiguous().data_ptr<float>(), m * hidden * 4);
+}
+
 template <typename T>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
                           const at::Tensor& route_weights, const std::vector<Weight>& w13,
-                          const std::vector<Weight>& w2, int64_t inter) {
+                          const std::vector<Weight>& w2, int64_t inter,
+                          at::TensorList w13_t = {}, at::TensorList w2_t = {}) {
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
   const int64_t experts = static_cast<int64_t>(w13.size());
   const int64_t pairs = tokens * top_k;
@@ -56,9 +77,15 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
     position[p] = fill[id[p]]++;
     order[position[p]] = p;
   }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < experts; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
+  std::vector<float> ys(static_cast<size_t>(pairs * hidden));
+  std::vector<int64_t> active;  // experts for the panel loops below
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t m = start[e + 1] - start[e];
+    if (m >= kBlasRows && !quantized && std::is_same_v<T, float> && !w13_t.empty())
+      expert_by_matmul(x, order, start[e], m, top_k, route, w13_t[e], w2_t[e], inter, ys.data());
+    else if (m > 0)
+      active.push_back(e);
+  }
   const int64_t n_active = static_cast<int64_t>(active.size());
 
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -68,7 +95,6 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   // float activations too where a quantized down panel may read them directly
   std::vector<float> act_f(quantized && !std::is_same_v<T, float> ? pairs * inter : 0);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.data()) : act_f.data();
-  std::vector<float> ys(static_cast<size_t>(pairs * hidden));
   const int64_t scratch_size = quantized ? kPanel * std::max(hidden, inter) : 0;
 
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
@@ -197,7 +223,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
                 "every slot's weights must be stored alike");
   }
   if (bf16) return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down, inter);
-  return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter);
+  return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter, w13, w2);
 }
 
 }  // namespace
@@ -208,6 +234,7 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
         "-> Tensor");
   m.def("fused_moe_bf16_supported", []() { return kHasBf16Dot; });
   m.def("panel_kernels_fast", []() { return kPanelsFast; });
+  m.def("panel_kernels_f32_fast", []() { return kPanelsF32Fast; });
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("fused_moe", &fused_moe); }

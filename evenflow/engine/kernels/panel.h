@@ -28,18 +28,44 @@ constexpr int kLanes = 16;
 constexpr int kPanel = 64;  // output channels per panel: 4 vectors
 #if defined(__AVX512F__)
 constexpr int kRows = 6;  // rows per register block: 24 accumulators of 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kRows = 12;  // AVX2, float32: 12 rows a pass through the panel (panel_f32_avx2)
 #else
-constexpr int kRows = 2;  // AVX2: a 16-float vector is two registers of 16
+constexpr int kRows = 2;
 #endif
 
 // Built for AVX-512: the panel kernels' 64-channel register blocks fit its 32 registers. On
-// AVX2 (16 registers) they spill and measured ~20x slower than oneDNN, so the engine keeps
-// oneDNN there (engine/panels.py asks `panel_kernels_fast`).
+// AVX2 (16 registers) the 16-float vectors spill and measured ~20x slower than oneDNN, so the
+// bf16 and quantized panels stay AVX-512's (engine/panels.py asks `panel_kernels_fast`).
 #if defined(__AVX512F__)
 constexpr bool kPanelsFast = true;
 #else
 constexpr bool kPanelsFast = false;
 #endif
+// float32 panels have their own AVX2 kernel (panel_f32_avx2: 8-float registers, half a panel at
+// a time, no spills): the engine packs float32 weights for them on AVX2 builds too.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kPanelsF32Fast = true;
+#else
+constexpr bool kPanelsF32Fast = false;
+#endif
+// AVX2 builds, float32: from this many rows a weight (or an expert's rows) goes to ATen's
+// matmul over the panels instead — each panel (K, 64) is a plain row-major matrix, so
+// x @ panel is one batched GEMM. The AVX2 panel kernel ran 1.2-4.6x oneDNN at 1-32 rows but
+// 0.7-0.9x from 128 (prefill), where oneDNN's blocking wins.
+#if defined(__AVX512F__)
+constexpr int64_t kBlasRows = INT64_MAX;
+#else
+constexpr int64_t kBlasRows = 64;
+#endif
+
+// x (M, K) float32 @ a plain float32 panel-packed weight (P, K, 64) -> (M, P * 64)
+inline at::Tensor matmul_over_panels(const at::Tensor& x, const at::Tensor& packed) {
+  const int64_t panels = packed.numel() / (x.size(1) * kPanel);
+  return at::matmul(x, packed.view({panels, x.size(1), kPanel}))
+      .permute({1, 0, 2})
+      .reshape({x.size(0), panels * kPanel});
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kHasBf16Dot = true;
@@ -144,10 +170,81 @@ void panel_bf16(const uint16_t* const* x, const uint16_t* w, int64_t k_total, fl
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 has 16 registers of 8 floats: the 16-float vectors above would spill. One row takes the
+// whole panel at once (8 accumulators, 8 chains in flight). More rows go through the panel in
+// chunks of kAvx2Chunk inputs (16 KB of weights, L1-resident): per chunk, each block of 3 rows
+// takes each half panel (32 channels) in turn, its 12 sums loaded from and stored back to
+// `sums` around the chunk. The weights stream from memory once, in order, for any row count.
+constexpr int64_t kAvx2Chunk = 64;
+
+inline void panel_f32_avx2_row(const float* x, const float* w, int64_t k_total, float* sums) {
+  __m256 acc[8];
+  for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_total; ++k) {
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    for (int v = 0; v < 8; ++v)
+      acc[v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + k * kPanel + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(sums + 8 * v, acc[v]);
+}
+
+// (Prefetch: the first pass over a chunk also asks for the next chunk's rows, all four lines of
+// each: the passes over half panels touch half of each row, which a stride prefetcher follows)
+template <int MR, bool Prefetch>
+inline void panel_f32_avx2_chunk(const float* const* x, const float* w, int64_t k0, int64_t k1,
+                                 float* sums, int c0) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_loadu_ps(sums + r * kPanel + c0 + 8 * v);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wp = w + k * kPanel + c0;
+    if constexpr (Prefetch) {
+      const char* next = reinterpret_cast<const char*>(w + (k + kAvx2Chunk) * kPanel);
+      for (int line = 0; line < 4; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    }
+    __m256 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 wv = _mm256_loadu_ps(wp + 8 * v);
+      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * kPanel + c0 + 8 * v, acc[r][v]);
+}
+
+inline void panel_f32_avx2(const float* const* x, int m, const float* w, int64_t k_total,
+                           float* sums) {
+  if (m == 1) return panel_f32_avx2_row(x[0], w, k_total, sums);
+  std::memset(sums, 0, sizeof(float) * m * kPanel);
+  for (int64_t k0 = 0; k0 < k_total; k0 += kAvx2Chunk) {
+    const int64_t k1 = std::min(k0 + kAvx2Chunk, k_total);
+    for (int r0 = 0; r0 < m; r0 += 3) {
+      for (int c0 = 0; c0 < kPanel; c0 += 32) {
+        float* s = sums + r0 * kPanel;
+        const bool first = r0 == 0 && c0 == 0 && k1 + kAvx2Chunk <= k_total;
+        switch (std::min(3, m - r0) + (first ? 3 : 0)) {
+          case 1: panel_f32_avx2_chunk<1, false>(x + r0, w, k0, k1, s, c0); break;
+          case 2: panel_f32_avx2_chunk<2, false>(x + r0, w, k0, k1, s, c0); break;
+          case 3: panel_f32_avx2_chunk<3, false>(x + r0, w, k0, k1, s, c0); break;
+          case 4: panel_f32_avx2_chunk<1, true>(x + r0, w, k0, k1, s, c0); break;
+          case 5: panel_f32_avx2_chunk<2, true>(x + r0, w, k0, k1, s, c0); break;
+          default: panel_f32_avx2_chunk<3, true>(x + r0, w, k0, k1, s, c0); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 // One panel for m <= kRows rows: the register-blocked kernel of that row count.
 template <typename T>
 void panel(const T* const* x, int m, const T* w, int64_t k_total, float* sums) {
   if constexpr (std::is_same_v<T, float>) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    return panel_f32_avx2(x, m, w, k_total, sums);
+#endif
     switch (m) {
       case 1: return panel_f32<1>(x, w, k_total, sums);
 #if defined(__AVX512F__)

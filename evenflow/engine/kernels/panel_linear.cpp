@@ -103,6 +103,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                 "bias must be a contiguous float32 vector of ", n_total, " values");
     bias_p = bias->data_ptr<float>();
   }
+  if (!bf16 && wt.format == Format::kPlain && x.size(0) >= kBlasRows) {
+    at::Tensor out = matmul_over_panels(x, w);
+    return bias.has_value() ? out.add_(*bias) : out;
+  }
   at::Tensor out = at::empty({x.size(0), n_total}, x.options());
   if (bf16) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
