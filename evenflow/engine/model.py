@@ -8,13 +8,14 @@ Module names follow the HF checkpoints, so loading is a rename only where expert
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evenflow.engine import native
+from evenflow.engine import decode_fast, native
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.ffn import MLP, MoE
 from evenflow.parallel.group import ProcessGroup
@@ -232,6 +233,10 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
+        # Decode-only steps' layers as straight kernel calls (engine/decode_fast.py), made at the
+        # first decode; None where the layers do not qualify
+        self._fast: list | None = None
+        self._fast_checked = False
         # Tensor parallel: this rank's vocabulary rows of embed_tokens and lm_head
         self.tp: ProcessGroup | None = None
         self.vocab_start, self.vocab_rows = 0, cfg.vocab_size
@@ -275,12 +280,26 @@ class CausalLM(nn.Module):
         sin = self._sin[positions].unsqueeze(1)
         x = self._embed(input_ids)
         pending: Tensor | None = None
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+        layers = self._fast_decode(meta, x, cos, kv_caches) or self.model.layers
+        for layer, kv in zip(layers, kv_caches, strict=True):
             x, pending = layer(x, cos, sin, kv, meta, pending)
         if pending is None:  # (no layers)
             return self._logits(self.model.norm(x[logit_rows]))
         _, h = self.model.norm.add_and_norm(pending[logit_rows], x[logit_rows])
         return self._logits(h)
+
+    def _fast_decode(self, meta: AttentionMetadata, x: Tensor, cos: Tensor,
+                     kv_caches: list[tuple[Tensor, Tensor]]) -> list | None:
+        """The fast decode layers where they take this step (EVENFLOW_FAST_DECODE=0: never)."""
+        if meta.prefills or not kv_caches:
+            return None
+        if not self._fast_checked:
+            self._fast_checked = True
+            if os.environ.get("EVENFLOW_FAST_DECODE", "1").lower() not in ("0", "false", "off"):
+                self._fast = decode_fast.fast_layers(self.decoder_layers()) \
+                    if len(self.decoder_layers()) == len(self.model.layers) else None
+        fast = self._fast
+        return fast if fast and decode_fast.serves(fast, meta, x, cos, kv_caches[0]) else None
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         if self.tp is None:

@@ -1,0 +1,49 @@
+"""The fast decode layers (engine/decode_fast.py) compute exactly what the module path computes:
+the same logits, bit for bit, at every step, and the same expert counts for EPLB."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenflow import LLM, SamplingParams
+from evenflow.engine import native, panels
+
+
+def _run(dtype: str, quantization: str | None, fast: bool
+         ) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, bool]:
+    llm = LLM("tiny-moe", dtype=dtype, quantization=quantization)
+    model = llm.engine.runner.model
+    if not fast:  # the module path for every step
+        model._fast, model._fast_checked = None, True
+    logits: list[torch.Tensor] = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    model.forward = recording
+    prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r =", "json ="]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    return logits, [o.token_ids for o in outputs], llm.engine.take_expert_counts(), \
+        model._fast is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_fast_decode_is_bit_identical_to_the_module_path(dtype, quantization):
+    if native.fused_moe() is None or native.decode_attention() is None or \
+            not panels.usable(getattr(torch, dtype), 64, 64):
+        pytest.skip("the native kernels do not serve this dtype here")
+    if quantization and not native.built_for_avx512():
+        pytest.skip("the quantized panels are AVX-512's")
+    fast_logits, fast_tokens, fast_counts, used = _run(dtype, quantization, fast=True)
+    assert used, "the fast decode layers were not built for tiny-moe"
+    slow_logits, slow_tokens, slow_counts, _ = _run(dtype, quantization, fast=False)
+    assert fast_tokens == slow_tokens
+    assert len(fast_logits) == len(slow_logits)
+    for a, b in zip(fast_logits, slow_logits, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fast_counts, slow_counts)
