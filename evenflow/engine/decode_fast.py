@@ -50,7 +50,7 @@ class FastDecodeLayer:
         self.layer, self.moe = layer, moe
         self.norms, self.rotary = kernels["norms"], kernels["rotary"]
         self.attention, self.linear = kernels["attention"], kernels["linear"]
-        self.route = kernels["route"]
+        self.route, self.fused_moe = kernels["route"], kernels["fused_moe"]
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.gate = moe.gate
         self.attn, self.projections = attn, (attn.qkv_proj, attn.o_proj)
@@ -66,8 +66,8 @@ class FastDecodeLayer:
     def of(cls, layer: DecoderLayer) -> FastDecodeLayer | None:
         kernels = {"norms": native.norms(), "rotary": native.rotary_kv_write(),
                    "attention": native.decode_attention(), "linear": native.panel_linear(),
-                   "route": native.route_topk()}
-        if any(k is None for k in kernels.values()) or native.fused_moe() is None:
+                   "route": native.route_topk(), "fused_moe": native.fused_moe()}
+        if any(k is None for k in kernels.values()):
             return None
         attn, moe = layer.self_attn, layer.mlp
         if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE):
@@ -111,7 +111,11 @@ class FastDecodeLayer:
                                       moe.counts)
         fused = moe._fused_experts()
         assert fused is not None
-        return x, panels.run_experts(h, experts, weights, *fused)
+        # panels.run_experts's call, less its no-op casts (route_topk's weights are float32)
+        w13, w2, s13, s2, o13, o2, group = fused if len(fused) == 7 else (*fused, [], [], [], [],
+                                                                          0)
+        return x, self.fused_moe(h, experts, weights, w13, w2, list(s13), list(s2), list(o13),
+                                 list(o2), group)
 
 
 def fast_layers(layers: list[DecoderLayer]) -> list[FastDecodeLayer] | None:
