@@ -27,29 +27,6 @@ namespace {
 
 using namespace evenflow_panel;
 
-// 16 values of T as float32, and back (round to nearest even, NaN kept quiet: as c10 rounds)
-inline f16v load16(const float* p) { return load(p); }
-inline f16v load16(const c10::BFloat16* p) {
-  uint16_t bits[kLanes];
-  std::memcpy(bits, p, sizeof bits);
-  u16v wide;
-  for (int i = 0; i < kLanes; ++i) wide[i] = bits[i];  // (one vpmovzxwd)
-  wide <<= 16;
-  f16v f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-inline void store16(float* p, f16v v) { store(p, v); }
-inline void store16(c10::BFloat16* p, f16v v) {
-  u16v u;
-  std::memcpy(&u, &v, sizeof u);
-  const u16v rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u16v nan = (u >> 16) | 0x40u;
-  const u16v out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-  uint16_t bits[kLanes];
-  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<uint16_t>(out[i]);  // (one vpmovdw)
-  std::memcpy(p, bits, sizeof bits);
-}
 // Rows in 16-lane vectors (the sum of squares in 16 partial sums, then added up); a tail of
 // dim % 16 in scalars. Each sum x + residual is rounded to T before it is squared, as torch's
 // separate add and norm round it.

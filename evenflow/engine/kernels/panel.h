@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
 
@@ -108,6 +109,39 @@ inline f16v silu_mul(f16v g, f16v u) {
   const f16v e = exp_nonpositive(g < 0.f ? g : -g);
   const f16v sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
   return g * sigmoid * u;
+}
+
+// 16 values of float32 / bf16 as float32, and back (bf16: round to nearest even, NaN kept
+// quiet — as c10::BFloat16 rounds); the norm and rotary kernels' loads and stores.
+inline f16v load16(const float* p) { return load(p); }
+inline f16v load16(const c10::BFloat16* p) {
+  uint16_t bits[kLanes];
+  std::memcpy(bits, p, sizeof bits);
+  u16v wide;
+  for (int i = 0; i < kLanes; ++i) wide[i] = bits[i];  // (one vpmovzxwd)
+  wide <<= 16;
+  f16v f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+inline f16v bf16_round(f16v v) {  // to the nearest bf16, kept as float32
+  u16v u;
+  std::memcpy(&u, &v, sizeof u);
+  const u16v even = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+  const u16v nan = ((u >> 16) | 0x40u) << 16;
+  const u16v out = (u & 0x7fffffffu) > 0x7f800000u ? nan : even;
+  f16v f;
+  std::memcpy(&f, &out, sizeof f);
+  return f;
+}
+inline void store16(float* p, f16v v) { store(p, v); }
+inline void store16(c10::BFloat16* p, f16v v) {
+  const f16v r = bf16_round(v);
+  u16v u;
+  std::memcpy(&u, &r, sizeof u);
+  uint16_t bits[kLanes];
+  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<uint16_t>(u[i] >> 16);  // (vpmovdw)
+  std::memcpy(p, bits, sizeof bits);
 }
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does

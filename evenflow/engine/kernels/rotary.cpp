@@ -25,37 +25,8 @@ namespace {
 
 using namespace evenflow_panel;
 
-// 16 values of T as float32, and back (round to nearest even, NaN kept quiet: as c10 rounds)
-inline f16v load16(const float* p) { return load(p); }
-inline f16v load16(const c10::BFloat16* p) {
-  uint16_t bits[kLanes];
-  std::memcpy(bits, p, sizeof bits);
-  u16v wide;
-  for (int i = 0; i < kLanes; ++i) wide[i] = bits[i];
-  wide <<= 16;
-  f16v f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
 inline f16v rounded(f16v v, const float*) { return v; }
-inline f16v rounded(f16v v, const c10::BFloat16*) {  // to bf16 and back, as a bf16 op rounds
-  u16v u;
-  std::memcpy(&u, &v, sizeof u);
-  const u16v even = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
-  const u16v nan = ((u >> 16) | 0x40u) << 16;
-  const u16v out = (u & 0x7fffffffu) > 0x7f800000u ? nan : even;
-  f16v f;
-  std::memcpy(&f, &out, sizeof f);
-  return f;
-}
-inline void store16(float* p, f16v v) { store(p, v); }
-inline void store16(c10::BFloat16* p, f16v v) {  // v already holds bf16 values
-  u16v u;
-  std::memcpy(&u, &v, sizeof u);
-  uint16_t bits[kLanes];
-  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<uint16_t>(u[i] >> 16);
-  std::memcpy(p, bits, sizeof bits);
-}
+inline f16v rounded(f16v v, const c10::BFloat16*) { return bf16_round(v); }  // as a bf16 op
 
 template <typename T>
 inline T rotate(T x, T partner, T c, T s) {
