@@ -129,33 +129,40 @@ class ModelRunner:
         decode_slots = decode_mask = decode_lens = None
         if decodes:
             bs = self.block_size
-            ctx = torch.tensor([c.start + 1 for c in decodes])  # (B,)
+            lens = [c.start + 1 for c in decodes]
             width = max(len(c.block_table) for c in decodes)
             table = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
                                   for c in decodes])  # (B, blocks)
-            max_ctx = int(ctx.max())
             all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
-            real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
-            decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)  # (B, L)
-            positions = ctx - 1
+            ctx = torch.tensor(lens)  # (B,)
             if paged_decode_attention(len(decodes), *self.attention_shape):
-                decode_lens = ctx  # the paged kernel reads the lengths
+                # the paged kernel reads each row's first lens slots only: no padding to mask
+                decode_slots, decode_lens = all_slots, ctx
             else:
+                max_ctx = max(lens)
+                real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
+                decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)
                 # Additive mask in the model's dtype, made once per step: torch's CPU attention
                 # turns a bool mask into this in every layer (measured 1.3x slower at batch 32)
                 decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype
                                           ).masked_fill_(~real.view(len(decodes), 1, 1, max_ctx),
                                                          float("-inf"))
+            positions = [n - 1 for n in lens]
             input_ids.extend(c.token_ids[0] for c in decodes)
-            position_parts.append(positions)
-            slot_parts.append(decode_slots.gather(1, positions.unsqueeze(1)).squeeze(1))
+            position_parts.append(torch.tensor(positions))
+            slot_parts.append(torch.tensor([c.block_table[p // bs] * bs + p % bs
+                                            for c, p in zip(decodes, positions, strict=True)]))
             logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
+
+        def joined(parts: list[Tensor]) -> Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts), prefills=prefills, num_prefill_tokens=num_prefill,
+            slot_mapping=joined(slot_parts), prefills=prefills, num_prefill_tokens=num_prefill,
             decode_slots=decode_slots, decode_mask=decode_mask,
             decode_lens=decode_lens,
         )
-        return (torch.tensor(input_ids), torch.cat(position_parts), meta,
+        return (torch.tensor(input_ids), joined(position_parts), meta,
                 torch.tensor(logit_rows, dtype=torch.long))
 
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
