@@ -87,8 +87,9 @@ class FastDecodeLayer:
         still take the fused kernel as they are (an expert placement or expert parallelism may
         have come since)."""
         attn, moe = self.attn, self.moe
-        return (attn.qkv_proj, attn.o_proj) == self.projections and moe.placement is None and \
-            moe.ep is None and moe._fused_experts() is not None
+        same = attn.qkv_proj is self.projections[0] and attn.o_proj is self.projections[1]
+        return same and moe.placement is None and moe.ep is None and \
+            moe._fused_experts() is not None
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
                  meta: AttentionMetadata, pending: Tensor | None = None
