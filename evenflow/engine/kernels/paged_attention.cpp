@@ -36,7 +36,8 @@ using evenflow_panel::load;
 using evenflow_panel::splat;
 using evenflow_panel::store;
 using evenflow_panel::u16v;
-typedef uint16_t u16x16 __attribute__((vector_size(32)));  // 16 x bf16 bits
+using evenflow_panel::u16x16;
+using evenflow_panel::load16;
 
 // n values (n a multiple of 16) widened to float32
 inline void to_float(const float* src, float* dst, int64_t n) {
@@ -77,18 +78,6 @@ inline float hsum(f16v v) {
 #endif
 }
 
-// 16 values of T at p as float32
-inline f16v load_f(const float* p) { return load(p); }
-
-inline f16v load_f(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u16v bits = __builtin_convertvector(h, u16v) << 16;
-  f16v f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // lane t of the result = the sum of r[t]'s 16 lanes: four shuffle-and-add levels for all 16
 // rows at once (each level halves the vectors and doubles what each lane has summed), instead
 // of one horizontal reduction - a chain of ~8 dependent steps - per row
@@ -126,7 +115,7 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   f16v qv[G][V], top[G];
   for (int i = 0; i < G; ++i) {
-    for (int v = 0; v < V; ++v) qv[i][v] = load_f(q + i * hd + v * kLanes) * scale;
+    for (int v = 0; v < V; ++v) qv[i][v] = load16(q + i * hd + v * kLanes) * scale;
     top[i] = splat(-1e30f);
   }
   const f16v lane = f16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -136,7 +125,7 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
     for (int t = 0; t < n; ++t) {
       const T* kr = k_base + ctx[t0 + t] * row;
       f16v kv[V];
-      for (int v = 0; v < V; ++v) kv[v] = load_f(kr + v * kLanes);
+      for (int v = 0; v < V; ++v) kv[v] = load16(kr + v * kLanes);
       for (int i = 0; i < G; ++i) {
         f16v s = qv[i][0] * kv[0];
         for (int v = 1; v < V; ++v) s += qv[i][v] * kv[v];
@@ -171,7 +160,7 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
   for (int64_t t = 0; t < len; ++t) {  // V read once, in place
     const T* vr = v_base + ctx[t] * row;
     f16v vv[V];
-    for (int v = 0; v < V; ++v) vv[v] = load_f(vr + v * kLanes);
+    for (int v = 0; v < V; ++v) vv[v] = load16(vr + v * kLanes);
     for (int i = 0; i < G; ++i) {
       const f16v p = splat(scores[i * padded + t]);
       for (int v = 0; v < V; ++v) acc[i][v] += p * vv[v];

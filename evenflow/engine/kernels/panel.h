@@ -25,6 +25,7 @@ namespace evenflow_panel {
 typedef float f16v __attribute__((vector_size(64)));      // 16 x float32
 typedef int32_t i16v __attribute__((vector_size(64)));    // 16 x int32
 typedef uint32_t u16v __attribute__((vector_size(64)));   // 16 x uint32
+typedef uint16_t u16x16 __attribute__((vector_size(32)));  // 16 x bf16 bits
 constexpr int kLanes = 16;
 constexpr int kPanel = 64;  // output channels per panel: 4 vectors
 #if defined(__AVX512F__)
@@ -112,16 +113,14 @@ inline f16v silu_mul(f16v g, f16v u) {
 }
 
 // 16 values of float32 / bf16 as float32, and back (bf16: round to nearest even, NaN kept
-// quiet — as c10::BFloat16 rounds); the norm and rotary kernels' loads and stores.
+// quiet — as c10::BFloat16 rounds); the norm, rotary and attention kernels' loads and stores.
 inline f16v load16(const float* p) { return load(p); }
 inline f16v load16(const c10::BFloat16* p) {
-  uint16_t bits[kLanes];
-  std::memcpy(bits, p, sizeof bits);
-  u16v wide;
-  for (int i = 0; i < kLanes; ++i) wide[i] = bits[i];  // (one vpmovzxwd)
-  wide <<= 16;
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16v bits = __builtin_convertvector(h, u16v) << 16;  // (one vpmovzxwd, one shift)
   f16v f;
-  std::memcpy(&f, &wide, sizeof f);
+  std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 inline f16v bf16_round(f16v v) {  // to the nearest bf16, kept as float32
