@@ -31,13 +31,10 @@ def linear_args(module: Any) -> tuple | None:
     """panel_linear's arguments after x for this linear — what its own forward passes — or
     None where it is not one panel_linear call with whole panels out."""
     if isinstance(module, panels.PanelLinear):
-        if module.out_features % panels.PANEL:
-            return None
-        return (module.packed, module._bias, None, None, 0)
+        return module.kernel_args() if module.out_features % panels.PANEL == 0 else None
     stack = getattr(module, "weight_q", None)  # engine/quantize_model.py's QuantLinear
     if isinstance(stack, PanelStack) and module.bias is None and not stack.gate_up:
-        return (stack.data[0], None, stack.scale[0],
-                stack.offset[0] if stack.offset is not None else None, stack.group_size)
+        return stack.kernel_args()
     return None
 
 
@@ -47,12 +44,13 @@ class FastDecodeLayer:
     def __init__(self, layer: DecoderLayer, kernels: dict[str, Any]) -> None:
         attn, moe = layer.self_attn, layer.mlp
         assert isinstance(moe, MoE)
-        self.layer, self.moe = layer, moe
+        self.moe = moe
         self.norms, self.rotary = kernels["norms"], kernels["rotary"]
         self.attention, self.linear = kernels["attention"], kernels["linear"]
-        self.route, self.fused_moe = kernels["route"], kernels["fused_moe"]
+        self.route = kernels["route"]
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.gate = moe.gate
+        assert isinstance(moe.gate, panels.PanelLinear)
+        self.gate: panels.PanelLinear = moe.gate
         self.attn, self.projections = attn, (attn.qkv_proj, attn.o_proj)
         qkv_args, o_args = linear_args(attn.qkv_proj), linear_args(attn.o_proj)
         assert qkv_args is not None and o_args is not None
@@ -75,7 +73,7 @@ class FastDecodeLayer:
         if linear_args(attn.qkv_proj) is None or linear_args(attn.o_proj) is None or \
                 not isinstance(moe.gate, panels.PanelLinear):
             return None
-        if moe.shared_expert is not None:
+        if moe.shared_expert is not None or moe._fused_experts() is None:
             return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if norms[0].dtype != norms[1].dtype:
@@ -83,13 +81,11 @@ class FastDecodeLayer:
         return cls(layer, kernels)
 
     def usable(self) -> bool:
-        """The layer is still as it was made (its projections not replaced), and its experts
-        still take the fused kernel as they are (an expert placement or expert parallelism may
-        have come since)."""
+        """The layer is still as it was made: its projections not replaced, no expert placement
+        or expert parallelism come since (the experts' fused stacks stay as loaded without)."""
         attn, moe = self.attn, self.moe
-        same = attn.qkv_proj is self.projections[0] and attn.o_proj is self.projections[1]
-        return same and moe.placement is None and moe.ep is None and \
-            moe._fused_experts() is not None
+        return attn.qkv_proj is self.projections[0] and attn.o_proj is self.projections[1] and \
+            moe.placement is None and moe.ep is None
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
                  meta: AttentionMetadata, pending: Tensor | None = None
@@ -107,16 +103,12 @@ class FastDecodeLayer:
         attn = self.linear(attn.view(T, nh * hd), *self.o_args)
         x, h = self.norms.add_rms_norm(x, attn, post_norm.weight, post_norm.eps)
         moe = self.moe
-        logits = self.linear(h, self.gate.packed, self.gate._bias)
+        logits = self.linear(h, *self.gate.kernel_args())
         weights, experts = self.route(logits, moe.num_experts, moe.top_k, moe.norm_topk_prob,
                                       moe.counts)
         fused = moe._fused_experts()
         assert fused is not None
-        # panels.run_experts's call, less its no-op casts (route_topk's weights are float32)
-        w13, w2, s13, s2, o13, o2, group = fused if len(fused) == 7 else (*fused, [], [], [], [],
-                                                                          0)
-        return x, self.fused_moe(h, experts, weights, w13, w2, list(s13), list(s2), list(o13),
-                                 list(o2), group)
+        return x, panels.run_experts(h, experts, weights, *fused)
 
 
 def fast_layers(layers: list[DecoderLayer]) -> list[FastDecodeLayer] | None:

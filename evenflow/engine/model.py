@@ -296,8 +296,9 @@ class CausalLM(nn.Module):
         if not self._fast_checked:
             self._fast_checked = True
             if os.environ.get("EVENFLOW_FAST_DECODE", "1").lower() not in ("0", "false", "off"):
-                self._fast = decode_fast.fast_layers(self.decoder_layers()) \
-                    if len(self.decoder_layers()) == len(self.model.layers) else None
+                layers = self.decoder_layers()
+                if len(layers) == len(self.model.layers):
+                    self._fast = decode_fast.fast_layers(layers)
         fast = self._fast
         return fast if fast and decode_fast.serves(fast, meta, x, cos, kv_caches[0]) else None
 

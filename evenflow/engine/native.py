@@ -144,8 +144,7 @@ def panels_f32_fast() -> bool:
     """Whether the float32 panel kernels beat oneDNN here: AVX-512 builds, and AVX2 builds with
     their own 8-float kernel (kernels/panel.h: panel_f32_avx2)."""
     kernels = ops()
-    return kernels is not None and bool(getattr(kernels, "panel_kernels_f32_fast",
-                                                kernels.panel_kernels_fast)())
+    return kernels is not None and bool(kernels.panel_kernels_f32_fast())
 
 
 @functools.lru_cache(maxsize=64)

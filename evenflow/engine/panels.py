@@ -78,8 +78,10 @@ def run_experts(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tenso
     """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum.
     Plain weights in x's dtype, or quantized ones (engine/quant_panels.py) with their scales
     (and int4 offsets)."""
+    if route_weights.dtype != torch.float32:  # (route_topk's are already: no cast a layer)
+        route_weights = route_weights.float()
     return torch.ops.evenflow_kernels.fused_moe(
-        x.contiguous(), slots.contiguous(), route_weights.float().contiguous(), w13, w2,
+        x.contiguous(), slots.contiguous(), route_weights.contiguous(), w13, w2,
         list(scales13), list(scales2), list(offsets13), list(offsets2), group)
 
 
@@ -100,13 +102,17 @@ class PanelLinear(nn.Module):
         self.bias = bias
         self._bias = None if bias is None else F.pad(bias.data.float(), (0, pad)).contiguous()
 
+    def kernel_args(self) -> tuple:
+        """panel_linear's arguments after x (the weight, bias, scale, offset, group)."""
+        return (self.packed, self._bias, None, None, 0)
+
     def padded(self, x: Tensor) -> Tensor:
         """x (T, in) -> (T, a whole number of panels): the zero rows' outputs included."""
-        return torch.ops.evenflow_kernels.panel_linear(x.contiguous(), self.packed, self._bias)
+        return torch.ops.evenflow_kernels.panel_linear(x.contiguous(), *self.kernel_args())
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.evenflow_kernels.panel_linear(flat, self.packed, self._bias)
+        out = torch.ops.evenflow_kernels.panel_linear(flat, *self.kernel_args())
         if out.shape[1] != self.out_features:
             out = out[:, : self.out_features].contiguous()
         return out.view(*x.shape[:-1], self.out_features)

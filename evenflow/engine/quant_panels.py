@@ -86,11 +86,15 @@ class PanelStack(QuantStack):
         return cls(bits, group_size, n, k, [d for d, _, _ in packed],
                    [s for _, s, _ in packed], offsets if bits == 4 else None, gate_up)
 
+    def kernel_args(self, e: int = 0) -> tuple:
+        """panel_linear's arguments after x for weight e (the weight, bias, scale, offset,
+        group); its outputs in panel order (a gate_up stack's interleaved)."""
+        return (self.data[e], None, self.scale[e],
+                self.offset[e] if self.offset is not None else None, self.group_size)
+
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.evenflow_kernels.panel_linear(
-            flat, self.data[e], None, self.scale[e],
-            self.offset[e] if self.offset is not None else None, self.group_size)
+        out = torch.ops.evenflow_kernels.panel_linear(flat, *self.kernel_args(e))
         if self.gate_up:  # back to gate channels, then up channels
             rows = out.shape[0]
             out = out.view(rows, -1, 2, PANEL // 2).transpose(1, 2).reshape(rows, -1)
