@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import shutil
 import signal
@@ -32,7 +33,32 @@ class LaunchError(RuntimeError):
     pass
 
 
+_PORTS = random.SystemRandom()  # (not the global generator a test may have seeded)
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's range for outgoing connections (Linux), or None."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
+    """A port nobody holds now, for a server started a moment later. On Linux it is drawn
+    below the ephemeral range: a port the kernel hands out itself (bind to 0) is also what any
+    process's next outgoing connection may take before our server binds it — a CI run lost a
+    balancer's metrics port to that race."""
+    low = _ephemeral_low()
+    if low is not None and low > 12000:
+        for _ in range(200):
+            port = _PORTS.randint(10000, low - 1)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
