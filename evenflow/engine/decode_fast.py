@@ -1,10 +1,12 @@
-"""A decode-only step's MoE decoder layer as a straight line of native kernel calls.
+"""A decode-only step's MoE decoder layers as one native call.
 
 At batch 1 a step spends as much time around the operators as in them: module calls, the
 panel linears' reshapes and checks, the routing wrapper, the fused MoE's argument lists — ~25
-dispatches and as many Python frames a layer for 9 kernels. Where every piece of a layer runs a
-native kernel (engine/kernels/*), this runs those same kernels, with the same arguments in the
-same order, and nothing else: the result is bit-identical to DecoderLayer.forward's.
+dispatches and as many Python frames a layer for 9 kernels. Where every piece of every layer
+runs a native kernel (engine/kernels/*), kernels/decode_stack.cpp runs those same kernels, with
+the same arguments in the same order, from C++: the result is bit-identical to the layers'
+DecoderLayer.forward, and the Python around them is one call a step. FastDecodeLayer decides
+whether a layer qualifies and gives the stack its weights; FastDecodeStack holds the C++ stack.
 
 It serves a layer when the kernels are built and the layer is the common case: attention
 projections as panels (plain, or int8 / int4 panels without a bias), a panel router, no q/k
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from evenflow.engine import native, panels
@@ -39,15 +42,14 @@ def linear_args(module: Any) -> tuple | None:
 
 
 class FastDecodeLayer:
-    """One layer's decode step; `of(layer)` is None where the layer does not qualify."""
+    """One layer's part of the stack; `of(layer)` is None where the layer does not qualify."""
 
-    def __init__(self, layer: DecoderLayer, kernels: dict[str, Any]) -> None:
+    def __init__(self, layer: DecoderLayer) -> None:
         attn, moe = layer.self_attn, layer.mlp
         assert isinstance(moe, MoE)
         self.moe = moe
-        self.norms, self.rotary = kernels["norms"], kernels["rotary"]
-        self.attention, self.linear = kernels["attention"], kernels["linear"]
-        self.route = kernels["route"]
+        # what the stack holds of the experts: the fused (plain) or quantized stacks, the counts
+        self.experts_held, self.counts_held = moe.fused or moe.quantized, moe.counts
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         assert isinstance(moe.gate, panels.PanelLinear)
         self.gate: panels.PanelLinear = moe.gate
@@ -62,10 +64,10 @@ class FastDecodeLayer:
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> FastDecodeLayer | None:
-        kernels = {"norms": native.norms(), "rotary": native.rotary_kv_write(),
-                   "attention": native.decode_attention(), "linear": native.panel_linear(),
-                   "route": native.route_topk(), "fused_moe": native.fused_moe()}
-        if any(k is None for k in kernels.values()):
+        # (each kernel's own switch, EVENFLOW_NATIVE_*=0, sends its layers to the module path)
+        kernels = (native.norms(), native.rotary_kv_write(), native.decode_attention(),
+                   native.panel_linear(), native.route_topk(), native.fused_moe())
+        if any(k is None for k in kernels) or not hasattr(native.ops(), "decode_stack"):
             return None
         attn, moe = layer.self_attn, layer.mlp
         if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE):
@@ -78,50 +80,68 @@ class FastDecodeLayer:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if norms[0].dtype != norms[1].dtype:
             return None
-        return cls(layer, kernels)
+        return cls(layer)
 
     def usable(self) -> bool:
-        """The layer is still as it was made: its projections not replaced, no expert placement
-        or expert parallelism come since (the experts' fused stacks stay as loaded without)."""
+        """The layer is still as it was made: its projections and experts' stacks not replaced,
+        its counts row the same, no expert placement or expert parallelism come since."""
         attn, moe = self.attn, self.moe
         return attn.qkv_proj is self.projections[0] and attn.o_proj is self.projections[1] and \
-            moe.placement is None and moe.ep is None
+            moe.placement is None and moe.ep is None and moe.counts is self.counts_held and \
+            (moe.fused or moe.quantized) is self.experts_held
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
-                 meta: AttentionMetadata, pending: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor]:
-        """DecoderLayer.forward, for a decode-only step on the paged attention."""
-        in_norm, post_norm = self.in_norm, self.post_norm
-        if pending is None:
-            h = self.norms.rms_norm(x, in_norm.weight, in_norm.eps)
-        else:
-            x, h = self.norms.add_rms_norm(pending, x, in_norm.weight, in_norm.eps)
-        T, nh, n_kv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = self.linear(h, *self.qkv_args).view(T, nh + 2 * n_kv, hd)
-        q = self.rotary(qkv, cos, sin, kv[0], kv[1], meta.slot_mapping, nh, n_kv)
-        attn = self.attention(q, kv[0], kv[1], meta.decode_slots, meta.decode_lens, self.scale)
-        attn = self.linear(attn.view(T, nh * hd), *self.o_args)
-        x, h = self.norms.add_rms_norm(x, attn, post_norm.weight, post_norm.eps)
+    def add_to(self, stack: Any) -> None:
+        """This layer's weights and shapes into a kernels/decode_stack.cpp DecodeStack."""
         moe = self.moe
-        logits = self.linear(h, *self.gate.kernel_args())
-        weights, experts = self.route(logits, moe.num_experts, moe.top_k, moe.norm_topk_prob,
-                                      moe.counts)
         fused = moe._fused_experts()
         assert fused is not None
-        return x, panels.run_experts(h, experts, weights, *fused)
+        if len(fused) == 2:  # plain weights
+            w13, w2, s13, s2, o13, o2, group = *fused, [], [], [], [], 0
+        else:
+            w13, w2, s13, s2, o13, o2, group = fused
+        qkv, o, gate = self.qkv_args, self.o_args, self.gate.kernel_args()
+        stack.add_layer(
+            [self.in_norm.weight.data, self.post_norm.weight.data],
+            [float(self.in_norm.eps), float(self.post_norm.eps), float(self.scale)],
+            list(qkv[:4]), list(o[:4]), list(gate[:4]), [qkv[4], o[4], gate[4]],
+            [self.heads, self.kv_heads, self.head_dim, moe.num_experts, moe.top_k],
+            bool(moe.norm_topk_prob), moe.counts,
+            [list(w13), list(w2), list(s13), list(s2), list(o13), list(o2)], int(group))
 
 
-def fast_layers(layers: list[DecoderLayer]) -> list[FastDecodeLayer] | None:
-    """Every layer's fast decode, or None unless all of them qualify."""
+class FastDecodeStack:
+    """Every layer's decode step in one call (kernels/decode_stack.cpp): the kernels
+    FastDecodeLayer names, run from C++ in DecoderLayer.forward's order."""
+
+    def __init__(self, layers: list[FastDecodeLayer]) -> None:
+        self.layers = layers
+        self.dtype = layers[0].dtype
+        self.stack = torch.classes.evenflow_kernels.DecodeStack()
+        for layer in layers:
+            layer.add_to(self.stack)
+
+    def usable(self) -> bool:
+        return all(f.usable() for f in self.layers)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """-> (the residual stream, the last layer's MoE output not yet added to it)."""
+        return torch.ops.evenflow_kernels.decode_stack(
+            self.stack, x, cos, sin, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+            meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+
+
+def fast_stack(layers: list[DecoderLayer]) -> FastDecodeStack | None:
+    """Every layer's fast decode in one stack, or None unless all of them qualify."""
     fast = [FastDecodeLayer.of(layer) for layer in layers]
     if not fast or any(f is None for f in fast):
         return None
-    return [f for f in fast if f is not None]
+    return FastDecodeStack([f for f in fast if f is not None])
 
 
-def serves(fast: list[FastDecodeLayer], meta: AttentionMetadata, x: Tensor, cos: Tensor,
+def serves(fast: FastDecodeStack, meta: AttentionMetadata, x: Tensor, cos: Tensor,
            kv: tuple[Tensor, Tensor]) -> bool:
     """These layers take this step: decodes only, on the paged attention, one dtype throughout
     (the norms' too), every layer's experts still on the fused kernel."""
     return not meta.prefills and meta.decode_lens is not None and x.is_contiguous() and \
-        x.dtype == cos.dtype == kv[0].dtype == fast[0].dtype and all(f.usable() for f in fast)
+        x.dtype == cos.dtype == kv[0].dtype == fast.dtype and fast.usable()

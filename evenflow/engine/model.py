@@ -233,9 +233,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
-        # Decode-only steps' layers as straight kernel calls (engine/decode_fast.py), made at the
+        # Decode-only steps' layers as one native call (engine/decode_fast.py), made at the
         # first decode; None where the layers do not qualify
-        self._fast: list | None = None
+        self._fast: decode_fast.FastDecodeStack | None = None
         self._fast_checked = False
         # Tensor parallel: this rank's vocabulary rows of embed_tokens and lm_head
         self.tp: ProcessGroup | None = None
@@ -280,16 +280,20 @@ class CausalLM(nn.Module):
         sin = self._sin[positions].unsqueeze(1)
         x = self._embed(input_ids)
         pending: Tensor | None = None
-        layers = self._fast_decode(meta, x, cos, kv_caches) or self.model.layers
-        for layer, kv in zip(layers, kv_caches, strict=True):
-            x, pending = layer(x, cos, sin, kv, meta, pending)
+        fast = self._fast_decode(meta, x, cos, kv_caches)
+        if fast is not None:
+            x, pending = fast(x, cos, sin, kv_caches, meta)
+        else:
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x, pending = layer(x, cos, sin, kv, meta, pending)
         if pending is None:  # (no layers)
             return self._logits(self.model.norm(x[logit_rows]))
         _, h = self.model.norm.add_and_norm(pending[logit_rows], x[logit_rows])
         return self._logits(h)
 
     def _fast_decode(self, meta: AttentionMetadata, x: Tensor, cos: Tensor,
-                     kv_caches: list[tuple[Tensor, Tensor]]) -> list | None:
+                     kv_caches: list[tuple[Tensor, Tensor]]
+                     ) -> decode_fast.FastDecodeStack | None:
         """The fast decode layers where they take this step (EVENFLOW_FAST_DECODE=0: never)."""
         if meta.prefills or not kv_caches:
             return None
@@ -298,7 +302,7 @@ class CausalLM(nn.Module):
             if os.environ.get("EVENFLOW_FAST_DECODE", "1").lower() not in ("0", "false", "off"):
                 layers = self.decoder_layers()
                 if len(layers) == len(self.model.layers):
-                    self._fast = decode_fast.fast_layers(layers)
+                    self._fast = decode_fast.fast_stack(layers)
         fast = self._fast
         return fast if fast and decode_fast.serves(fast, meta, x, cos, kv_caches[0]) else None
 

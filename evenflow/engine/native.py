@@ -35,9 +35,11 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "rotary.cpp",
            Path(__file__).parent / "kernels" / "fused_moe.cpp",
            Path(__file__).parent / "kernels" / "panel_linear.cpp",
-           Path(__file__).parent / "kernels" / "routing.cpp")
+           Path(__file__).parent / "kernels" / "routing.cpp",
+           Path(__file__).parent / "kernels" / "decode_stack.cpp")
 HEADERS = (Path(__file__).parent / "kernels" / "panel.h",
-           Path(__file__).parent / "kernels" / "panel_quant.h")
+           Path(__file__).parent / "kernels" / "panel_quant.h",
+           Path(__file__).parent / "kernels" / "ops.h")
 
 
 def enabled() -> bool:

@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -190,6 +192,10 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
   return weight_of(data, nullptr, nullptr, 0);
 }
 
+}  // namespace
+
+namespace evenflow_ops {
+
 // x (T, H) float32 or bfloat16; ids (T, k) int64 slot ids; route_weights (T, k) float32;
 // w13[e] / w2[e]: slot e's gate_up and down weights in a panel layout: plain in x's dtype, or
 // int8 / int4 with their scales (and int4 offsets, `group` inputs a group) per slot.
@@ -226,7 +232,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter, w13, w2);
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("fused_moe(Tensor x, Tensor ids, Tensor route_weights, Tensor[] w13, Tensor[] w2, "
@@ -237,4 +243,6 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("panel_kernels_f32_fast", []() { return kPanelsF32Fast; });
 }
 
-TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
+  m.impl("fused_moe", &evenflow_ops::fused_moe);
+}

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "ops.h"
 #include "panel.h"
 
 namespace {
@@ -94,6 +95,10 @@ void dispatch(const at::Tensor& x, Fn fn) {
     fn(c10::BFloat16{});
 }
 
+}  // namespace
+
+namespace evenflow_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
   auto out = at::empty_like(x);
@@ -123,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -131,6 +136,6 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm", &evenflow_ops::rms_norm);
+  m.impl("add_rms_norm", &evenflow_ops::add_rms_norm);
 }

@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "panel.h"
 
 namespace {
@@ -289,6 +290,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   });
 }
 
+}  // namespace
+
+namespace evenflow_ops {
+
 // q (B, heads, hd); k_cache, v_cache (slots, kv_heads, hd); slots (B, L) int64, lens (B,)
 // int64 with lens[b] <= L; all contiguous, q and the caches of one dtype (float32 or bf16).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -331,7 +336,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
@@ -344,5 +349,5 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &evenflow_ops::paged_decode_attention);
 }

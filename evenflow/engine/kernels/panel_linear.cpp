@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -53,6 +55,10 @@ void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, con
     }
   });
 }
+
+}  // namespace
+
+namespace evenflow_ops {
 
 // x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
 // f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), or (N/64, K/2, 64) uint8 int4 nibbles
@@ -121,11 +127,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   return out;
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, Tensor? scale=None, "
         "Tensor? offset=None, int group=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
+  m.impl("panel_linear", &evenflow_ops::panel_linear);
+}

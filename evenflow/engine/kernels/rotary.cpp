@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
 #include "panel.h"
 
 // (no fused multiply-add anywhere here: torch rounds each product before the sum)
@@ -68,6 +69,10 @@ void rotary_rows(const T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cach
   });
 }
 
+}  // namespace
+
+namespace evenflow_ops {
+
 // qkv (T, heads + 2 kv_heads, hd) contiguous; cos, sin (T, hd) contiguous; caches (slots,
 // kv_heads, hd); slot_mapping (T,) int64. Returns q (T, heads, hd).
 at::Tensor rotary_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -109,7 +114,7 @@ at::Tensor rotary_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 #pragma GCC pop_options
 
@@ -119,5 +124,5 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
-  m.impl("rotary_kv_write", &rotary_kv_write);
+  m.impl("rotary_kv_write", &evenflow_ops::rotary_kv_write);
 }

@@ -15,11 +15,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cstdint>
 #include <optional>
 #include <tuple>
 
-namespace {
+namespace evenflow_ops {
 
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t num_experts,
                                               int64_t top_k, bool renormalize,
@@ -44,11 +46,13 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t 
   return {weights, experts};
 }
 
-}  // namespace
+}  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("route_topk(Tensor logits, int num_experts, int top_k, bool renormalize, "
         "Tensor(a!)? counts=None) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) { m.impl("route_topk", &route_topk); }
+TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
+  m.impl("route_topk", &evenflow_ops::route_topk);
+}

@@ -1,0 +1,164 @@
+// A decode-only step's MoE decoder layers in one call: the same kernel calls, with the same
+// arguments in the same order, as engine/decode_fast.py's FastDecodeLayer makes from Python,
+// made from C++ without the Python frames and the dispatcher between them (the result is
+// bit-identical). A DecodeStack holds every layer's weights once (add_layer, when the engine
+// first decodes); each step passes only what changes: the hidden states, rotary rows, caches and
+// the attention's slot tables. At batch 1 the ~120 Python-side kernel calls a step cost about
+// as much as the attention, norms, rotary and routing kernels together.
+//
+// Each kernel call is a profiler scope of the kernel's op name, so `evenflow profile` still
+// shows the step kernel by kernel.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// panel_linear's arguments after x
+struct PanelArgs {
+  at::Tensor weight;
+  std::optional<at::Tensor> bias, scale, offset;
+  int64_t group = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    RECORD_FUNCTION("evenflow_kernels::panel_linear", std::vector<c10::IValue>());
+    return evenflow_ops::panel_linear(x, weight, bias, scale, offset, group);
+  }
+};
+
+PanelArgs panel_args(const c10::List<std::optional<at::Tensor>>& tensors, int64_t group) {
+  TORCH_CHECK(tensors.size() == 4 && tensors.get(0).has_value(),
+              "a linear is [weight, bias, scale, offset]");
+  return {*tensors.get(0), tensors.get(1), tensors.get(2), tensors.get(3), group};
+}
+
+struct Layer {
+  at::Tensor in_norm, post_norm;
+  double in_eps = 0, post_eps = 0;
+  PanelArgs qkv, o, gate;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double scale = 0;
+  int64_t num_experts = 0, top_k = 0;
+  bool renormalize = false;
+  std::optional<at::Tensor> counts;
+  std::vector<at::Tensor> w13, w2, scales13, scales2, offsets13, offsets2;
+  int64_t group = 0;
+};
+
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+
+  // norms: [input, post-attention] weights; eps: theirs, then the attention's scale; linears: [weight, bias, scale, offset]
+  // each with `linear_groups` [qkv, o, gate]; shape: [heads, kv_heads, head_dim, num_experts,
+  // top_k]; experts: fused_moe's weight lists [w13, w2, scales13, scales2, offsets13, offsets2]
+  void add_layer(std::vector<at::Tensor> norms, std::vector<double> eps,
+                 c10::List<std::optional<at::Tensor>> qkv,
+                 c10::List<std::optional<at::Tensor>> o,
+                 c10::List<std::optional<at::Tensor>> gate, std::vector<int64_t> linear_groups,
+                 std::vector<int64_t> shape, bool renormalize, std::optional<at::Tensor> counts,
+                 std::vector<std::vector<at::Tensor>> experts, int64_t group) {
+    TORCH_CHECK(norms.size() == 2 && eps.size() == 3 && linear_groups.size() == 3 &&
+                    shape.size() == 5 && experts.size() == 6,
+                "add_layer: 2 norms, 2 eps and a scale, 3 linear groups, 5 shape values, 6 expert lists");
+    Layer layer;
+    layer.in_norm = norms[0];
+    layer.post_norm = norms[1];
+    layer.in_eps = eps[0];
+    layer.post_eps = eps[1];
+    layer.qkv = panel_args(qkv, linear_groups[0]);
+    layer.o = panel_args(o, linear_groups[1]);
+    layer.gate = panel_args(gate, linear_groups[2]);
+    layer.heads = shape[0];
+    layer.kv_heads = shape[1];
+    layer.head_dim = shape[2];
+    layer.scale = eps[2];
+    layer.num_experts = shape[3];
+    layer.top_k = shape[4];
+    layer.renormalize = renormalize;
+    layer.counts = std::move(counts);
+    layer.w13 = std::move(experts[0]);
+    layer.w2 = std::move(experts[1]);
+    layer.scales13 = std::move(experts[2]);
+    layer.scales2 = std::move(experts[3]);
+    layer.offsets13 = std::move(experts[4]);
+    layer.offsets2 = std::move(experts[5]);
+    layer.group = group;
+    layers.push_back(std::move(layer));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// x (T, H): the embedded tokens -> (the residual stream, the last layer's MoE output not yet
+// added to it), as CausalLM.forward's layer loop leaves them
+std::tuple<at::Tensor, at::Tensor> decode_stack(
+    const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor x, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& lens) {
+  const auto& layers = stack->layers;
+  TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() &&
+                  v_caches.size() == layers.size(),
+              "decode_stack: one K and one V cache a layer");
+  const int64_t tokens = x.size(0);
+  at::Tensor pending, h;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Layer& layer = layers[i];
+    if (!pending.defined()) {
+      RECORD_FUNCTION("evenflow_kernels::rms_norm", std::vector<c10::IValue>());
+      h = evenflow_ops::rms_norm(x, layer.in_norm, layer.in_eps);
+    } else {
+      RECORD_FUNCTION("evenflow_kernels::add_rms_norm", std::vector<c10::IValue>());
+      std::tie(x, h) = evenflow_ops::add_rms_norm(pending, x, layer.in_norm, layer.in_eps);
+    }
+    const at::Tensor qkv = layer.qkv(h).view(
+        {tokens, layer.heads + 2 * layer.kv_heads, layer.head_dim});
+    at::Tensor attn;
+    {
+      RECORD_FUNCTION("evenflow_kernels::rotary_kv_write", std::vector<c10::IValue>());
+      attn = evenflow_ops::rotary_kv_write(qkv, cos, sin, k_caches[i], v_caches[i],
+                                           slot_mapping, layer.heads, layer.kv_heads);
+    }
+    {
+      RECORD_FUNCTION("evenflow_kernels::paged_decode_attention", std::vector<c10::IValue>());
+      attn = evenflow_ops::paged_decode_attention(attn, k_caches[i], v_caches[i], slots, lens,
+                                                  layer.scale);
+    }
+    attn = layer.o(attn.view({tokens, layer.heads * layer.head_dim}));
+    {
+      RECORD_FUNCTION("evenflow_kernels::add_rms_norm", std::vector<c10::IValue>());
+      std::tie(x, h) = evenflow_ops::add_rms_norm(x, attn, layer.post_norm, layer.post_eps);
+    }
+    const at::Tensor logits = layer.gate(h);
+    at::Tensor weights, experts;
+    {
+      RECORD_FUNCTION("evenflow_kernels::route_topk", std::vector<c10::IValue>());
+      std::tie(weights, experts) = evenflow_ops::route_topk(
+          logits, layer.num_experts, layer.top_k, layer.renormalize, layer.counts);
+    }
+    RECORD_FUNCTION("evenflow_kernels::fused_moe", std::vector<c10::IValue>());
+    pending = evenflow_ops::fused_moe(h, experts.contiguous(), weights.contiguous(), layer.w13,
+                                      layer.w2, layer.scales13, layer.scales2, layer.offsets13,
+                                      layer.offsets2, layer.group);
+  }
+  return {x, pending};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("size", &DecodeStack::size);
+  m.def("decode_stack", &decode_stack);
+}
