@@ -23,12 +23,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "ops.h"
-
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
+#include "ops.h"
 #include "panel_quant.h"
 
 namespace {
@@ -79,12 +79,13 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
     position[p] = fill[id[p]]++;
     order[position[p]] = p;
   }
-  std::vector<float> ys(static_cast<size_t>(pairs * hidden));
+  // (every row of ys, act and act_f is written before it is read: no zeroing)
+  std::unique_ptr<float[]> ys(new float[pairs * hidden]);
   std::vector<int64_t> active;  // experts for the panel loops below
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t m = start[e + 1] - start[e];
     if (m >= kBlasRows && !quantized && std::is_same_v<T, float> && !w13_t.empty())
-      expert_by_matmul(x, order, start[e], m, top_k, route, w13_t[e], w2_t[e], inter, ys.data());
+      expert_by_matmul(x, order, start[e], m, top_k, route, w13_t[e], w2_t[e], inter, ys.get());
     else if (m > 0)
       active.push_back(e);
   }
@@ -93,24 +94,23 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
   const float* xf = quantized ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
-  std::vector<T> act(static_cast<size_t>(pairs * inter));
+  std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::vector<float> act_f(quantized && !std::is_same_v<T, float> ? pairs * inter : 0);
-  float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.data()) : act_f.data();
-  const int64_t scratch_size = quantized ? kPanel * std::max(hidden, inter) : 0;
+  std::unique_ptr<float[]> act_f(quantized && !std::is_same_v<T, float> ? new float[pairs * inter]
+                                                                         : nullptr);
+  float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();
 
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
   const int64_t panels13 = inter / (kPanel / 2);
   at::parallel_for(0, panels13 * n_active, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kRows * kPanel / 2];
-    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
       const int64_t first = start[e];
       run_panel<T>(
           w13[e], p, hidden, start[e + 1] - first,
           [&](int64_t i) { return xp + (order[first + i] / top_k) * hidden; },
-          [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; }, scratch.data(),
+          [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               for (int v = 0; v < 2; ++v) {
@@ -119,8 +119,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
                       silu_mul(load(g), load(g + kPanel / 2)));
               }
               const int64_t at = (first + r0 + r) * inter + p * kPanel / 2;
-              store_row(act.data() + at, out + r * kPanel / 2, kPanel / 2);
-              if (!act_f.empty()) std::memcpy(act_f.data() + at, out + r * kPanel / 2, 128);
+              store_row(act.get() + at, out + r * kPanel / 2, kPanel / 2);
+              if (act_f) std::memcpy(act_f.get() + at, out + r * kPanel / 2, 128);
             }
           });
     }
@@ -129,18 +129,17 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
   at::parallel_for(0, panels2 * n_active, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
       const int64_t first = start[e];
       run_panel<T>(
           w2[e], p, inter, start[e + 1] - first,
-          [&](int64_t i) { return act.data() + (first + i) * inter; },
-          [&](int64_t i) { return actf + (first + i) * inter; }, scratch.data(),
+          [&](int64_t i) { return act.get() + (first + i) * inter; },
+          [&](int64_t i) { return actf + (first + i) * inter; },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               const f16v scale = splat(route[order[first + r0 + r]]);
-              float* y = ys.data() + (first + r0 + r) * hidden + p * kPanel;
+              float* y = ys.get() + (first + r0 + r) * hidden + p * kPanel;
               for (int v = 0; v < 4; ++v)
                 store(y + v * kLanes, load(sums + r * kPanel + v * kLanes) * scale);
             }
@@ -154,9 +153,9 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> total(static_cast<size_t>(hidden));
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(total.data(), ys.data() + position[t * top_k] * hidden, hidden * 4);
+      std::memcpy(total.data(), ys.get() + position[t * top_k] * hidden, hidden * 4);
       for (int64_t j = 1; j < top_k; ++j) {
-        const float* y = ys.data() + position[t * top_k + j] * hidden;
+        const float* y = ys.get() + position[t * top_k + j] * hidden;
         for (int64_t h = 0; h < hidden; h += kLanes)
           store(total.data() + h, load(total.data() + h) + load(y + h));
       }

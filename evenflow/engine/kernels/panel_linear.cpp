@@ -15,12 +15,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "ops.h"
-
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "ops.h"
 #include "panel_quant.h"
 
 namespace {
@@ -34,15 +33,13 @@ void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, con
                  int64_t n_total, const float* bias, T* out) {
   const int64_t panels = n_total / kPanel;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t scratch_size = wt.format == Format::kPlain ? 0 : kPanel * k_total;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scratch(static_cast<size_t>(scratch_size));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = (t / panels) * kRowBlock, p = t % panels;
       run_panel<T>(
           wt, p, k_total, std::min(rows, first + kRowBlock) - first,
           [&](int64_t i) { return x + (first + i) * k_total; },
-          [&](int64_t i) { return xf + (first + i) * k_total; }, scratch.data(),
+          [&](int64_t i) { return xf + (first + i) * k_total; },
           [&](int64_t r0, int mm, float* sums) {
             for (int r = 0; r < mm; ++r) {
               float* row = sums + r * kPanel;

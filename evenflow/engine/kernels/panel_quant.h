@@ -14,6 +14,8 @@
 
 #pragma once
 
+#include <memory>
+
 #include "panel.h"
 
 namespace evenflow_panel {
@@ -283,13 +285,26 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
   }
 }
 
+// This thread's scratch for a dequantized panel: at least n values of T, kept for the thread's
+// next panels (uninitialized: a zeroed 128 KB vector a task, as it was, cost a memset and at
+// times an mmap with its page faults on every call, also where no panel was dequantized).
+template <typename T>
+T* panel_scratch(size_t n) {
+  thread_local std::unique_ptr<T[]> buffer;
+  thread_local size_t capacity = 0;
+  if (n > capacity) {
+    buffer.reset(new T[n]);
+    capacity = n;
+  }
+  return buffer.get();
+}
+
 // sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows) at a time; epilogue(r0,
 // mm, sums) gets each block's mm x 64 sums (int8's scale applied). row_t(i) / row_f(i): row i
-// in T / in float32 (the latter read only for quantized weights with few rows). scratch: 64 x K
-// values of T, for a dequantized panel.
+// in T / in float32 (the latter read only for quantized weights with few rows).
 template <typename T, typename RowT, typename RowF, typename Epilogue>
 void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const RowT& row_t,
-               const RowF& row_f, T* scratch, const Epilogue& epilogue) {
+               const RowF& row_f, const Epilogue& epilogue) {
   alignas(64) float sums[kRows * kPanel];
   const T* plain = nullptr;
   if (wt.format == Format::kPlain) {
@@ -297,6 +312,7 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   } else if (m >= (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot
                        ? kDequantRowsInt4Dot
                        : kDequantRows)) {
+    T* scratch = panel_scratch<T>(static_cast<size_t>(kPanel * k_total));
     dequantize_panel(wt, p, k_total, scratch);
     plain = scratch;
   }

@@ -15,11 +15,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops.h"
-
 #include <cstdint>
 #include <optional>
 #include <tuple>
+
+#include "ops.h"
 
 namespace evenflow_ops {
 
