@@ -85,9 +85,10 @@ class FastDecodeLayer:
     def usable(self) -> bool:
         """The layer is still as it was made: its projections and experts' stacks not replaced,
         its counts row the same, no expert placement or expert parallelism come since."""
-        attn, moe = self.attn, self.moe
-        return attn.qkv_proj is self.projections[0] and attn.o_proj is self.projections[1] and \
-            moe.placement is None and moe.ep is None and moe.counts is self.counts_held and \
+        modules, moe = self.attn._modules, self.moe  # (not nn.Module's __getattr__: each step)
+        return modules["qkv_proj"] is self.projections[0] and \
+            modules["o_proj"] is self.projections[1] and moe.placement is None and \
+            moe.ep is None and moe.counts is self.counts_held and \
             (moe.fused or moe.quantized) is self.experts_held
 
     def add_to(self, stack: Any) -> None:
@@ -119,6 +120,10 @@ class FastDecodeStack:
         self.stack = torch.classes.evenflow_kernels.DecodeStack()
         for layer in layers:
             layer.add_to(self.stack)
+        # the op's C++ entry itself: torch's Python wrapper for an op that takes a script object
+        # walks every argument looking for fake ones (~40 us a step with the cache lists)
+        op = torch.ops.evenflow_kernels.decode_stack.default
+        self.run = getattr(op, "_op", op)
 
     def usable(self) -> bool:
         return all(f.usable() for f in self.layers)
@@ -126,7 +131,7 @@ class FastDecodeStack:
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """-> (the residual stream, the last layer's MoE output not yet added to it)."""
-        return torch.ops.evenflow_kernels.decode_stack(
+        return self.run(
             self.stack, x, cos, sin, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
             meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 

@@ -276,8 +276,8 @@ class CausalLM(nn.Module):
         logit_rows: Tensor,  # (S,) rows of the flat batch whose next token is sampled
     ) -> Tensor:  # (S, vocab) float32
         assert self._cos is not None and self._sin is not None, "call init_rope first"
-        cos = self._cos[positions].unsqueeze(1)  # (T, 1, hd)
-        sin = self._sin[positions].unsqueeze(1)
+        cos = self._cos.index_select(0, positions).unsqueeze(1)  # (T, 1, hd)
+        sin = self._sin.index_select(0, positions).unsqueeze(1)
         x = self._embed(input_ids)
         pending: Tensor | None = None
         fast = self._fast_decode(meta, x, cos, kv_caches)
@@ -286,9 +286,12 @@ class CausalLM(nn.Module):
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 x, pending = layer(x, cos, sin, kv, meta, pending)
+        if len(logit_rows) != len(x):  # (rows are ascending and distinct: else every row)
+            x = x[logit_rows]
+            pending = None if pending is None else pending[logit_rows]
         if pending is None:  # (no layers)
-            return self._logits(self.model.norm(x[logit_rows]))
-        _, h = self.model.norm.add_and_norm(pending[logit_rows], x[logit_rows])
+            return self._logits(self.model.norm(x))
+        _, h = self.model.norm.add_and_norm(pending, x)
         return self._logits(h)
 
     def _fast_decode(self, meta: AttentionMetadata, x: Tensor, cos: Tensor,
