@@ -6,8 +6,9 @@
 // the attention's slot tables. At batch 1 the ~120 Python-side kernel calls a step cost about
 // as much as the attention, norms, rotary and routing kernels together.
 //
-// Each kernel call is a profiler scope of the kernel's op name, so `evenflow profile` still
-// shows the step kernel by kernel.
+// Each kernel call is a profiler range of the kernel's op name, inside ranges named as
+// engine/profiling.py names the modules' (norm, attention, moe): `evenflow profile` shows the
+// step kernel by kernel and component by component as on the module path.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -24,6 +25,13 @@
 
 namespace {
 
+// f() inside a profiler range (a thread-local check when no profiler runs)
+template <typename F>
+auto scoped(const char* name, const F& f) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return f();
+}
+
 // panel_linear's arguments after x
 struct PanelArgs {
   at::Tensor weight;
@@ -31,8 +39,9 @@ struct PanelArgs {
   int64_t group = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    RECORD_FUNCTION("evenflow_kernels::panel_linear", std::vector<c10::IValue>());
-    return evenflow_ops::panel_linear(x, weight, bias, scale, offset, group);
+    return scoped("evenflow_kernels::panel_linear", [&] {
+      return evenflow_ops::panel_linear(x, weight, bias, scale, offset, group);
+    });
   }
 };
 
@@ -113,42 +122,46 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   at::Tensor pending, h;
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& layer = layers[i];
-    if (!pending.defined()) {
-      RECORD_FUNCTION("evenflow_kernels::rms_norm", std::vector<c10::IValue>());
-      h = evenflow_ops::rms_norm(x, layer.in_norm, layer.in_eps);
-    } else {
-      RECORD_FUNCTION("evenflow_kernels::add_rms_norm", std::vector<c10::IValue>());
-      std::tie(x, h) = evenflow_ops::add_rms_norm(pending, x, layer.in_norm, layer.in_eps);
-    }
-    const at::Tensor qkv = layer.qkv(h).view(
-        {tokens, layer.heads + 2 * layer.kv_heads, layer.head_dim});
-    at::Tensor attn;
-    {
-      RECORD_FUNCTION("evenflow_kernels::rotary_kv_write", std::vector<c10::IValue>());
-      attn = evenflow_ops::rotary_kv_write(qkv, cos, sin, k_caches[i], v_caches[i],
-                                           slot_mapping, layer.heads, layer.kv_heads);
-    }
-    {
-      RECORD_FUNCTION("evenflow_kernels::paged_decode_attention", std::vector<c10::IValue>());
-      attn = evenflow_ops::paged_decode_attention(attn, k_caches[i], v_caches[i], slots, lens,
-                                                  layer.scale);
-    }
-    attn = layer.o(attn.view({tokens, layer.heads * layer.head_dim}));
-    {
-      RECORD_FUNCTION("evenflow_kernels::add_rms_norm", std::vector<c10::IValue>());
-      std::tie(x, h) = evenflow_ops::add_rms_norm(x, attn, layer.post_norm, layer.post_eps);
-    }
-    const at::Tensor logits = layer.gate(h);
-    at::Tensor weights, experts;
-    {
-      RECORD_FUNCTION("evenflow_kernels::route_topk", std::vector<c10::IValue>());
-      std::tie(weights, experts) = evenflow_ops::route_topk(
-          logits, layer.num_experts, layer.top_k, layer.renormalize, layer.counts);
-    }
-    RECORD_FUNCTION("evenflow_kernels::fused_moe", std::vector<c10::IValue>());
-    pending = evenflow_ops::fused_moe(h, experts.contiguous(), weights.contiguous(), layer.w13,
-                                      layer.w2, layer.scales13, layer.scales2, layer.offsets13,
-                                      layer.offsets2, layer.group);
+    scoped("norm", [&] {
+      if (!pending.defined()) {
+        h = scoped("evenflow_kernels::rms_norm",
+                   [&] { return evenflow_ops::rms_norm(x, layer.in_norm, layer.in_eps); });
+      } else {
+        std::tie(x, h) = scoped("evenflow_kernels::add_rms_norm", [&] {
+          return evenflow_ops::add_rms_norm(pending, x, layer.in_norm, layer.in_eps);
+        });
+      }
+    });
+    const at::Tensor attn = scoped("attention", [&] {
+      const at::Tensor qkv = layer.qkv(h).view(
+          {tokens, layer.heads + 2 * layer.kv_heads, layer.head_dim});
+      const at::Tensor q = scoped("evenflow_kernels::rotary_kv_write", [&] {
+        return evenflow_ops::rotary_kv_write(qkv, cos, sin, k_caches[i], v_caches[i],
+                                             slot_mapping, layer.heads, layer.kv_heads);
+      });
+      const at::Tensor out = scoped("evenflow_kernels::paged_decode_attention", [&] {
+        return evenflow_ops::paged_decode_attention(q, k_caches[i], v_caches[i], slots, lens,
+                                                    layer.scale);
+      });
+      return layer.o(out.view({tokens, layer.heads * layer.head_dim}));
+    });
+    scoped("norm", [&] {
+      std::tie(x, h) = scoped("evenflow_kernels::add_rms_norm", [&] {
+        return evenflow_ops::add_rms_norm(x, attn, layer.post_norm, layer.post_eps);
+      });
+    });
+    pending = scoped("moe", [&] {
+      const at::Tensor logits = layer.gate(h);
+      auto [weights, experts] = scoped("evenflow_kernels::route_topk", [&] {
+        return evenflow_ops::route_topk(logits, layer.num_experts, layer.top_k,
+                                        layer.renormalize, layer.counts);
+      });
+      return scoped("evenflow_kernels::fused_moe", [&] {
+        return evenflow_ops::fused_moe(h, experts.contiguous(), weights.contiguous(), layer.w13,
+                                       layer.w2, layer.scales13, layer.scales2, layer.offsets13,
+                                       layer.offsets2, layer.group);
+      });
+    });
   }
   return {x, pending};
 }
