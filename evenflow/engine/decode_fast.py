@@ -27,7 +27,7 @@ from evenflow.engine.ffn import MoE
 from evenflow.engine.quant_panels import PanelStack
 
 if TYPE_CHECKING:
-    from evenflow.engine.model import AttentionMetadata, DecoderLayer
+    from evenflow.engine.model import AttentionMetadata, CausalLM, DecoderLayer
 
 
 def linear_args(module: Any) -> tuple | None:
@@ -124,9 +124,39 @@ class FastDecodeStack:
         # walks every argument looking for fake ones (~40 us a step with the cache lists)
         op = torch.ops.evenflow_kernels.decode_stack.default
         self.run = getattr(op, "_op", op)
+        step = torch.ops.evenflow_kernels.decode_step.default
+        self.run_step = getattr(step, "_op", step)
+        self.head: tuple | None = None  # what set_head was given (model, lm_head, cos)
+
+    def set_head(self, model: CausalLM) -> None:
+        """The rest of the step too — embedding, rotary rows, final norm, lm_head — where they
+        are this stack's dtype and lm_head a panel linear: then `step` makes the logits."""
+        lm_head, norm, embed = model.lm_head, model.model.norm, model.model.embed_tokens
+        args = panels_args(lm_head)
+        if model.tp is not None or args is None or model._cos is None or model._sin is None:
+            return
+        if not norm.weight.dtype == embed.weight.dtype == model._cos.dtype == self.dtype:
+            return
+        self.stack.set_head(embed.weight.data, model._cos, model._sin, norm.weight.data,
+                            float(norm.eps), list(args[:4]), args[4], model.config.vocab_size)
+        self.head = (model, lm_head, model._cos)
 
     def usable(self) -> bool:
         return all(f.usable() for f in self.layers)
+
+    def head_usable(self) -> bool:
+        """set_head's pieces still the model's (its lm_head, rotary tables, no TP since)."""
+        if self.head is None:
+            return False
+        model, lm_head, cos = self.head
+        return model._modules["lm_head"] is lm_head and model._cos is cos and model.tp is None
+
+    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+             meta: AttentionMetadata) -> Tensor:
+        """The whole decode step, every row sampled: -> (T, vocab) float32 logits."""
+        return self.run_step(
+            self.stack, input_ids, positions, [kv[0] for kv in kv_caches],
+            [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -136,17 +166,32 @@ class FastDecodeStack:
             meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 
 
-def fast_stack(layers: list[DecoderLayer]) -> FastDecodeStack | None:
-    """Every layer's fast decode in one stack, or None unless all of them qualify."""
+def panels_args(module: Any) -> tuple | None:
+    """panel_linear's arguments after x for this linear (its outputs may be padded to a whole
+    panel: the caller keeps the first out_features), or None where it is not one call."""
+    if isinstance(module, panels.PanelLinear):
+        return module.kernel_args()
+    return linear_args(module)
+
+
+def fast_stack(model: CausalLM) -> FastDecodeStack | None:
+    """Every layer's fast decode in one stack (with the step's head where it qualifies), or
+    None unless all of the layers do."""
+    layers = model.decoder_layers()
+    if len(layers) != len(model.model.layers):
+        return None
     fast = [FastDecodeLayer.of(layer) for layer in layers]
     if not fast or any(f is None for f in fast):
         return None
-    return FastDecodeStack([f for f in fast if f is not None])
+    stack = FastDecodeStack([f for f in fast if f is not None])
+    stack.set_head(model)
+    return stack
 
 
-def serves(fast: FastDecodeStack, meta: AttentionMetadata, x: Tensor, cos: Tensor,
+def serves(fast: FastDecodeStack, meta: AttentionMetadata, dtypes: tuple[torch.dtype, ...],
            kv: tuple[Tensor, Tensor]) -> bool:
     """These layers take this step: decodes only, on the paged attention, one dtype throughout
-    (the norms' too), every layer's experts still on the fused kernel."""
-    return not meta.prefills and meta.decode_lens is not None and x.is_contiguous() and \
-        x.dtype == cos.dtype == kv[0].dtype == fast.dtype and fast.usable()
+    (`dtypes`: the embedding's and rotary tables'; the caches', the norms'), every layer's
+    experts still on the fused kernel."""
+    return not meta.prefills and meta.decode_lens is not None and \
+        dtypes[0] == dtypes[1] == kv[0].dtype == fast.dtype and fast.usable()

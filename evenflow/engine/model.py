@@ -276,11 +276,13 @@ class CausalLM(nn.Module):
         logit_rows: Tensor,  # (S,) rows of the flat batch whose next token is sampled
     ) -> Tensor:  # (S, vocab) float32
         assert self._cos is not None and self._sin is not None, "call init_rope first"
+        fast = self._fast_decode(meta, kv_caches)
+        if fast is not None and len(logit_rows) == len(input_ids) and fast.head_usable():
+            return fast.step(input_ids, positions, kv_caches, meta)  # the whole step in C++
         cos = self._cos.index_select(0, positions).unsqueeze(1)  # (T, 1, hd)
         sin = self._sin.index_select(0, positions).unsqueeze(1)
         x = self._embed(input_ids)
         pending: Tensor | None = None
-        fast = self._fast_decode(meta, x, cos, kv_caches)
         if fast is not None:
             x, pending = fast(x, cos, sin, kv_caches, meta)
         else:
@@ -294,20 +296,20 @@ class CausalLM(nn.Module):
         _, h = self.model.norm.add_and_norm(pending, x)
         return self._logits(h)
 
-    def _fast_decode(self, meta: AttentionMetadata, x: Tensor, cos: Tensor,
-                     kv_caches: list[tuple[Tensor, Tensor]]
+    def _fast_decode(self, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]
                      ) -> decode_fast.FastDecodeStack | None:
-        """The fast decode layers where they take this step (EVENFLOW_FAST_DECODE=0: never)."""
+        """The fast decode stack where it takes this step (EVENFLOW_FAST_DECODE=0: never)."""
         if meta.prefills or not kv_caches:
             return None
         if not self._fast_checked:
             self._fast_checked = True
             if os.environ.get("EVENFLOW_FAST_DECODE", "1").lower() not in ("0", "false", "off"):
-                layers = self.decoder_layers()
-                if len(layers) == len(self.model.layers):
-                    self._fast = decode_fast.fast_stack(layers)
+                self._fast = decode_fast.fast_stack(self)
         fast = self._fast
-        return fast if fast and decode_fast.serves(fast, meta, x, cos, kv_caches[0]) else None
+        if fast is None or self._cos is None:
+            return None
+        dtypes = (self.model.embed_tokens.weight.dtype, self._cos.dtype)
+        return fast if decode_fast.serves(fast, meta, dtypes, kv_caches[0]) else None
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         if self.tp is None:

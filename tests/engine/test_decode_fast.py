@@ -1,5 +1,6 @@
-"""The fast decode layers (engine/decode_fast.py) compute exactly what the module path computes:
-the same logits, bit for bit, at every step, and the same expert counts for EPLB."""
+"""The fast decode stack (engine/decode_fast.py: the layers, or the whole step, as one native
+call) computes exactly what the module path computes: the same logits, bit for bit, at every
+step, and the same expert counts for EPLB."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from evenflow import LLM, SamplingParams
 from evenflow.engine import native, panels
 
 
-def _run(dtype: str, quantization: str | None, fast: bool
+def _run(dtype: str, quantization: str | None, fast: bool, **options
          ) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, bool]:
-    llm = LLM("tiny-moe", dtype=dtype, quantization=quantization)
+    llm = LLM("tiny-moe", dtype=dtype, quantization=quantization, **options)
     model = llm.engine.runner.model
     if not fast:  # the module path for every step
         model._fast, model._fast_checked = None, True
@@ -27,8 +28,8 @@ def _run(dtype: str, quantization: str | None, fast: bool
     model.forward = recording
     prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r =", "json ="]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    return logits, [o.token_ids for o in outputs], llm.engine.take_expert_counts(), \
-        model._fast is not None
+    whole_step = model._fast is not None and model._fast.head is not None
+    return logits, [o.token_ids for o in outputs], llm.engine.take_expert_counts(), whole_step
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -40,10 +41,21 @@ def test_fast_decode_is_bit_identical_to_the_module_path(dtype, quantization):
     if quantization and not native.built_for_avx512():
         pytest.skip("the quantized panels are AVX-512's")
     fast_logits, fast_tokens, fast_counts, used = _run(dtype, quantization, fast=True)
-    assert used, "the fast decode layers were not built for tiny-moe"
+    assert used, "the fast decode step (layers and head) was not built for tiny-moe"
     slow_logits, slow_tokens, slow_counts, _ = _run(dtype, quantization, fast=False)
     assert fast_tokens == slow_tokens
     assert len(fast_logits) == len(slow_logits)
     for a, b in zip(fast_logits, slow_logits, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(fast_counts, slow_counts)
+
+
+def test_fast_decode_step_with_a_quantized_lm_head():
+    if native.fused_moe() is None or not native.built_for_avx512():
+        pytest.skip("the quantized panels are AVX-512's")
+    fast_logits, fast_tokens, _, used = _run("float32", "int8", True, quantize_lm_head=True)
+    assert used
+    slow_logits, slow_tokens, _, _ = _run("float32", "int8", False, quantize_lm_head=True)
+    assert fast_tokens == slow_tokens
+    for a, b in zip(fast_logits, slow_logits, strict=True):
+        assert torch.equal(a, b)

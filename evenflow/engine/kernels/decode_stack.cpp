@@ -64,8 +64,25 @@ struct Layer {
   int64_t group = 0;
 };
 
+// the step around the layers: embedding rows, rotary rows, the final norm and lm_head
+struct Head {
+  at::Tensor embed, cos, sin, norm;
+  double eps = 0;
+  PanelArgs lm_head;
+  int64_t vocab = 0;
+};
+
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
+  std::optional<Head> head;
+
+  // embed (V, H); cos, sin: the rotary tables (positions, hd); norm: the final norm's weight;
+  // lm_head: [weight, bias, scale, offset] with its group, `vocab` of its outputs kept
+  void set_head(at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor norm, double eps,
+                c10::List<std::optional<at::Tensor>> lm_head, int64_t group, int64_t vocab) {
+    head = Head{std::move(embed), std::move(cos), std::move(sin), std::move(norm), eps,
+                panel_args(lm_head, group), vocab};
+  }
 
   // norms: [input, post-attention] weights; eps: theirs, then the attention's scale; linears: [weight, bias, scale, offset]
   // each with `linear_groups` [qkv, o, gate]; shape: [heads, kv_heads, head_dim, num_experts,
@@ -110,11 +127,11 @@ struct DecodeStack : torch::CustomClassHolder {
 
 // x (T, H): the embedded tokens -> (the residual stream, the last layer's MoE output not yet
 // added to it), as CausalLM.forward's layer loop leaves them
-std::tuple<at::Tensor, at::Tensor> decode_stack(
-    const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor x, const at::Tensor& cos,
-    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& lens) {
-  const auto& layers = stack->layers;
+std::tuple<at::Tensor, at::Tensor> run_layers(
+    const DecodeStack& stack, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& slots, const at::Tensor& lens) {
+  const auto& layers = stack.layers;
   TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() &&
                   v_caches.size() == layers.size(),
               "decode_stack: one K and one V cache a layer");
@@ -166,12 +183,48 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   return {x, pending};
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_stack(
+    const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor x, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& lens) {
+  return run_layers(*stack, std::move(x), cos, sin, k_caches, v_caches, slot_mapping, slots,
+                    lens);
+}
+
+// The whole step, as CausalLM.forward makes it when every row is sampled: input_ids and
+// positions (T,) int64 -> the logits (T, vocab) float32.
+at::Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& stack, const at::Tensor& input_ids,
+                       const at::Tensor& positions, at::TensorList k_caches,
+                       at::TensorList v_caches, const at::Tensor& slot_mapping,
+                       const at::Tensor& slots, const at::Tensor& lens) {
+  TORCH_CHECK(stack->head.has_value(), "decode_step: the stack has no head (set_head)");
+  const Head& head = *stack->head;
+  const at::Tensor x =
+      scoped("embed+lm_head", [&] { return head.embed.index_select(0, input_ids); });
+  const at::Tensor cos = head.cos.index_select(0, positions).unsqueeze(1);
+  const at::Tensor sin = head.sin.index_select(0, positions).unsqueeze(1);
+  auto [residual, pending] =
+      run_layers(*stack, x, cos, sin, k_caches, v_caches, slot_mapping, slots, lens);
+  const at::Tensor h = scoped("norm", [&] {
+    return std::get<1>(scoped("evenflow_kernels::add_rms_norm", [&] {
+      return evenflow_ops::add_rms_norm(pending, residual, head.norm, head.eps);
+    }));
+  });
+  return scoped("embed+lm_head", [&] {
+    at::Tensor logits = head.lm_head(h);
+    if (logits.size(1) != head.vocab) logits = logits.narrow(1, 0, head.vocab);  // panel padding
+    return logits.to(at::kFloat).contiguous();
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_head", &DecodeStack::set_head)
       .def("size", &DecodeStack::size);
   m.def("decode_stack", &decode_stack);
+  m.def("decode_step", &decode_step);
 }
