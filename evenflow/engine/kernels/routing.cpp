@@ -10,7 +10,8 @@
 // of 64); only the first E count. The arithmetic is ATen's own softmax and topk on the float32
 // logits, called from here: the same results as the torch ops, ties included (topk's order
 // among equal probabilities is its implementation's, and bf16 logits do tie), so greedy output
-// stays token-identical with transformers.
+// stays token-identical with transformers. Renormalizing one or two weights is done here (the
+// same single rounding as ATen's sum and divide); more go through ATen's ops.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -32,7 +33,17 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t 
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "route_topk: k must be in [1, E]");
   const at::Tensor probs = at::softmax(logits.narrow(1, 0, num_experts).to(at::kFloat), -1);
   auto [weights, experts] = at::topk(probs, top_k, -1);
-  if (renormalize) weights = weights / weights.sum(-1, true);
+  if (renormalize && top_k <= 2 && weights.is_contiguous()) {
+    // w / (w0 + w1) in place: what the ATen sum and divide give for one or two terms (a sum
+    // of two floats has one rounding in any order; w / w is 1), without their two ops
+    float* w = weights.data_ptr<float>();
+    for (int64_t t = 0; t < weights.size(0); ++t, w += top_k) {
+      const float total = top_k == 1 ? w[0] : w[0] + w[1];
+      for (int64_t j = 0; j < top_k; ++j) w[j] /= total;
+    }
+  } else if (renormalize) {  // (ATen's reduction order for more terms)
+    weights = weights / weights.sum(-1, true);
+  }
   if (counts.has_value()) {
     at::Tensor c = *counts;
     TORCH_CHECK(c.scalar_type() == at::kLong && c.dim() == 1 && c.size(0) >= num_experts &&
