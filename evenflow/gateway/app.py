@@ -9,6 +9,7 @@ strings happen at the gateway; workers only see token ids."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -158,6 +159,15 @@ async def _handle(gateway: Gateway, kind: str,
 
 
 # -- the app ----------------------------------------------------------------------------------
+def _without_native_telemetry() -> dict:
+    """FastAPI's own OpenTelemetry (from 0.165: on whenever a tracer provider is set, as ours
+    is) off: it added a server span, metrics and logs to every request and wrapped every SSE
+    chunk's send, on the one event loop, beside the gateway's own request span and metrics."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def create_app(config: MeshConfig) -> FastAPI:
     """The app; its Gateway is built at startup, not here: the app object may be pickled to
     another process first (Ray Serve), and the tokenizer does not pickle."""
@@ -174,7 +184,8 @@ def create_app(config: MeshConfig) -> FastAPI:
         await gateway.client.close()
         shutdown_tracing()
 
-    app = FastAPI(title="evenflow", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="evenflow", version=__version__, lifespan=lifespan,
+                  **_without_native_telemetry())
     app.state.gateway = None
     app.include_router(router)
     app.add_middleware(EdgeMiddleware, config=config, api_keys=read_api_keys(config))
