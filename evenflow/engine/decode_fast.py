@@ -10,8 +10,9 @@ whether a layer qualifies and gives the stack its weights; FastDecodeStack holds
 
 It serves a layer when the kernels are built and the layer is the common case: attention
 projections as panels (plain, or int8 / int4 panels without a bias), a panel router, no q/k
-norm, routed experts on the fused kernel without an expert placement or expert parallelism, no
-shared expert, no tensor parallelism. Anything else (and every step with a prefill in it) takes
+norm, routed experts on the fused kernel (under an expert placement too — the mesh's workers
+run under one by default — but without expert parallelism), no shared expert, no tensor
+parallelism. Anything else (and every step with a prefill in it) takes
 the module path.
 """
 
@@ -48,8 +49,8 @@ class FastDecodeLayer:
         attn, moe = layer.self_attn, layer.mlp
         assert isinstance(moe, MoE)
         self.moe = moe
-        # what the stack holds of the experts: the fused (plain) or quantized stacks, the counts
-        self.experts_held, self.counts_held = moe.fused or moe.quantized, moe.counts
+        # what the stack holds of the experts: their stacks, placement and counts
+        self.held = self._experts_state(moe)
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         assert isinstance(moe.gate, panels.PanelLinear)
         self.gate: panels.PanelLinear = moe.gate
@@ -70,7 +71,7 @@ class FastDecodeLayer:
         if any(k is None for k in kernels) or not hasattr(native.ops(), "decode_stack"):
             return None
         attn, moe = layer.self_attn, layer.mlp
-        if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE):
+        if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE) or moe.ep is not None:
             return None
         if linear_args(attn.qkv_proj) is None or linear_args(attn.o_proj) is None or \
                 not isinstance(moe.gate, panels.PanelLinear):
@@ -82,14 +83,27 @@ class FastDecodeLayer:
             return None
         return cls(layer)
 
+    @staticmethod
+    def _experts_state(moe: MoE) -> tuple:
+        """What the stack copies of a MoE layer's experts: the stacks the fused kernel reads
+        (the placed slots' under a placement), the placement, the counts rows."""
+        placed = moe.placement is not None
+        stacks = (moe._slot_fused or moe._slot_quantized) if placed else \
+            (moe.fused or moe.quantized)
+        return stacks, moe.placement, moe.counts, moe.slot_counts
+
     def usable(self) -> bool:
-        """The layer is still as it was made: its projections and experts' stacks not replaced,
-        its counts row the same, no expert placement or expert parallelism come since."""
+        """The layer is still as it was made: its projections, experts' stacks, placement and
+        counts rows the same, no expert parallelism since (a new placement: a new stack)."""
         modules, moe = self.attn._modules, self.moe  # (not nn.Module's __getattr__: each step)
-        return modules["qkv_proj"] is self.projections[0] and \
-            modules["o_proj"] is self.projections[1] and moe.placement is None and \
-            moe.ep is None and moe.counts is self.counts_held and \
-            (moe.fused or moe.quantized) is self.experts_held
+        if modules["qkv_proj"] is not self.projections[0] or \
+                modules["o_proj"] is not self.projections[1] or moe.ep is not None:
+            return False
+        held = self.held
+        return moe.placement is held[1] and moe.counts is held[2] and \
+            moe.slot_counts is held[3] and \
+            ((moe._slot_fused or moe._slot_quantized) if held[1] is not None
+             else (moe.fused or moe.quantized)) is held[0]
 
     def add_to(self, stack: Any) -> None:
         """This layer's weights and shapes into a kernels/decode_stack.cpp DecodeStack."""
@@ -101,12 +115,16 @@ class FastDecodeLayer:
         else:
             w13, w2, s13, s2, o13, o2, group = fused
         qkv, o, gate = self.qkv_args, self.o_args, self.gate.kernel_args()
+        placed = moe.placement
+        placement = [None, None, None] if placed is None else [
+            placed.log2phy.long().contiguous(), placed.cum_share.float().contiguous(),
+            moe.slot_counts]
         stack.add_layer(
             [self.in_norm.weight.data, self.post_norm.weight.data],
             [float(self.in_norm.eps), float(self.post_norm.eps), float(self.scale)],
             list(qkv[:4]), list(o[:4]), list(gate[:4]), [qkv[4], o[4], gate[4]],
             [self.heads, self.kv_heads, self.head_dim, moe.num_experts, moe.top_k],
-            bool(moe.norm_topk_prob), moe.counts,
+            bool(moe.norm_topk_prob), moe.counts, placement,
             [list(w13), list(w2), list(s13), list(s2), list(o13), list(o2)], int(group))
 
 
@@ -190,8 +208,7 @@ def fast_stack(model: CausalLM) -> FastDecodeStack | None:
 
 def serves(fast: FastDecodeStack, meta: AttentionMetadata, dtypes: tuple[torch.dtype, ...],
            kv: tuple[Tensor, Tensor]) -> bool:
-    """These layers take this step: decodes only, on the paged attention, one dtype throughout
-    (`dtypes`: the embedding's and rotary tables'; the caches', the norms'), every layer's
-    experts still on the fused kernel."""
+    """These (usable) layers take this step: decodes only, on the paged attention, one dtype
+    throughout (`dtypes`: the embedding's and rotary tables'; the caches', the norms')."""
     return not meta.prefills and meta.decode_lens is not None and \
-        dtypes[0] == dtypes[1] == kv[0].dtype == fast.dtype and fast.usable()
+        dtypes[0] == dtypes[1] == kv[0].dtype == fast.dtype

@@ -306,6 +306,8 @@ class CausalLM(nn.Module):
             if os.environ.get("EVENFLOW_FAST_DECODE", "1").lower() not in ("0", "false", "off"):
                 self._fast = decode_fast.fast_stack(self)
         fast = self._fast
+        if fast is not None and not fast.usable():  # e.g. a new expert placement: rebuilt
+            fast = self._fast = decode_fast.fast_stack(self)
         if fast is None or self._cos is None:
             return None
         dtypes = (self.model.embed_tokens.weight.dtype, self._cos.dtype)

@@ -59,3 +59,44 @@ def test_fast_decode_step_with_a_quantized_lm_head():
     assert fast_tokens == slow_tokens
     for a, b in zip(fast_logits, slow_logits, strict=True):
         assert torch.equal(a, b)
+
+
+def _run_placed(fast: bool) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, bool]:
+    """tiny-moe under an expert placement with replicas (as the mesh's workers run), then under
+    a new one with uneven replica shares halfway."""
+    llm = LLM("tiny-moe", dtype="float32", num_ep_ranks=2, num_redundant_experts=4)
+    engine, model = llm.engine, llm.engine.runner.model
+    if not fast:
+        model._fast, model._fast_checked = None, True
+    logits: list[torch.Tensor] = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    model.forward = recording
+    params = SamplingParams(temperature=0, max_tokens=12)
+    tokens = [o.token_ids for o in llm.generate(["count from 17 :", "json ="], params)]
+    layers, slots = engine.slot_counts.shape
+    phy2log = (torch.arange(slots) * 3 % 8).repeat(layers, 1)  # experts 0, 3, 6, 1, ... 8 x2+
+    shares = torch.where(torch.arange(slots) < 8, 0.7, 0.3).repeat(layers, 1)
+    engine.apply_placement(phy2log, shares, version=1)
+    tokens += [o.token_ids for o in llm.generate(["reverse : q w e r =", "count down from 90 :"],
+                                                 params)]
+    used = model._fast is not None and all(f.held[1] is not None for f in model._fast.layers)
+    return logits, tokens, engine.slot_counts.clone(), used
+
+
+def test_fast_decode_under_an_expert_placement_is_bit_identical():
+    if native.fused_moe() is None or native.decode_attention() is None or \
+            not panels.usable(torch.float32, 64, 64) or not native.built_for_avx512():
+        pytest.skip("the native kernels do not serve this here")
+    fast_logits, fast_tokens, fast_slots, used = _run_placed(True)
+    assert used, "the fast decode step was not rebuilt under the placement"
+    slow_logits, slow_tokens, slow_slots, _ = _run_placed(False)
+    assert fast_tokens == slow_tokens
+    for a, b in zip(fast_logits, slow_logits, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fast_slots, slow_slots) and int(fast_slots.sum()) > 0

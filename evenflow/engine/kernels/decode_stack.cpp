@@ -15,6 +15,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -60,9 +62,40 @@ struct Layer {
   int64_t num_experts = 0, top_k = 0;
   bool renormalize = false;
   std::optional<at::Tensor> counts;
+  // under an expert placement (engine/placement.py's SlotPlacement): log2phy (E, R) int64,
+  // cum_share (E, R) float32, and the (P,) slot counts EPLB reads, or undefined
+  at::Tensor log2phy, cum_share;
+  std::optional<at::Tensor> slot_counts;
   std::vector<at::Tensor> w13, w2, scales13, scales2, offsets13, offsets2;
   int64_t group = 0;
 };
+
+// SlotPlacement.slots_for, exactly: pair i of the flat (T * k) routing takes the replica whose
+// cumulative share first exceeds frac(i * golden) (a low-discrepancy spread over replicas);
+// the slot counts grow as the module path's bincount adds them.
+constexpr double kGolden = 0.6180339887498949;
+
+at::Tensor slots_for(const Layer& layer, const at::Tensor& experts) {
+  const at::Tensor ids = experts.contiguous();
+  at::Tensor slots = at::empty_like(ids);
+  const int64_t pairs = ids.numel(), replicas = layer.log2phy.size(1);
+  const int64_t* expert = ids.data_ptr<int64_t>();
+  const int64_t* log2phy = layer.log2phy.data_ptr<int64_t>();
+  const float* cum = layer.cum_share.data_ptr<float>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t* counts = layer.slot_counts.has_value() ? layer.slot_counts->data_ptr<int64_t>()
+                                                  : nullptr;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const double v = static_cast<double>(i) * kGolden;
+    const float u = static_cast<float>(v - std::trunc(v));
+    const int64_t row = expert[i] * replicas;
+    int64_t replica = 0;
+    for (int64_t r = 0; r < replicas; ++r) replica += u >= cum[row + r];
+    slot[i] = log2phy[row + std::min(replica, replicas - 1)];
+    if (counts != nullptr) ++counts[slot[i]];
+  }
+  return slots;
+}
 
 // the step around the layers: embedding rows, rotary rows, the final norm and lm_head
 struct Head {
@@ -92,10 +125,12 @@ struct DecodeStack : torch::CustomClassHolder {
                  c10::List<std::optional<at::Tensor>> o,
                  c10::List<std::optional<at::Tensor>> gate, std::vector<int64_t> linear_groups,
                  std::vector<int64_t> shape, bool renormalize, std::optional<at::Tensor> counts,
+                 c10::List<std::optional<at::Tensor>> placement,
                  std::vector<std::vector<at::Tensor>> experts, int64_t group) {
     TORCH_CHECK(norms.size() == 2 && eps.size() == 3 && linear_groups.size() == 3 &&
-                    shape.size() == 5 && experts.size() == 6,
-                "add_layer: 2 norms, 2 eps and a scale, 3 linear groups, 5 shape values, 6 expert lists");
+                    shape.size() == 5 && experts.size() == 6 && placement.size() == 3,
+                "add_layer: 2 norms, 2 eps and a scale, 3 linear groups, 5 shape values, "
+                "[log2phy, cum_share, slot_counts], 6 expert lists");
     Layer layer;
     layer.in_norm = norms[0];
     layer.post_norm = norms[1];
@@ -112,6 +147,17 @@ struct DecodeStack : torch::CustomClassHolder {
     layer.top_k = shape[4];
     layer.renormalize = renormalize;
     layer.counts = std::move(counts);
+    if (placement.get(0).has_value()) {
+      const at::Tensor log2phy = *placement.get(0), cum = *placement.get(1);
+      TORCH_CHECK(log2phy.scalar_type() == at::kLong && log2phy.dim() == 2 &&
+                      log2phy.is_contiguous() && cum.scalar_type() == at::kFloat &&
+                      cum.sizes() == log2phy.sizes() && cum.is_contiguous() &&
+                      log2phy.size(0) == shape[3],
+                  "add_layer: a placement is log2phy (E, R) int64 and cum_share (E, R) float32");
+      layer.log2phy = log2phy;
+      layer.cum_share = cum;
+      layer.slot_counts = placement.get(2);
+    }
     layer.w13 = std::move(experts[0]);
     layer.w2 = std::move(experts[1]);
     layer.scales13 = std::move(experts[2]);
@@ -173,8 +219,9 @@ std::tuple<at::Tensor, at::Tensor> run_layers(
         return evenflow_ops::route_topk(logits, layer.num_experts, layer.top_k,
                                         layer.renormalize, layer.counts);
       });
+      const at::Tensor slots = layer.log2phy.defined() ? slots_for(layer, experts) : experts;
       return scoped("evenflow_kernels::fused_moe", [&] {
-        return evenflow_ops::fused_moe(h, experts.contiguous(), weights.contiguous(), layer.w13,
+        return evenflow_ops::fused_moe(h, slots.contiguous(), weights.contiguous(), layer.w13,
                                        layer.w2, layer.scales13, layer.scales2, layer.offsets13,
                                        layer.offsets2, layer.group);
       });
