@@ -11,11 +11,11 @@ from evenflow import LLM, SamplingParams
 from evenflow.engine import native, panels
 
 
-def _run(dtype: str, quantization: str | None, fast: bool, **options
-         ) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, bool]:
-    llm = LLM("tiny-moe", dtype=dtype, quantization=quantization, **options)
+def _recorded(llm: LLM, fast: bool) -> list[torch.Tensor]:
+    """Every forward pass's logits, from now on (fast: False sends every step down the module
+    path)."""
     model = llm.engine.runner.model
-    if not fast:  # the module path for every step
+    if not fast:
         model._fast, model._fast_checked = None, True
     logits: list[torch.Tensor] = []
     forward = model.forward
@@ -26,6 +26,14 @@ def _run(dtype: str, quantization: str | None, fast: bool, **options
         return out
 
     model.forward = recording
+    return logits
+
+
+def _run(dtype: str, quantization: str | None, fast: bool, **options
+         ) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, bool]:
+    llm = LLM("tiny-moe", dtype=dtype, quantization=quantization, **options)
+    model = llm.engine.runner.model
+    logits = _recorded(llm, fast)
     prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r =", "json ="]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     whole_step = model._fast is not None and model._fast.head is not None
@@ -66,17 +74,7 @@ def _run_placed(fast: bool) -> tuple[list[torch.Tensor], list[list[int]], torch.
     a new one with uneven replica shares halfway."""
     llm = LLM("tiny-moe", dtype="float32", num_ep_ranks=2, num_redundant_experts=4)
     engine, model = llm.engine, llm.engine.runner.model
-    if not fast:
-        model._fast, model._fast_checked = None, True
-    logits: list[torch.Tensor] = []
-    forward = model.forward
-
-    def recording(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        logits.append(out.clone())
-        return out
-
-    model.forward = recording
+    logits = _recorded(llm, fast)
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = [o.token_ids for o in llm.generate(["count from 17 :", "json ="], params)]
     layers, slots = engine.slot_counts.shape

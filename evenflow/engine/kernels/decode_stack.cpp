@@ -117,9 +117,11 @@ struct DecodeStack : torch::CustomClassHolder {
                 panel_args(lm_head, group), vocab};
   }
 
-  // norms: [input, post-attention] weights; eps: theirs, then the attention's scale; linears: [weight, bias, scale, offset]
-  // each with `linear_groups` [qkv, o, gate]; shape: [heads, kv_heads, head_dim, num_experts,
-  // top_k]; experts: fused_moe's weight lists [w13, w2, scales13, scales2, offsets13, offsets2]
+  // norms: [input, post-attention] weights; eps: theirs, then the attention's scale; linears:
+  // [weight, bias, scale, offset] each with `linear_groups` [qkv, o, gate]; shape: [heads,
+  // kv_heads, head_dim, num_experts, top_k]; placement: [log2phy, cum_share, slot_counts] or
+  // three Nones; experts: fused_moe's weight lists [w13, w2, scales13, scales2, offsets13,
+  // offsets2]
   void add_layer(std::vector<at::Tensor> norms, std::vector<double> eps,
                  c10::List<std::optional<at::Tensor>> qkv,
                  c10::List<std::optional<at::Tensor>> o,
