@@ -99,11 +99,8 @@ class FastDecodeLayer:
         if modules["qkv_proj"] is not self.projections[0] or \
                 modules["o_proj"] is not self.projections[1] or moe.ep is not None:
             return False
-        held = self.held
-        return moe.placement is held[1] and moe.counts is held[2] and \
-            moe.slot_counts is held[3] and \
-            ((moe._slot_fused or moe._slot_quantized) if held[1] is not None
-             else (moe.fused or moe.quantized)) is held[0]
+        return all(now is held for now, held in zip(self._experts_state(moe), self.held,
+                                                    strict=True))
 
     def add_to(self, stack: Any) -> None:
         """This layer's weights and shapes into a kernels/decode_stack.cpp DecodeStack."""
