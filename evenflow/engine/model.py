@@ -149,7 +149,18 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         outs: list[Tensor] = []
+        native_prefill = bool(meta.prefills) and q.dtype == k_cache.dtype and \
+            k_cache.is_contiguous() and v_cache.is_contiguous() and \
+            native.prefill_attention_serves(q.dtype, hd, nh // n_kv)
         for seg in meta.prefills:
+            if native_prefill:  # over the cache, where K and V were just written
+                slots = seg.slots if seg.slots is not None else \
+                    meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
+                kernel = native.prefill_attention()
+                assert kernel is not None
+                outs.append(kernel(q[seg.q_start : seg.q_start + seg.q_len], k_cache, v_cache,
+                                   slots, hd**-0.5))
+                continue
             # 4-D (1, heads, len, hd) inputs: torch's CPU flash kernel takes these (3-D falls
             # back to the slow math path).
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)

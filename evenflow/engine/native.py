@@ -36,7 +36,8 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "fused_moe.cpp",
            Path(__file__).parent / "kernels" / "panel_linear.cpp",
            Path(__file__).parent / "kernels" / "routing.cpp",
-           Path(__file__).parent / "kernels" / "decode_stack.cpp")
+           Path(__file__).parent / "kernels" / "decode_stack.cpp",
+           Path(__file__).parent / "kernels" / "prefill_attention.cpp")
 HEADERS = (Path(__file__).parent / "kernels" / "panel.h",
            Path(__file__).parent / "kernels" / "panel_quant.h",
            Path(__file__).parent / "kernels" / "ops.h")
@@ -131,6 +132,30 @@ def decode_attention() -> Any | None:
         return None
     kernels = ops()
     return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
+
+
+@functools.cache
+def prefill_attention() -> Any | None:
+    """The causal prefill attention over the paged cache (kernels/prefill_attention.cpp), or
+    None: no native kernels, or EVENFLOW_NATIVE_PREFILL_ATTENTION=0 (torch's
+    scaled_dot_product_attention)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_PREFILL_ATTENTION") else None
+    return None if kernels is None else getattr(kernels, "prefill_attention", None)
+
+
+@functools.lru_cache(maxsize=64)
+def prefill_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the prefill attention kernel takes this dtype and head shape here: AVX-512 builds
+    (its register blocks are the panel kernels'; AVX2 builds keep torch's flash kernel), bf16
+    only with AVX512-BF16's dot product, head dims a multiple of 64 up to 256, at most 64 query
+    heads a KV head."""
+    if prefill_attention() is None or not built_for_avx512():
+        return False
+    if head_dim % 64 or head_dim > 256 or group > 64:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
+    return dtype == torch.float32
 
 
 @functools.cache
