@@ -37,7 +37,8 @@ SOURCES = (Path(__file__).parent / "kernels" / "weight_only.cpp",
            Path(__file__).parent / "kernels" / "panel_linear.cpp",
            Path(__file__).parent / "kernels" / "routing.cpp",
            Path(__file__).parent / "kernels" / "decode_stack.cpp",
-           Path(__file__).parent / "kernels" / "prefill_attention.cpp")
+           Path(__file__).parent / "kernels" / "prefill_attention.cpp",
+           Path(__file__).parent / "kernels" / "kv_blocks.cpp")
 HEADERS = (Path(__file__).parent / "kernels" / "panel.h",
            Path(__file__).parent / "kernels" / "panel_quant.h",
            Path(__file__).parent / "kernels" / "ops.h")
@@ -156,6 +157,15 @@ def prefill_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> b
     if dtype == torch.bfloat16:
         return bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
     return dtype == torch.float32
+
+
+@functools.cache
+def kv_blocks() -> Any | None:
+    """The K/V hand-off's block copies (kernels/kv_blocks.cpp: kv_blocks_read / kv_blocks_write),
+    or None: no native kernels, or EVENFLOW_NATIVE_KV_BLOCKS=0 (torch's index_select and
+    index_copy_ per layer)."""
+    kernels = ops() if _switched_on("EVENFLOW_NATIVE_KV_BLOCKS") else None
+    return kernels if kernels is not None and hasattr(kernels, "kv_blocks_write") else None
 
 
 @functools.cache

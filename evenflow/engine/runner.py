@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from evenflow.engine import native
 from evenflow.engine.guided import Guides
 from evenflow.engine.logits_processing import record_prompt_logprobs
 from evenflow.engine.model import (
@@ -77,10 +78,16 @@ class ModelRunner:
         """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache."""
         return cache[: self.null_slot].view(-1, self.block_size, *cache.shape[1:])
 
+    def _flat_caches(self) -> list[Tensor]:
+        return [cache for pair in self.kv_caches for cache in pair]
+
     def read_kv(self, block_ids: list[int]) -> Tensor:
         """A contiguous copy of the blocks' K/V, block-major so that any run of blocks is one
         contiguous byte range: (blocks, layers, 2, block_size, n_kv, hd)."""
         index = torch.tensor(block_ids)
+        kernels = native.kv_blocks()
+        if kernels is not None:  # one memcpy per (block, layer, K or V)
+            return kernels.kv_blocks_read(self._flat_caches(), index, self.block_size)
         return torch.stack([torch.stack([self._blocks_view(k).index_select(0, index),
                                          self._blocks_view(v).index_select(0, index)], dim=1)
                             for k, v in self.kv_caches], dim=1)
@@ -88,6 +95,10 @@ class ModelRunner:
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
         """Inverse of read_kv: kv (blocks, layers, 2, block_size, n_kv, hd) into these blocks."""
         index = torch.tensor(block_ids)
+        kernels = native.kv_blocks()
+        if kernels is not None and kv.is_contiguous() and kv.dtype == self.kv_caches[0][0].dtype:
+            kernels.kv_blocks_write(self._flat_caches(), index, kv, self.block_size)
+            return
         for layer, (k, v) in enumerate(self.kv_caches):
             self._blocks_view(k).index_copy_(0, index, kv[:, layer, 0].to(k.dtype))
             self._blocks_view(v).index_copy_(0, index, kv[:, layer, 1].to(v.dtype))

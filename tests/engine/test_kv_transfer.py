@@ -75,3 +75,26 @@ def test_first_token_is_out_before_its_kv_is_copied(ckpt):
     assert export.kv is not None and export.kv.shape[0] == 3  # 9 prompt tokens, blocks of 4
     assert not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == free  # the blocks were held only until the copy
+
+
+def test_native_block_copies_equal_torch(ckpt, monkeypatch):
+    """kernels/kv_blocks.cpp reads and writes exactly what torch's per-layer index ops do."""
+    import torch
+
+    from evenflow.engine import native
+
+    if native.kv_blocks() is None:
+        pytest.skip("native kernels unavailable")
+    runner = Engine(EngineConfig(model=str(ckpt), dtype="bfloat16", block_size=4)).runner
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    blocks = [7, 2, 30, 3]  # out of order, as a block table can be
+    native_read = runner.read_kv(blocks)
+    payload = torch.randn(native_read.shape).to(torch.bfloat16)
+    runner.write_kv([11, 5, 40, 6], payload)
+    native_written = runner.read_kv([11, 5, 40, 6])
+    monkeypatch.setattr(native, "kv_blocks", lambda: None)
+    assert torch.equal(runner.read_kv(blocks), native_read)
+    assert torch.equal(runner.read_kv([11, 5, 40, 6]), native_written)
+    assert torch.equal(native_written, payload)
