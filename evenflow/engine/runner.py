@@ -84,7 +84,7 @@ class ModelRunner:
     def read_kv(self, block_ids: list[int]) -> Tensor:
         """A contiguous copy of the blocks' K/V, block-major so that any run of blocks is one
         contiguous byte range: (blocks, layers, 2, block_size, n_kv, hd)."""
-        index = torch.tensor(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long)
         kernels = native.kv_blocks()
         if kernels is not None:  # one memcpy per (block, layer, K or V)
             return kernels.kv_blocks_read(self._flat_caches(), index, self.block_size)
@@ -94,7 +94,7 @@ class ModelRunner:
 
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
         """Inverse of read_kv: kv (blocks, layers, 2, block_size, n_kv, hd) into these blocks."""
-        index = torch.tensor(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long)
         kernels = native.kv_blocks()
         if kernels is not None and kv.is_contiguous() and kv.dtype == self.kv_caches[0][0].dtype:
             kernels.kv_blocks_write(self._flat_caches(), index, kv, self.block_size)
