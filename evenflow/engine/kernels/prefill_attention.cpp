@@ -51,13 +51,6 @@ constexpr int kKeys = kPanel;  // keys per block: one panel's outputs (K) or inp
 constexpr int kTileRows = 24;  // rows a task aims for (4 register blocks of kRows = 6)
 constexpr int kMaxRows = 64;   // a KV head's group of queries at one position, at most
 
-inline float to_f(float v) { return v; }
-inline float to_f(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, uint16_t* dst) { *dst = evenflow_panel::float_to_bf16(v); }
 // 16 probabilities stored in the dtype P @ V reads (bf16: round to nearest even, as c10 does)
