@@ -17,6 +17,11 @@ heads, 2 KV heads, head_dim 64; `--context` tokens each, scattered over the cach
 engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel at
 every batch size where it keeps the head shape in registers (this one, on AVX-512 builds), else
 up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model.py), torch's path above.
+
+Then causal prefill attention per prompt length (same heads; the prompt's K and V in the cache):
+torch's scaled_dot_product_attention (its CPU flash kernel, what the engine runs where ours does
+not serve) against engine/kernels/prefill_attention.cpp, with each one's multiply-adds per second
+(2 x heads x len^2 / 2 x head_dim).
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--attention-batches", default="1,2,4,8,16,32")
     ap.add_argument("--context", type=int, default=160, help="tokens per sequence (attention)")
+    ap.add_argument("--prefill-lengths", default="128,512,2048",
+                    help="prompt lengths for the prefill attention table")
+    ap.add_argument("--prefill-rounds", type=int, default=7)
     args = ap.parse_args(argv)
 
     import torch
@@ -123,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                   f" {med['int4 torch'] / med['int4 ours']:15.2f}x")
     _attention_table([int(b) for b in args.attention_batches.split(",")], args.context,
                      args.rounds, dtype, g)
+    _prefill_attention_table([int(n) for n in args.prefill_lengths.split(",")],
+                             args.prefill_rounds, dtype, g)
     return 0
 
 
@@ -171,3 +181,51 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t[2:]) * 1e6 for name, t in times.items()}
+
+
+def _prefill_attention_table(lengths: list[int], rounds: int, dtype: Any, g: Any) -> None:
+    from evenflow.engine import native
+
+    heads, kv_heads, hd = 8, 2, 64
+    kernel = native.prefill_attention()
+    serves = native.prefill_attention_serves(dtype, hd, heads // kv_heads)
+    print(f"\ncausal prefill attention ({heads} heads, {kv_heads} KV heads of {hd}): median ms "
+          f"per layer call over {rounds} rounds (the engine uses ours here: "
+          f"{'yes' if serves else 'no'})")
+    print(f"{'tokens':>6} {'torch':>9} {'ours':>9} {'torch/ours':>11} {'torch GMAC/s':>13} "
+          f"{'ours GMAC/s':>12}")
+    for n in lengths:
+        med = _time_prefill_attention(n, rounds, dtype, g, kernel if serves else None)
+        ours = med.get("ours", float("nan"))
+        macs = 2 * heads * n * n / 2 * hd
+        print(f"{n:>6} {med['torch']:9.2f} {ours:9.2f} {med['torch'] / ours:10.2f}x "
+              f"{macs / med['torch'] / 1e6:13.1f} {macs / ours / 1e6:12.1f}")
+
+
+def _time_prefill_attention(n: int, rounds: int, dtype: Any, g: Any,
+                            kernel: Any) -> dict[str, float]:
+    """Median ms of torch's causal attention over an n-token prompt and of ours (the 110M
+    model's heads), in the same rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, kv_heads, hd = 8, 2, 64
+    qk = torch.randn(n, heads + kv_heads, hd, generator=g).to(dtype)
+    k_cache, v_cache = (torch.randn(n + 1, kv_heads, hd, generator=g).to(dtype)
+                        for _ in range(2))
+    slots = torch.arange(n)
+    q = qk[:, :heads]  # a view into the fused projection, as the model hands it over
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = k_cache[:n].transpose(0, 1).unsqueeze(0)
+    vs = v_cache[:n].transpose(0, 1).unsqueeze(0)
+    fns: dict[str, Callable[[], object]] = {"torch": lambda: F.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True)}
+    if kernel is not None:
+        fns["ours"] = lambda: kernel(q, k_cache, v_cache, slots, hd**-0.5)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
