@@ -94,3 +94,33 @@ def test_long_chunked_prompts_sharing_a_prefix_match_transformers(llama_hd64, mo
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert produced[str(i)] == expected
+
+
+def test_prompts_arriving_while_others_decode_match_transformers(llama_hd64):
+    """Steps that hold prefill chunks (the kernel) and decoding sequences at once."""
+    path, hf = llama_hd64
+    kernel_or_skip(torch.float32, 64, 2)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (150, 9, 120, 70)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=16,
+                                 max_num_batched_tokens=48))
+    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+
+    def step():
+        for out in engine.step():
+            produced[out.request_id].extend(out.new_token_ids)
+
+    engine.add_request("0", prompts[0], greedy)
+    for _ in range(5):  # prompt 0 is chunked (150 > 48) and then decodes
+        step()
+    engine.add_request("1", prompts[1], greedy)
+    engine.add_request("2", prompts[2], greedy)
+    step()
+    engine.add_request("3", prompts[3], greedy)
+    while engine.has_unfinished():
+        step()
+    for i, prompt in enumerate(prompts):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert produced[str(i)] == expected
