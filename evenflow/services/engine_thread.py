@@ -83,6 +83,10 @@ EngineCommand = (AddRequest | AddPrefilled | Abort | ApplyPlacement | TakeExpert
 @dataclass(frozen=True)
 class Admitted:
     request_id: str
+    # When the engine thread took it (time.time_ns()): the end of the request's queue span. The
+    # event loop sees the event later (by a few ms while the engine thread, already computing,
+    # holds the GIL), so the loop's own clock would count compute time as queue time.
+    at_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ class EngineThread:
         except Exception as exc:
             self._emit(Rejected(request_id, _reason(exc)))
         else:
-            self._emit(Admitted(request_id))
+            self._emit(Admitted(request_id, time.time_ns()))
 
     def _flush_kv_events(self) -> None:
         events = self.engine.take_kv_events()
