@@ -49,3 +49,29 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = t
     model.save_pretrained(path)
     write_word_tokenizer(path)
     return model
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: the oracle's tokens."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_with_arrivals(engine, prompts: list[list[int]], params, arrivals: list[int]
+                      ) -> list[list[int]]:
+    """Prompt i joins the engine once it has run arrivals[i] steps (non-decreasing), so later
+    prompts arrive while earlier ones prefill in chunks or decode; then it steps until all
+    finish. -> each prompt's generated tokens."""
+    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    steps = 0
+    for i, prompt in enumerate(prompts):
+        while steps < arrivals[i]:
+            for out in engine.step():
+                produced[out.request_id].extend(out.new_token_ids)
+            steps += 1
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            produced[out.request_id].extend(out.new_token_ids)
+    return [produced[str(i)] for i in range(len(prompts))]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import VOCAB, make_checkpoint
+from checkpoints import VOCAB, hf_greedy, make_checkpoint, run_with_arrivals
 
 from evenflow import SamplingParams
 from evenflow.engine import native
@@ -91,9 +91,7 @@ def test_long_chunked_prompts_sharing_a_prefix_match_transformers(llama_hd64, mo
     assert cached["1"] == 160
     assert len(calls) >= 2 * 4  # (2 layers) every prefill chunk went through the kernel
     for i, prompt in enumerate(prompts):
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        assert produced[str(i)] == expected
+        assert produced[str(i)] == hf_greedy(hf, prompt, 16)
 
 
 def test_prompts_arriving_while_others_decode_match_transformers(llama_hd64):
@@ -105,22 +103,7 @@ def test_prompts_arriving_while_others_decode_match_transformers(llama_hd64):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=16,
                                  max_num_batched_tokens=48))
-    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-
-    def step():
-        for out in engine.step():
-            produced[out.request_id].extend(out.new_token_ids)
-
-    engine.add_request("0", prompts[0], greedy)
-    for _ in range(5):  # prompt 0 is chunked (150 > 48) and then decodes
-        step()
-    engine.add_request("1", prompts[1], greedy)
-    engine.add_request("2", prompts[2], greedy)
-    step()
-    engine.add_request("3", prompts[3], greedy)
-    while engine.has_unfinished():
-        step()
-    for i, prompt in enumerate(prompts):
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        assert produced[str(i)] == expected
+    # prompt 0 is chunked (150 > 48) and then decodes while 1, 2 and then 3 arrive
+    produced = run_with_arrivals(engine, prompts, greedy, arrivals=[0, 5, 5, 6])
+    for prompt, tokens in zip(prompts, produced, strict=True):
+        assert tokens == hf_greedy(hf, prompt, 12)

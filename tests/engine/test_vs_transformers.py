@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import ARCHS, VOCAB, make_checkpoint
+from checkpoints import ARCHS, VOCAB, hf_greedy, make_checkpoint, run_with_arrivals
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
@@ -23,9 +23,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def reference(hf, prompt: list[int]) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(hf, prompt, NEW_TOKENS)
 
 
 def random_prompts(lengths, seed=1, prefix: list[int] | None = None) -> list[list[int]]:
@@ -95,21 +93,7 @@ def test_arrivals_while_decoding_with_chunked_prefill(checkpoint):
     prompts = random_prompts([33, 6, 50, 14], seed=4)
     engine = Engine(EngineConfig(model=str(path), dtype="float32", block_size=4,
                                  max_num_batched_tokens=24))
-    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-
-    def step():
-        for out in engine.step():
-            produced[out.request_id].extend(out.new_token_ids)
-
-    engine.add_request("0", prompts[0], GREEDY)
-    for _ in range(5):  # prompt 0 is chunked (33 > 24) and then decodes
-        step()
-    engine.add_request("1", prompts[1], GREEDY)
-    engine.add_request("2", prompts[2], GREEDY)
-    step()
-    step()
-    engine.add_request("3", prompts[3], GREEDY)
-    while engine.has_unfinished():
-        step()
-    for i, prompt in enumerate(prompts):
-        assert produced[str(i)] == reference(hf, prompt)
+    # prompt 0 is chunked (33 > 24) and then decodes while 1, 2 and then 3 arrive
+    produced = run_with_arrivals(engine, prompts, GREEDY, arrivals=[0, 5, 5, 7])
+    for prompt, tokens in zip(prompts, produced, strict=True):
+        assert tokens == reference(hf, prompt)
