@@ -197,7 +197,7 @@ class DecodeWorker(WorkerService):
         if active is not None:
             active.blocks = 0  # the engine holds them now
             if active.queue_span is not None:
-                active.queue_span.end(end_time=event.at_ns or None)
+                active.queue_span.end(end_time=event.at_ns)
                 active.queue_span = None
 
     def on_rejected(self, event: Rejected) -> None:

@@ -149,15 +149,13 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         outs: list[Tensor] = []
-        native_prefill = bool(meta.prefills) and q.dtype == k_cache.dtype and \
+        kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
             k_cache.is_contiguous() and v_cache.is_contiguous() and \
-            native.prefill_attention_serves(q.dtype, hd, nh // n_kv)
+            native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
         for seg in meta.prefills:
-            if native_prefill:  # over the cache, where K and V were just written
+            if kernel is not None:  # over the cache, where K and V were just written
                 slots = seg.slots if seg.slots is not None else \
                     meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
-                kernel = native.prefill_attention()
-                assert kernel is not None
                 outs.append(kernel(q[seg.q_start : seg.q_start + seg.q_len], k_cache, v_cache,
                                    slots, hd**-0.5))
                 continue

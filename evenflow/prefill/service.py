@@ -130,7 +130,7 @@ class PrefillWorker(WorkerService):
     def on_admitted(self, event: Admitted) -> None:
         pending = self.pending.get(event.request_id)
         if pending is not None:  # end of its queue time, start of its compute
-            pending.admitted_ns = event.at_ns or time.time_ns()
+            pending.admitted_ns = event.at_ns
 
     def on_rejected(self, event: Rejected) -> None:
         pending = self.pending.pop(event.request_id, None)

@@ -86,7 +86,7 @@ class Admitted:
     # When the engine thread took it (time.time_ns()): the end of the request's queue span. The
     # event loop sees the event later (by a few ms while the engine thread, already computing,
     # holds the GIL), so the loop's own clock would count compute time as queue time.
-    at_ns: int = 0
+    at_ns: int
 
 
 @dataclass(frozen=True)
