@@ -4,6 +4,7 @@ however the response ends."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -149,16 +150,48 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
 
 class AdmittedStream(StreamingResponse):
     """An SSE response that gives its admission slot back however it ends (finished, failed,
-    or the client gone before the first byte, when the body generator never even starts)."""
+    or the client gone before the first byte, when the body generator never even starts).
+
+    Leaner than Starlette's StreamingResponse, which under uvicorn (ASGI spec 2.3) opens an anyio
+    task group per response, with a second task listening for the disconnect and a cancel
+    scope around each stream (~4% of the gateway's CPU at 16 streams, measured with py-spy).
+    Here one future waits for the disconnect and, when it comes, cancels the response's own
+    task, as the task group did: the body generator sees CancelledError at its await, its
+    `finally` cancels the request downstream, and the response ends normally."""
 
     def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream")
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"ended": False, "gone": False}
+
+        def on_disconnect(waiter: asyncio.Future[None]) -> None:
+            if not waiter.cancelled() and not state["ended"]:
+                state["gone"] = True
+                task.cancel()
+
+        waiter = asyncio.ensure_future(_disconnected(receive))
+        waiter.add_done_callback(on_disconnect)
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # our own cancel, for the client that left: the response is over
         finally:
+            state["ended"] = True
+            waiter.cancel()
             self._release()
 
 
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client is gone (the request body was read before the response)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

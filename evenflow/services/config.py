@@ -9,7 +9,6 @@ offline engine and the mesh cannot disagree; `engine_config()` maps them across.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import types
 import typing
@@ -19,6 +18,7 @@ from typing import Any
 
 from evenflow import models
 from evenflow.engine.config import EngineConfig
+from evenflow.services import logs
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
 
@@ -222,8 +222,7 @@ class MeshConfig:
         """The process's log format and level (every service's entry point calls this):
         time, level, `role/worker-id`, logger, message."""
         who = f" [{identity}]" if identity else ""
-        logging.basicConfig(level=self.log_level.upper(), force=True,
-                            format=f"%(asctime)s %(levelname)s{who} %(name)s %(message)s")
+        logs.configure(self.log_level, f"%(asctime)s %(levelname)s{who} %(name)s %(message)s")
 
     def step_delay_s(self, worker_id: str) -> float:
         """debug_step_delay_ms for this worker, in seconds (0: none)."""
