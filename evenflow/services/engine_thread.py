@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from evenflow.proto.kv_handoff import KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+from evenflow.services import logs
 from evenflow.services.engine_api import EngineOutput, ServingEngine
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def exit_worker(reason: str) -> None:
     place: the worker process ends, its heartbeats stop, the gateway moves its streams as for
     any dead worker and the supervisor starts a new one."""
     log.critical("engine lost: %s; the worker exits (status %d)", reason, EXIT_ENGINE_LOST)
+    logs.drain()
     logging.shutdown()
     os._exit(EXIT_ENGINE_LOST)
 

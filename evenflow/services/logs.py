@@ -1,36 +1,69 @@
 """Every service's log output: formatted and written to stderr by a thread of its own, so that
 a service's event loop only queues a record (a request line per request at the gateway was ~4%
 of its CPU at 16 streams, most of it the formatting and the write to stderr, measured with
-py-spy). Records still queued when the process ends are written first (logging.shutdown,
-which also runs at exit, closes the handler, and that drains the queue)."""
+py-spy). Records still queued when the process ends are written first: `drain()` runs at exit,
+and a process that ends with os._exit calls it before (services/engine_thread.exit_worker).
+(logging.shutdown alone is not enough: logging.config.dictConfig, which uvicorn calls at start,
+closes every handler and drops them from logging's own list of handlers to flush at exit.)"""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import logging.handlers
 import queue
 import sys
+import threading
+import weakref
+
+_LIVE: weakref.WeakSet[logging.Handler] = weakref.WeakSet()
 
 
 class _QueuedHandler(logging.handlers.QueueHandler):
-    """A QueueHandler that owns its listener: closing it writes what is queued and stops it."""
+    """A QueueHandler that owns its writer thread: closing it writes what is queued and stops
+    the thread; a record that comes after (the handler still attached) starts it again, as
+    logging.config.dictConfig closes every existing handler - uvicorn calls it at start."""
 
     def __init__(self, target: logging.Handler) -> None:
         records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
         super().__init__(records)
         # the record's own text (and traceback) made here; the stderr format in the writer
         self.setFormatter(logging.Formatter("%(message)s"))
-        listener = logging.handlers.QueueListener(records, target, respect_handler_level=True)
-        listener.start()
-        self.listener: logging.handlers.QueueListener | None = listener
+        self.target = target
+        self.listener: logging.handlers.QueueListener | None = None
+        self._starting = threading.Lock()
+        self._start()
+        _LIVE.add(self)
+
+    def _start(self) -> None:
+        with self._starting:
+            if self.listener is None:
+                listener = logging.handlers.QueueListener(self.queue, self.target,
+                                                          respect_handler_level=True)
+                listener.start()
+                self.listener = listener
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.listener is None:
+            self._start()
+        super().emit(record)
 
     def close(self) -> None:
-        listener, self.listener = self.listener, None
+        with self._starting:
+            listener, self.listener = self.listener, None
         if listener is not None:
             listener.stop()  # writes the queued records, then joins the writer thread
-            for handler in listener.handlers:
-                handler.close()
+        self.target.flush()
         super().close()
+
+
+def drain() -> None:
+    """Write every record still queued (and stop the writer threads) before the process ends."""
+    for handler in list(_LIVE):
+        handler.close()
+
+
+atexit.register(drain)
 
 
 def configure(level: str, fmt: str) -> None:
