@@ -100,8 +100,16 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
                                  job.total_usage(choices)))
 
 
+class LastChunk(bytes):
+    """A stream's final bytes: its last events and `data: [DONE]`, sent together with the end
+    of the body (one socket write instead of three)."""
+
+
 async def stream(gateway: Gateway, job: Job, ctx: Context,
-                  span: trace.Span) -> AsyncIterator[bytes]:
+                 span: trace.Span) -> AsyncIterator[bytes]:
+    """The SSE events of a job's choices. Each event goes out as it comes, except the final
+    choice's last one, which waits (no longer than the loop takes to end) to go out with the
+    usage chunk, `[DONE]` and the end of the body in one write."""
     token = otel_context.attach(ctx)
     INFLIGHT.inc()
     outcome = "ok"
@@ -109,8 +117,12 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
     first, offsets = [True] * job.n, [0] * job.n
     finishes: list[str | None] = [None] * job.n
     held = [""] * job.n  # a forced tool call's output, until it is complete
+    finished: set[int] = set()
+    tail: list[bytes] = []  # the events that go out with [DONE]
     try:
         async for index, piece in merged(_runs(gateway, choices)):
+            if piece.finish is not None:
+                finished.add(index)
             if job.tools is not None:
                 held[index] += piece.text
                 if piece.finish is None:
@@ -118,24 +130,32 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
                 calls = None if piece.finish == "length" else tool_calls(job.tools, held[index])
                 finishes[index] = piece.finish
                 if calls:
-                    yield _sse(tool_calls_chunk(job.request_id, job.model, index, calls))
+                    event = _sse(tool_calls_chunk(job.request_id, job.model, index, calls))
+                    if len(finished) < job.n:
+                        yield event
+                    else:
+                        tail.append(event)
                     continue
                 piece = Piece(held[index], piece.finish)  # cut short: the text as content
             usage = job.total_usage(choices) if job.continuous_usage else None
-            yield _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
-                                  piece.finish, first[index],
-                                  _rendered_logprobs(gateway, job, piece, offsets[index]),
-                                  usage))
+            event = _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
+                                    piece.finish, first[index],
+                                    _rendered_logprobs(gateway, job, piece, offsets[index]),
+                                    usage))
             first[index] = False
             offsets[index] += len(piece.text)
             finishes[index] = piece.finish or finishes[index]
+            if len(finished) < job.n:
+                yield event
+            else:
+                tail.append(event)
         job.record(choices, finishes)
         if job.include_usage:
-            yield _sse(usage_chunk(job.kind, job.request_id, job.model,
-                                   job.total_usage(choices)))
+            tail.append(_sse(usage_chunk(job.kind, job.request_id, job.model,
+                                         job.total_usage(choices))))
     except RequestFailed as exc:
         outcome = "error"
-        yield _sse(error_from_failure(exc).body())
+        tail.append(_sse(error_from_failure(exc).body()))
     except BaseException:
         outcome = "cancelled"  # the client went away: client.generate cancelled downstream
         raise
@@ -145,7 +165,8 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
         log.info("%s", job.log_line(f"{outcome} (streamed)", choices))
         span.end()
         otel_context.detach(token)
-    yield b"data: [DONE]\n\n"
+    tail.append(b"data: [DONE]\n\n")
+    yield LastChunk(b"".join(tail))
 
 
 class AdmittedStream(StreamingResponse):
@@ -178,9 +199,15 @@ class AdmittedStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
+            ended_body = False
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                ended_body = isinstance(chunk, LastChunk)
+                if ended_body:  # no disconnect to act on once the body is complete
+                    state["ended"] = True
+                await send({"type": "http.response.body", "body": chunk,
+                            "more_body": not ended_body})
+            if not ended_body:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise

@@ -34,6 +34,8 @@ def assert_error(resp, status, param=None):
 
 @pytest.mark.parametrize("body, param", [
     ("{not json", None),
+    ('{"model": "tiny-moe", "messages": [{"role": "user", "content": "hi"}], '
+     '"temperature": NaN}', None),  # not JSON (the stdlib's parser would take it)
     ({**CHAT, "temperature": "hot"}, "temperature"),
     ({"messages": CHAT["messages"]}, "model"),
     ({"model": "tiny-moe"}, "messages"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from evenflow.gateway.responses import AdmittedStream
+from evenflow.gateway.responses import AdmittedStream, LastChunk
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 
@@ -49,6 +49,18 @@ def test_streams_every_chunk_then_ends_the_body() -> None:
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
     assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert sent[-1]["more_body"] is False
+    assert events == ["released", "returned"]
+
+
+def test_the_last_chunk_goes_out_with_the_end_of_the_body() -> None:
+    """The final events and [DONE] end the body in the same message: one socket write."""
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 0\n\n"
+        yield LastChunk(b"data: 1\n\ndata: [DONE]\n\n")
+
+    sent, events = run_response(body(), None)
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: 0\n\n", True), (b"data: 1\n\ndata: [DONE]\n\n", False)]
     assert events == ["released", "returned"]
 
 
