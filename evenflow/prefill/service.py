@@ -1,6 +1,7 @@
 """Prefill worker: PrefillRequest in -> prompt computed with the local prefix cache -> first
-token straight to the gateway -> the prompt's KV blocks shipped to the chosen decode worker in
-numbered chunks, then KVTransferComplete (layout and chunking: proto/kv_handoff.py).
+token straight to the gateway (one message per gateway per step) -> the prompt's KV blocks
+shipped to the chosen decode worker in numbered chunks, then KVTransferComplete (layout and
+chunking: proto/kv_handoff.py).
 
 Data flow: receive request -> engine thread (batched with other prompts) -> sample first token ->
 emit delta -> (next engine step) export KV -> chunk -> send. The first token never waits for the
@@ -154,19 +155,31 @@ class PrefillWorker(WorkerService):
 
     # -- outbound ---------------------------------------------------------------------------
     def on_outputs(self, outputs: StepDone) -> None:
+        """First tokens go out as one TokenDeltas message per gateway per step (as the decode
+        worker's tokens do), before any K/V that came in the same step."""
+        firsts: dict[str, list[TokenDelta]] = defaultdict(list)
         for out in outputs.outputs:
             if out.kv is not None:  # the K/V of a request whose first token went out
+                continue
+            pending = self.pending.get(out.request_id)
+            if not out.finished or pending is None:
+                continue
+            delta = self._first_token(pending, out)
+            if delta is not None:
+                firsts[pending.request.reply_subject].append(delta)
+            if not pending.awaiting_kv:
+                self.pending.pop(out.request_id, None)
+        for subject, deltas in firsts.items():
+            self.send(subject, TokenDeltas(worker_id=self.worker_id, deltas=deltas))
+        for out in outputs.outputs:
+            if out.kv is not None:
                 pending = self.pending.pop(out.request_id, None)
                 if pending is not None and pending.awaiting_kv:
                     self._ship_kv(pending, out.kv)
-            elif out.finished:
-                pending = self.pending.get(out.request_id)
-                if pending is not None:
-                    self._first_token(pending, out)
-                    if not pending.awaiting_kv:
-                        self.pending.pop(out.request_id, None)
 
-    def _first_token(self, pending: _Pending, out: EngineOutput) -> None:
+    def _first_token(self, pending: _Pending, out: EngineOutput) -> TokenDelta | None:
+        """The request's first token (None when it has none: aborted); a request whose K/V
+        follows waits for it."""
         req = pending.request
         pending.queue_span.end(end_time=pending.admitted_ns or None)
         compute = self.tracer.start_span(
@@ -177,7 +190,7 @@ class PrefillWorker(WorkerService):
         compute.end()
         reason = out.finish_reason.value if out.finish_reason is not None else None
         if reason == "abort" or not out.new_token_ids:
-            return
+            return None
         token = out.new_token_ids[0]
         finish = None
         if reason == "stop":
@@ -185,15 +198,13 @@ class PrefillWorker(WorkerService):
         elif (req.sampling.max_tokens == 1
               or len(req.prompt_token_ids) + 1 >= self.engine.max_model_len):
             finish = "length"
-        delta = TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
-                           num_prompt_tokens=len(req.prompt_token_ids),
-                           num_cached_tokens=out.num_cached_tokens, first_index=0,
-                           **logprob_fields(out))
-        self.send(req.reply_subject, TokenDeltas(worker_id=self.worker_id, deltas=[delta]),
-                  trace.set_span_in_context(compute))
         if finish is None and out.kv_follows:
             pending.awaiting_kv, pending.compute_span = True, compute
             pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
+        return TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
+                          num_prompt_tokens=len(req.prompt_token_ids),
+                          num_cached_tokens=out.num_cached_tokens, first_index=0,
+                          **logprob_fields(out))
 
     def _ship_kv(self, pending: _Pending, kv: kv_handoff.KVPayload) -> None:
         req, token = pending.request, pending.token
