@@ -1,5 +1,6 @@
 """Services' message handling on the in-memory bus (no nats-server, no subprocesses): a decode
-worker's admission and KV hand-off on the mock engine, and the gateway's retry elsewhere."""
+worker's admission and KV hand-off on the mock engine, a prefill worker's first tokens, and the
+gateway's retry elsewhere."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from opentelemetry import trace
 
 from evenflow.decode.service import DecodeWorker
 from evenflow.gateway.client import GatewayClient, RequestFailed
+from evenflow.prefill.service import PrefillWorker
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
     Cancel,
@@ -19,6 +21,7 @@ from evenflow.proto.messages import (
     KVBlockChunk,
     KVTransferComplete,
     Message,
+    PrefillRequest,
     Role,
     SamplingSpec,
     TokenDelta,
@@ -169,6 +172,51 @@ async def a_gateway_seeing(broker: InMemoryBroker, workers: list[FakeDecodeWorke
     while len(client.registry.live(Role.DECODE)) < len(workers):
         await asyncio.sleep(0.01)
     return client
+
+
+def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
+    """Prompts prefilled in the same step: their first tokens reach the gateway together (one
+    TokenDeltas message), each with its own request id, and their K/V goes to the decode worker."""
+    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0,
+                        heartbeat_interval_s=0.05, debug_step_delay_ms="300")
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = PrefillWorker(config, "p0", InMemoryBus(broker, "p0"))
+        running = asyncio.create_task(worker.run(install_signals=False))
+        gateway = Inbox(broker)
+        await gateway.open()
+        completes: list[str] = []
+        await gateway.bus.subscribe(
+            subjects.kv_transfer("d0"),
+            lambda m, _c: completes.append(m.request_id)
+            if isinstance(m, KVTransferComplete) else None)
+        await asyncio.wait_for(worker.started.wait(), 30)
+        try:
+            ids = [f"r{i}" for i in range(4)]
+            for request_id in ids:  # the first step (300 ms) holds r0; r1-r3 wait for the next
+                await gateway.bus.publish(subjects.prefill_worker("p0"), PrefillRequest(
+                    request_id=request_id, prompt_token_ids=[5] * 20, sampling=GREEDY,
+                    reply_subject=INBOX, decode_worker="d0", enqueued_at=0.0))
+            messages: list[TokenDeltas] = []
+            while sum(len(m.deltas) for m in messages) < len(ids):
+                item = await asyncio.wait_for(gateway.items.get(), 20)
+                assert isinstance(item, TokenDeltas), item
+                messages.append(item)
+            assert sorted(d.request_id for m in messages for d in m.deltas) == ids
+            assert all(len(d.token_ids) == 1 and d.first_index == 0
+                       for m in messages for d in m.deltas)
+            assert max(len(m.deltas) for m in messages) >= 3  # r1-r3: one step, one message
+            deadline = time.monotonic() + 20
+            while len(completes) < len(ids) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert sorted(completes) == ids
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(running, 30)
+            await gateway.bus.close()
+
+    asyncio.run(scenario())
 
 
 def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
