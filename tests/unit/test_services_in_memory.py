@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from opentelemetry import trace
@@ -30,6 +32,7 @@ from evenflow.proto.messages import (
 )
 from evenflow.services.config import MeshConfig
 from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
+from evenflow.services.worker import WorkerService
 
 INBOX = "evenflow.gateway.test"
 GREEDY = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
@@ -64,6 +67,21 @@ class Inbox:
                             return tokens, delta.finish_reason
 
 
+@asynccontextmanager
+async def serving(worker: WorkerService, broker: InMemoryBroker) -> AsyncIterator[Inbox]:
+    """The worker running and a gateway stand-in on its broker; both stopped afterwards."""
+    running = asyncio.create_task(worker.run(install_signals=False))
+    gateway = Inbox(broker)
+    await gateway.open()
+    try:
+        await asyncio.wait_for(worker.started.wait(), 30)
+        yield gateway
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(running, 30)
+        await gateway.bus.close()
+
+
 def test_decode_worker_admits_refuses_and_checks_kv_transfers():
     config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0, num_kv_blocks=8,
                         heartbeat_interval_s=0.05)
@@ -71,13 +89,9 @@ def test_decode_worker_admits_refuses_and_checks_kv_transfers():
     async def scenario() -> None:
         broker = InMemoryBroker()
         worker = DecodeWorker(config, "d0", InMemoryBus(broker, "d0"))
-        running = asyncio.create_task(worker.run(install_signals=False))
-        gateway = Inbox(broker)
-        await gateway.open()
-        await asyncio.wait_for(worker.started.wait(), 30)
         to_worker = subjects.decode_worker("d0")
         transfer = subjects.kv_transfer("d0")  # prefill workers' subject
-        try:
+        async with serving(worker, broker) as gateway:
             # A short prompt, prefilled here (conditional disaggregation).
             await gateway.bus.publish(to_worker, DecodeRequest(
                 request_id="local", prompt_token_ids=[5] * 20, sampling=GREEDY,
@@ -114,10 +128,6 @@ def test_decode_worker_admits_refuses_and_checks_kv_transfers():
             last = gateway.heartbeats[-1]
             assert last.role is Role.DECODE and not last.draining
             assert last.free_kv_blocks == last.total_kv_blocks == 8
-        finally:
-            worker.request_stop()
-            await asyncio.wait_for(running, 30)
-            await gateway.bus.close()
 
     asyncio.run(scenario())
 
@@ -183,16 +193,12 @@ def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
     async def scenario() -> None:
         broker = InMemoryBroker()
         worker = PrefillWorker(config, "p0", InMemoryBus(broker, "p0"))
-        running = asyncio.create_task(worker.run(install_signals=False))
-        gateway = Inbox(broker)
-        await gateway.open()
         completes: list[str] = []
-        await gateway.bus.subscribe(
-            subjects.kv_transfer("d0"),
-            lambda m, _c: completes.append(m.request_id)
-            if isinstance(m, KVTransferComplete) else None)
-        await asyncio.wait_for(worker.started.wait(), 30)
-        try:
+        async with serving(worker, broker) as gateway:
+            await gateway.bus.subscribe(
+                subjects.kv_transfer("d0"),
+                lambda m, _c: completes.append(m.request_id)
+                if isinstance(m, KVTransferComplete) else None)
             ids = [f"r{i}" for i in range(4)]
             for request_id in ids:  # the first step (300 ms) holds r0; r1-r3 wait for the next
                 await gateway.bus.publish(subjects.prefill_worker("p0"), PrefillRequest(
@@ -211,10 +217,6 @@ def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
             while len(completes) < len(ids) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert sorted(completes) == ids
-        finally:
-            worker.request_stop()
-            await asyncio.wait_for(running, 30)
-            await gateway.bus.close()
 
     asyncio.run(scenario())
 
