@@ -117,37 +117,30 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
     first, offsets = [True] * job.n, [0] * job.n
     finishes: list[str | None] = [None] * job.n
     held = [""] * job.n  # a forced tool call's output, until it is complete
-    finished: set[int] = set()
     tail: list[bytes] = []  # the events that go out with [DONE]
     try:
         async for index, piece in merged(_runs(gateway, choices)):
-            if piece.finish is not None:
-                finished.add(index)
+            event = None
             if job.tools is not None:
                 held[index] += piece.text
                 if piece.finish is None:
                     continue
                 calls = None if piece.finish == "length" else tool_calls(job.tools, held[index])
-                finishes[index] = piece.finish
                 if calls:
                     event = _sse(tool_calls_chunk(job.request_id, job.model, index, calls))
-                    if len(finished) < job.n:
-                        yield event
-                    else:
-                        tail.append(event)
-                    continue
-                piece = Piece(held[index], piece.finish)  # cut short: the text as content
-            usage = job.total_usage(choices) if job.continuous_usage else None
-            event = _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
-                                    piece.finish, first[index],
-                                    _rendered_logprobs(gateway, job, piece, offsets[index]),
-                                    usage))
-            first[index] = False
-            offsets[index] += len(piece.text)
+                piece = Piece(held[index], piece.finish)  # no calls: the text as content
+            if event is None:
+                usage = job.total_usage(choices) if job.continuous_usage else None
+                event = _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
+                                        piece.finish, first[index],
+                                        _rendered_logprobs(gateway, job, piece, offsets[index]),
+                                        usage))
+                first[index] = False
+                offsets[index] += len(piece.text)
             finishes[index] = piece.finish or finishes[index]
-            if len(finished) < job.n:
+            if None in finishes:
                 yield event
-            else:
+            else:  # the last choice's last event
                 tail.append(event)
         job.record(choices, finishes)
         if job.include_usage:

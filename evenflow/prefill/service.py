@@ -158,8 +158,10 @@ class PrefillWorker(WorkerService):
         """First tokens go out as one TokenDeltas message per gateway per step (as the decode
         worker's tokens do), before any K/V that came in the same step."""
         firsts: dict[str, list[TokenDelta]] = defaultdict(list)
+        exports: list[EngineOutput] = []
         for out in outputs.outputs:
             if out.kv is not None:  # the K/V of a request whose first token went out
+                exports.append(out)
                 continue
             pending = self.pending.get(out.request_id)
             if not out.finished or pending is None:
@@ -171,11 +173,10 @@ class PrefillWorker(WorkerService):
                 self.pending.pop(out.request_id, None)
         for subject, deltas in firsts.items():
             self.send(subject, TokenDeltas(worker_id=self.worker_id, deltas=deltas))
-        for out in outputs.outputs:
-            if out.kv is not None:
-                pending = self.pending.pop(out.request_id, None)
-                if pending is not None and pending.awaiting_kv:
-                    self._ship_kv(pending, out.kv)
+        for out in exports:
+            pending = self.pending.pop(out.request_id, None)
+            if pending is not None and pending.awaiting_kv and out.kv is not None:
+                self._ship_kv(pending, out.kv)
 
     def _first_token(self, pending: _Pending, out: EngineOutput) -> TokenDelta | None:
         """The request's first token (None when it has none: aborted); a request whose K/V
