@@ -12,8 +12,8 @@ __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.llm import LLM
-    from evenflow.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from evenflow.engine.sampling_params import SamplingParams
+        from evenflow.engine.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'evenflow' has no attribute {name!r}")

@@ -183,8 +183,8 @@ def _quantization_args(parser: argparse._ActionsContainer) -> None:
 def _quantize(args: argparse.Namespace) -> int:
     from evenflow import models
     from evenflow.engine.config import ModelLoadError
-    from evenflow.engine.gptq import write_gptq
-    from evenflow.engine.quant import QuantConfig
+    from evenflow.engine.quant.stacks import QuantConfig
+    from evenflow.engine.weights.gptq import write_gptq
 
     source = models.resolve_model(args.model)
     if source is None:

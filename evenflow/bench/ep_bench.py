@@ -3,7 +3,7 @@ expert-parallel ranks?
 
 On a skewed workload (tiny-moe's own routing, and a random 110M Mixtral whose router favours
 experts 2 and 3, which the initial placement puts on one rank without replicas), N=2 DEP ranks
-of 1 thread each (offline, engine/ep_runner.py) run batch-32 decode and a 2,048-token prefill
+of 1 thread each (offline, engine/dep/offline.py) run batch-32 decode and a 2,048-token prefill
 per rank, first under the initial placement (experts in order, the redundant slots on copies of
 the first experts), then under the placement the balancer computes
 from the load it saw (balancer/eplb.py: replicate hot experts, pack ranks evenly, replica
@@ -63,8 +63,8 @@ def run_ep(ckpt: str, plan: dict) -> dict:
     import torch
 
     from evenflow.balancer.eplb import rebalance_experts, replica_shares
+    from evenflow.engine.dep.offline import DEPEngine
     from evenflow.engine.engine import EngineConfig
-    from evenflow.engine.ep_runner import DEPEngine
 
     engine = DEPEngine(EngineConfig(model=ckpt, num_threads=1, expert_parallel_size=plan["ranks"],
                                     num_redundant_experts=REDUNDANT, max_num_seqs=64))

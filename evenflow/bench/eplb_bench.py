@@ -140,7 +140,7 @@ def live(seconds: float) -> int:
     import httpx
     import nats
 
-    from evenflow.engine.placement import rank_balancedness
+    from evenflow.engine.model.placement import rank_balancedness
     from evenflow.proto import subjects
     from evenflow.proto.messages import ExpertLoad, ExpertPlacement, decode
     from evenflow.services.config import MeshConfig

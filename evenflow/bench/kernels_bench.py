@@ -16,7 +16,8 @@ heads, 2 KV heads, head_dim 64; `--context` tokens each, scattered over the cach
 (gather K and V with index_select, then scaled_dot_product_attention with a padding mask) against
 engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel at
 every batch size where it keeps the head shape in registers (this one, on AVX-512 builds), else
-up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model.py), torch's path above.
+up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model/transformer.py), torch's path
+above.
 
 Then causal prefill attention per prompt length (same heads; the prompt's K and V in the cache):
 torch's scaled_dot_product_attention (its CPU flash kernel, what the engine runs where ours does
@@ -42,9 +43,9 @@ def _weights(n: int, k: int, dtype: Any, g: Any) -> dict[str, Any]:
     the engine's own quantizer into the stored forms its kernels read."""
     import torch
 
-    from evenflow.engine import prepack
-    from evenflow.engine.kernel_plan import NATIVE, KernelChoice
-    from evenflow.engine.quant import Int4Stack, Int8Stack, QuantConfig, quantize
+    from evenflow.engine.kernels.plan import NATIVE, KernelChoice
+    from evenflow.engine.quant.stacks import Int4Stack, Int8Stack, QuantConfig, quantize
+    from evenflow.engine.weights import prepack
 
     w = torch.randn(n, k, generator=g) * 0.02
     int8 = Int8Stack.build([quantize(w, QuantConfig("int8"))], dtype)
@@ -61,9 +62,9 @@ def _kernels(x: Any, wt: dict[str, Any], ops: Any) -> dict[str, Callable[[], obj
     """Each kernel on `x`, through the engine's own stored forms and entry points."""
     import torch.nn.functional as F
 
-    from evenflow.engine import prepack
-    from evenflow.engine.kernel_plan import DENSE, NATIVE, PACKED, KernelChoice
-    from evenflow.engine.quant import Int8Stack
+    from evenflow.engine.kernels.plan import DENSE, NATIVE, PACKED, KernelChoice
+    from evenflow.engine.quant.stacks import Int8Stack
+    from evenflow.engine.weights import prepack
 
     def int8(kernel: int) -> Callable[[], object]:
         stack = Int8Stack(wt["int8"].q, wt["int8"].scale, KernelChoice((kernel,)))
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evenflow.bench.machine import machine_line
-    from evenflow.engine import native
     from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.kernels import native
 
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if cpu_has_bf16() else torch.float32
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _attention_table(batches: list[int], context: int, rounds: int, dtype: Any,
                      g: Any) -> None:
-    from evenflow.engine import native
-    from evenflow.engine.model import PAGED_ATTENTION_MAX_BATCH
+    from evenflow.engine.kernels import native
+    from evenflow.engine.model.transformer import PAGED_ATTENTION_MAX_BATCH
 
     paged = native.decode_attention()
     use = ("at every batch (its register path serves these heads)"
@@ -159,7 +160,7 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
     """Median µs of torch's decode attention path and of ours, in the same rounds."""
     import torch
 
-    from evenflow.engine.model import gathered_decode_attention
+    from evenflow.engine.model.transformer import gathered_decode_attention
 
     heads, kv_heads, hd = 8, 2, 64
     slots_total = b * context * 2
@@ -184,7 +185,7 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
 
 
 def _prefill_attention_table(lengths: list[int], rounds: int, dtype: Any, g: Any) -> None:
-    from evenflow.engine import native
+    from evenflow.engine.kernels import native
 
     heads, kv_heads, hd = 8, 2, 64
     kernel = native.prefill_attention()

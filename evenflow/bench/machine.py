@@ -10,7 +10,7 @@ from pathlib import Path
 # Environment variables that hold oneDNN / MKL / ATen below the CPU's instruction set (an
 # AVX2 machine's kernels on an AVX-512 one)
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
-            "EVENFLOW_NATIVE_MARCH")  # (the last: our own kernels', engine/native.py)
+            "EVENFLOW_NATIVE_MARCH")  # (the last: our own kernels', engine/kernels/native.py)
 RELEVANT_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni",
                   "avx_vnni")
 

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.engine import Engine, EngineConfig
-    from evenflow.engine.sampling_params import SamplingParams
 
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))

@@ -4,8 +4,8 @@ the machine's native dtype, all measured in one run.
 Speed and memory, on the random Mixtral-style 110M checkpoint (each variant in its own
 subprocess, same threads): decode ms/step at batch 1, 8 and 32 (128-token prompts), prefill of
 512 tokens, and the peak RSS the model load adds to the process. int8 and int4 run twice: with
-the kernels the engine picks (ours among them: engine/native.py) and on torch's kernels alone
-(EVENFLOW_NATIVE_KERNELS=0, the `-torch` columns).
+the kernels the engine picks (ours among them: engine/kernels/native.py) and on torch's kernels
+alone (EVENFLOW_NATIVE_KERNELS=0, the `-torch` columns).
 
 Then native, int8 and int4-g64 once more, the three engines in one process, their runs
 alternating batch size by batch size (native, int8, int4, native, ...; median of 3 rounds): the
@@ -42,7 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4-g64": {"quantization": "int4", "quant_group_size": 64},
     # the noise floor of the quality table: the same unquantized model computed in float32
     "float32": {"dtype": "float32"},
-    # the same quantized models on torch's kernels alone (without ours: engine/native.py)
+    # the same quantized models on torch's kernels alone (without ours: engine/kernels/native.py)
     "int8-torch": {"quantization": "int8"},
     "int4-torch": {"quantization": "int4", "quant_group_size": 64}}
 VARIANT_ENV = {"int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
@@ -67,16 +67,15 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
 def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> dict:
     import torch
 
-    from evenflow.engine.engine import (
-        Engine,
-        EngineConfig,
+    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.weights.loader import (
+        load_model,
         quant_config,
         resolve_model,
         torch_dtype,
     )
-    from evenflow.engine.loader import load_model
-    from evenflow.engine.quantize_model import quantized_bytes
-    from evenflow.engine.sampling_params import SamplingParams
+    from evenflow.engine.weights.quantize_model import quantized_bytes
 
     config = EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
                           max_num_batched_tokens=4096, num_kv_blocks=2048, **VARIANTS[variant])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from evenflow.engine.block_manager import KVEventListener
+    from evenflow.engine.core.block_manager import KVEventListener
     from evenflow.engine.engine import Engine, EngineConfig
 
 
@@ -17,10 +17,10 @@ def create_engine(kind: str, config: EngineConfig,
     """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model.
     A serving engine collects its KV events for take_kv_events() (collect_kv_events). With
     config.expert_parallel_size > 1, this is rank `ep_rank` of the DEP group named `ep_group`
-    (engine/lockstep.py). The mock engine's modelled step times are scaled by
+    (engine/dep/lockstep.py). The mock engine's modelled step times are scaled by
     mock_timing_scale (0: no compute at all, to measure everything around the engine)."""
     if kind == "torch" and config.expert_parallel_size > 1:
-        from evenflow.engine.lockstep import LockstepEngine
+        from evenflow.engine.dep.lockstep import LockstepEngine
 
         return LockstepEngine(config, kv_event_listener, collect_kv_events, ep_rank, ep_group)
     if kind == "torch":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,60 @@ from typing import Any
 from evenflow import models
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANT_METHODS = ("int8", "int4")  # engine/quant.py implements them (this module is torch-free)
+# engine/quant/stacks.py implements them (this module is torch-free)
+QUANT_METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class EngineSwitch:
+    """A process-wide engine switch, read from the environment (`EVENFLOW_<NAME>`): the same
+    offline, under `evenflow up`, Ray Serve and compose (services/config.py carries them to the
+    workers). `evenflow up --help-env` lists them."""
+
+    name: str  # the environment variable
+    default: str
+    help: str
+    on_off: bool = True  # 1/0, true/false, on/off; else any string (NATIVE_MARCH)
+
+
+ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
+    EngineSwitch("EVENFLOW_NATIVE_KERNELS", "1", "the engine's own C++ kernels (0: torch's "
+                 "kernels everywhere)"),
+    EngineSwitch("EVENFLOW_NATIVE_MARCH", "native", "the GCC -march the kernels are built for "
+                 "(e.g. haswell: an AVX2 machine's code paths)", on_off=False),
+    EngineSwitch("EVENFLOW_NATIVE_NORM", "1", "fused RMSNorm + residual add"),
+    EngineSwitch("EVENFLOW_NATIVE_ROTARY", "1", "the decode step's fused rotary + KV write"),
+    EngineSwitch("EVENFLOW_NATIVE_ATTENTION", "1", "paged decode attention"),
+    EngineSwitch("EVENFLOW_NATIVE_PREFILL_ATTENTION", "1", "causal prefill attention over the "
+                 "paged cache"),
+    EngineSwitch("EVENFLOW_NATIVE_KV_BLOCKS", "1", "the K/V hand-off's block copies"),
+    EngineSwitch("EVENFLOW_NATIVE_MOE", "1", "the fused routed-experts kernel"),
+    EngineSwitch("EVENFLOW_NATIVE_LINEAR", "1", "dense linears over panel-packed weights"),
+    EngineSwitch("EVENFLOW_NATIVE_ROUTING", "1", "MoE routing (softmax, top-k) in one call"),
+    EngineSwitch("EVENFLOW_FAST_DECODE", "1", "a decode step's layers as one native call"),
+)}
+_OFF = ("0", "false", "off", "no")
+
+
+def check_engine_switch(name: str, raw: str) -> str:
+    """The switch's value, checked (ValueError names the variable)."""
+    switch = ENGINE_SWITCHES[name]
+    if switch.on_off and raw.lower() not in _OFF + ("1", "true", "on", "yes"):
+        raise ValueError(f"{name} must be 1 or 0 (true/false, on/off), not {raw!r}")
+    if not raw:
+        raise ValueError(f"{name} is empty")
+    return raw
+
+
+def engine_switch(name: str) -> str:
+    """The one reader of the engine's switches: the environment's value, else the default."""
+    raw = os.environ.get(name)
+    return ENGINE_SWITCHES[name].default if raw is None else check_engine_switch(name, raw)
+
+
+def switched_on(name: str) -> bool:
+    return engine_switch(name).lower() not in _OFF
 
 
 @functools.cache
@@ -58,8 +111,8 @@ class EngineConfig:
     # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
     num_ep_ranks: int = 0
     num_redundant_experts: int = 0
-    # Weight-only quantization at load (engine/quant.py): None, "int8" (per output channel) or
-    # "int4" (groups of quant_group_size input channels, with zero points unless symmetric).
+    # Weight-only quantization at load (engine/quant/stacks.py): None, "int8" (per output channel)
+    # or "int4" (groups of quant_group_size input channels, with zero points unless symmetric).
     # A GPTQ checkpoint is loaded quantized as it is, whatever this says.
     quantization: str | None = None
     quant_group_size: int = 64
@@ -69,12 +122,12 @@ class EngineConfig:
     # layer's heads and MLP/expert columns (engine/tensor_parallel.py). Rank 0 is this process.
     # num_threads is then per rank (default: cores / N).
     tensor_parallel_size: int = 1
-    # Expert parallelism with data-parallel attention (engine/ep_runner.py, offline LLM only
+    # Expert parallelism with data-parallel attention (engine/dep/offline.py, offline LLM only
     # for now): N lockstep rank processes, each with its own requests and KV cache, each
     # computing its share of the expert slots; implies num_ep_ranks = N.
     expert_parallel_size: int = 1
     show_progress: bool = False  # a loading bar on stderr (the offline API: on a terminal)
-    # Reorder float weights once into oneDNN's blocked layout (engine/prepack.py): decode's
+    # Reorder float weights once into oneDNN's blocked layout (engine/weights/prepack.py): decode's
     # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
     prepack_weights: bool = True
 
@@ -101,7 +154,7 @@ class EngineConfig:
 
 
 def check_quantization(method: str, group_size: int) -> None:
-    """ValueError unless engine/quant.py implements `method` with this (int4) group size."""
+    """ValueError unless engine/quant/stacks.py implements `method` with this (int4) group size."""
     if method not in QUANT_METHODS:
         raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, got {method!r}")
     if method == "int4" and group_size not in INT4_GROUP_SIZES:

@@ -8,68 +8,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from evenflow import models
-from evenflow.engine import native
-from evenflow.engine.block_manager import BlockManager, KVEventListener
-from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError, cpu_has_bf16
-from evenflow.engine.expert_store import PlacementMoves, read_missing_experts
-from evenflow.engine.guided import Guides
-from evenflow.engine.loader import load_model
-from evenflow.engine.model import CausalLM
+from evenflow.engine.config import EngineConfig, ModelConfig
+from evenflow.engine.core.block_manager import BlockManager, KVEventListener
+from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
+from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
+from evenflow.engine.core.sequence import FinishReason, Sequence
+from evenflow.engine.kernels import native
 from evenflow.engine.placement_control import ExpertPlacementControl
-from evenflow.engine.prepack import prepack_model
 from evenflow.engine.profiling import ProfileControl, StepProfiler
-from evenflow.engine.quant import QuantConfig
-from evenflow.engine.runner import ModelRunner
-from evenflow.engine.sampling_params import SamplingParams, sampling_params_of
-from evenflow.engine.scheduler import Scheduler, SchedulerConfig
-from evenflow.engine.sequence import FinishReason, Sequence
-from evenflow.engine.tp_runner import TPGroup, TPLeaderRunner, threads_per_rank
-from evenflow.engine.tp_shard import TPShard
+from evenflow.engine.runners.model_runner import ModelRunner
+from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
+from evenflow.engine.sample.guided import Guides
+from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
+from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
+from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
-
-
-def resolve_model(model: str) -> Path:
-    """A built-in model's name (`tiny-moe`) or a checkpoint directory."""
-    path = models.resolve_model(model)
-    if path is None:
-        raise ModelLoadError(f"model {model!r} is neither a built-in model nor a directory")
-    return path
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(config: EngineConfig) -> torch.dtype:
-    """The dtype the engine computes in: auto is bfloat16 where the CPU has native bf16 math."""
-    if config.dtype == "auto":
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
-    return _DTYPES[config.dtype]
-
-
-def quant_config(config: EngineConfig) -> QuantConfig | None:
-    if config.quantization is None:
-        return None
-    return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
-                       config.quantize_lm_head)
-
-
-def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,
-                 shard: TPShard | None = None) -> CausalLM:
-    """The model as one rank holds it: loaded (its tensor-parallel shard, if any), quantized
-    and prepacked as the config says."""
-    model = load_model(model_dir, dtype, quant_config(config), shard,
-                       show_progress=config.show_progress and shard is None)
-    if config.prepack_weights:
-        prepack_model(model, dtype, fuse_experts=config.expert_parallel_size == 1)
-    return model
 
 
 @dataclass(frozen=True)
@@ -100,7 +60,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
                  collect_kv_events: bool = False, ep_group: ProcessGroup | None = None):
         if config.expert_parallel_size > 1 and ep_group is None:
-            raise ValueError("expert_parallel_size > 1 runs through LLM (engine/ep_runner.py)")
+            raise ValueError("expert_parallel_size > 1 runs through LLM (engine/dep/offline.py)")
         self.config = config
         self._tp: TPGroup | None = None
         self._profiler: StepProfiler | None = None

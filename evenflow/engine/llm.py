@@ -11,9 +11,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
+from evenflow.engine.core.sampling_params import SamplingParams
+from evenflow.engine.dep.offline import DEPEngine
 from evenflow.engine.engine import Engine, EngineConfig
-from evenflow.engine.ep_runner import DEPEngine
-from evenflow.engine.sampling_params import SamplingParams
 from evenflow.progress import on_terminal
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer
 

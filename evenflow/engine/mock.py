@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from evenflow.engine.config import ModelConfig, load_config
+from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.engine import Engine
-from evenflow.engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The engine's side of expert placement (a mixin of Engine): apply a placement at once
 (virtual ranks), or stage one and take it one MoE layer per call between steps (real
-expert-parallel ranks, engine/lockstep.py and engine/ep_runner.py), and hand out the per-slot
+expert-parallel ranks, engine/dep/lockstep.py and engine/dep/offline.py), and hand out the per-slot
 token counts the balancer balances on."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import torch
 
 from evenflow.engine.config import EngineConfig
-from evenflow.engine.expert_store import PlacementMoves, StagedPlacement
-from evenflow.engine.runner import ModelRunner
+from evenflow.engine.runners.model_runner import ModelRunner
+from evenflow.engine.weights.expert_store import PlacementMoves, StagedPlacement
 
 
 class ExpertPlacementControl:
@@ -72,7 +72,7 @@ class ExpertPlacementControl:
         return counts.shape[0], counts.shape[1], counts.flatten().tolist()
 
     def take_rank_timing(self) -> list[float] | None:
-        return None  # not an expert-parallel rank (engine/lockstep.py is)
+        return None  # not an expert-parallel rank (engine/dep/lockstep.py is)
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call."""

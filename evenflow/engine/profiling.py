@@ -15,8 +15,8 @@ COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
 
 
 def _label(module) -> str | None:
-    from evenflow.engine.ffn import MLP, MoE
-    from evenflow.engine.model import Attention, RMSNorm
+    from evenflow.engine.model.ffn import MLP, MoE
+    from evenflow.engine.model.transformer import Attention, RMSNorm
 
     if isinstance(module, Attention):
         return "attention"
@@ -52,7 +52,7 @@ class _SamplerRange:
     def __init__(self) -> None:
         from torch.profiler import record_function
 
-        from evenflow.engine import runner
+        from evenflow.engine.runners import model_runner as runner
 
         self.original = original = runner.sample
 
@@ -63,7 +63,7 @@ class _SamplerRange:
         runner.sample = sample_in_range  # type: ignore[assignment]
 
     def remove(self) -> None:
-        from evenflow.engine import runner
+        from evenflow.engine.runners import model_runner as runner
 
         runner.sample = self.original  # type: ignore[assignment]
 

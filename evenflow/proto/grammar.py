@@ -3,7 +3,7 @@ checkpoint's vocabulary as the byte strings llguidance matches grammars against.
 
 Torch-free on purpose: the gateway turns `response_format` / `guided_*` / `tools` into a grammar
 and validates it against the model's vocabulary (a bad schema is a 400 before any work), and the
-engine builds one matcher per sequence from the same grammar text (engine/guided.py).
+engine builds one matcher per sequence from the same grammar text (engine/sample/guided.py).
 
 Formats (`guide_grammar(kind, value)`):
 - "json_schema": a JSON schema (dict); "json_object": any JSON object;

@@ -88,8 +88,8 @@ class MeshConfig:
     kv_cache_gb: float = _ENGINE.kv_cache_gb
     num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
     threads_per_worker: int = 1  # torch threads of each worker's engine
-    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant.py; EngineConfig
-    # checks the value)
+    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant/stacks.py;
+    # EngineConfig checks the value)
     quantization: str = ""
     quant_group_size: int = _ENGINE.quant_group_size
     quant_symmetric: bool = _ENGINE.quant_symmetric
@@ -169,7 +169,7 @@ class MeshConfig:
     num_gateways: int = 1
     num_prefill: int = 1
     num_decode: int = 1
-    # DEP (engine/lockstep.py): every worker is a group of this many rank processes, each a
+    # DEP (engine/dep/lockstep.py): every worker is a group of this many rank processes, each a
     # worker of its own (d0r0, d0r1, ...) whose MoE layers are expert-parallel over the group;
     # then num_ep_ranks is the group size. ep_rank / ep_group are set per process by the
     # launcher (EVENFLOW_EP_RANK, EVENFLOW_EP_GROUP).

@@ -1,4 +1,4 @@
-"""The fast decode stack (engine/decode_fast.py: the layers, or the whole step, as one native
+"""The fast decode stack (engine/model/decode_stack.py: the layers, or the whole step, as one native
 call) computes exactly what the module path computes: the same logits, bit for bit, at every
 step, and the same expert counts for EPLB."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine import native, panels
+from evenflow.engine.kernels import native, panels
 
 
 def _recorded(llm: LLM, fast: bool) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Guided decoding in the engine (engine/guided.py) on the built-in tiny-moe: outputs follow
+"""Guided decoding in the engine (engine/sample/guided.py) on the built-in tiny-moe: outputs follow
 their grammar in a mixed batch, a guided sequence stops as soon as its grammar is complete, a
 request continued elsewhere (a prefill worker's first token, a retry's earlier output) resumes
 its grammar where it was, and a grammar that cannot build ends only its own request."""

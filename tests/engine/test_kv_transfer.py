@@ -81,7 +81,7 @@ def test_native_block_copies_equal_torch(ckpt, monkeypatch):
     """kernels/kv_blocks.cpp reads and writes exactly what torch's per-layer index ops do."""
     import torch
 
-    from evenflow.engine import native
+    from evenflow.engine.kernels import native
 
     if native.kv_blocks() is None:
         pytest.skip("native kernels unavailable")

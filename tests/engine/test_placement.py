@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.placement import rank_balancedness
+from evenflow.engine.model.placement import rank_balancedness
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["count from 17 :", "reverse : a b c d =", "count down from 90 :"]

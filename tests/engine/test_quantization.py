@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from evenflow import LLM, SamplingParams, models
 from evenflow.engine.config import ModelLoadError
-from evenflow.engine.gptq import write_gptq
-from evenflow.engine.quant import QuantConfig, quantize
-from evenflow.engine.quantize_model import QuantLinear, quantized_bytes
+from evenflow.engine.quant.stacks import QuantConfig, quantize
+from evenflow.engine.weights.gptq import write_gptq
+from evenflow.engine.weights.quantize_model import QuantLinear, quantized_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")

@@ -15,7 +15,7 @@ import torch
 from meshutil import wait_for
 
 from evenflow.balancer.service import placement_key
-from evenflow.engine.placement import rank_balancedness
+from evenflow.engine.model.placement import rank_balancedness
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement, decode
 from evenflow.services.config import MeshConfig

@@ -15,7 +15,7 @@ from checkpoints import ARCHS, VOCAB, make_checkpoint
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
-from evenflow.engine.tp_runner import TensorParallelLost
+from evenflow.engine.runners.tp import TensorParallelLost
 from evenflow.parallel.launch import run_ranks
 from evenflow.parallel.shm import SHM_DIR
 
@@ -36,9 +36,9 @@ def prompts(lengths, seed=1, prefix=()):
 
 def rank_logits(rank: int, world: int, path: str, name: str, prompt: list[int]) -> list:
     """One prefill of `prompt` on this rank's shard: the last position's logits, every rank."""
-    from evenflow.engine.loader import load_model
-    from evenflow.engine.runner import ChunkInput, ModelRunner
-    from evenflow.engine.tp_shard import TPShard
+    from evenflow.engine.runners.model_runner import ChunkInput, ModelRunner
+    from evenflow.engine.weights.loader import load_model
+    from evenflow.engine.weights.tp_shard import TPShard
     from evenflow.parallel.shm import ShmGroup
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
-from evenflow.engine.block_manager import BlockManager
-from evenflow.engine.sampling_params import SamplingParams
-from evenflow.engine.sequence import Sequence
+from evenflow.engine.core.block_manager import BlockManager
+from evenflow.engine.core.sampling_params import SamplingParams
+from evenflow.engine.core.sequence import Sequence
 from evenflow.proto.messages import BlockRemoved, BlockStored
 
 

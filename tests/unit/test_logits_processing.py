@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from evenflow.engine.sampler import sample
-from evenflow.engine.sampling_params import SamplingParams
-from evenflow.engine.sequence import Sequence
+from evenflow.engine.core.sampling_params import SamplingParams
+from evenflow.engine.core.sequence import Sequence
+from evenflow.engine.sample.sampler import sample
 
 GREEDY = dict(temperature=0)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evenflow.engine import native, panels
-from evenflow.engine.quant import QuantConfig, QuantValues, quantize
-from evenflow.engine.quant_panels import PanelStack
+from evenflow.engine.kernels import native, panels
+from evenflow.engine.quant.panel_stack import PanelStack
+from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 
 DTYPES = [torch.float32, torch.bfloat16]
 H, INTER, EXPERTS, TOP_K = 128, 192, 6, 2

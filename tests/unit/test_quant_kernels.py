@@ -10,15 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evenflow.engine import gptq, native
-from evenflow.engine.kernel_plan import DENSE, NATIVE, PACKED, KernelChoice
-from evenflow.engine.quant import (
+from evenflow.engine.kernels import native
+from evenflow.engine.kernels.plan import DENSE, NATIVE, PACKED, KernelChoice
+from evenflow.engine.quant.stacks import (
     Int4Stack,
     Int8Stack,
     QuantConfig,
     QuantValues,
     quantize,
 )
+from evenflow.engine.weights import gptq
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -87,7 +88,7 @@ def test_int4_every_form_matches_the_dequantized_weight(dtype, form, symmetric, 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_select_builds_the_slot_stack_of_an_expert_placement(method):
     values = [quantize(w, QuantConfig(method)) for w in weights(experts=4)]
-    from evenflow.engine.quant import build_stack
+    from evenflow.engine.quant.build import build_stack
 
     stack = build_stack(values, torch.float32)
     slots = stack.select(torch.tensor([2, 0, 2, 3, 1]))

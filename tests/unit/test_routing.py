@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from evenflow.engine import native, routing
-from evenflow.engine.panels import PanelLinear
+from evenflow.engine.kernels import native
+from evenflow.engine.kernels.panels import PanelLinear
+from evenflow.engine.model import router as routing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

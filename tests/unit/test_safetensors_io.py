@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from evenflow.engine import safetensors_io
+from evenflow.engine.weights import safetensors_io
 
 
 def test_reads_what_safetensors_wrote(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 // A decode-only step's MoE decoder layers in one call: the same kernel calls, with the same
-// arguments in the same order, as engine/decode_fast.py's FastDecodeLayer makes from Python,
+// arguments in the same order, as engine/model/decode_stack.py's FastDecodeLayer makes from Python,
 // made from C++ without the Python frames and the dispatcher between them (the result is
 // bit-identical). A DecodeStack holds every layer's weights once (add_layer, when the engine
 // first decodes); each step passes only what changes: the hidden states, rotary rows, caches and
@@ -62,7 +62,7 @@ struct Layer {
   int64_t num_experts = 0, top_k = 0;
   bool renormalize = false;
   std::optional<at::Tensor> counts;
-  // under an expert placement (engine/placement.py's SlotPlacement): log2phy (E, R) int64,
+  // under an expert placement (engine/model/placement.py's SlotPlacement): log2phy (E, R) int64,
   // cum_share (E, R) float32, and the (P,) slot counts EPLB reads, or undefined
   at::Tensor log2phy, cum_share;
   std::optional<at::Tensor> slot_counts;

@@ -7,7 +7,7 @@
 // dispatch and an allocation, where the step is bound by reading the expert weights. Here the
 // weights are read once, from a layout made for it, and nothing else is allocated per expert.
 //
-// Weight layout (packed once at load by evenflow/engine/panels.py): a weight (N, K) is cut
+// Weight layout (packed once at load by evenflow/engine/kernels/panels.py): a weight (N, K) is cut
 // into panels of 64 output channels; within a panel the inputs run outermost, so a panel is
 // one contiguous stream and a vector load gives 16 channels at once (no horizontal sums):
 //   bf16: (N/64, K/2, 64, 2) — pairs of inputs side by side, for AVX512-BF16's vdpbf16ps;
@@ -17,7 +17,7 @@
 //
 // Threads: ATen's pool. Tasks are (panel, expert) pairs, panel-major, so the static split of
 // at::parallel_for hands every thread the same share of each expert (balanced at prefill too).
-// Compiled at first use with -march=native by evenflow/engine/native.py.
+// Compiled at first use with -march=native by evenflow/engine/kernels/native.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // The prefill -> decode K/V hand-off's copies between the paged cache and the block-major
-// payload (blocks, layers, 2, block_size, kv_heads, head_dim) of engine/runner.py's read_kv /
+// payload (blocks, layers, 2, block_size, kv_heads, head_dim) of engine/runners/model_runner.py's read_kv /
 // write_kv: one memcpy per (block, layer, K or V) — each a block's whole K or V of one layer,
 // contiguous on both sides.
 //

@@ -9,7 +9,7 @@
 //
 // Softmax in float32, two passes over the scores (max, then exp/sum while V accumulates).
 // Threads: ATen's pool, one task per (sequence, KV head). Compiled at first use with
-// -march=native by evenflow/engine/native.py, next to the weight-only kernels.
+// -march=native by evenflow/engine/kernels/native.py, next to the weight-only kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -2,7 +2,7 @@
 // serve paged_attention.cpp and weight_only.cpp): the register-blocked
 // matmul over one panel of 64 output channels in the packed layout, and float helpers.
 //
-// Packed layout (made by evenflow/engine/panels.py): a weight (N, K) is cut into panels of
+// Packed layout (made by evenflow/engine/kernels/panels.py): a weight (N, K) is cut into panels of
 // 64 output channels; within a panel the inputs run outermost, so a panel is one contiguous
 // stream and one vector load gives 16 channels (no horizontal sums):
 //   bf16: (N/64, K/2, 64, 2) — pairs of inputs side by side, for AVX512-BF16's vdpbf16ps;
@@ -38,7 +38,7 @@ constexpr int kRows = 2;
 
 // Built for AVX-512: the panel kernels' 64-channel register blocks fit its 32 registers. On
 // AVX2 (16 registers) the 16-float vectors spill and measured ~20x slower than oneDNN, so the
-// bf16 and quantized panels stay AVX-512's (engine/panels.py asks `panel_kernels_fast`).
+// bf16 and quantized panels stay AVX-512's (engine/kernels/panels.py asks `panel_kernels_fast`).
 #if defined(__AVX512F__)
 constexpr bool kPanelsFast = true;
 #else

@@ -9,7 +9,7 @@
 // its time in attention and the experts instead).
 //
 // Threads: ATen's pool over (row block, panel) tasks. Compiled at first use with
-// -march=native by evenflow/engine/native.py.
+// -march=native by evenflow/engine/kernels/native.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

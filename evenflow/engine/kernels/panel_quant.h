@@ -1,7 +1,7 @@
 // Weight-only quantized panels for the panel kernels (fused_moe.cpp, panel_linear.cpp), and
 // the one routine both kernels run per (weight panel, block of rows): `run_panel`.
 //
-// Stored forms (made by evenflow/engine/panels.py), panels of 64 output channels as in panel.h:
+// Stored forms (made by evenflow/engine/kernels/panels.py), panels of 64 output channels as in panel.h:
 //   int8: (N/64, K, 64) int8, w = q * scale[n] (float32 (N,): applied to the sums);
 //   int4: (N/64, K/2, 64) uint8, byte (kp, c) holds k = 2kp in its low nibble and 2kp + 1 in
 //         its high one; w = q * scale + offset with float32 (N/64, G, 64) scale and offset per

@@ -1,7 +1,7 @@
 // Weight-only quantized matmul for few rows (decode): out[m, n] = sum_k x[m, k] * w[n, k],
 // with w stored as int8 (per-output-channel scale) or int4 nibbles (per-group scale and
 // offset), x and out in float32 or bfloat16. Compiled at first use for the machine it runs on
-// (-march=native) by evenflow/engine/native.py.
+// (-march=native) by evenflow/engine/kernels/native.py.
 //
 // Why: torch's _weight_int8pack_mm converts the weight for every row again, so its time grows
 // linearly with the rows (decode at batch 8-32 sees 4-32 rows per expert). Here a tile of

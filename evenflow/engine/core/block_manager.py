@@ -1,0 +1,161 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, reference counts,
+prefix caching by chained block hashes, and LRU eviction of free cached blocks.
+
+A full, computed block is registered under its chained hash; when its last user frees it, it
+stays cached in the free list (least recently freed first out) until a new allocation evicts it.
+Every registration and eviction is recorded as a KV event for the caller to publish.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from evenflow.engine.core.sequence import Sequence
+from evenflow.proto.hashing import ROOT_PARENT, block_hash
+from evenflow.proto.messages import BlockRemoved, BlockStored, KVCacheEvent
+
+KVEventListener = Callable[[list[KVCacheEvent]], None]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"",
+                 enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # hash a block is cached under
+        self.cached: dict[int, int] = {}  # hash -> block id
+        # Blocks with no user, oldest first; cached ones among them are evictable prefix hits.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.pending_events: list[KVCacheEvent] = []
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes to cover every full block of its tokens."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            seq.block_hashes.append(block_hash(parent, tokens, self.salt))
+
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks. The last token is always
+        left to compute, since its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        hits: list[int] = []
+        for i, h in enumerate(seq.block_hashes):
+            if (i + 1) * self.block_size > seq.num_tokens - 1:
+                break
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # -- allocation -----------------------------------------------------------------------
+    def can_allocate_first(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        """Whether `seq` (holding no blocks) can take `hits` and room for `num_tokens` tokens."""
+        new_blocks = self.blocks_needed(num_tokens) - len(hits)
+        hits_in_free = sum(1 for b in hits if b in self.free)
+        return self.num_free_blocks - hits_in_free >= new_blocks
+
+    def allocate_first(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        assert not seq.block_table
+        for block in hits:
+            self.free.pop(block, None)
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:  # report what the prompt got from the cache at first sight
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.append_slots(seq, num_tokens)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow the block table to hold `num_tokens` tokens in all."""
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            block, _ = self.free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full and computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        run: list[int] = []  # a contiguous run of newly stored blocks
+        run_start = 0
+        for i in range(full):
+            block, h = seq.block_table[i], seq.block_hashes[i]
+            # Already registered, or computed twice by concurrent requests (keep the first copy).
+            if self.block_hash[block] is not None or h in self.cached:
+                self._flush_run(seq, run, run_start)
+                run = []
+                continue
+            self.block_hash[block], self.cached[h] = h, block
+            if not run:
+                run_start = i
+            run.append(h)
+        self._flush_run(seq, run, run_start)
+
+    def _flush_run(self, seq: Sequence, run: list[int], start: int) -> None:
+        """A BlockStored event (vLLM's schema) for blocks [start, start + len(run))."""
+        if run:
+            bs = self.block_size
+            parent = seq.block_hashes[start - 1] if start else None
+            self.pending_events.append(BlockStored(
+                block_hashes=run, parent_block_hash=parent, block_size=bs,
+                token_ids=seq.token_ids[start * bs : (start + len(run)) * bs]))
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its tail blocks become the first to be evicted."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+        seq.block_table.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every free cached block (blocks in use keep their registration)."""
+        gone = [self.block_hash[b] for b in self.free if self.block_hash[b] is not None]
+        for block in self.free:
+            self._uncache(block)
+        if gone:
+            self.pending_events.append(BlockRemoved(
+                block_hashes=[h for h in gone if h is not None]))
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds (in use or free), for a KV-index resync."""
+        return list(self.cached)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.pending_events = self.pending_events, []
+        return events
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self._uncache(block)
+            self.pending_events.append(BlockRemoved(block_hashes=[h]))
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None and self.cached.get(h) == block:
+            del self.cached[h]
+        self.block_hash[block] = None

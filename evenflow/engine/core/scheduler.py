@@ -1,0 +1,141 @@
+"""Iteration-level continuous batching.
+
+Each step gets a token budget. Running sequences go first, in arrival order: one token each when
+decoding, or the next chunk of their prompt (chunked prefill). Waiting sequences are then admitted
+while budget, KV blocks and the running cap allow, reusing cached prefix blocks; one whose next
+block another sequence is computing waits a step and takes it from the cache. When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it is recomputed later (its full blocks usually stay cached, so the redo is
+mostly prefix hits).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from evenflow.engine.core.block_manager import BlockManager
+from evenflow.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_model_len: int = 4096
+    # A waiting sequence whose next block a running one is computing waits a step for the hit.
+    defer_shared_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # new tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's work. Prefill chunks come first in the result, decodes after."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.blocks.can_append(seq, target) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if not self.blocks.can_append(seq, target):
+                self.running.pop(i)  # it is the last one: preempt itself
+                self._preempt(seq)
+                continue
+            self.blocks.append_slots(seq, target)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+            i += 1
+
+        in_flight = (self._blocks_in_flight()
+                     if self.config.defer_shared_prefill and self.waiting else None)
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.pending_kv is not None:  # prompt K/V imported: only the next token to run
+                if not self.blocks.can_allocate_first(seq, [], seq.num_tokens):
+                    break
+                self.waiting.popleft()
+                cached = seq.num_cached_tokens
+                self.blocks.allocate_first(seq, [], seq.num_tokens)
+                seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, cached
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                chunks.append(ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens))
+                budget -= chunks[-1].num_tokens
+                continue
+            # prompt logprobs need every prompt token's logits: nothing from the cache
+            hits = [] if seq.params.prompt_logprobs is not None else self.blocks.prefix_hits(seq)
+            if (in_flight is not None and len(hits) < len(seq.block_hashes)
+                    and seq.block_hashes[len(hits)] in in_flight):
+                # Its next block is being computed for another sequence: wait for the cache hit
+                # instead of computing it twice (a burst of requests sharing a new prefix).
+                deferred.append(self.waiting.popleft())
+                continue
+            computed = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.blocks.can_allocate_first(seq, hits, computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate_first(seq, hits, computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+            if in_flight is not None:
+                in_flight.update(seq.block_hashes[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+        # Prefill chunks first, then single-token decodes: the model runner's batch layout.
+        return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of full blocks that running sequences have yet to compute (or are computing
+        now): a waiting sequence needing one of them next is better off waiting a step."""
+        bs = self.blocks.block_size
+        return {h for seq in self.running
+                for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
+
+    def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
+        """Done: out of the queues; its blocks freed unless the caller frees them later."""
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if free_blocks:
+            self.blocks.free_sequence(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

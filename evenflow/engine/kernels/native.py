@@ -1,0 +1,213 @@
+"""The engine's own C++ kernels (engine/kernels/*.cpp): built at first use on the machine that
+runs them (-march=native: AVX-512 where the CPU has it, AVX2 elsewhere) and registered as torch
+ops under `torch.ops.evenflow_kernels`.
+
+EVENFLOW_NATIVE_MARCH=haswell (any GCC -march value) builds them for another instruction set
+than this CPU's: with oneDNN and ATen held to AVX2 too (ONEDNN_MAX_CPU_ISA=AVX2,
+ATEN_CPU_CAPABILITY=avx2), an AVX-512 machine runs an AVX2 machine's code paths (not its caches
+or memory) — how `evenflow bench engine` is measured for AVX2 here.
+
+A build takes ~30 s once per machine, source and torch version; the result is kept in
+~/.cache/evenflow/kernels/<key> (torch's build lock makes processes starting together wait for
+one build). Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0, `ops()` is None and
+callers keep torch's kernels: the native ones are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evenflow.engine.config import cpu_description, engine_switch, switched_on
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "weight_only.cpp",
+           HERE / "paged_attention.cpp",
+           HERE / "norm.cpp",
+           HERE / "rotary.cpp",
+           HERE / "fused_moe.cpp",
+           HERE / "panel_linear.cpp",
+           HERE / "routing.cpp",
+           HERE / "decode_stack.cpp",
+           HERE / "prefill_attention.cpp",
+           HERE / "kv_blocks.cpp")
+HEADERS = (HERE / "panel.h",
+           HERE / "panel_quant.h",
+           HERE / "ops.h")
+
+
+def enabled() -> bool:
+    return switched_on("EVENFLOW_NATIVE_KERNELS")
+
+
+def march() -> str:
+    """The -march the kernels are built for: this CPU's, unless EVENFLOW_NATIVE_MARCH says."""
+    return engine_switch("EVENFLOW_NATIVE_MARCH")
+
+
+def build_dir() -> Path:
+    """Per source path and text, torch version and CPU flags: a copy built for another machine
+    (a shared home, a container image) is never loaded on one lacking its instructions."""
+    digest = hashlib.sha256()
+    # (the path too: two checkouts must not rebuild each other's copy)
+    for source in SOURCES + HEADERS:
+        digest.update(str(source.resolve()).encode() + source.read_bytes())
+    digest.update(f"{torch.__version__}|{cpu_description()}|{march()}".encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel's copy is there only in an activated venv."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+@functools.cache
+def ops() -> Any | None:
+    """torch.ops.evenflow_kernels, built or loaded; None when disabled or unbuildable."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        where = build_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        cpp_extension.load(
+            name="evenflow_kernels", sources=[str(s) for s in SOURCES],
+            build_directory=str(where), is_python_module=False, verbose=False,
+            # -fopenmp: at::parallel_for is OpenMP in torch's build; the extension then shares
+            # torch's libgomp (same soname, already loaded) and its threads
+            extra_cflags=["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"])
+        took = time.perf_counter() - started
+        if took > 2.0:
+            log.info("native kernels built in %.0f s (%s)", took, where)
+        return torch.ops.evenflow_kernels
+    except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels serve
+        log.warning("native kernels unavailable, using torch's: %s",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None
+
+
+@functools.cache
+def norms() -> Any | None:
+    """The fused RMSNorm kernels (kernels/norm.cpp: rms_norm, add_rms_norm), or None: no native
+    kernels, or EVENFLOW_NATIVE_NORM=0 (torch's rms_norm and a separate residual add)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_NORM") else None
+    return kernels if kernels is not None and hasattr(kernels, "add_rms_norm") else None
+
+
+@functools.cache
+def rotary_kv_write() -> Any | None:
+    """The decode step's fused rotary + KV-cache write (kernels/rotary.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_ROTARY=0 (torch's multiplies, roll and index_copy_)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_ROTARY") else None
+    return None if kernels is None else getattr(kernels, "rotary_kv_write", None)
+
+
+@functools.cache
+def decode_attention() -> Any | None:
+    """The paged decode attention kernel (kernels/paged_attention.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_ATTENTION=0 (torch's gather + scaled_dot_product_attention)."""
+    if not switched_on("EVENFLOW_NATIVE_ATTENTION"):
+        return None
+    kernels = ops()
+    return None if kernels is None else getattr(kernels, "paged_decode_attention", None)
+
+
+@functools.cache
+def prefill_attention() -> Any | None:
+    """The causal prefill attention over the paged cache (kernels/prefill_attention.cpp), or
+    None: no native kernels, or EVENFLOW_NATIVE_PREFILL_ATTENTION=0 (torch's
+    scaled_dot_product_attention)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_PREFILL_ATTENTION") else None
+    return None if kernels is None else getattr(kernels, "prefill_attention", None)
+
+
+@functools.lru_cache(maxsize=64)
+def prefill_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the prefill attention kernel takes this dtype and head shape here: AVX-512 builds
+    (its register blocks are the panel kernels'; AVX2 builds keep torch's flash kernel), bf16
+    only with AVX512-BF16's dot product, head dims a multiple of 64 up to 256, at most 64 query
+    heads a KV head."""
+    if prefill_attention() is None or not built_for_avx512():
+        return False
+    if head_dim % 64 or head_dim > 256 or group > 64:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())
+    return dtype == torch.float32
+
+
+@functools.cache
+def kv_blocks() -> Any | None:
+    """The K/V hand-off's block copies (kernels/kv_blocks.cpp: kv_blocks_read / kv_blocks_write),
+    or None: no native kernels, or EVENFLOW_NATIVE_KV_BLOCKS=0 (torch's index_select and
+    index_copy_ per layer)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_KV_BLOCKS") else None
+    return kernels if kernels is not None and hasattr(kernels, "kv_blocks_write") else None
+
+
+@functools.cache
+def built_for_avx512() -> bool:
+    """Whether the kernels were built for AVX-512 (the panel and attention loops need its 32
+    registers; built for AVX2 they lose to torch's and oneDNN's paths)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.panel_kernels_fast())
+
+
+@functools.cache
+def panels_f32_fast() -> bool:
+    """Whether the float32 panel kernels beat oneDNN here: AVX-512 builds, and AVX2 builds with
+    their own 8-float kernel (kernels/panel.h: panel_f32_avx2)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.panel_kernels_f32_fast())
+
+
+@functools.lru_cache(maxsize=64)
+def decode_attention_registers(head_dim: int, group: int) -> bool:
+    """Whether the paged decode attention keeps this head shape in registers (AVX-512 builds:
+    then it beats torch's gathered attention at any batch size)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.paged_attention_registers(head_dim, group))
+
+
+@functools.cache
+def fused_moe() -> Any | None:
+    """The fused routed-experts kernel (kernels/fused_moe.cpp), or None: no native kernels, or
+    EVENFLOW_NATIVE_MOE=0 (the per-expert loop over oneDNN-packed weights)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_MOE") else None
+    return None if kernels is None else getattr(kernels, "fused_moe", None)
+
+
+@functools.cache
+def panel_linear() -> Any | None:
+    """The dense linear over panel-packed weights (kernels/panel_linear.cpp), or None: no native
+    kernels, or EVENFLOW_NATIVE_LINEAR=0 (oneDNN's packed linear)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_LINEAR") else None
+    return None if kernels is None else getattr(kernels, "panel_linear", None)
+
+
+@functools.cache
+def route_topk() -> Any | None:
+    """MoE routing in one call (kernels/routing.cpp), or None: no native kernels, or
+    EVENFLOW_NATIVE_ROUTING=0 (torch's softmax, topk and bincount)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_ROUTING") else None
+    return None if kernels is None else getattr(kernels, "route_topk", None)

@@ -1,0 +1,421 @@
+"""The feed-forward half of a decoder layer: the dense MLP and the routed-expert MoE.
+
+MoE layers route each token to its top-k experts (through physical slots under an expert
+placement). Where the fused kernel serves (engine/kernels/panels.py: bf16 with AVX512-BF16, or fp32)
+all routed experts run in one native call; otherwise tokens are grouped by expert and each
+expert runs its own matmuls, over plain stacks, weights packed per expert for oneDNN
+(engine/weights/prepack.py) or quantized ones (engine/quant/stacks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from evenflow.engine.config import ModelConfig
+from evenflow.engine.kernels import panels
+from evenflow.engine.model.placement import SlotPlacement
+from evenflow.engine.model.router import route
+from evenflow.engine.quant.panel_stack import PanelStack
+from evenflow.engine.quant.stacks import QuantStack
+from evenflow.parallel.group import ProcessGroup
+
+# (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
+ExpertLinear = Callable[[Tensor, int], Tensor]
+
+
+@dataclass
+class EPTimer:
+    """One expert-parallel rank's MoE time, split into its own experts' compute and the
+    dispatch/combine collectives (which include waiting for the slowest rank), and the
+    (token, expert) rows it computed; summed over layers until taken."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    rows: int = 0
+
+    def add(self, compute_s: float, wait_s: float, rows: int) -> None:
+        self.compute_s += compute_s
+        self.wait_s += wait_s
+        self.rows += rows
+
+    def take(self) -> list[float]:
+        values = [self.compute_s, self.wait_s, float(self.rows)]
+        self.compute_s = self.wait_s = 0.0
+        self.rows = 0
+        return values
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (plus an optional gated shared expert, as in Qwen2-MoE).
+
+    Expert weights are stacked: w13 (E, 2I, H) holds gate and up, w2 (E, H, I) holds down.
+    Each call adds its tokens-per-expert to `counts` (E,), which the engine exposes.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, inter))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
+        # Under an expert placement: physical slots, their weights, their token counts.
+        self.placement: SlotPlacement | None = None
+        self.slot_counts: Tensor | None = None  # a row of the engine's (layers, P) counter
+        self._slot_w13: Tensor | None = None
+        self._slot_w2: Tensor | None = None
+        # Quantized experts (engine/weights/quantize_model.py): w13 and w2 are then empty.
+        self.quantized: tuple[QuantStack, QuantStack] | None = None
+        self._slot_quantized: tuple[QuantStack, QuantStack] | None = None
+        # Per-expert weights packed for oneDNN (engine/weights/prepack.py): w13 and w2 are then
+        # empty.
+        self.packed: tuple[list[Tensor], list[Tensor]] | None = None
+        self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
+        # Per-expert weights in the fused kernel's layout (engine/kernels/panels.py); w13, w2 empty.
+        self.fused: tuple[list[Tensor], list[Tensor]] | None = None
+        self._slot_fused: tuple[list[Tensor], list[Tensor]] | None = None
+        # Expert parallel (engine/dep/offline.py): this rank computes only its share of the
+        # placement's slots (rank-major); tokens travel to them and back by all-to-all.
+        self.ep: ProcessGroup | None = None
+        self.ep_timer: EPTimer | None = None  # shared by a rank's MoE layers
+        # Set on expert-parallel ranks that keep only their own slots' experts: fetch(e) reads
+        # logical expert e (engine/weights/expert_store.py) when a placement brings it to this rank.
+        self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
+        self.resident: dict[int, tuple[Any, Any]] | None = None  # logical expert -> weights
+        self._local: list[tuple[Any, Any]] | None = None  # this rank's slots' weights, in order
+        self._local_form = "plain"
+
+    def set_packed(self, w13: list[Tensor], w2: list[Tensor], fused: bool = False) -> None:
+        """Per-expert weights packed for oneDNN, or (fused) for the fused kernel."""
+        if fused:
+            self.fused = (w13, w2)
+        else:
+            self.packed = (w13, w2)
+        empty = torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype)
+        self.w13 = nn.Parameter(empty, requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
+                               requires_grad=False)
+        if self.placement is not None:
+            self.set_placement(self.placement)
+
+    def set_placement(self, placement: SlotPlacement) -> int:
+        """Put each slot's expert weights in place (between steps); how many experts had to be
+        read (only ranks that keep just their own experts read any)."""
+        if self.ep is not None and self.fetch_expert is not None:
+            return self._place_own_slots(placement)
+        if self.packed is not None or self.fused is not None:  # references: no copies
+            slots = placement.phy2log.tolist()
+            stacks = self.packed or self.fused
+            assert stacks is not None
+            chosen = ([stacks[0][e] for e in slots], [stacks[1][e] for e in slots])
+            if self.fused is not None:
+                self._slot_fused = chosen
+            else:
+                self._slot_packed = chosen
+        elif self.quantized is not None:
+            q13, q2 = self.quantized
+            self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
+        else:
+            self._slot_w13 = self.w13.index_select(0, placement.phy2log)
+            self._slot_w2 = self.w2.index_select(0, placement.phy2log)
+        self.placement = placement
+        return 0
+
+    @property
+    def form(self) -> str:
+        """How expert weights are stored: "fused", "packed", "quantized" or "plain"."""
+        if self.resident is not None:
+            return self._local_form
+        if self.fused is not None:
+            return "fused"
+        return "packed" if self.packed else "quantized" if self.quantized else "plain"
+
+    def _expert_weights(self, e: int) -> tuple[Any, Any]:
+        """Logical expert e's (gate_up, down) in the stored form, owning its memory."""
+        if self.resident is not None:
+            return self.resident[e]
+        if self.packed is not None:
+            return self.packed[0][e], self.packed[1][e]
+        if self.quantized is not None:
+            index = torch.tensor([e])
+            return self.quantized[0].select(index), self.quantized[1].select(index)
+        return self.w13[e].clone(), self.w2[e].clone()
+
+    def _place_own_slots(self, placement: SlotPlacement) -> int:
+        """Keep exactly the experts this rank's slots hold under `placement`: the ones it
+        has stay, the missing ones are read, the rest are dropped."""
+        assert self.ep is not None and self.fetch_expert is not None
+        per_rank = placement.num_slots // self.ep.world_size
+        first = self.ep.rank * per_rank
+        needed = placement.phy2log[first : first + per_rank].tolist()
+        form = self.form
+        kept = {e: self._expert_weights(e) for e in set(needed)
+                if self.resident is None or e in self.resident}
+        missing = sorted(set(needed) - set(kept))
+        for e in missing:
+            kept[e] = self.fetch_expert(e)
+        self.resident, self._local_form = kept, form
+        self._local = [kept[e] for e in needed]
+        # the full stacks (every expert) are gone for good
+        self.packed = self._slot_packed = None
+        self.quantized = self._slot_quantized = None
+        self._slot_w13 = self._slot_w2 = None
+        self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
+                               requires_grad=False)
+        self.placement = placement
+        return len(missing)
+
+    def resident_bytes(self) -> int:
+        """Bytes of expert weights this layer holds."""
+        def size(w: Any) -> int:
+            if isinstance(w, QuantStack):
+                return w.nbytes()
+            return w.numel() * w.element_size()  # (oneDNN-packed tensors have no storage)
+
+        if self.resident is not None:
+            return sum(size(a) + size(b) for a, b in self.resident.values())
+        stacks = self.packed or self.fused
+        if stacks is not None:
+            return sum(size(w) for w in stacks[0] + stacks[1])
+        if self.quantized is not None:
+            return self.quantized[0].nbytes() + self.quantized[1].nbytes()
+        return self.w13.nbytes + self.w2.nbytes
+
+    @property
+    def num_slots(self) -> int:
+        if self.placement is not None:
+            return len(self.placement.phy2log)
+        return self.num_experts
+
+    def forward(self, x: Tensor) -> Tensor:  # (T, H)
+        weights, experts = route(self.gate, x, self.num_experts, self.top_k,
+                                 self.norm_topk_prob, self.counts)  # (T, k) each
+        groups = flat_experts = experts.flatten()  # (T*k,)
+        counts: Tensor | None = None
+        if self.placement is not None:  # each pair goes to one physical slot of its expert
+            groups = self.placement.slots_for(flat_experts)
+            if self.slot_counts is not None:
+                counts = torch.bincount(groups, minlength=self.num_slots)
+                self.slot_counts += counts
+        fused = self._fused_experts() if self.ep is None else None
+        if fused is not None:  # every routed expert in one native call
+            out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
+            return self._add_shared_expert(x, out)
+        gate_up, down = self._expert_linears()
+        if self.ep is not None:
+            out = self._expert_parallel(x, groups, weights, gate_up, down)
+        elif x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
+            out = self._one_token(x, groups.tolist(), weights[0].tolist(), gate_up, down)
+        else:
+            if counts is None:
+                counts = torch.bincount(groups, minlength=self.num_slots)
+            out = self._grouped(x, groups, counts, weights, gate_up, down)
+        return self._add_shared_expert(x, out)
+
+    def _fused_experts(self) -> tuple | None:
+        """The fused kernel's weight arguments (engine/kernels/panels.py) for the current slots, or
+        None when the experts are not stored for it."""
+        placed = self.placement is not None
+        if self.fused is not None:
+            stacks = self._slot_fused if placed else self.fused
+            assert stacks is not None
+            return stacks
+        quantized = self._slot_quantized if placed else self.quantized
+        if quantized is not None and isinstance(quantized[0], PanelStack) and \
+                isinstance(quantized[1], PanelStack) and quantized[1].in_features % 64 == 0 \
+                and quantized[1].out_features % 64 == 0:
+            (w13, s13, o13), (w2, s2, o2) = quantized[0].experts(), quantized[1].experts()
+            return w13, w2, s13, s2, o13, o2, quantized[0].group_size
+        return None
+
+    def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
+        """The experts' (gate_up, down) for the current slots: packed, quantized or plain
+        (a rank that keeps only its own experts: indexed by its own slots, from 0)."""
+        if self._local is not None:
+            return _local_expert(self._local, 0, self._local_form), \
+                _local_expert(self._local, 1, self._local_form)
+        placed = self.placement is not None
+        if self.packed is not None:
+            packed = self._slot_packed if placed else self.packed
+            assert packed is not None
+            return _packed_expert(packed[0]), _packed_expert(packed[1])
+        if self.quantized is not None:
+            stacks = self._slot_quantized if placed else self.quantized
+            assert stacks is not None
+            return stacks[0].linear, stacks[1].linear
+        w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
+        assert w13 is not None and w2 is not None
+        return _dense_expert(w13), _dense_expert(w2)
+
+    @staticmethod
+    def _one_token(x: Tensor, slots: list[int], weights: list[float], gate_up: ExpertLinear,
+                   down: ExpertLinear) -> Tensor:
+        """x (1, H) through its k experts (distinct slots), weighted and summed in float."""
+        out: Tensor | None = None
+        for j, slot in enumerate(slots):
+            gate, up = gate_up(x, slot).chunk(2, dim=-1)
+            y = down(F.silu(gate) * up, slot).float() * weights[j]
+            out = y if out is None else out + y
+        assert out is not None
+        return out.to(x.dtype)
+
+    def _expert_parallel(self, x: Tensor, groups: Tensor, weights: Tensor,
+                         gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
+        """Each (token, slot) pair goes to the rank holding the slot (all-to-all), runs there
+        grouped by slot, comes back (all-to-all) and is weighted and summed here. Every rank
+        calls this once per layer and step, with or without tokens (collectives must meet)."""
+        ep = self.ep
+        assert ep is not None
+        started = time.perf_counter()
+        per_rank = self.num_slots // ep.world_size
+        first = ep.rank * per_rank
+        dest = groups // per_rank
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=ep.world_size)
+        receive = ep.all_gather(send)[:, ep.rank].tolist()  # rows each rank sends here
+        sent = send.tolist()
+        rows = ep.all_to_all(x[order // self.top_k], sent)
+        local = ep.all_to_all(groups[order], sent) - first
+        dispatched = time.perf_counter()
+        base = 0 if self._local is not None else first  # own-slot weights start at 0
+        ys = torch.empty_like(rows)
+        if len(rows):
+            by_slot = torch.argsort(local, stable=True)
+            counts = torch.bincount(local, minlength=per_rank)
+            ys[by_slot] = self._experts_looped(
+                rows[by_slot], local[by_slot], counts, counts.tolist(), functools.partial(
+                    self._run_experts, gate_up=lambda h, e: gate_up(h, base + e),
+                    down=lambda h, e: down(h, base + e)))
+        computed = time.perf_counter()
+        back = ep.all_to_all(ys, receive)
+        if self.ep_timer is not None:
+            self.ep_timer.add(computed - dispatched, dispatched - started
+                              + time.perf_counter() - computed, len(rows))
+        back = (back.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, order // self.top_k, back)
+
+    def _grouped(self, x: Tensor, groups: Tensor, counts: Tensor, weights: Tensor,
+                 gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
+        """Tokens sorted by slot, each slot's rows through its expert in one matmul."""
+        order = torch.argsort(groups, stable=True)
+        token_of = order // self.top_k  # token index of each sorted (token, expert) pair
+        xs = x[token_of]  # (T*k, H) grouped by expert
+        counts_list = counts.tolist()
+        active = sum(1 for n in counts_list if n)
+        sorted_groups = groups[order]
+        width = max(counts_list)
+        plain = self.packed is None and self.quantized is None
+        if plain and 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
+            placed = self.placement is not None
+            w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
+            assert w13 is not None and w2 is not None
+            ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
+        else:
+            ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
+                self._run_experts, gate_up=gate_up, down=down))
+        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+    # When most experts are busy with at most this many tokens each (decode batches), all
+    # experts run in one padded bmm: the step is bound by reading expert weights, and one call
+    # streams them faster than a loop of small matmuls. Larger or sparser groups loop.
+    BATCHED_MAX_ROWS = 16
+
+    # With more than ALIGN_ABOVE pairs (prefill), each expert's row count is rounded up to a
+    # multiple of ROW_ALIGN: oneDNN builds a kernel per matmul shape, and a few recurring shapes
+    # beat a new one per step. Small decode groups take few shapes anyway and skip the padding.
+    ROW_ALIGN = 16
+    ALIGN_ABOVE = 128
+
+    def _experts_looped(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
+                        counts_list: list[int], run: Callable[[Tensor, list[int]], Tensor]
+                        ) -> Tensor:
+        """run(grouped rows, rows per expert): the experts' matmuls, dense or quantized."""
+        if len(xs) <= self.ALIGN_ABOVE:
+            return run(xs, counts_list)
+        align = self.ROW_ALIGN
+        padded = [-(-n // align) * align for n in counts_list]
+        starts = torch.cumsum(counts, 0) - counts
+        padded_starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
+        rows = padded_starts[sorted_experts] + torch.arange(len(xs)) - starts[sorted_experts]
+        grouped = xs.new_zeros(sum(padded), xs.shape[1]).index_copy_(0, rows, xs)
+        return run(grouped, padded).index_select(0, rows)
+
+    @staticmethod
+    def _run_experts(grouped: Tensor, counts: list[int], gate_up: ExpertLinear,
+                     down: ExpertLinear) -> Tensor:
+        """grouped (N, H): rows sorted by expert, counts[e] rows for expert e; only experts
+        with rows are computed (and, quantized, read)."""
+        ys = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = gate_up(grouped[start : start + n], e).chunk(2, dim=-1)  # (n, 2I)
+            ys[start : start + n] = down(F.silu(gate) * up, e)
+            start += n
+        return ys
+
+    def _experts_batched(self, xs: Tensor, sorted_experts: Tensor, counts: Tensor,
+                         width: int, w13: Tensor, w2: Tensor) -> Tensor:
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(xs)) - starts[sorted_experts]  # position within its expert
+        padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])  # (E, width, H)
+        padded[sorted_experts, slot] = xs
+        h = torch.bmm(padded, w13.transpose(1, 2))  # (E, width, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
+        return out[sorted_experts, slot]
+
+
+def _dense_expert(weights: Tensor) -> ExpertLinear:
+    """x @ weights[e].T for a stack of expert weights (E, out, in)."""
+    return lambda x, e: F.linear(x, weights[e])
+
+
+def _local_expert(slots: list[tuple[Any, Any]], part: int, form: str) -> ExpertLinear:
+    """x @ a rank's own slot e's gate_up (part 0) or down (part 1) weight.T."""
+    if form == "quantized":
+        return lambda x, e: slots[e][part].linear(x, 0)
+    if form == "packed":
+        return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, slots[e][part], None, "none",
+                                                               [], "")
+    return lambda x, e: F.linear(x, slots[e][part])
+
+
+def _packed_expert(weights: list[Tensor]) -> ExpertLinear:
+    """x @ expert e's weight.T, the weights packed for oneDNN (engine/weights/prepack.py)."""
+    return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, weights[e], None, "none", [], "")

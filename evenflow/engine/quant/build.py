@@ -1,0 +1,23 @@
+"""The choice of a quantized weight's stored form: the panel form where the native panel
+kernels serve it, else int8 / int4 stacks with their measured kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from evenflow.engine.quant.panel_stack import PanelStack, usable
+from evenflow.engine.quant.stacks import Int4Stack, Int8Stack, QuantStack, QuantValues
+
+
+def build_stack(values: list[QuantValues], dtype: torch.dtype,
+                gate_up: bool = False, consume: bool = False) -> QuantStack:
+    """The stored form for these weights (all of one shape and method): panels for the native
+    panel kernels where they serve (panel_stack.py; `gate_up`: a MoE layer's gate and
+    up stack, whose channels the fused kernel takes interleaved), else the int8 / int4 stacks
+    (stacks.py). `consume`: the panel form may empty `values` as it goes (the caller is done with
+    them)."""
+    if usable(values, dtype, gate_up):
+        return PanelStack.build(values, gate_up, consume)
+    if values[0].bits == 8:
+        return Int8Stack.build(values, dtype)
+    return Int4Stack.build(values, dtype)

@@ -1,0 +1,115 @@
+"""Weight-only quantized weights in the panel layout of the native panel kernels
+(engine/kernels/panel_quant.h): what `quant.build_stack` makes wherever those kernels serve.
+
+A `PanelStack` holds E weights (N, K), each as its own tensors (so an expert placement selects
+slots by reference, without copies):
+- int8: (N/64, K, 64) int8 and a float32 scale per output channel (N,);
+- int4: (N/64, K/2, 64) uint8 (byte (kp, c): k = 2kp in the low nibble, 2kp + 1 in the high),
+  with float32 scale and offset (N/64, G, 64): w = q * scale + offset.
+A MoE layer's gate_up stack has its channels interleaved as engine/kernels/panels.py describes
+(panel p: gate [32p, 32p + 32), then up); `linear` returns them in the plain order again.
+
+One kernel serves every row count, so every process computes a shape the same way (no
+per-machine kernel choice, unlike the other stored forms in engine/quant/stacks.py): the quantized
+panel is read directly for a few rows, and dequantized once into a plain panel for more.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from evenflow.engine.kernels import native, panels
+from evenflow.engine.quant.stacks import QuantStack, QuantValues
+
+PANEL = panels.PANEL
+
+
+def usable(values: list[QuantValues], dtype: torch.dtype, gate_up: bool = False) -> bool:
+    """The panel kernels take these weights and activations here (a gate_up stack: gate and
+    up each a whole number of panels)."""
+    n, k = values[0].q.shape
+    if not native.built_for_avx512():  # (the quantized panels' loops are AVX-512's)
+        return False
+    if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
+        return False
+    return panels.usable(dtype, PANEL, PANEL) and panels.linear_usable(dtype, n, k)
+
+
+def _interleave(t: Tensor) -> Tensor:
+    """Rows (2I, ...) of a gate_up weight in panel order: per 32, gate then up."""
+    half = t.shape[0] // 2
+    gate, up = t.view(2, half // (PANEL // 2), PANEL // 2, *t.shape[1:]).unbind(0)
+    return torch.stack([gate, up], dim=1).reshape(t.shape)
+
+
+def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    q, scale = v.q, v.scale.float()
+    n, k = q.shape
+    zero = v.zero if v.zero is not None else torch.full_like(scale, 0.0 if v.bits == 8 else 8.0)
+    if gate_up:
+        q, scale, zero = _interleave(q), _interleave(scale), _interleave(zero.float())
+    if v.bits == 8:
+        return q.view(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous(), \
+            scale[:, 0].contiguous(), None
+    pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
+    nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    groups = scale.shape[1]
+
+    def by_panel(t: Tensor) -> Tensor:
+        return t.view(n // PANEL, PANEL, groups).permute(0, 2, 1).contiguous()
+
+    return nibbles, by_panel(scale), by_panel(-zero * scale)
+
+
+class PanelStack(QuantStack):
+    def __init__(self, bits: int, group_size: int, n: int, k: int, data: list[Tensor],
+                 scale: list[Tensor], offset: list[Tensor] | None, gate_up: bool) -> None:
+        self.bits, self.group_size, self.gate_up = bits, group_size, gate_up
+        self.num, self.out_features, self.in_features = len(data), n, k
+        self.data, self.scale, self.offset = data, scale, offset
+
+    @classmethod
+    def build(cls, values: list[QuantValues], gate_up: bool = False,
+              consume: bool = False) -> PanelStack:
+        """`consume`: empty `values` as each is packed (a load then never holds a layer's
+        unpacked values next to its packed ones)."""
+        n, k = values[0].q.shape
+        bits, group_size = values[0].bits, values[0].group_size if values[0].bits == 4 else 0
+        if consume:
+            packed = []
+            while values:
+                packed.append(_pack(values.pop(0), gate_up))
+        else:
+            packed = [_pack(v, gate_up) for v in values]
+        offsets = [o for _, _, o in packed if o is not None]
+        return cls(bits, group_size, n, k, [d for d, _, _ in packed],
+                   [s for _, s, _ in packed], offsets if bits == 4 else None, gate_up)
+
+    def kernel_args(self, e: int = 0) -> tuple:
+        """panel_linear's arguments after x for weight e (the weight, bias, scale, offset,
+        group); its outputs in panel order (a gate_up stack's interleaved)."""
+        return (self.data[e], None, self.scale[e],
+                self.offset[e] if self.offset is not None else None, self.group_size)
+
+    def linear(self, x: Tensor, e: int = 0) -> Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.evenflow_kernels.panel_linear(flat, *self.kernel_args(e))
+        if self.gate_up:  # back to gate channels, then up channels
+            rows = out.shape[0]
+            out = out.view(rows, -1, 2, PANEL // 2).transpose(1, 2).reshape(rows, -1)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def experts(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """(weights, scales, offsets) per slot, as the fused MoE kernel takes them."""
+        return self.data, self.scale, self.offset or []
+
+    def select(self, index: Tensor) -> PanelStack:
+        chosen = index.tolist()
+        return PanelStack(self.bits, self.group_size, self.out_features, self.in_features,
+                          [self.data[e] for e in chosen], [self.scale[e] for e in chosen],
+                          None if self.offset is None else [self.offset[e] for e in chosen],
+                          self.gate_up)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.data + self.scale + (self.offset or []))

@@ -1,0 +1,338 @@
+"""Loading HF-format checkpoints: config.json + model.safetensors (single or sharded with an
+index) into a CausalLM, stacking per-expert weights into the model's grouped layout.
+
+Loading goes one decoder layer at a time: read the layer's tensors, fill the layer, quantize it
+when asked (a QuantConfig, or a GPTQ checkpoint), drop what was read; so peak memory stays near
+the (quantized) model's size plus one layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import re
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from evenflow import models
+from evenflow.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    ModelLoadError,
+    cpu_has_bf16,
+    load_config,
+)
+from evenflow.engine.model.transformer import CausalLM
+from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
+from evenflow.engine.weights import gptq, safetensors_io
+from evenflow.engine.weights.hf_names import EXPERT, ROLE
+from evenflow.engine.weights.prepack import prepack_model
+from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
+from evenflow.engine.weights.tp_shard import TPShard
+from evenflow.progress import Progress
+
+# Already-stacked experts (transformers' in-memory layout, found in some exports).
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: not a safetensors index ({exc})") from exc
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{model_dir}: shard(s) missing: {', '.join(missing)}")
+    return files
+
+
+def tensor_names(files: list[Path]) -> dict[Path, list[str]]:
+    """Each file's tensor names (read once: a load then opens only the files it needs)."""
+    names: dict[Path, list[str]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names[path] = list(f.keys())
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
+    return names
+
+
+def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
+                  ) -> dict[str, Tensor]:
+    """The tensors `wanted` picks, each in memory of its own (no file mapping stays)."""
+    tensors: dict[str, Tensor] = {}
+    for path, in_file in names.items():
+        chosen = [name for name in in_file if wanted(name)]
+        if not chosen:
+            continue
+        try:
+            tensors.update(safetensors_io.read(path, chosen))
+        except (OSError, safetensors_io.SafetensorsError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
+    return tensors
+
+
+def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterable[int],
+                    quantized_experts: bool = False) -> dict[str, Tensor]:
+    """Rename HF tensors to this model's parameters, fusing q/k/v and stacking experts into
+    w13 / w2 for `layers` (not when their experts come quantized)."""
+    layers = list(layers)
+    state: dict[str, Tensor] = {}
+    experts: dict[tuple[int, int, str], Tensor] = {}
+    for name, t in tensors.items():
+        if m := EXPERT.match(name):
+            experts[(int(m[1]), int(m[2]), ROLE[m[3]])] = t
+        elif m := _STACKED.match(name):
+            state[f"model.layers.{m[1]}.mlp.{'w13' if m[2] == 'gate_up_proj' else 'w2'}"] = t
+        elif ".block_sparse_moe.gate." in name:
+            state[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+        else:
+            state[name] = t
+    for layer in layers:
+        attn = f"model.layers.{layer}.self_attn."
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(t is not None for t in parts):
+                state[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+            elif any(t is not None for t in parts):
+                raise ModelLoadError(f"checkpoint has only some of {attn}q/k/v_proj.{kind}")
+    for layer in layers:
+        if not cfg.sparse_layers[layer] or f"model.layers.{layer}.mlp.w13" in state or \
+                quantized_experts:
+            continue
+        try:
+            gate_up = [torch.cat([experts[(layer, e, "gate")], experts[(layer, e, "up")]])
+                       for e in range(cfg.num_experts)]
+            down = [experts[(layer, e, "down")] for e in range(cfg.num_experts)]
+        except KeyError as exc:
+            raise ModelLoadError(f"checkpoint lacks expert weight {exc.args[0]}") from exc
+        state[f"model.layers.{layer}.mlp.w13"] = torch.stack(gate_up)
+        state[f"model.layers.{layer}.mlp.w2"] = torch.stack(down)
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,
+             covered: Collection[str] = ()) -> dict[str, Tensor]:
+    """`state` in `dtype` after checking it against the model's parameters (`covered`: ones
+    that come quantized instead)."""
+    missing = sorted(set(expected) - set(state) - set(covered))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has unknown tensor(s), e.g. {unexpected[:3]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, config "
+                                 f"implies {tuple(expected[name].shape)}")
+    return {name: tensor.to(dtype) for name, tensor in state.items()}
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype,
+               quantization: QuantConfig | None = None, shard: TPShard | None = None,
+               show_progress: bool = False) -> CausalLM:
+    """Build the model described by config.json and fill it from the safetensors files,
+    quantizing as it goes when asked (or when the checkpoint is GPTQ). With a TPShard, only
+    that tensor-parallel rank's part of each layer is kept (cut before quantizing)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    cfg = load_config(model_dir)
+    spec = gptq.read_quant_config(json.loads((model_dir / "config.json").read_text()))
+    files = checkpoint_files(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = dict(model.state_dict())
+    if shard is not None:
+        shard.check(cfg)
+        if spec is not None:
+            raise ModelLoadError("tensor parallelism over a pre-quantized (GPTQ) checkpoint is "
+                                 "not supported: load the unquantized one with quantization=")
+    with Progress(f"loading {model_dir.name}", cfg.num_layers + 1, show_progress) as progress:
+        _load_by_layer(model, files, expected, dtype, spec, quantization, shard, progress)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tensor],
+                   dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None,
+                   shard: TPShard | None, progress: Progress) -> None:
+    cfg = model.config
+    if quantization is None and spec is not None:  # GPTQ: quantized as it says, the rest as is
+        quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
+                                   max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
+    layer_of = re.compile(r"^model\.layers\.(\d+)\.")
+    names = tensor_names(files)
+    for layer in range(cfg.num_layers):
+        prefix = f"model.layers.{layer}."
+        # quantized as read, one expert at a time (None: read with the layer, as stored)
+        experts = _expert_names(cfg, layer, names, quantization) if (
+            quantization is not None and spec is None and shard is None
+            and cfg.sparse_layers[layer]) else None
+        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None))
+        given_hf = gptq.take_quantized(tensors, spec) if spec else {}
+        given = gptq.to_model_values(cfg, layer, given_hf)
+        if experts is not None:
+            assert quantization is not None
+            given.update(_quantize_experts_as_read(cfg, experts, quantization))
+        covered = {f"{prefix}{name}.weight" if not name.endswith(("w13", "w2")) else
+                   f"{prefix}{name}" for name in given}
+        renamed = _to_model_names(cfg, tensors, [layer], "mlp.w13" in given)
+        tensors.clear()  # the per-expert originals: stacked copies are in `renamed` now
+        state = _checked(renamed, {k: v for k, v in expected.items() if k.startswith(prefix)},
+                         dtype, covered)
+        del renamed
+        module = model.model.layers[layer]
+        module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
+                               assign=True, strict=False)
+        _drop_covered(module, covered, prefix, dtype)
+        if shard is not None:
+            shard.shard_layer(module, cfg)  # type: ignore[arg-type]
+        if quantization is not None:
+            quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
+        del tensors, state, given, given_hf
+        _return_freed_memory()
+        progress.update()
+    tensors = _read_tensors(names, lambda name: layer_of.match(name) is None)
+    given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
+    covered = {"lm_head.weight"} if given_head is not None else set()
+    rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
+    model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered),
+                          assign=True, strict=False)
+    if given_head is not None:
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+    if shard is not None:
+        shard.shard_vocab(model)
+    if quantization is not None:
+        quantize_head(model, quantization, dtype, given_head)
+    progress.update()
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
+                             f"{on_meta[:3]}")
+
+
+def _layer_tensors(prefix: str, skip_experts: bool) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefix) and not (skip_experts and bool(EXPERT.match(name)))
+
+
+def _expert_names(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
+                  config: QuantConfig) -> dict[tuple[int, str], tuple[Path, str]] | None:
+    """One layer's per-expert HF weights by (expert, role) -> (file, name), when every one is
+    stored on its own and fits `config`; else None (stored stacked, or a shape that does not
+    fit)."""
+    try:
+        found = {(int(m[2]), ROLE[m[3]]): (path, name, entry.shape)
+                 for path, in_file in names.items()
+                 for name, entry in safetensors_io.header(path).items()
+                 if (m := EXPERT.match(name)) and int(m[1]) == layer and name in in_file}
+    except (OSError, safetensors_io.SafetensorsError) as exc:
+        raise ModelLoadError(f"corrupt or unreadable safetensors file ({exc})") from exc
+    if len(found) != 3 * cfg.num_experts or not all(config.fits(shape)
+                                                    for _, _, shape in found.values()):
+        return None
+    return {key: (path, name) for key, (path, name, _) in found.items()}
+
+
+def _quantize_experts_as_read(cfg: ModelConfig, found: dict[tuple[int, str], tuple[Path, str]],
+                              config: QuantConfig) -> dict[str, list[QuantValues]]:
+    """One layer's per-expert HF weights (`_expert_names`) read and quantized one expert at a
+    time, each original dropped (and its memory given back) before the next is read: no
+    full-precision copy of the layer's experts is ever held."""
+
+    def read(e: int, role: str) -> Tensor:
+        path, name = found[(e, role)]
+        try:
+            return safetensors_io.read(path, [name])[name]
+        except (OSError, safetensors_io.SafetensorsError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})"
+                                 ) from exc
+
+    w13, w2 = [], []
+    for e in range(cfg.num_experts):
+        w13.append(quantize(torch.cat([read(e, "gate"), read(e, "up")]), config))
+        w2.append(quantize(read(e, "down"), config))
+        _return_freed_memory()
+    return {"mlp.w13": w13, "mlp.w2": w2}
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc keeps them otherwise, and the layer's
+    full-precision copies would stay in the process's RSS after they are freed)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _drop_covered(layer: torch.nn.Module, covered: set[str], prefix: str,
+                  dtype: torch.dtype) -> None:
+    """Parameters that come quantized get an empty placeholder (they are replaced next)."""
+    for name in covered:
+        parent_name, _, attr = name.removeprefix(prefix).rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        shape = getattr(parent, attr).shape
+        setattr(parent, attr, torch.nn.Parameter(torch.empty(0, *shape[1:], dtype=dtype),
+                                                 requires_grad=False))
+
+
+# What an engine (or a rank of one) loads, from its EngineConfig
+
+def resolve_model(model: str) -> Path:
+    """A built-in model's name (`tiny-moe`) or a checkpoint directory."""
+    path = models.resolve_model(model)
+    if path is None:
+        raise ModelLoadError(f"model {model!r} is neither a built-in model nor a directory")
+    return path
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the engine computes in: auto is bfloat16 where the CPU has native bf16 math."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def quant_config(config: EngineConfig) -> QuantConfig | None:
+    if config.quantization is None:
+        return None
+    return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
+                       config.quantize_lm_head)
+
+
+def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,
+                 shard: TPShard | None = None) -> CausalLM:
+    """The model as one rank holds it: loaded (its tensor-parallel shard, if any), quantized
+    and prepacked as the config says."""
+    model = load_model(model_dir, dtype, quant_config(config), shard,
+                       show_progress=config.show_progress and shard is None)
+    if config.prepack_weights:
+        prepack_model(model, dtype, fuse_experts=config.expert_parallel_size == 1)
+    return model

@@ -1,0 +1,113 @@
+"""Putting quantized weights into the model: which weights are quantized, and the module that
+runs them.
+
+Quantized: the attention projections (fused qkv, o), dense and shared-expert MLPs, and the
+routed experts (w13, w2 stacks). Unquantized: the embedding, norms, the router (`gate`, tiny and
+precision-sensitive) and lm_head unless `quantize_lm_head`. A weight whose shape the method
+cannot take (int4 needs K divisible by the group size) stays in the engine's dtype.
+
+The loader calls `quantize_layer` right after filling one decoder layer, so a bf16 copy of the
+whole model never exists (peak memory stays near the quantized size). Pre-quantized checkpoints
+(engine/weights/gptq.py) hand over `QuantValues` for the weights they carry, which are used as they
+are instead of quantizing again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from evenflow.engine.model.ffn import MLP, MoE
+from evenflow.engine.model.transformer import CausalLM, DecoderLayer
+from evenflow.engine.quant.build import build_stack
+from evenflow.engine.quant.stacks import QuantConfig, QuantStack, QuantValues, quantize
+
+
+class QuantLinear(nn.Module):
+    """y = x @ w.T (+ bias) with w quantized."""
+
+    def __init__(self, weight: QuantStack, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.weight_q.linear(x)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, int{self.weight_q.bits}"
+
+
+# Names (relative to a decoder layer) of the quantizable linear layers, by module kind.
+_ATTENTION = ("self_attn.qkv_proj", "self_attn.o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
+                   given: dict[str, list[QuantValues]] | None = None) -> None:
+    """Replace this layer's quantizable weights (in place). `given`: pre-quantized values by
+    name relative to the layer (`self_attn.qkv_proj`, `mlp.w13` as one entry per expert)."""
+    given = given or {}
+    names = list(_ATTENTION)
+    mlp = layer.mlp
+    if isinstance(mlp, MLP):
+        names += [f"mlp.{n}" for n in _MLP]
+    elif isinstance(mlp, MoE) and mlp.shared_expert is not None:
+        names += [f"mlp.shared_expert.{n}" for n in _MLP]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        linear = getattr(parent, attr)
+        values = given.get(name)
+        if values is None and isinstance(linear, nn.Linear) and config.fits(linear.weight.shape):
+            values = [quantize(linear.weight.data, config)]
+        if values is not None:
+            setattr(parent, attr, QuantLinear(build_stack(values, dtype), linear.bias))
+    if isinstance(mlp, MoE):
+        _quantize_experts(mlp, config, dtype, given)
+
+
+def _quantize_experts(moe: MoE, config: QuantConfig, dtype: torch.dtype,
+                      given: dict[str, list[QuantValues]]) -> None:
+    w13 = given.get("mlp.w13")
+    w2 = given.get("mlp.w2")
+    if w13 is None and config.fits(moe.w13.shape) and config.fits(moe.w2.shape):
+        w13 = [quantize(w, config) for w in moe.w13.data]
+        w2 = [quantize(w, config) for w in moe.w2.data]
+    if w13 is None or w2 is None:
+        return
+    # (the values are this function's or the loader's, handed over: consumed as packed)
+    moe.quantized = (build_stack(w13, dtype, gate_up=True, consume=True),
+                     build_stack(w2, dtype, consume=True))
+    moe.w13 = nn.Parameter(torch.empty(0, *moe.w13.shape[1:], dtype=dtype), requires_grad=False)
+    moe.w2 = nn.Parameter(torch.empty(0, *moe.w2.shape[1:], dtype=dtype), requires_grad=False)
+
+
+def quantize_head(model: CausalLM, config: QuantConfig, dtype: torch.dtype,
+                  given: QuantValues | None = None) -> None:
+    """lm_head, only when asked (or pre-quantized): it decides every token."""
+    head = model.lm_head
+    if given is None and config.quantize_lm_head and isinstance(head, nn.Linear) and \
+            not model.config.tie_word_embeddings and config.fits(head.weight.shape):
+        given = quantize(head.weight.data, config)
+    if given is not None:
+        model.lm_head = QuantLinear(build_stack([given], dtype), None)  # type: ignore[assignment]
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of every weight, quantized ones at their stored size, packed ones
+    (engine/weights/prepack.py) included (for reports)."""
+    total = sum(t.nbytes for t in model.state_dict().values())
+    total += sum(t.nbytes for name, t in model.named_buffers() if name.endswith(".packed"))
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_q.nbytes()
+        elif isinstance(module, MoE) and module.quantized is not None:
+            total += sum(s.nbytes() for s in module.quantized)
+        elif isinstance(module, MoE) and (module.packed or module.fused) is not None:
+            total += sum(t.nbytes for stack in (module.packed or module.fused or ())
+                         for t in stack)
+    return total
+
