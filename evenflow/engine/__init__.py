@@ -1,5 +1,26 @@
 """The model in PyTorch: HF checkpoint loading, MoE transformer, paged KV cache with prefix
-caching, continuous-batching scheduler, sampler and the offline `LLM` API."""
+caching, continuous-batching scheduler, sampler and the offline `LLM` API.
+
+Floors, lowest first; a module imports only from its own floor and those below it, with no
+circles (tests/unit/test_import_rules.py; `python scripts/import_graph.py` prints the graph):
+
+ 0. config.py           torch-free settings (EngineConfig, ModelConfig, the EVENFLOW_* engine
+                        switches); anyone in evenflow may read it
+ 1. core/               sequences, sampling params, block manager (prefix cache), scheduler
+ 2. kernels/            the C++ kernels and their Python side (build, switches, panels, plan)
+ 3. sample/             sampler, logits processing, guided decoding
+ 4. quant/              quantized weight forms, each with its tensors and its linear
+ 5. model/              layers (attention, norms, MLP, MoE, router, placement), the decoder
+                        wired from a ModelConfig, the native decode stack
+ 6. weights/            safetensors, HF names, loading, GPTQ, prepacking, TP shards, expert store
+ 7. runners/            the model runner (KV cache, forward, sample), tensor-parallel ranks and
+                        the typed commands between ranks
+ 8. placement_control.py, profiling.py   the Engine's expert-placement and profiling parts
+ 9. engine.py           Engine: add / abort / step, KV export and import, KV events
+10. dep/                expert parallelism with data-parallel attention: several Engines in
+                        lockstep (above engine.py because each rank is one)
+11. mock.py, llm.py, this file   the mock engine, the offline LLM API, create_engine
+"""
 
 from __future__ import annotations
 

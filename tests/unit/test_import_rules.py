@@ -60,3 +60,43 @@ def test_nothing_imports_the_deploy_code():
 
 def test_gateway_never_imports_torch():
     assert not {n for _, n in imports_of("gateway") if n.split(".")[0] == "torch"}
+
+
+def _import_graph():
+    """scripts/import_graph.py (the script a user runs to print the engine's floors)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "import_graph.py"
+    spec = importlib.util.spec_from_file_location("import_graph", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_circles_in_evenflow():
+    graph = _import_graph()
+    assert graph.cycles(graph.graph()) == []
+
+
+def test_engine_modules_import_only_their_floor_and_below():
+    graph = _import_graph()
+    assert graph.floor_violations(graph.graph()) == []
+
+
+def test_engine_files_live_in_sub_packages_but_the_named_top_floor():
+    top_floor = {"__init__.py", "config.py", "engine.py", "llm.py", "mock.py",
+                 "placement_control.py", "profiling.py"}
+    assert {p.name for p in (PACKAGE / "engine").glob("*.py")} == top_floor
+    graph = _import_graph()
+    for module in graph.all_modules():
+        graph.engine_floor(module)  # KeyError: a module on no floor
+
+
+def test_the_import_graph_sees_an_upward_import():
+    """The floor check is not vacuous: a kernel importing the model is caught."""
+    graph = _import_graph()
+    edges = {"evenflow.engine.kernels.native": {"evenflow.engine.model.transformer"},
+             "evenflow.engine.model.transformer": {"evenflow.engine.kernels.native"}}
+    assert graph.floor_violations(edges)
+    assert graph.cycles(edges) == [sorted(edges)]
