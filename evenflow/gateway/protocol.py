@@ -183,10 +183,6 @@ class _Common(BaseModel):
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]

@@ -106,9 +106,6 @@ class ShmGroup:
             time.sleep(0.001)
 
     # -- synchronisation ----------------------------------------------------------------------
-    def _seq_of(self, r: int) -> int:
-        return self._header[r * 8]
-
     def _wait(self, k: int, ranks: range | list[int] | None = None, patient: bool = False,
               nap_after_s: float = 0.0) -> None:
         """Until every rank in `ranks` (default all) has published op k. patient: no timeout

@@ -399,9 +399,6 @@ class WorkerService:
             self._thread.stop()
         await self.bus.close()
 
-    def now(self) -> float:
-        return time.time()
-
 
 def run_worker(service: WorkerService) -> None:
     """Entry point of a worker process: uvloop when available, one event loop."""

@@ -131,15 +131,6 @@ class BlockManager:
                 self.free[block] = None
         seq.block_table.clear()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every free cached block (blocks in use keep their registration)."""
-        gone = [self.block_hash[b] for b in self.free if self.block_hash[b] is not None]
-        for block in self.free:
-            self._uncache(block)
-        if gone:
-            self.pending_events.append(BlockRemoved(
-                block_hashes=[h for h in gone if h is not None]))
-
     def cached_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds (in use or free), for a KV-index resync."""
         return list(self.cached)
