@@ -270,7 +270,13 @@ class Engine(ExpertPlacementControl, ProfileControl):
         return ids
 
     def has_unfinished(self) -> bool:
+        """Whether this engine holds work (a read: no side effects)."""
         return bool(self._requests or self._aborted or self._exports)
+
+    def decide_step(self) -> bool:
+        """Whether to step now; the engine thread asks once per loop (an expert-parallel
+        rank agrees on it with its group: engine/dep/lockstep.py)."""
+        return self.has_unfinished()
 
     @property
     def num_running(self) -> int:

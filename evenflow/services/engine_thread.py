@@ -283,7 +283,7 @@ class EngineThread:
                     self._apply(command)
                 except Exception:  # a bug in one command must not stop the engine
                     log.exception("engine command %s failed", type(command).__name__)
-            if self.engine.has_unfinished():
+            if self.engine.decide_step():  # (once per loop: a collective for DEP ranks)
                 self._step()
                 if self._profile is not None:
                     self._profile_steps += 1

@@ -2,14 +2,15 @@
 parallel over a shm group with the other ranks of its group, each rank a worker of its own
 (own NATS subject, heartbeats, KV cache and events), all stepping in lockstep.
 
-The worker's engine thread (services/engine_thread.py) calls has_unfinished() twice per loop
-iteration on every rank; here each call is a small all-gather of [local work, pending
-placement version], so every rank sees the same answer and steps (or not) together. A rank
-without work of its own still steps: with a dummy forward pass, so every MoE collective meets.
-A placement arrives at each rank separately (NATS); once every rank holds it, its MoE layers
-switch one per call, on every rank at the same call (each rank reading the experts its slots
-newly hold: engine/weights/expert_store.py). A collective that fails (a rank died or hangs) makes
-the engine fatal: the worker exits and its supervisor restarts it, and the group re-forms.
+The worker's engine thread (services/engine_thread.py) calls decide_step() exactly once per
+loop iteration on every rank; here it is a small all-gather of [local work, pending placement
+version], so every rank sees the same answer and steps (or not) together. has_unfinished() only
+reads: this rank's work, or the group's last answer. A rank without work of its own still
+steps: with a dummy forward pass, so every MoE collective meets. A placement arrives at each
+rank separately (NATS); once every rank holds it, its MoE layers switch one per decide_step(),
+so one per step, on every rank at the same call (each rank reading the experts its slots newly
+hold: engine/weights/expert_store.py). A collective that fails (a rank died or hangs) makes the
+engine fatal: the worker exits and its supervisor restarts it, and the group re-forms.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class LockstepEngine(Engine):
         self._pending: tuple[int, list[int], list[float]] | None = None
         self._fatal: str | None = None
         self._last_busy = time.monotonic()
+        self._group_busy = False  # the group's answer at the last decide_step()
         self.ep_timer = EPTimer()  # MoE compute / collective time since the last report
         for layer in self.model.moe_layers():
             layer.ep_timer = self.ep_timer
@@ -77,8 +79,12 @@ class LockstepEngine(Engine):
         self._fatal = f"expert-parallel group lost: {exc}"
 
     def has_unfinished(self) -> bool:
-        """Whether any rank of the group has work (a collective: every rank calls it equally
-        often); a placement every rank holds is applied here."""
+        """This rank's own work, or the group's at the last decide_step() (a read)."""
+        return self._fatal is None and (self._group_busy or super().has_unfinished())
+
+    def decide_step(self) -> bool:
+        """Whether any rank of the group has work: a collective (every rank calls it once per
+        loop); a placement every rank holds begins here, and one MoE layer of it switches."""
         if self._fatal is not None:
             return False
         pending = self._pending[0] if self._pending else -1
@@ -98,7 +104,7 @@ class LockstepEngine(Engine):
                                  torch.tensor(shares, dtype=torch.float32).view(shape), version)
         # every rank calls this equally often: one layer of a placement switches everywhere
         self.advance_placement()
-        busy = bool(every[:, 0].any())
+        busy = self._group_busy = bool(every[:, 0].any())
         if busy:
             self._last_busy = time.monotonic()
         return busy
@@ -127,7 +133,7 @@ class LockstepEngine(Engine):
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None:
         """Checked now (a bad one raises ValueError: the worker reports it and keeps serving),
-        held until every rank of the group has it (see has_unfinished)."""
+        held until every rank of the group has it (see decide_step)."""
         layers, slots = self.slot_counts.shape
         if len(phy2log) != layers * slots or len(shares) != layers * slots:
             raise ValueError(f"placement has {len(phy2log)} slots, this engine {layers}x{slots}")
