@@ -84,10 +84,13 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from evenflow.services.config import ConfigError, load_config
+    from evenflow.services.config import ConfigError, env_help, load_config
     from evenflow.services.launcher import LaunchError, LocalMesh
     from evenflow.services.supervisor import GaveUp
 
+    if args.help_env:
+        print(env_help())
+        return 0
     try:
         config = load_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
@@ -262,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "EVENFLOW_API_KEYS; keys never go on the command line)")
     up.add_argument("--ray", action="store_true",
                     help="run the services as Ray Serve applications on a local Ray")
+    up.add_argument("--help-env", action="store_true",
+                    help="list every EVENFLOW_* setting and engine switch with its default")
     up.add_argument("--engine", default=None, choices=["torch", "mock"],
                     help="mock: a timing model over the real block manager (for routing tests)")
     engine = up.add_argument_group(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from evenflow import models
-from evenflow.engine.config import EngineConfig, ModelConfig
+from evenflow.engine.config import EngineConfig, ModelConfig, switched_on
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener
 from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -155,6 +155,11 @@ class Engine(ExpertPlacementControl, ProfileControl):
         so an engine stepped from a thread other than its creator's must call this there."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+
+    def kernel_summary(self) -> str:
+        fast = "" if switched_on("EVENFLOW_FAST_DECODE") else "; fast decode off " \
+            "(EVENFLOW_FAST_DECODE=0)"
+        return f"{self.kv_dtype_name}; {native.summary()}{fast}"
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -61,6 +61,9 @@ class MockEngine(Engine):
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:  # type: ignore[override]
         return MockRunner(self.model_config.vocab_size, self.timing)
 
+    def kernel_summary(self) -> str:
+        return "mock engine: a timing model, no kernels"
+
     @property
     def kv_dtype(self) -> torch.dtype:
         return torch.uint8

@@ -62,6 +62,7 @@ class PrefillWorker(WorkerService):
     role = Role.PREFILL
 
     async def start(self) -> None:
+        self.config.apply_engine_switches()
         engine = create_engine(self.config.engine, self.config.engine_config(),
                                collect_kv_events=True, ep_rank=self.config.ep_rank,
                                ep_group=self.config.ep_group,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evenflow import models
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config import ENGINE_SWITCHES, EngineConfig, check_engine_switch
 from evenflow.services import logs
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
@@ -176,6 +176,9 @@ class MeshConfig:
     expert_parallel_size: int = 1
     ep_rank: int = 0
     ep_group: str = ""
+    # The engine's process-wide switches (engine/config.py ENGINE_SWITCHES: EVENFLOW_NATIVE_*,
+    # EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every worker gets them.
+    engine_switches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, (low, high, inclusive) in _RANGES.items():
@@ -202,8 +205,22 @@ class MeshConfig:
                               f"WORKER=MS,..., got {self.debug_step_delay_ms!r}") from None
         try:
             self.engine_config()
+            for name, value in self.switch_values().items():
+                check_engine_switch(name, value)
+        except KeyError as exc:
+            raise ConfigError(f"unknown engine switch {exc.args[0]}") from None
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def switch_values(self) -> dict[str, str]:
+        """The engine switches set for this mesh, by variable name."""
+        return dict(item.partition("=")[::2] for item in self.engine_switches)
+
+    def apply_engine_switches(self) -> None:
+        """Hand the switches to this process's engine (which reads them from the environment:
+        engine/config.py engine_switch), before it is built: a worker whose config came from
+        arguments rather than its environment (a Ray Serve replica) gets them too."""
+        os.environ.update(self.switch_values())
 
     @property
     def redis_prefix(self) -> str:
@@ -260,10 +277,10 @@ class MeshConfig:
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""
-        env = {}
+        env = dict(self.switch_values())  # each switch as its own variable
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.name == "engine_switches":
                 continue
             env[ENV_PREFIX + f.name.upper()] = (
                 ",".join(value) if isinstance(value, tuple) else str(value))
@@ -309,17 +326,41 @@ def load_config(overrides: Mapping[str, Any] | None = None,
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(MeshConfig)
     values: dict[str, Any] = {}
+    switches: dict[str, str] = {}
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name not in hints:
-            raise ConfigError(f"unknown setting {key}; known: "
-                              + ", ".join(ENV_PREFIX + n.upper() for n in hints))
-        values[name] = _coerce(key, hints[name], raw)
+        if key in ENGINE_SWITCHES:
+            switches[key] = raw
+        elif name not in hints or name == "engine_switches":
+            raise ConfigError(f"unknown setting {key}; `evenflow up --help-env` lists them")
+        else:
+            values[name] = _coerce(key, hints[name], raw)
     for name, value in (overrides or {}).items():
-        if name not in hints:
+        key = ENV_PREFIX + name.upper()
+        if key in ENGINE_SWITCHES:  # (Ray Serve's application args name them this way)
+            if value is not None:
+                switches[key] = str(value)
+        elif name not in hints:
             raise ConfigError(f"unknown setting {name!r}")
-        if value is not None:
+        elif value is not None:
             values[name] = _coerce(name, hints[name], value)
+    given = dict(item.partition("=")[::2] for item in values.get("engine_switches", ()))
+    values["engine_switches"] = tuple(f"{k}={v}" for k, v in sorted((given | switches).items()))
     return MeshConfig(**values)
+
+
+def env_help() -> str:
+    """Every EVENFLOW_* setting with its default: the mesh's, then the engine's switches."""
+    lines = ["Mesh settings (each also a flag where `evenflow up --help` lists one):"]
+    for f in dataclasses.fields(MeshConfig):
+        if f.name in ("engine_switches", "ep_rank", "ep_group"):
+            continue
+        default = f.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        lines.append(f"  {ENV_PREFIX}{f.name.upper()}={'' if shown is None else shown}")
+    lines.append("Engine switches (the same offline, under `evenflow up`, Ray Serve and compose):")
+    for switch in ENGINE_SWITCHES.values():
+        lines.append(f"  {switch.name}={switch.default}  {switch.help}")
+    return "\n".join(lines)

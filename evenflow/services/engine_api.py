@@ -90,6 +90,9 @@ class ServingEngine(Protocol):
         advances by one MoE layer)."""
     def step(self) -> Sequence[EngineOutput]: ...
     def configure_current_thread(self) -> None: ...
+    def kernel_summary(self) -> str:
+        """Which kernels this engine runs (native or torch, and the switch that chose), for
+        the worker's ready line."""
     @property
     def idle_poll_s(self) -> float:
         """How long the engine thread may wait for commands when idle."""

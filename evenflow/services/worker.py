@@ -371,7 +371,8 @@ class WorkerService:
                  asyncio.create_task(self._heartbeats(), name="heartbeats"),
                  asyncio.create_task(watch_loop_lag(), name="loop lag")]
         self.started.set()
-        log.info("%s %s ready", self.role, self.worker_id)
+        kernels = f" ({self._engine.kernel_summary()})" if self._engine is not None else ""
+        log.info("%s %s ready%s", self.role, self.worker_id, kernels)
         await self._stop.wait()
         self.draining = True  # heartbeats now say so; new work is refused
         await self._beat(timeout_s=1)  # now, not at the next beat: routing stops sooner

@@ -26,9 +26,13 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_up_serves_and_ctrl_c_stops_everything():
+def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
+    """... with an engine switch set in its environment, which the workers honour (their
+    ready line says which kernels they run)."""
+    env = {**os.environ, "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"}
+    log = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         url = None
         deadline = time.monotonic() + 180
@@ -45,9 +49,15 @@ def test_up_serves_and_ctrl_c_stops_everything():
         assert out.json()["choices"][0]["text"].split() == ["7", "8", "9"]
         kids = children_of(proc.pid)
         assert len(kids) == 7  # nats, redis, gateway, prefill, decode, kv_index, balancer
+        log.seek(0)
+        ready = [line for line in log if " ready (" in line]
+        assert len(ready) == 2, ready  # the prefill and the decode worker
+        for line in ready:
+            assert "prefill_attention (EVENFLOW_NATIVE_PREFILL_ATTENTION=0)" in line, line
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+        log.close()
     time.sleep(0.5)
     assert not [pid for pid in kids if alive(pid)]
 

@@ -211,3 +211,30 @@ def route_topk() -> Any | None:
     EVENFLOW_NATIVE_ROUTING=0 (torch's softmax, topk and bincount)."""
     kernels = ops() if switched_on("EVENFLOW_NATIVE_ROUTING") else None
     return None if kernels is None else getattr(kernels, "route_topk", None)
+
+
+# Each switchable kernel: its name in summaries, its switch, and the function that serves it.
+_KERNELS = (("norm", "EVENFLOW_NATIVE_NORM", norms),
+            ("rotary", "EVENFLOW_NATIVE_ROTARY", rotary_kv_write),
+            ("decode_attention", "EVENFLOW_NATIVE_ATTENTION", decode_attention),
+            ("prefill_attention", "EVENFLOW_NATIVE_PREFILL_ATTENTION", prefill_attention),
+            ("kv_blocks", "EVENFLOW_NATIVE_KV_BLOCKS", kv_blocks),
+            ("moe", "EVENFLOW_NATIVE_MOE", fused_moe),
+            ("linear", "EVENFLOW_NATIVE_LINEAR", panel_linear),
+            ("routing", "EVENFLOW_NATIVE_ROUTING", route_topk))
+
+
+def summary() -> str:
+    """Which kernels are native here and which are torch's, and why (one line, for logs)."""
+    if not enabled():
+        return "torch kernels only (EVENFLOW_NATIVE_KERNELS=0)"
+    if ops() is None:
+        return "torch kernels only (the native kernels could not be built)"
+    native_ones, torch_ones = [], []
+    for name, switch, serves in _KERNELS:
+        if serves() is not None:
+            native_ones.append(name)
+        else:
+            torch_ones.append(f"{name} ({switch}=0)" if not switched_on(switch) else name)
+    line = f"native kernels (-march={march()}): {', '.join(native_ones) or 'none'}"
+    return line + (f"; torch's: {', '.join(torch_ones)}" if torch_ones else "")
