@@ -80,6 +80,28 @@ def _preflight(config: Any) -> str | None:
     return None
 
 
+def _build_kernels_once() -> None:
+    """A machine's first start builds the engine's native kernels here, once, and says so;
+    the workers then load that build (without this, each would wait for it silently)."""
+    import subprocess
+    import time
+
+    from evenflow.engine.config import switched_on
+    from evenflow.engine.kernels import build
+
+    if not switched_on("EVENFLOW_NATIVE_KERNELS") or build.is_built():
+        return
+    print(f"evenflow up: building the engine's native kernels for this machine, once "
+          f"(~{build.TYPICAL_BUILD_S} s on 2 cores; later starts reuse them) ...", flush=True)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", "from evenflow.engine.kernels import native; "
+                           "raise SystemExit(native.ops() is None)"])
+    took = time.monotonic() - started
+    print(f"evenflow up: native kernels built in {took:.0f} s" if done.returncode == 0 else
+          f"evenflow up: native kernels unavailable after {took:.0f} s: torch's kernels serve",
+          flush=True)
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -118,6 +140,8 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
+    if config.engine == "torch":
+        _build_kernels_once()
     if args.ray:
         from evenflow.rayserve.local import LocalRayMesh
 

@@ -7,63 +7,38 @@ than this CPU's: with oneDNN and ATen held to AVX2 too (ONEDNN_MAX_CPU_ISA=AVX2,
 ATEN_CPU_CAPABILITY=avx2), an AVX-512 machine runs an AVX2 machine's code paths (not its caches
 or memory) — how `evenflow bench engine` is measured for AVX2 here.
 
-A build takes ~30 s once per machine, source and torch version; the result is kept in
-~/.cache/evenflow/kernels/<key> (torch's build lock makes processes starting together wait for
-one build). Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0, `ops()` is None and
-callers keep torch's kernels: the native ones are a speed-up, never a requirement.
+A build takes ~90 s on 2 cores once per machine, source and torch version; the result is kept
+in ~/.cache/evenflow/kernels/<key> (kernels/build.py), and a file lock makes processes starting
+together wait for one build. Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0,
+`ops()` is None and callers keep torch's kernels: the native ones are a speed-up, never a
+requirement.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from evenflow.engine.config import cpu_description, engine_switch, switched_on
+from evenflow.engine.config import switched_on
+from evenflow.engine.kernels.build import (
+    LIBRARY,
+    SOURCES,
+    TYPICAL_BUILD_S,
+    build_dir,
+    build_lock,
+    is_built,
+    march,
+)
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "weight_only.cpp",
-           HERE / "paged_attention.cpp",
-           HERE / "norm.cpp",
-           HERE / "rotary.cpp",
-           HERE / "fused_moe.cpp",
-           HERE / "panel_linear.cpp",
-           HERE / "routing.cpp",
-           HERE / "decode_stack.cpp",
-           HERE / "prefill_attention.cpp",
-           HERE / "kv_blocks.cpp")
-HEADERS = (HERE / "panel.h",
-           HERE / "panel_quant.h",
-           HERE / "ops.h")
-
-
 def enabled() -> bool:
     return switched_on("EVENFLOW_NATIVE_KERNELS")
-
-
-def march() -> str:
-    """The -march the kernels are built for: this CPU's, unless EVENFLOW_NATIVE_MARCH says."""
-    return engine_switch("EVENFLOW_NATIVE_MARCH")
-
-
-def build_dir() -> Path:
-    """Per source path and text, torch version and CPU flags: a copy built for another machine
-    (a shared home, a container image) is never loaded on one lacking its instructions."""
-    digest = hashlib.sha256()
-    # (the path too: two checkouts must not rebuild each other's copy)
-    for source in SOURCES + HEADERS:
-        digest.update(str(source.resolve()).encode() + source.read_bytes())
-    digest.update(f"{torch.__version__}|{cpu_description()}|{march()}".encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:
@@ -87,17 +62,23 @@ def ops() -> Any | None:
 
         _put_ninja_on_path()
         where = build_dir()
-        where.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        cpp_extension.load(
-            name="evenflow_kernels", sources=[str(s) for s in SOURCES],
-            build_directory=str(where), is_python_module=False, verbose=False,
-            # -fopenmp: at::parallel_for is OpenMP in torch's build; the extension then shares
-            # torch's libgomp (same soname, already loaded) and its threads
-            extra_cflags=["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"],
-            extra_ldflags=["-fopenmp"])
+        with build_lock(where) as waited:
+            if waited:
+                log.info("native kernels: waited %.0f s for another process's build",
+                         time.perf_counter() - started)
+            elif not is_built():
+                log.info("building the native kernels for this machine (~%d s, once)",
+                         TYPICAL_BUILD_S)
+            cpp_extension.load(
+                name=LIBRARY, sources=[str(s) for s in SOURCES],
+                build_directory=str(where), is_python_module=False, verbose=False,
+                # -fopenmp: at::parallel_for is OpenMP in torch's build; the extension then
+                # shares torch's libgomp (same soname, already loaded) and its threads
+                extra_cflags=["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
         took = time.perf_counter() - started
-        if took > 2.0:
+        if took > 2.0 and not waited:
             log.info("native kernels built in %.0f s (%s)", took, where)
         return torch.ops.evenflow_kernels
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels serve

@@ -1,0 +1,68 @@
+"""Where the native kernels are built, and the lock that makes one process build them while the
+others wait (torch-free: `evenflow up` asks whether a build is due before it starts workers).
+
+A build is kept per source path and text, torch version, CPU flags and -march, in
+~/.cache/evenflow/kernels/<key>: a copy built for another machine (a shared home, a container
+image) is never loaded on one lacking its instructions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from evenflow.engine.config import cpu_description, engine_switch
+
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in (
+    "weight_only.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "fused_moe.cpp",
+    "panel_linear.cpp", "routing.cpp", "decode_stack.cpp", "prefill_attention.cpp",
+    "kv_blocks.cpp"))
+HEADERS = tuple(HERE / name for name in ("panel.h", "panel_quant.h", "ops.h"))
+LIBRARY = "evenflow_kernels"
+# What a first build costs, for the line `evenflow up` prints (measured on 2 cores).
+TYPICAL_BUILD_S = 90
+
+
+def march() -> str:
+    """The -march the kernels are built for: this CPU's, unless EVENFLOW_NATIVE_MARCH says."""
+    return engine_switch("EVENFLOW_NATIVE_MARCH")
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256()
+    # (the path too: two checkouts must not rebuild each other's copy)
+    for source in SOURCES + HEADERS:
+        digest.update(str(source.resolve()).encode() + source.read_bytes())
+    torch_version = importlib.metadata.version("torch")
+    digest.update(f"{torch_version}|{cpu_description()}|{march()}".encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "evenflow" / "kernels" / digest.hexdigest()[:16]
+
+
+def is_built() -> bool:
+    """Whether this machine already holds a build of the current sources."""
+    return (build_dir() / f"{LIBRARY}.so").is_file()
+
+
+@contextlib.contextmanager
+def build_lock(where: Path) -> Iterator[bool]:
+    """Held while one process builds or loads the kernels in `where`; yields whether this
+    process had to wait for another (then the build is there when the lock comes)."""
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "evenflow-build.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = True
+        try:
+            yield waited
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
