@@ -125,3 +125,22 @@ def sampling_params_of(params: SamplingParams | SamplingSpec) -> SamplingParams:
                           prompt_logprobs=None if params.prompt_logprobs < 0
                           else params.prompt_logprobs, guide=params.guide or None,
                           resumed_output_tokens=params.resumed_output_tokens)
+
+
+def spec_of(params: SamplingParams) -> SamplingSpec:
+    """The wire form of the token-level settings (stop strings stay with the caller): the
+    inverse of sampling_params_of, for a rank that hands a request to another rank."""
+    bias = params.logit_bias.items() if isinstance(params.logit_bias, dict) else params.logit_bias
+    return SamplingSpec(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                        seed=params.seed, max_tokens=params.max_tokens,
+                        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                        min_p=params.min_p, presence_penalty=params.presence_penalty,
+                        frequency_penalty=params.frequency_penalty,
+                        repetition_penalty=params.repetition_penalty,
+                        min_tokens=params.min_tokens,
+                        logit_bias=[[float(t), float(b)] for t, b in bias],
+                        allowed_token_ids=list(params.allowed_token_ids or []),
+                        logprobs=-1 if params.logprobs is None else params.logprobs,
+                        prompt_logprobs=-1 if params.prompt_logprobs is None
+                        else params.prompt_logprobs, guide=params.guide or "",
+                        resumed_output_tokens=params.resumed_output_tokens)

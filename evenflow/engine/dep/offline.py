@@ -8,11 +8,12 @@ expert-parallel: under the expert placement (num_ep_ranks = N, slots rank-major)
 computes only its slots, and tokens travel to them and back by all-to-all (engine/model/ffn.py).
 
 The ranks step in lockstep, as vLLM's and SGLang's DP attention do. Each step:
-1. rank 0 broadcasts the step's command (new requests per rank, aborts, a placement) as a header
-   and a msgpack payload; the others wait for it patiently (an idle group sleeps, no spin);
+1. rank 0 broadcasts the step's command (runners/rank_wire.py: StepRanks with the new requests
+   per rank and the aborts, or a Placement) as a header and the typed message; the others wait
+   for it patiently (an idle group sleeps, no spin);
 2. every rank steps its engine; a rank that ran no forward pass runs a dummy one (one token
    into the cache's spare slot), so every MoE layer's collectives meet;
-3. the ranks' outputs are gathered to rank 0 (lengths, then msgpack bytes).
+3. the ranks' outputs (RankStepDone) are gathered to rank 0 (lengths, then encoded bytes).
 
 Each rank also times its MoE layers per step (its experts' compute, and the dispatch/combine
 collectives including the wait for the slowest rank): `DEPEngine.moe_times`.
@@ -33,17 +34,25 @@ import weakref
 from collections import deque
 from typing import Any
 
-import msgpack
 import torch
 
 from evenflow.engine.config import EngineConfig, ModelLoadError, load_config
-from evenflow.engine.core.sampling_params import SamplingParams
+from evenflow.engine.core.sampling_params import SamplingParams, spec_of
 from evenflow.engine.core.sequence import FinishReason
 from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.model.ffn import EPTimer
 from evenflow.engine.runners.rank_wire import (
     LOAD_TIMEOUT_S,
     STEP_TIMEOUT_S,
+    Placement,
+    RankAdd,
+    RankOutput,
+    RankStepDone,
+    StepRanks,
+    Stop,
+    TakeLoad,
+    TokenLogprobs,
+    gather,
     receive_command,
     send_command,
     stop_ranks,
@@ -52,12 +61,7 @@ from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.group import CollectiveError, ProcessGroup
 from evenflow.parallel.shm import ShmGroup
 
-STEP, PLACEMENT, TAKE_LOAD, STOP = range(4)
 MOE_TIMES_KEPT = 100_000
-_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
-           "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "min_tokens", "logit_bias", "allowed_token_ids", "logprobs", "prompt_logprobs",
-           "guide", "resumed_output_tokens")
 
 
 def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
@@ -66,15 +70,31 @@ def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
     return max(4 << 20, -(-(rows * hidden_size * 4 + 4096) // 64) * 64)
 
 
-def _params_wire(p: SamplingParams) -> list:
-    return [getattr(p, name) for name in _PARAMS]
+def _logprobs(entry: tuple[float, list[int], list[float]] | None) -> TokenLogprobs | None:
+    return None if entry is None else TokenLogprobs(logprob=entry[0], top_ids=list(entry[1]),
+                                                    top_logprobs=list(entry[2]))
 
 
-def _params(values: list) -> SamplingParams:
-    kwargs = dict(zip(_PARAMS, values, strict=True))
-    kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
-    kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs["logit_bias"])
-    return SamplingParams(**kwargs)
+def _rank_output(s: StepOutput) -> RankOutput:
+    return RankOutput(
+        request_id=s.request_id, new_token_ids=list(s.new_token_ids), finished=s.finished,
+        finish_reason=s.finish_reason.value if s.finish_reason else "",
+        num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.num_cached_tokens,
+        logprobs=_logprobs(s.logprobs),
+        prompt_logprobs=None if s.prompt_logprobs is None
+        else [lp for lp in map(_logprobs, s.prompt_logprobs) if lp is not None])
+
+
+def _step_output(o: RankOutput) -> StepOutput:
+    def entry(lp: TokenLogprobs) -> tuple[float, list[int], list[float]]:
+        return lp.logprob, lp.top_ids, lp.top_logprobs
+
+    return StepOutput(o.request_id, o.new_token_ids, o.finished,
+                      FinishReason(o.finish_reason) if o.finish_reason else None,
+                      o.num_prompt_tokens, o.num_cached_tokens,
+                      logprobs=entry(o.logprobs) if o.logprobs else None,
+                      prompt_logprobs=None if o.prompt_logprobs is None
+                      else [entry(lp) for lp in o.prompt_logprobs])
 
 
 class LockstepRank:
@@ -87,46 +107,30 @@ class LockstepRank:
         for layer in self.engine.model.moe_layers():
             layer.ep_timer = self.timer
 
-    def run_step(self, adds: list, aborts: list[str]) -> dict:
-        """Apply this rank's share of the command, step, and return its outputs (wire form)
-        and its MoE timing for the step."""
+    def run_step(self, rank: int, command: StepRanks) -> RankStepDone:
+        """Apply this rank's share of the command and step."""
         engine, out = self.engine, []
         started = time.perf_counter()
         engine.advance_placement()  # one MoE layer of a new placement, on every rank alike
         pause = time.perf_counter() - started
-        for request_id in aborts:
+        for request_id in command.aborts:
             engine.abort(request_id)
-        for request_id, prompt, params in adds:
+        for add in command.adds:
+            if add.rank != rank:
+                continue
             try:
-                engine.add_request(request_id, prompt, _params(params))
+                engine.add_request(add.request_id, add.prompt_token_ids, add.sampling)
             except ValueError as exc:
-                out.append([request_id, None, str(exc)])
-        for s in engine.step_in_lockstep():
-            out.append([s.request_id, s.new_token_ids, s.finished,
-                        s.finish_reason.value if s.finish_reason else None,
-                        s.num_prompt_tokens, s.num_cached_tokens, s.logprobs,
-                        s.prompt_logprobs])
-        return {"out": out, "moe": self.timer.take(), "pause": pause}
-
-    def gather(self, outputs: Any) -> list:
-        """Every rank's payload, by rank, on every rank."""
-        data = msgpack.packb(outputs)
-        sizes = self.group.all_gather(torch.tensor([len(data)], dtype=torch.int64)).view(-1)
-        width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        every = self.group.all_gather(mine)
-        return [msgpack.unpackb(every[r, :size].numpy().tobytes())
-                for r, size in enumerate(sizes.tolist())]
+                out.append(RankOutput(request_id=add.request_id, refused=str(exc)))
+        out.extend(_rank_output(s) for s in engine.step_in_lockstep())
+        return RankStepDone(outputs=out, moe=self.timer.take(), pause_s=pause)
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, slot) since the last call, summed over the ranks."""
         return self.group.all_reduce(self.engine.take_slot_counts())
 
-    def apply_placement(self, payload: list) -> None:
-        shape, phy2log, share, version = payload
-        share_t = None if share is None else torch.tensor(share, dtype=torch.float32).view(shape)
-        self.engine.begin_placement(torch.tensor(phy2log).view(shape), share_t, version)
+    def apply_placement(self, placement: Placement) -> None:
+        self.engine.begin_placement(*placement.tensors(), placement.version)
 
 
 class DEPEngine:
@@ -163,7 +167,7 @@ class DEPEngine:
                                  f"starts ranks needs an `if __name__ == \"__main__\":` "
                                  f"guard)") from exc
         self.group = group
-        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, group, STOP)
+        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, group)
         try:
             self.rank = LockstepRank(config, group)
             group.barrier()  # every rank loaded
@@ -174,7 +178,7 @@ class DEPEngine:
         self.model_config = self.rank.engine.model_config
         self.world_size = world
         self._owner: dict[str, int] = {}  # live request -> its rank
-        self._adds: list[list] = []
+        self._adds: list[RankAdd] = []
         self._aborts: list[str] = []
         # per step (the latest MOE_TIMES_KEPT), per rank: [MoE compute s, collective s (incl.
         # waiting), rows computed]
@@ -184,7 +188,7 @@ class DEPEngine:
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call, over every rank."""
-        send_command(self.group, TAKE_LOAD, None)
+        send_command(self.group, TakeLoad())
         return self.rank.take_slot_counts()
 
     @property
@@ -201,7 +205,9 @@ class DEPEngine:
             load[r] += 1
         rank = load.index(min(load))
         self._owner[request_id] = rank
-        self._adds.append([rank, request_id, list(prompt_token_ids), _params_wire(params)])
+        self._adds.append(RankAdd(rank=rank, request_id=request_id,
+                                  prompt_token_ids=list(prompt_token_ids),
+                                  sampling=spec_of(params)))
 
     def abort(self, request_id: str) -> bool:
         if self._owner.pop(request_id, None) is None:
@@ -216,32 +222,28 @@ class DEPEngine:
                         version: int) -> None:
         """A new expert placement on every rank, taken one MoE layer before each of the next
         steps (each rank reads the experts its slots newly hold: engine/weights/expert_store.py)."""
-        payload = [list(phy2log.shape), phy2log.flatten().tolist(),
-                   None if share is None else share.flatten().tolist(), version]
-        send_command(self.group, PLACEMENT, payload)
-        self.rank.apply_placement(payload)
+        placement = Placement.of(phy2log, share, version=version)
+        send_command(self.group, placement)
+        self.rank.apply_placement(placement)
 
     def step(self) -> list[StepOutput]:
-        adds, aborts, self._adds, self._aborts = self._adds, self._aborts, [], []
-        send_command(self.group, STEP, [adds, aborts])
-        mine = [a[1:] for a in adds if a[0] == 0]
-        ranks = self.rank.gather(self.rank.run_step(mine, aborts))
-        self.moe_times.append([r["moe"] for r in ranks])
+        command = StepRanks(adds=self._adds, aborts=self._aborts)
+        self._adds, self._aborts = [], []
+        send_command(self.group, command)
+        ranks = [done for done in gather(self.group, self.rank.run_step(0, command))
+                 if isinstance(done, RankStepDone)]
+        assert len(ranks) == self.world_size, "a rank answered a step with something else"
+        self.moe_times.append([r.moe for r in ranks])
         self.max_placement_pause_s = max(self.max_placement_pause_s,
-                                         max(r["pause"] for r in ranks))
+                                         max(r.pause_s for r in ranks))
         result = []
-        for item in (item for r in ranks for item in r["out"]):
-            if item[1] is None:  # refused by its rank
-                self._owner.pop(item[0], None)
-                raise ValueError(item[2])
-            request_id, tokens, finished, reason, prompt, cached, logprobs, prompt_lps = item
-            if finished:
-                self._owner.pop(request_id, None)
-            result.append(StepOutput(request_id, tokens, finished,
-                                    FinishReason(reason) if reason else None, prompt, cached,
-                                    logprobs=tuple(logprobs) if logprobs else None,
-                                    prompt_logprobs=[tuple(p) for p in prompt_lps]
-                                    if prompt_lps is not None else None))
+        for out in (out for r in ranks for out in r.outputs):
+            if out.refused:
+                self._owner.pop(out.request_id, None)
+                raise ValueError(out.refused)
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+            result.append(_step_output(out))
         return result
 
     def close(self) -> None:
@@ -257,18 +259,17 @@ def follower_main(config: EngineConfig, group_name: str, rank: int, slot_bytes: 
         group.barrier()
         group.timeout_s = STEP_TIMEOUT_S
         while True:
-            kind, payload = receive_command(group)
-            if kind == STOP:
-                return
-            if kind == PLACEMENT:
-                me.apply_placement(payload)
-                continue
-            if kind == TAKE_LOAD:
-                me.take_slot_counts()
-                continue
-            adds, aborts = payload
-            mine = [a[1:] for a in adds if a[0] == rank]
-            me.gather(me.run_step(mine, aborts))
+            match receive_command(group):
+                case Stop():
+                    return
+                case Placement() as placement:
+                    me.apply_placement(placement)
+                case TakeLoad():
+                    me.take_slot_counts()
+                case StepRanks() as command:
+                    gather(group, me.run_step(rank, command))
+                case other:
+                    raise RuntimeError(f"an expert-parallel rank got {type(other).__name__}")
     except CollectiveError:
         pass  # rank 0 is gone or stopped answering
     finally:

@@ -5,9 +5,9 @@ scheduling, sampling, the mesh. Ranks 1..N-1 are processes of their own (`follow
 each loads its shard (engine/weights/tp_shard.py), builds a KV cache for its heads and then executes
 the leader's commands until told to stop or until the leader is gone.
 
-A command crosses the process group (shm on this host) as two broadcasts: a header
-int64[kind, payload bytes], then the msgpack payload as bytes; a KV write adds the tensor
-itself. Followers wait for the header patiently (no timeout, liveness checked), so an idle
+A command (runners/rank_wire.py: a typed message) crosses the process group (shm on this host)
+as two broadcasts: a header int64[payload bytes], then its encoded bytes; a KV write adds the
+tensor itself. Followers wait for the header patiently (no timeout, liveness checked), so an idle
 engine costs them no CPU to speak of.
 
 The K/V hand-off keeps the full-head layout (proto/kv_handoff.py): read_kv gathers every
@@ -40,6 +40,13 @@ from evenflow.engine.runners.model_runner import ChunkInput, ModelRunner
 from evenflow.engine.runners.rank_wire import (
     LOAD_TIMEOUT_S,
     STEP_TIMEOUT_S,
+    InitRunner,
+    Placement,
+    RankMessage,
+    ReadKV,
+    RunForward,
+    Stop,
+    WriteKV,
     receive_command,
     send_command,
     stop_ranks,
@@ -50,9 +57,6 @@ from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.shm import ShmGroup
 
 log = logging.getLogger(__name__)
-
-INIT, RUN, READ_KV, WRITE_KV, PLACEMENT, STOP = range(6)
-
 
 class TensorParallelLost(RuntimeError):
     """A rank of the group is gone: the engine cannot step again (Engine.fatal_error)."""
@@ -79,11 +83,11 @@ class TPGroup:
             self.group = ShmGroup(name, 0, world, timeout_s=LOAD_TIMEOUT_S, peers_alive=lambda: all(
                 p.exitcode is None for p in self.procs))
         except CollectiveError as exc:
-            stop_ranks(self.procs, None, STOP)
+            stop_ranks(self.procs, None)
             raise ModelLoadError(f"tensor-parallel ranks did not start: {exc} (a script that "
                                  f"starts ranks needs an `if __name__ == \"__main__\":` "
                                  f"guard)") from exc
-        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, self.group, STOP)
+        self._finalizer = weakref.finalize(self, stop_ranks, self.procs, self.group)
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tp watchdog",
                          daemon=True).start()
 
@@ -97,8 +101,8 @@ class TPGroup:
                                  f"its error is in this process's log") from exc
         self.group.timeout_s = STEP_TIMEOUT_S
 
-    def send(self, kind: int, payload: Any = None) -> None:
-        send_command(self.group, kind, payload)
+    def send(self, command: RankMessage) -> None:
+        send_command(self.group, command)
 
     def close(self) -> None:
         self._finalizer()
@@ -124,7 +128,8 @@ class TPLeaderRunner(ModelRunner):
         self.tp = tp
         self.world_size = tp.group.world_size
         self._shard = TPShard(0, self.world_size)
-        self._guard(tp.send, INIT, [num_blocks, block_size, max_model_len])
+        self._guard(tp.send, InitRunner(num_blocks=num_blocks, block_size=block_size,
+                                        max_model_len=max_model_len))
         super().__init__(model, num_blocks, block_size, max_model_len, dtype)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
@@ -138,19 +143,18 @@ class TPLeaderRunner(ModelRunner):
 
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         inputs = [ChunkInput.of(c) for c in chunks]
-        wire = [[c.token_ids, c.start, c.block_table, c.samples, c.every_row] for c in inputs]
-        self._guard(self.tp.send, RUN, wire)
+        self._guard(self.tp.send, RunForward(chunks=inputs))
         logits = self._guard(self.forward, inputs)
         return self.sample_step(chunks, inputs, logits)
 
     def read_kv(self, block_ids: list[int]) -> Tensor:
-        self._guard(self.tp.send, READ_KV, block_ids)
+        self._guard(self.tp.send, ReadKV(block_ids=block_ids))
         parts = self._guard(self.tp.group.all_gather, super().read_kv(block_ids))
         return gather_heads(parts, self.model.config)
 
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
         kv = kv.to(self.kv_caches[0][0].dtype).contiguous()
-        self._guard(self.tp.send, WRITE_KV, [block_ids, list(kv.shape)])
+        self._guard(self.tp.send, WriteKV(block_ids=block_ids, shape=list(kv.shape)))
         self._guard(self.tp.group.broadcast, kv)
         super().write_kv(block_ids, own_heads(kv, self._shard, self.model.config))
 
@@ -160,9 +164,7 @@ class TPLeaderRunner(ModelRunner):
         return (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
 
     def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
-        self._guard(self.tp.send, PLACEMENT, [
-            list(phy2log.shape), phy2log.flatten().tolist(),
-            None if share is None else share.flatten().tolist(), num_ep_ranks])
+        self._guard(self.tp.send, Placement.of(phy2log, share, num_ep_ranks))
         super().apply_placement(phy2log, share, num_ep_ranks)
 
 
@@ -207,25 +209,23 @@ def follower_main(config: EngineConfig, model_dir: str, dtype_name: str, group_n
 def _serve(group: ShmGroup, model: CausalLM, shard: TPShard, dtype: torch.dtype) -> None:
     runner: ModelRunner | None = None
     while True:
-        kind, payload = receive_command(group)
-        if kind == STOP:
+        command = receive_command(group)
+        if isinstance(command, Stop):
             return
-        if kind == INIT:
-            num_blocks, block_size, max_model_len = payload
-            runner = ModelRunner(model, num_blocks, block_size, max_model_len, dtype)
+        if isinstance(command, InitRunner):
+            runner = ModelRunner(model, command.num_blocks, command.block_size,
+                                 command.max_model_len, dtype)
             continue
-        assert runner is not None, "a command before INIT"
-        if kind == RUN:
-            runner.forward([ChunkInput(*c) for c in payload])
-        elif kind == READ_KV:
-            group.all_gather(runner.read_kv(payload))
-        elif kind == WRITE_KV:
-            block_ids, shape = payload
-            kv = group.broadcast(torch.empty(shape, dtype=runner.kv_caches[0][0].dtype))
-            runner.write_kv(block_ids, own_heads(kv, shard, model.config))
-        elif kind == PLACEMENT:
-            shape, phy2log, share, num_ep_ranks = payload
-            runner.apply_placement(
-                torch.tensor(phy2log).view(shape),
-                None if share is None else torch.tensor(share, dtype=torch.float32).view(shape),
-                num_ep_ranks)
+        assert runner is not None, "a command before InitRunner"
+        match command:
+            case RunForward(chunks=chunks):
+                runner.forward(chunks)
+            case ReadKV(block_ids=block_ids):
+                group.all_gather(runner.read_kv(block_ids))
+            case WriteKV(block_ids=block_ids, shape=shape):
+                kv = group.broadcast(torch.empty(shape, dtype=runner.kv_caches[0][0].dtype))
+                runner.write_kv(block_ids, own_heads(kv, shard, model.config))
+            case Placement(num_ep_ranks=num_ep_ranks):
+                runner.apply_placement(*command.tensors(), num_ep_ranks)
+            case _:
+                raise RuntimeError(f"a tensor-parallel follower got {type(command).__name__}")
