@@ -109,7 +109,7 @@ def weight_read_in_rows(moe, hidden: int, dtype) -> float:
     1-row time over the per-row slope (rows 1 and 17), on this machine."""
     import torch
 
-    gate_up, down = moe._expert_linears()
+    gate_up, down = moe.experts_in_use().linears()
 
     def run(rows: int) -> float:
         x = torch.randn(rows, hidden).to(dtype)

@@ -14,7 +14,8 @@ from evenflow.services.engine_api import EngineOutput, ServingEngine
 
 PACKAGE = Path(__file__).resolve().parents[2] / "evenflow"
 SERVICE_DIRS = ["services", "prefill", "decode", "kv_index", "balancer", "gateway"]
-ENGINE_CONSTRUCTION = {"create_engine", "EngineConfig"}
+# the constructor, the config and the registry of its process-wide switches (engine/config.py)
+ENGINE_CONSTRUCTION = {"create_engine", "EngineConfig", "ENGINE_SWITCHES", "check_engine_switch"}
 
 
 def protocol_members(protocol: type) -> set[str]:

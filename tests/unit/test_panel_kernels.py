@@ -156,12 +156,12 @@ def test_greedy_output_is_the_same_as_the_per_expert_path(monkeypatch, dtype, qu
     prompts = ["count from 17 :", "count down from 90 :", "reverse : q w e r ="]
     params = SamplingParams(temperature=0, max_tokens=12)
     fused = LLM("tiny-moe", dtype=dtype, quantization=quantization)
-    assert fused.engine.model.moe_layers()[0]._fused_experts() is not None
+    assert fused.engine.model.moe_layers()[0].experts_in_use().fused_args() is not None
     with_panels = [o.token_ids for o in fused.generate(prompts, params)]
     monkeypatch.setattr(native, "fused_moe", lambda: None)
     monkeypatch.setattr(native, "panel_linear", lambda: None)
     per_expert = LLM("tiny-moe", dtype=dtype, quantization=quantization)
-    assert per_expert.engine.model.moe_layers()[0]._fused_experts() is None
+    assert per_expert.engine.model.moe_layers()[0].experts_in_use().fused_args() is None
     assert [o.token_ids for o in per_expert.generate(prompts, params)] == with_panels
 
 

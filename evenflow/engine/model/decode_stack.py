@@ -74,7 +74,7 @@ class FastDecodeLayer:
         if linear_args(attn.qkv_proj) is None or linear_args(attn.o_proj) is None or \
                 not isinstance(moe.gate, panels.PanelLinear):
             return None
-        if moe.shared_expert is not None or moe._fused_experts() is None:
+        if moe.shared_expert is not None or moe.experts_in_use().fused_args() is None:
             return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if norms[0].dtype != norms[1].dtype:
@@ -85,10 +85,7 @@ class FastDecodeLayer:
     def _experts_state(moe: MoE) -> tuple:
         """What the stack copies of a MoE layer's experts: the stacks the fused kernel reads
         (the placed slots' under a placement), the placement, the counts rows."""
-        placed = moe.placement is not None
-        stacks = (moe._slot_fused or moe._slot_quantized) if placed else \
-            (moe.fused or moe.quantized)
-        return stacks, moe.placement, moe.counts, moe.slot_counts
+        return moe.experts_in_use(), moe.placement, moe.counts, moe.slot_counts
 
     def usable(self) -> bool:
         """The layer is still as it was made: its projections, experts' stacks, placement and
@@ -103,7 +100,7 @@ class FastDecodeLayer:
     def add_to(self, stack: Any) -> None:
         """This layer's weights and shapes into a kernels/decode_stack.cpp DecodeStack."""
         moe = self.moe
-        fused = moe._fused_experts()
+        fused = moe.experts_in_use().fused_args()
         assert fused is not None
         if len(fused) == 2:  # plain weights
             w13, w2, s13, s2, o13, o2, group = *fused, [], [], [], [], 0

@@ -21,14 +21,18 @@ from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.kernels import panels
+from evenflow.engine.model.experts import (
+    ExpertLinear,
+    ExpertPair,
+    ExpertWeights,
+    LocalExperts,
+    PlainExperts,
+)
 from evenflow.engine.model.placement import SlotPlacement
 from evenflow.engine.model.router import route
-from evenflow.engine.quant.panel_stack import PanelStack
-from evenflow.engine.quant.stacks import QuantStack
 from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
-ExpertLinear = Callable[[Tensor, int], Tensor]
 
 
 @dataclass
@@ -67,8 +71,10 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k routed experts (plus an optional gated shared expert, as in Qwen2-MoE).
 
-    Expert weights are stacked: w13 (E, 2I, H) holds gate and up, w2 (E, H, I) holds down.
-    Each call adds its tokens-per-expert to `counts` (E,), which the engine exposes.
+    Checkpoints load into stacked parameters, w13 (E, 2I, H) holding gate and up and w2
+    (E, H, I) holding down; a stored form (model/experts.py: packed, fused, quantized) may take
+    their place (`store`). Each call adds its tokens-per-expert to `counts` (E,), which the
+    engine exposes.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -85,21 +91,12 @@ class MoE(nn.Module):
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
+        # Every expert in a stored form other than the plain stacks (then w13 and w2 are empty)
+        self.stored: ExpertWeights | None = None
         # Under an expert placement: physical slots, their weights, their token counts.
         self.placement: SlotPlacement | None = None
         self.slot_counts: Tensor | None = None  # a row of the engine's (layers, P) counter
-        self._slot_w13: Tensor | None = None
-        self._slot_w2: Tensor | None = None
-        # Quantized experts (engine/weights/quantize_model.py): w13 and w2 are then empty.
-        self.quantized: tuple[QuantStack, QuantStack] | None = None
-        self._slot_quantized: tuple[QuantStack, QuantStack] | None = None
-        # Per-expert weights packed for oneDNN (engine/weights/prepack.py): w13 and w2 are then
-        # empty.
-        self.packed: tuple[list[Tensor], list[Tensor]] | None = None
-        self._slot_packed: tuple[list[Tensor], list[Tensor]] | None = None
-        # Per-expert weights in the fused kernel's layout (engine/kernels/panels.py); w13, w2 empty.
-        self.fused: tuple[list[Tensor], list[Tensor]] | None = None
-        self._slot_fused: tuple[list[Tensor], list[Tensor]] | None = None
+        self._slots: ExpertWeights | None = None
         # Expert parallel (engine/dep/offline.py): this rank computes only its share of the
         # placement's slots (rank-major); tokens travel to them and back by all-to-all.
         self.ep: ProcessGroup | None = None
@@ -107,43 +104,38 @@ class MoE(nn.Module):
         # Set on expert-parallel ranks that keep only their own slots' experts: fetch(e) reads
         # logical expert e (engine/weights/expert_store.py) when a placement brings it to this rank.
         self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
-        self.resident: dict[int, tuple[Any, Any]] | None = None  # logical expert -> weights
-        self._local: list[tuple[Any, Any]] | None = None  # this rank's slots' weights, in order
-        self._local_form = "plain"
+        self.resident: dict[int, ExpertPair] | None = None  # logical expert -> weights
 
-    def set_packed(self, w13: list[Tensor], w2: list[Tensor], fused: bool = False) -> None:
-        """Per-expert weights packed for oneDNN, or (fused) for the fused kernel."""
-        if fused:
-            self.fused = (w13, w2)
-        else:
-            self.packed = (w13, w2)
-        empty = torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype)
-        self.w13 = nn.Parameter(empty, requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
-                               requires_grad=False)
+    def all_experts(self) -> ExpertWeights:
+        """Every logical expert, in the stored form (the plain stacks unless stored)."""
+        return self.stored if self.stored is not None else PlainExperts(self.w13, self.w2)
+
+    def experts_in_use(self) -> ExpertWeights:
+        """What a step computes with: the placement's slots, or every expert."""
+        if self.placement is None:
+            return self.all_experts()
+        assert self._slots is not None
+        return self._slots
+
+    def store(self, experts: ExpertWeights) -> None:
+        """Keep every expert in this form from now on; the plain stacks are dropped."""
+        self.stored = experts
+        self._drop_stacks()
         if self.placement is not None:
             self.set_placement(self.placement)
+
+    def _drop_stacks(self) -> None:
+        self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
+                               requires_grad=False)
 
     def set_placement(self, placement: SlotPlacement) -> int:
         """Put each slot's expert weights in place (between steps); how many experts had to be
         read (only ranks that keep just their own experts read any)."""
         if self.ep is not None and self.fetch_expert is not None:
             return self._place_own_slots(placement)
-        if self.packed is not None or self.fused is not None:  # references: no copies
-            slots = placement.phy2log.tolist()
-            stacks = self.packed or self.fused
-            assert stacks is not None
-            chosen = ([stacks[0][e] for e in slots], [stacks[1][e] for e in slots])
-            if self.fused is not None:
-                self._slot_fused = chosen
-            else:
-                self._slot_packed = chosen
-        elif self.quantized is not None:
-            q13, q2 = self.quantized
-            self._slot_quantized = (q13.select(placement.phy2log), q2.select(placement.phy2log))
-        else:
-            self._slot_w13 = self.w13.index_select(0, placement.phy2log)
-            self._slot_w2 = self.w2.index_select(0, placement.phy2log)
+        self._slots = self.all_experts().select(placement.phy2log)
         self.placement = placement
         return 0
 
@@ -151,21 +143,9 @@ class MoE(nn.Module):
     def form(self) -> str:
         """How expert weights are stored: "fused", "packed", "quantized" or "plain"."""
         if self.resident is not None:
-            return self._local_form
-        if self.fused is not None:
-            return "fused"
-        return "packed" if self.packed else "quantized" if self.quantized else "plain"
-
-    def _expert_weights(self, e: int) -> tuple[Any, Any]:
-        """Logical expert e's (gate_up, down) in the stored form, owning its memory."""
-        if self.resident is not None:
-            return self.resident[e]
-        if self.packed is not None:
-            return self.packed[0][e], self.packed[1][e]
-        if self.quantized is not None:
-            index = torch.tensor([e])
-            return self.quantized[0].select(index), self.quantized[1].select(index)
-        return self.w13[e].clone(), self.w2[e].clone()
+            assert self._slots is not None
+            return self._slots.form
+        return self.all_experts().form
 
     def _place_own_slots(self, placement: SlotPlacement) -> int:
         """Keep exactly the experts this rank's slots hold under `placement`: the ones it
@@ -174,40 +154,27 @@ class MoE(nn.Module):
         per_rank = placement.num_slots // self.ep.world_size
         first = self.ep.rank * per_rank
         needed = placement.phy2log[first : first + per_rank].tolist()
-        form = self.form
-        kept = {e: self._expert_weights(e) for e in set(needed)
-                if self.resident is None or e in self.resident}
+        form, resident = self.form, self.resident
+        if resident is None:  # the first placement: keep ours of every expert
+            every = self.all_experts()
+            kept = {e: every.expert(e) for e in set(needed)}
+        else:
+            kept = {e: resident[e] for e in set(needed) if e in resident}
         missing = sorted(set(needed) - set(kept))
         for e in missing:
             kept[e] = self.fetch_expert(e)
-        self.resident, self._local_form = kept, form
-        self._local = [kept[e] for e in needed]
-        # the full stacks (every expert) are gone for good
-        self.packed = self._slot_packed = None
-        self.quantized = self._slot_quantized = None
-        self._slot_w13 = self._slot_w2 = None
-        self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:], dtype=self.w13.dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:], dtype=self.w2.dtype),
-                               requires_grad=False)
+        self.resident = kept
+        self._slots = LocalExperts([kept[e] for e in needed], form)
+        self.stored = None  # the full stacks (every expert) are gone for good
+        self._drop_stacks()
         self.placement = placement
         return len(missing)
 
     def resident_bytes(self) -> int:
         """Bytes of expert weights this layer holds."""
-        def size(w: Any) -> int:
-            if isinstance(w, QuantStack):
-                return w.nbytes()
-            return w.numel() * w.element_size()  # (oneDNN-packed tensors have no storage)
-
         if self.resident is not None:
-            return sum(size(a) + size(b) for a, b in self.resident.values())
-        stacks = self.packed or self.fused
-        if stacks is not None:
-            return sum(size(w) for w in stacks[0] + stacks[1])
-        if self.quantized is not None:
-            return self.quantized[0].nbytes() + self.quantized[1].nbytes()
-        return self.w13.nbytes + self.w2.nbytes
+            return LocalExperts(list(self.resident.values()), self.form).nbytes()
+        return self.all_experts().nbytes()
 
     @property
     def num_slots(self) -> int:
@@ -225,11 +192,12 @@ class MoE(nn.Module):
             if self.slot_counts is not None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
                 self.slot_counts += counts
-        fused = self._fused_experts() if self.ep is None else None
+        in_use = self.experts_in_use()
+        fused = in_use.fused_args() if self.ep is None else None
         if fused is not None:  # every routed expert in one native call
             out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
             return self._add_shared_expert(x, out)
-        gate_up, down = self._expert_linears()
+        gate_up, down = in_use.linears()
         if self.ep is not None:
             out = self._expert_parallel(x, groups, weights, gate_up, down)
         elif x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
@@ -240,45 +208,10 @@ class MoE(nn.Module):
             out = self._grouped(x, groups, counts, weights, gate_up, down)
         return self._add_shared_expert(x, out)
 
-    def _fused_experts(self) -> tuple | None:
-        """The fused kernel's weight arguments (engine/kernels/panels.py) for the current slots, or
-        None when the experts are not stored for it."""
-        placed = self.placement is not None
-        if self.fused is not None:
-            stacks = self._slot_fused if placed else self.fused
-            assert stacks is not None
-            return stacks
-        quantized = self._slot_quantized if placed else self.quantized
-        if quantized is not None and isinstance(quantized[0], PanelStack) and \
-                isinstance(quantized[1], PanelStack) and quantized[1].in_features % 64 == 0 \
-                and quantized[1].out_features % 64 == 0:
-            (w13, s13, o13), (w2, s2, o2) = quantized[0].experts(), quantized[1].experts()
-            return w13, w2, s13, s2, o13, o2, quantized[0].group_size
-        return None
-
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-    def _expert_linears(self) -> tuple[ExpertLinear, ExpertLinear]:
-        """The experts' (gate_up, down) for the current slots: packed, quantized or plain
-        (a rank that keeps only its own experts: indexed by its own slots, from 0)."""
-        if self._local is not None:
-            return _local_expert(self._local, 0, self._local_form), \
-                _local_expert(self._local, 1, self._local_form)
-        placed = self.placement is not None
-        if self.packed is not None:
-            packed = self._slot_packed if placed else self.packed
-            assert packed is not None
-            return _packed_expert(packed[0]), _packed_expert(packed[1])
-        if self.quantized is not None:
-            stacks = self._slot_quantized if placed else self.quantized
-            assert stacks is not None
-            return stacks[0].linear, stacks[1].linear
-        w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
-        assert w13 is not None and w2 is not None
-        return _dense_expert(w13), _dense_expert(w2)
 
     @staticmethod
     def _one_token(x: Tensor, slots: list[int], weights: list[float], gate_up: ExpertLinear,
@@ -310,7 +243,7 @@ class MoE(nn.Module):
         rows = ep.all_to_all(x[order // self.top_k], sent)
         local = ep.all_to_all(groups[order], sent) - first
         dispatched = time.perf_counter()
-        base = 0 if self._local is not None else first  # own-slot weights start at 0
+        base = 0 if self.resident is not None else first  # own-slot weights start at 0
         ys = torch.empty_like(rows)
         if len(rows):
             by_slot = torch.argsort(local, stable=True)
@@ -337,12 +270,10 @@ class MoE(nn.Module):
         active = sum(1 for n in counts_list if n)
         sorted_groups = groups[order]
         width = max(counts_list)
-        plain = self.packed is None and self.quantized is None
-        if plain and 2 * active >= len(counts_list) and width <= self.BATCHED_MAX_ROWS:
-            placed = self.placement is not None
-            w13, w2 = (self._slot_w13, self._slot_w2) if placed else (self.w13, self.w2)
-            assert w13 is not None and w2 is not None
-            ys = self._experts_batched(xs, sorted_groups, counts, width, w13, w2)
+        in_use = self.experts_in_use()
+        if isinstance(in_use, PlainExperts) and 2 * active >= len(counts_list) \
+                and width <= self.BATCHED_MAX_ROWS:
+            ys = self._experts_batched(xs, sorted_groups, counts, width, in_use.w13, in_use.w2)
         else:
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
                 self._run_experts, gate_up=gate_up, down=down))
@@ -400,22 +331,3 @@ class MoE(nn.Module):
         out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
         return out[sorted_experts, slot]
 
-
-def _dense_expert(weights: Tensor) -> ExpertLinear:
-    """x @ weights[e].T for a stack of expert weights (E, out, in)."""
-    return lambda x, e: F.linear(x, weights[e])
-
-
-def _local_expert(slots: list[tuple[Any, Any]], part: int, form: str) -> ExpertLinear:
-    """x @ a rank's own slot e's gate_up (part 0) or down (part 1) weight.T."""
-    if form == "quantized":
-        return lambda x, e: slots[e][part].linear(x, 0)
-    if form == "packed":
-        return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, slots[e][part], None, "none",
-                                                               [], "")
-    return lambda x, e: F.linear(x, slots[e][part])
-
-
-def _packed_expert(weights: list[Tensor]) -> ExpertLinear:
-    """x @ expert e's weight.T, the weights packed for oneDNN (engine/weights/prepack.py)."""
-    return lambda x, e: torch.ops.mkldnn._linear_pointwise(x, weights[e], None, "none", [], "")

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from evenflow.engine.kernels import panels
+from evenflow.engine.model.experts import FusedExperts, PackedExperts
 from evenflow.engine.model.ffn import MoE
 from evenflow.engine.model.transformer import CausalLM
 
@@ -74,8 +75,9 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
     experts run per expert between two all-to-alls), to oneDNN's otherwise."""
     for module in model.modules():
         if fuse_experts and isinstance(module, MoE) and _fusable(module, dtype):
-            module.set_packed([panels.pack_weight(w, gate_up=True) for w in module.w13.data],
-                              [panels.pack_weight(w) for w in module.w2.data], fused=True)
+            module.store(FusedExperts(
+                [panels.pack_weight(w, gate_up=True) for w in module.w13.data],
+                [panels.pack_weight(w) for w in module.w2.data]))
     if not available(dtype):
         return
     tied = model.config.tie_word_embeddings
@@ -87,14 +89,14 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
                 fast = panels.linear_usable(dtype, child.out_features, child.in_features,
                                             padded=True)
                 setattr(module, name, panels.PanelLinear(child) if fast else PackedLinear(child))
-        if isinstance(module, MoE) and module.quantized is None and module.w13.numel():
-            module.set_packed([pack(w) for w in module.w13.data],
-                              [pack(w) for w in module.w2.data])
+        if isinstance(module, MoE) and module.stored is None and module.w13.numel():
+            module.store(PackedExperts([pack(w) for w in module.w13.data],
+                                       [pack(w) for w in module.w2.data]))
 
 
 def _fusable(moe: MoE, dtype: torch.dtype) -> bool:
     """Plain float experts of this dtype, sizes the fused kernel takes (a tensor-parallel
     shard's own intermediate size)."""
     w13 = moe.w13
-    return (moe.quantized is None and w13.numel() > 0 and w13.dtype == dtype
+    return (moe.stored is None and w13.numel() > 0 and w13.dtype == dtype
             and panels.usable(dtype, w13.shape[2], w13.shape[1] // 2))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from evenflow.engine.model.experts import QuantizedExperts
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.build import build_stack
@@ -79,10 +80,8 @@ def _quantize_experts(moe: MoE, config: QuantConfig, dtype: torch.dtype,
     if w13 is None or w2 is None:
         return
     # (the values are this function's or the loader's, handed over: consumed as packed)
-    moe.quantized = (build_stack(w13, dtype, gate_up=True, consume=True),
-                     build_stack(w2, dtype, consume=True))
-    moe.w13 = nn.Parameter(torch.empty(0, *moe.w13.shape[1:], dtype=dtype), requires_grad=False)
-    moe.w2 = nn.Parameter(torch.empty(0, *moe.w2.shape[1:], dtype=dtype), requires_grad=False)
+    moe.store(QuantizedExperts(build_stack(w13, dtype, gate_up=True, consume=True),
+                               build_stack(w2, dtype, consume=True)))
 
 
 def quantize_head(model: CausalLM, config: QuantConfig, dtype: torch.dtype,
@@ -104,10 +103,7 @@ def quantized_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             total += module.weight_q.nbytes()
-        elif isinstance(module, MoE) and module.quantized is not None:
-            total += sum(s.nbytes() for s in module.quantized)
-        elif isinstance(module, MoE) and (module.packed or module.fused) is not None:
-            total += sum(t.nbytes for stack in (module.packed or module.fused or ())
-                         for t in stack)
+        elif isinstance(module, MoE) and module.stored is not None:
+            total += module.stored.nbytes()
     return total
 
