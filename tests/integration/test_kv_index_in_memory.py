@@ -101,6 +101,7 @@ def test_gap_resync_and_draining_lease(redis_server):
         r.close()
 
 
+@pytest.mark.slow
 def test_two_meshes_share_one_redis_without_seeing_each_other(redis_server):
     """Keys are per (model, mesh): two indexes on one Redis neither resync each other forever
     nor see each other's blocks."""

@@ -19,6 +19,8 @@ from evenflow.proto.hashing import chain_hashes, namespace_salt
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import LocalMesh, start_redis
 
+pytestmark = pytest.mark.slow  # meshes of their own, restarts: ~25 s
+
 KEYS = store.Keys(MeshConfig().redis_prefix)  # the default mesh's Redis namespace
 
 SALT = namespace_salt("tiny-moe")

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def children_of(pid: int) -> set[int]:
@@ -26,6 +27,7 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+@pytest.mark.slow
 def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
     """... with an engine switch set in its environment, which the workers honour (their
     ready line says which kernels they run)."""

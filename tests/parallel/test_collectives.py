@@ -65,7 +65,7 @@ def compare_with_gloo(rank: int, world: int, name: str, port: int) -> list[str]:
     return mismatches
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_shm_collectives_equal_gloo(world):
     name = f"test-{uuid.uuid4().hex[:8]}"
     results = run_ranks(compare_with_gloo, world, name, free_port(), timeout_s=240)
@@ -104,6 +104,7 @@ def lonely(rank: int, world: int, name: str) -> str:
     return "joined"
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_joins_is_an_error_within_the_timeout():
     name = f"test-{uuid.uuid4().hex[:8]}"
     with pytest.raises(RankFailed, match="timed out"):  # rank 1 sleeps: the run times out
@@ -132,6 +133,7 @@ def test_a_killed_peer_is_an_error_within_a_bounded_time_and_leaves_no_segment()
     assert leftovers(name) == []
 
 
+@pytest.mark.slow
 def test_bench_comm_prints_shm_and_gloo_side_by_side(capsys):
     from evenflow.bench.comm_bench import main
 

@@ -15,6 +15,8 @@ from evenflow import LLM, SamplingParams
 from evenflow.parallel.launch import run_ranks
 from evenflow.parallel.shm import SHM_DIR
 
+pytestmark = pytest.mark.slow  # rank processes loading models: ~60 s
+
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 

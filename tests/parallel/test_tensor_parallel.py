@@ -19,6 +19,8 @@ from evenflow.engine.runners.tp import TensorParallelLost
 from evenflow.parallel.launch import run_ranks
 from evenflow.parallel.shm import SHM_DIR
 
+pytestmark = pytest.mark.slow  # rank processes loading models: ~110 s
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
