@@ -73,7 +73,9 @@ def run_ep(ckpt: str, plan: dict) -> dict:
     try:
         initial = _phase(engine, plan, vocab, ids, 100)
         slots = engine.take_slot_counts()  # (layers, slots) tokens per physical slot
-        phy2log = engine.engine.model.moe_layers()[0].placement.phy2log
+        placed = engine.engine.model.moe_layers()[0].placement
+        assert placed is not None
+        phy2log = placed.phy2log
         E = engine.model_config.num_experts
         load = torch.zeros(slots.shape[0], E).index_add_(1, phy2log, slots.float())
         placement = rebalance_experts(load, slots.shape[1], 1, 1, plan["ranks"])

@@ -184,8 +184,10 @@ class ShmGroup:
             tensor.copy_(flat.view(tensor.shape))
         return tensor
 
-    def all_gather(self, tensor: Tensor, nap_after_s: float = 0.0) -> Tensor:
-        """nap_after_s: see _wait (the lockstep engines' idle agreement)."""
+    def all_gather(self, tensor: Tensor, nap_after_s: float = 0.0,
+                   patient: bool = False) -> Tensor:
+        """nap_after_s, patient: see _wait (the lockstep engines' idle agreement; patient: a
+        follower rank waiting for its leader's next meeting)."""
         src = tensor.contiguous().view(-1)
         out = torch.empty(self.world_size, src.numel(), dtype=tensor.dtype)
         pieces = self._pieces(src)
@@ -194,7 +196,7 @@ class ShmGroup:
             k = self._begin()
             self._slot(k, self.rank, nbytes).copy_(piece.view(torch.uint8))
             self._publish(k)
-            self._wait(k, nap_after_s=nap_after_s)
+            self._wait(k, patient=patient, nap_after_s=nap_after_s)
             for r in range(self.world_size):
                 out[r, lo : lo + piece.numel()].copy_(self._slot(k, r, nbytes).view(piece.dtype))
         return out.view(self.world_size, *tensor.shape)

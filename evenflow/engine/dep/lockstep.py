@@ -1,38 +1,59 @@
-"""A DEP rank as a mesh worker (`evenflow up --ep N`): an Engine whose MoE layers are expert-
-parallel over a shm group with the other ranks of its group, each rank a worker of its own
-(own NATS subject, heartbeats, KV cache and events), all stepping in lockstep.
+"""The one lockstep protocol of expert parallelism with data-parallel attention (DEP): each
+rank is a whole Engine (scheduler, KV cache, sequences) whose MoE layers are expert-parallel
+over a shm group with the other ranks, and the ranks meet once per step.
 
-The worker's engine thread (services/engine_thread.py) calls decide_step() exactly once per
-loop iteration on every rank; here it is a small all-gather of [local work, pending placement
-version], so every rank sees the same answer and steps (or not) together. has_unfinished() only
-reads: this rank's work, or the group's last answer. A rank without work of its own still
-steps: with a dummy forward pass, so every MoE collective meets. A placement arrives at each
-rank separately (NATS); once every rank holds it, its MoE layers switch one per decide_step(),
-so one per step, on every rank at the same call (each rank reading the experts its slots newly
-hold: engine/weights/expert_store.py). A collective that fails (a rank died or hangs) makes the
-engine fatal: the worker exits and its supervisor restarts it, and the group re-forms.
+The meeting (`decide_step`, exactly once per loop on every rank) is a small all-gather of
+int64[this rank has work, its pending placement version, the bytes of its mail]; when any rank
+has mail, a second all-gather carries every rank's `Meeting` (runners/rank_wire.py). Every rank
+sees the same answers, so all step (or not) together; a rank without work of its own steps
+with a dummy forward pass, so every MoE collective meets. A placement every rank holds begins
+at the meeting that finds them all holding it, and one MoE layer of it switches per meeting, so
+one per step, on every rank at the same call (each rank reading the experts its slots newly
+hold: engine/weights/expert_store.py). has_unfinished() only reads: this rank's work, or the
+group's last answer.
+
+Two drivers use it:
+- the mesh (`evenflow up --ep N`): each rank is a worker of its own (own NATS subject,
+  heartbeats, KV cache and events); its engine thread calls decide_step() with no mail; a
+  placement reaches each rank over NATS;
+- offline (`LLM(expert_parallel_size=N)`, engine/dep/offline.py): rank 0's mail carries the
+  other ranks' new requests, aborts, placements and stop, and theirs carry their last step's
+  outputs back.
+A collective that fails (a rank died or hangs) makes the engine fatal: a mesh worker exits and
+its supervisor restarts it, and the group re-forms.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from evenflow.engine.config import EngineConfig, ModelLoadError, load_config
 from evenflow.engine.core.block_manager import KVEventListener
-from evenflow.engine.dep.offline import slot_bytes_for
 from evenflow.engine.engine import Engine, StepOutput
 from evenflow.engine.model.ffn import EPTimer
 from evenflow.engine.model.placement import check_slots
-from evenflow.engine.runners.rank_wire import LOAD_TIMEOUT_S, STEP_TIMEOUT_S
+from evenflow.engine.runners.rank_wire import (
+    LOAD_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+    Meeting,
+    encode,
+    gather_bytes,
+)
 from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.shm import ShmGroup
 
 log = logging.getLogger(__name__)
 
+
+def slot_bytes_for(config: EngineConfig, hidden_size: int, top_k: int) -> int:
+    """A shm slot that holds a full step's dispatch (every token to one rank) in float32."""
+    rows = config.max_num_batched_tokens * max(1, top_k)
+    return max(4 << 20, -(-(rows * hidden_size * 4 + 4096) // 64) * 64)
 
 
 class LockstepEngine(Engine):
@@ -43,7 +64,8 @@ class LockstepEngine(Engine):
     IDLE_NAP_AFTER_S = 0.0002  # waiting for an idle peer: sleep, don't spin
 
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None,
-                 collect_kv_events: bool, ep_rank: int, group_name: str) -> None:
+                 collect_kv_events: bool, ep_rank: int, group_name: str,
+                 peers_alive: Callable[[], bool] | None = None) -> None:
         cfg = load_config(resolve_model(config.model))
         if not cfg.is_moe:
             raise ModelLoadError("expert parallelism needs a MoE model")
@@ -51,13 +73,17 @@ class LockstepEngine(Engine):
         try:
             self.group = ShmGroup(group_name, ep_rank, world, timeout_s=LOAD_TIMEOUT_S,
                                   slot_bytes=slot_bytes_for(config, cfg.hidden_size,
-                                                            cfg.num_experts_per_tok))
+                                                            cfg.num_experts_per_tok),
+                                  peers_alive=peers_alive)
         except CollectiveError as exc:
             raise ModelLoadError(f"expert-parallel group {group_name}: {exc}") from exc
         super().__init__(config, kv_event_listener, collect_kv_events, ep_group=self.group)
         self.group.barrier()  # every rank loaded
         self.group.timeout_s = STEP_TIMEOUT_S
-        self._pending: tuple[int, list[int], list[float]] | None = None
+        # a placement this rank holds, not yet agreed: (version, phy2log, share or None)
+        self._pending: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+        self.inbox: list[Meeting | None] = []  # every rank's mail at the last meeting, by rank
+        self.last_pause_s = 0.0  # switching a placement's layer at the last meeting
         self._fatal: str | None = None
         self._last_busy = time.monotonic()
         self._group_busy = False  # the group's answer at the last decide_step()
@@ -82,28 +108,34 @@ class LockstepEngine(Engine):
         """This rank's own work, or the group's at the last decide_step() (a read)."""
         return self._fatal is None and (self._group_busy or super().has_unfinished())
 
-    def decide_step(self) -> bool:
-        """Whether any rank of the group has work: a collective (every rank calls it once per
-        loop); a placement every rank holds begins here, and one MoE layer of it switches."""
+    def decide_step(self, mail: Meeting | None = None, patient: bool = False) -> bool:
+        """The group's meeting: whether any rank has work (a collective: every rank calls it
+        once per loop); every rank's mail lands in `inbox`; a placement every rank holds begins
+        here, and one MoE layer of it switches. patient: wait for the others without a time
+        limit (an offline follower waiting for rank 0)."""
         if self._fatal is not None:
             return False
         pending = self._pending[0] if self._pending else -1
+        data = encode(mail) if mail is not None else b""
         try:
+            # (new requests in the mail count as work: they are added right after the meeting)
+            work = super().has_unfinished() or (mail is not None and bool(mail.adds))
             every = self.group.all_gather(torch.tensor(
-                [int(super().has_unfinished()), pending], dtype=torch.int64),
-                nap_after_s=self.IDLE_NAP_AFTER_S)
+                [int(work), pending, len(data)], dtype=torch.int64),
+                nap_after_s=self.IDLE_NAP_AFTER_S, patient=patient)
+            sizes = every[:, 2].tolist()
+            self.inbox = gather_bytes(self.group, data, sizes) if max(sizes) else []  # type: ignore[assignment]
         except CollectiveError as exc:
             self._lost(exc)
             return False
-        versions = every[:, 1]
-        if self._pending and bool((versions == pending).all()):
-            version, phy2log, shares = self._pending
+        if self._pending and bool((every[:, 1] == pending).all()):
+            version, phy2log, share = self._pending
             self._pending = None
-            shape = tuple(self.slot_counts.shape)
-            self.begin_placement(torch.tensor(phy2log).view(shape),
-                                 torch.tensor(shares, dtype=torch.float32).view(shape), version)
+            self.begin_placement(phy2log, share, version)
         # every rank calls this equally often: one layer of a placement switches everywhere
+        started = time.perf_counter()
         self.advance_placement()
+        self.last_pause_s = time.perf_counter() - started
         busy = self._group_busy = bool(every[:, 0].any())
         if busy:
             self._last_busy = time.monotonic()
@@ -137,11 +169,20 @@ class LockstepEngine(Engine):
         layers, slots = self.slot_counts.shape
         if len(phy2log) != layers * slots or len(shares) != layers * slots:
             raise ValueError(f"placement has {len(phy2log)} slots, this engine {layers}x{slots}")
-        held = torch.tensor(phy2log).view(layers, slots)
-        for row in held:
+        self.hold_placement(version, torch.tensor(phy2log).view(layers, slots),
+                            torch.tensor(shares, dtype=torch.float32).view(layers, slots))
+
+    def hold_placement(self, version: int, phy2log: torch.Tensor,
+                       share: torch.Tensor | None) -> None:
+        """A placement (moe_layers, slots) to take once every rank holds it (ValueError: a
+        bad one); share None: even shares among an expert's replicas."""
+        if tuple(phy2log.shape) != tuple(self.slot_counts.shape):
+            raise ValueError(f"placement of shape {tuple(phy2log.shape)}, this engine "
+                             f"{tuple(self.slot_counts.shape)}")
+        for row in phy2log:
             check_slots(row, self.model_config.num_experts, self.config.num_ep_ranks)
         if version > max(self.placement_version, self._staged.version if self._staged else -1):
-            self._pending = (version, phy2log, shares)
+            self._pending = (version, phy2log, share)
 
     def close(self) -> None:
         self.group.close()

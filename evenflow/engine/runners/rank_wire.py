@@ -1,16 +1,21 @@
-"""The typed commands a rank-0 process sends the rank processes it started (tensor-parallel
-followers, offline expert-parallel ranks), and the replies it gathers from them: frozen
-dataclasses through the mesh's codec (proto/codec.py: a {type, version} envelope, fields
-checked on decode), never positional lists.
+"""What crosses the process group between the rank processes of one engine, as typed messages
+(frozen dataclasses through the mesh's codec, proto/codec.py: a {type, version} envelope,
+fields checked on decode), never positional lists:
 
-On the process group a command is two broadcasts: a header int64[payload bytes], then the
-encoded bytes; receivers wait for the header patiently (no timeout while rank 0 lives, sleeping
-once idle). Replies are gathered by all_gather: their lengths, then the bytes padded to the
-longest. And how ranks are stopped.
+- a tensor-parallel leader's commands to its followers (InitRunner, RunForward, ReadKV,
+  WriteKV, Placement, Stop): two broadcasts, a header int64[payload bytes], then the encoded
+  bytes; followers wait for the header patiently (no timeout while rank 0 lives, sleeping once
+  idle);
+- the mail expert-parallel ranks exchange at their per-step meeting (engine/dep/lockstep.py):
+  a `Meeting` from every rank, gathered by all_gather (lengths, then the bytes padded to the
+  longest) — offline, rank 0's carries the other ranks' new requests, aborts, placements and
+  stop, and the others' carry their last step's outputs; in the mesh it is empty and never
+  sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -93,29 +98,13 @@ class Stop:
     VERSION: ClassVar[int] = 1
 
 
-# -- offline expert parallelism (engine/dep/offline.py): rank 0 -> every rank, and back -------
+# -- expert parallelism (engine/dep/): every rank's mail at the group's per-step meeting -------
 @dataclass(frozen=True, kw_only=True)
 class RankAdd:
     rank: int  # the rank whose engine takes the request
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepRanks:
-    TYPE: ClassVar[str] = "rank.step"
-    VERSION: ClassVar[int] = 1
-    adds: list[RankAdd]
-    aborts: list[str]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TakeLoad:
-    """Every rank all-reduces its per-slot token counts."""
-
-    TYPE: ClassVar[str] = "rank.take_load"
-    VERSION: ClassVar[int] = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,17 +132,25 @@ class RankStepDone:
     """One rank's step: its outputs, its MoE timing [compute s, collective s incl. waiting,
     rows], and how long it paused before the step to switch a placement's layer."""
 
-    TYPE: ClassVar[str] = "rank.step_done"
-    VERSION: ClassVar[int] = 1
     outputs: list[RankOutput]
     moe: list[float]
     pause_s: float
 
 
-RankMessage = (InitRunner | RunForward | ReadKV | WriteKV | Placement | Stop | StepRanks
-               | TakeLoad | RankStepDone)
-CODEC = Codec((InitRunner, RunForward, ReadKV, WriteKV, Placement, Stop, StepRanks, TakeLoad,
-               RankStepDone))
+@dataclass(frozen=True, kw_only=True)
+class Meeting:
+    TYPE: ClassVar[str] = "rank.meeting"
+    VERSION: ClassVar[int] = 1
+    adds: list[RankAdd] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # every rank aborts these ids it holds
+    placement: Placement | None = None  # every rank takes it (agreed as the mesh's are)
+    take_load: bool = False  # after this meeting every rank all-reduces its slot counts
+    stop: bool = False
+    done: RankStepDone | None = None  # the sender's last step, for rank 0 (offline)
+
+
+RankMessage = InitRunner | RunForward | ReadKV | WriteKV | Placement | Stop | Meeting
+CODEC = Codec((InitRunner, RunForward, ReadKV, WriteKV, Placement, Stop, Meeting))
 
 
 def _decoded(data: bytes) -> RankMessage:
@@ -175,23 +172,32 @@ def receive_command(group: ProcessGroup) -> RankMessage:
     return _decoded(data.numpy().tobytes())
 
 
-def gather(group: ProcessGroup, message: RankMessage) -> list[RankMessage]:
-    """Every rank's message, by rank, on every rank."""
-    data = CODEC.encode(message)
-    sizes = group.all_gather(torch.tensor([len(data)], dtype=torch.int64)).view(-1)
-    mine = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def encode(message: RankMessage) -> bytes:
+    return CODEC.encode(message)
+
+
+def gather_bytes(group: ProcessGroup, data: bytes, sizes: list[int]) -> list[RankMessage | None]:
+    """Every rank's encoded message (None where its size is 0), by rank, on every rank; `sizes`
+    came from an earlier all_gather that every rank made."""
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = group.all_gather(mine)
-    return [_decoded(every[r, :size].numpy().tobytes()) for r, size in enumerate(sizes.tolist())]
+    return [_decoded(every[r, :size].numpy().tobytes()) if size else None
+            for r, size in enumerate(sizes)]
 
 
-def stop_ranks(procs: list[Any], group: ProcessGroup | None) -> None:
-    """Tell the ranks to stop (if they can all hear it), then make sure they are gone, and
-    close the group."""
+def stop_ranks(procs: list[Any], group: ProcessGroup | None,
+               say_stop: Callable[[], Any] | None = None) -> None:
+    """Tell the ranks to stop (if they can all hear it: by `say_stop`, else a Stop command),
+    then make sure they are gone, and close the group."""
     if group is not None and all(p.exitcode is None for p in procs):
         try:
             group.timeout_s = 2.0  # type: ignore[attr-defined]
-            send_command(group, Stop())
+            if say_stop is not None:
+                say_stop()
+            else:
+                send_command(group, Stop())
         except Exception:  # gone or stuck: killed below
             pass
     for proc in procs:
