@@ -41,7 +41,7 @@ from evenflow.engine.runners.rank_wire import (
     STEP_TIMEOUT_S,
     Meeting,
     encode,
-    gather_bytes,
+    gather_meetings,
 )
 from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.group import CollectiveError
@@ -124,7 +124,7 @@ class LockstepEngine(Engine):
                 [int(work), pending, len(data)], dtype=torch.int64),
                 nap_after_s=self.IDLE_NAP_AFTER_S, patient=patient)
             sizes = every[:, 2].tolist()
-            self.inbox = gather_bytes(self.group, data, sizes) if max(sizes) else []  # type: ignore[assignment]
+            self.inbox = gather_meetings(self.group, data, sizes) if max(sizes) else []
         except CollectiveError as exc:
             self._lost(exc)
             return False

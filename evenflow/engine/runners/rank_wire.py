@@ -176,15 +176,20 @@ def encode(message: RankMessage) -> bytes:
     return CODEC.encode(message)
 
 
-def gather_bytes(group: ProcessGroup, data: bytes, sizes: list[int]) -> list[RankMessage | None]:
-    """Every rank's encoded message (None where its size is 0), by rank, on every rank; `sizes`
+def gather_meetings(group: ProcessGroup, data: bytes, sizes: list[int]) -> list[Meeting | None]:
+    """Every rank's encoded Meeting (None where its size is 0), by rank, on every rank; `sizes`
     came from an earlier all_gather that every rank made."""
     mine = torch.zeros(max(sizes), dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     every = group.all_gather(mine)
-    return [_decoded(every[r, :size].numpy().tobytes()) if size else None
-            for r, size in enumerate(sizes)]
+    meetings: list[Meeting | None] = []
+    for r, size in enumerate(sizes):
+        message = _decoded(every[r, :size].numpy().tobytes()) if size else None
+        if message is not None and not isinstance(message, Meeting):
+            raise RuntimeError(f"rank wire: rank {r} sent {type(message).__name__} to a meeting")
+        meetings.append(message)
+    return meetings
 
 
 def stop_ranks(procs: list[Any], group: ProcessGroup | None,
