@@ -78,3 +78,34 @@ def test_version_flag(capsys):
         build_parser().parse_args(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("evenflow ")
+
+
+def test_engine_switches_reach_every_worker_as_their_own_variables():
+    cfg = load_config(environ={"EVENFLOW_NATIVE_PREFILL_ATTENTION": "0",
+                               "EVENFLOW_FAST_DECODE": "off"})
+    assert cfg.switch_values() == {"EVENFLOW_FAST_DECODE": "off",
+                                   "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"}
+    env = cfg.to_env()
+    assert env["EVENFLOW_NATIVE_PREFILL_ATTENTION"] == "0" and "EVENFLOW_ENGINE_SWITCHES" not in env
+    assert load_config(environ=env) == cfg  # a child process rebuilds the same config
+    # Ray Serve's application args name them without the prefix
+    assert load_config({"native_prefill_attention": "0", "fast_decode": "off"}) == cfg
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"EVENFLOW_NATIVE_NORM": "maybe"}, "EVENFLOW_NATIVE_NORM must be 1 or 0"),
+    ({"EVENFLOW_NATIVE_NROM": "0"}, "unknown setting EVENFLOW_NATIVE_NROM"),
+])
+def test_a_bad_engine_switch_is_refused(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=env)
+
+
+def test_help_env_lists_the_mesh_settings_and_the_engine_switches(capsys):
+    from evenflow.cli import main
+    from evenflow.engine.config import ENGINE_SWITCHES
+
+    assert main(["up", "--help-env"]) == 0
+    out = capsys.readouterr().out
+    assert "EVENFLOW_DRAIN_TIMEOUT_S=" in out
+    assert all(f"{name}=" in out for name in ENGINE_SWITCHES)
