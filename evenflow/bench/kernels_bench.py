@@ -16,7 +16,7 @@ heads, 2 KV heads, head_dim 64; `--context` tokens each, scattered over the cach
 (gather K and V with index_select, then scaled_dot_product_attention with a padding mask) against
 engine/kernels/paged_attention.cpp, which reads K and V in place. The engine uses the kernel at
 every batch size where it keeps the head shape in registers (this one, on AVX-512 builds), else
-up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model/transformer.py), torch's path
+up to `PAGED_ATTENTION_MAX_BATCH` decoding sequences (engine/model/attention.py), torch's path
 above.
 
 Then causal prefill attention per prompt length (same heads; the prompt's K and V in the cache):
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 def _attention_table(batches: list[int], context: int, rounds: int, dtype: Any,
                      g: Any) -> None:
     from evenflow.engine.kernels import native
-    from evenflow.engine.model.transformer import PAGED_ATTENTION_MAX_BATCH
+    from evenflow.engine.model.attention import PAGED_ATTENTION_MAX_BATCH
 
     paged = native.decode_attention()
     use = ("at every batch (its register path serves these heads)"
@@ -160,7 +160,7 @@ def _time_attention(b: int, context: int, rounds: int, dtype: Any, g: Any,
     """Median µs of torch's decode attention path and of ours, in the same rounds."""
     import torch
 
-    from evenflow.engine.model.transformer import gathered_decode_attention
+    from evenflow.engine.model.attention import gathered_decode_attention
 
     heads, kv_heads, hd = 8, 2, 64
     slots_total = b * context * 2

@@ -15,8 +15,9 @@ COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
 
 
 def _label(module) -> str | None:
+    from evenflow.engine.model.attention import Attention
     from evenflow.engine.model.ffn import MLP, MoE
-    from evenflow.engine.model.transformer import Attention, RMSNorm
+    from evenflow.engine.model.norm import RMSNorm
 
     if isinstance(module, Attention):
         return "attention"

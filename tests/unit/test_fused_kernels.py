@@ -77,7 +77,7 @@ def test_rotary_and_kv_write_are_bit_identical_to_torch(dtype, hd):
     slots = torch.tensor([3, 9, 10, 31, 0])
     q = fused(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
     qk = qkv[:, : heads + kv_heads]
-    # engine/model/transformer.py's torch path
+    # engine/model/attention.py's torch path
     rotated = qk * cos + torch.roll(qk, hd // 2, -1) * sin
     assert torch.equal(q, rotated[:, :heads]) and torch.equal(k_cache[slots], rotated[:, heads:])
     assert torch.equal(v_cache[slots], qkv[:, heads + kv_heads :])

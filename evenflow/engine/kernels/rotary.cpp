@@ -1,6 +1,6 @@
 // Rotary embedding and the KV-cache write of a decode step in one pass: from the fused qkv
 // projection's output, q and k are rotated (x * cos + roll(x, hd/2) * sin, sin's first half
-// negated, as engine/model/transformer.py writes it), k and v go to their cache slots, and q comes back
+// negated, as engine/model/rotary.py writes it), k and v go to their cache slots, and q comes back
 // contiguous for the attention kernel. It replaces ~8 small ops per layer (two multiplies, a
 // roll, an add, slicing, two index_copy_). Each product and the sum are rounded to the input
 // dtype, as the separate torch ops round them, so the result is bit-identical. Vectorized where

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.model.ffn import MoE
-from evenflow.engine.model.transformer import AttentionMetadata, CausalLM, DecoderLayer
+from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.panel_stack import PanelStack
 
 

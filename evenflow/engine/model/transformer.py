@@ -9,190 +9,18 @@ Module names follow the HF checkpoints, so loading is a rename only where expert
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
-from evenflow.engine.kernels import native
+from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
+from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.norm import RMSNorm
+from evenflow.engine.model.rotary import rope_tables
 from evenflow.parallel.group import ProcessGroup
-
-
-@dataclass
-class PrefillSegment:
-    """One sequence's chunk of new tokens beyond the first token of a step's batch."""
-
-    q_start: int  # offset of its first new token in the flat batch
-    q_len: int  # new tokens this step
-    ctx_len: int  # tokens visible to its last query: cached + earlier chunks + this chunk
-    slots: Tensor | None  # (ctx_len,) cache slots of the whole context; None if ctx_len == q_len
-
-
-# Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) at
-# every batch size where its register-resident path serves the head shape (AVX-512 builds; head
-# dim 64 or 128, a KV head's queries 4 / 2 / 1 at a time): 4-6x torch's gather +
-# scaled_dot_product_attention at 1-32 sequences (`evenflow bench kernels`). On AVX-512 builds
-# its general loop serves other shapes up to this many sequences, torch's path above (torch's
-# bf16 flash kernel caught up with that loop from ~16 sequences). Built for AVX2 the loop ran
-# 0.24-0.45x torch's path from 2 sequences on (and 0.43-2.4x at one, by the run) under the
-# AVX2 emulation: there torch's path serves every batch.
-PAGED_ATTENTION_MAX_BATCH = 8
-
-
-def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
-    """Whether a decode step of `batch` sequences (heads of `head_dim`, `group` queries per KV
-    head) runs the paged kernel (else torch's gathered attention, which alone needs the padding
-    mask)."""
-    if native.decode_attention() is None:
-        return False
-    if native.decode_attention_registers(head_dim, group):
-        return True
-    return batch <= PAGED_ATTENTION_MAX_BATCH and native.built_for_avx512()
-
-
-@dataclass
-class AttentionMetadata:
-    """Where each new token's K/V goes, and what each query attends to.
-
-    The flat batch holds the prefill segments' tokens first, then one token per decoding sequence.
-    """
-
-    slot_mapping: Tensor  # (T,) cache slot of each new token
-    prefills: list[PrefillSegment]
-    num_prefill_tokens: int
-    decode_slots: Tensor | None  # (B_dec, L) context slots of each decoding sequence, padded
-    # The runner picks the decode attention once per step (paged_decode_attention) and fills
-    # the one input it reads: lens for the paged kernel, the additive mask for torch's path.
-    decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a slot is real, -inf else (None: paged)
-    decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        kernels = native.norms()
-        if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
-            return kernels.rms_norm(x, self.weight, self.eps)  # one pass (kernels/norm.cpp)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + residual, its norm), in one pass when the native kernel is there."""
-        kernels = native.norms()
-        if kernels is not None and x.dtype == residual.dtype == self.weight.dtype and \
-                x.is_contiguous() and residual.is_contiguous():
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
-        x = x + residual
-        return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def gathered_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                              mask: Tensor | None) -> Tensor:
-    """torch's decode attention: q (B, nh, hd) over each sequence's context slots (B, L),
-    gathered into a padded copy, with an additive mask over the padding -> (B, nh, hd)."""
-    (B, L), (nh, hd), n_kv = slots.shape, q.shape[1:], k_cache.shape[1]
-    # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
-    qd = q.reshape(B, n_kv, nh // n_kv, hd)
-    flat = slots.flatten()
-    kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B, n_kv, L, hd)
-    vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
-    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).reshape(B, nh, hd)
-
-
-class Attention(nn.Module):
-    """q, k and v come from one fused projection (qkv_proj: the loader concatenates the
-    checkpoint's q_proj, k_proj and v_proj)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
-
-    def forward(
-        self,
-        x: Tensor,  # (T, H)
-        cos: Tensor,  # (T, 1, hd)
-        sin: Tensor,  # (T, 1, hd), first half negated
-        k_cache: Tensor,  # (num_slots, n_kv, hd)
-        v_cache: Tensor,
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
-        fused = native.rotary_kv_write() if not meta.prefills and not self.qk_norm else None
-        if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
-            # a decode-only step: rotary, the K/V write and q's layout in one pass
-            q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
-            return self.o_proj(self._decode_attention(q, k_cache, v_cache, meta).reshape(
-                T, nh * hd))
-        qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
-        if self.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
-        # rotary on q and k heads at once: rotate_half(x) * sin == roll(x, hd/2) * signed sin
-        # (bitwise; one op instead of four)
-        qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin
-        q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-
-        outs: list[Tensor] = []
-        kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
-            k_cache.is_contiguous() and v_cache.is_contiguous() and \
-            native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
-        for seg in meta.prefills:
-            if kernel is not None:  # over the cache, where K and V were just written
-                slots = seg.slots if seg.slots is not None else \
-                    meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
-                outs.append(kernel(q[seg.q_start : seg.q_start + seg.q_len], k_cache, v_cache,
-                                   slots, hd**-0.5))
-                continue
-            # 4-D (1, heads, len, hd) inputs: torch's CPU flash kernel takes these (3-D falls
-            # back to the slow math path).
-            qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
-            if seg.slots is None:  # whole context is this chunk: plain causal attention
-                ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
-                vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            else:  # earlier context comes from the cache: causal mask offset by the cached part
-                # (1, n_kv, ctx, hd)
-                ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
-                vs = v_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
-                offset = seg.ctx_len - seg.q_len
-                q_pos = torch.arange(seg.q_len).unsqueeze(1) + offset
-                mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-            outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
-        if meta.decode_slots is not None:
-            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], k_cache, v_cache,
-                                               meta))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
-
-    def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                          meta: AttentionMetadata) -> Tensor:
-        """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
-        assert meta.decode_slots is not None
-        if meta.decode_lens is not None:  # K and V read where they lie (paged_attention.cpp)
-            paged = native.decode_attention()
-            assert paged is not None
-            return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
-                         self.head_dim**-0.5)
-        return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
-                                         meta.decode_mask)
 
 
 class DecoderLayer(nn.Module):
@@ -296,14 +124,8 @@ class CausalLM(nn.Module):
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
     def init_rope(self, max_len: int, dtype: torch.dtype) -> None:
-        hd = self.config.head_dim
-        exponents = torch.arange(0, hd, 2, dtype=torch.float) / hd
-        inv_freq = 1.0 / (self.config.rope_theta ** exponents)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, hd)
-        sin = emb.sin()
-        sin[:, : hd // 2].neg_()  # signed for the roll in Attention.forward
-        self._cos, self._sin = emb.cos().to(dtype), sin.to(dtype)
+        self._cos, self._sin = rope_tables(self.config.head_dim, self.config.rope_theta,
+                                           max_len, dtype)
 
     def forward(
         self,

@@ -11,14 +11,11 @@ from torch import Tensor
 from evenflow.engine.config import switched_on
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
+from evenflow.engine.model.attention import paged_decode_attention
 from evenflow.engine.model.decode_stack import fast_stack
+from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
 from evenflow.engine.model.placement import SlotPlacement
-from evenflow.engine.model.transformer import (
-    AttentionMetadata,
-    CausalLM,
-    PrefillSegment,
-    paged_decode_attention,
-)
+from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.sample.guided import Guides
 from evenflow.engine.sample.logits_processing import record_prompt_logprobs
 from evenflow.engine.sample.sampler import sample

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig, ModelLoadError
+from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
-from evenflow.engine.model.transformer import Attention, CausalLM, DecoderLayer
+from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 
 
 @dataclass(frozen=True)

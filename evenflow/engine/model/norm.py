@@ -1,0 +1,32 @@
+"""RMSNorm, with the residual add fused into it where the native kernel serves
+(kernels/norm.cpp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from evenflow.engine.kernels import native
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        kernels = native.norms()
+        if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
+            return kernels.rms_norm(x, self.weight, self.eps)  # one pass (kernels/norm.cpp)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, its norm), in one pass when the native kernel is there."""
+        kernels = native.norms()
+        if kernels is not None and x.dtype == residual.dtype == self.weight.dtype and \
+                x.is_contiguous() and residual.is_contiguous():
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
