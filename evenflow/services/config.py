@@ -214,7 +214,7 @@ class MeshConfig:
 
     def switch_values(self) -> dict[str, str]:
         """The engine switches set for this mesh, by variable name."""
-        return dict(item.partition("=")[::2] for item in self.engine_switches)
+        return _switch_pairs(self.engine_switches)
 
     def apply_engine_switches(self) -> None:
         """Hand the switches to this process's engine (which reads them from the environment:
@@ -287,6 +287,11 @@ class MeshConfig:
         return env
 
 
+def _switch_pairs(items: tuple[str, ...]) -> dict[str, str]:
+    """("NAME=value", ...) -> {NAME: value}."""
+    return {name: value for name, _, value in (item.partition("=") for item in items)}
+
+
 def redact(url: str | None) -> str:
     """A URL fit to print: credentials replaced by ***."""
     if not url or "@" not in url:
@@ -346,7 +351,7 @@ def load_config(overrides: Mapping[str, Any] | None = None,
             raise ConfigError(f"unknown setting {name!r}")
         elif value is not None:
             values[name] = _coerce(name, hints[name], value)
-    given = dict(item.partition("=")[::2] for item in values.get("engine_switches", ()))
+    given = _switch_pairs(values.get("engine_switches", ()))
     values["engine_switches"] = tuple(f"{k}={v}" for k, v in sorted((given | switches).items()))
     return MeshConfig(**values)
 
