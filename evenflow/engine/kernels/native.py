@@ -122,6 +122,25 @@ def prefill_attention() -> Any | None:
     return None if kernels is None else getattr(kernels, "prefill_attention", None)
 
 
+@functools.cache
+def falls_back(kernel: str, reason: str) -> None:
+    """Say once per process that a shape takes torch's path instead of a native kernel."""
+    log.info("%s: %s, torch's path serves it", kernel, reason)
+
+
+# The paged decode attention's float32 lanes: it takes head dims that are a multiple of this.
+DECODE_ATTENTION_LANES = 16
+
+
+def decode_attention_serves(head_dim: int) -> bool:
+    """Whether the paged decode attention (when built) takes heads of this size."""
+    if head_dim % DECODE_ATTENTION_LANES == 0:
+        return True
+    falls_back("paged decode attention",
+               f"head_dim {head_dim} is not a multiple of {DECODE_ATTENTION_LANES}")
+    return False
+
+
 @functools.lru_cache(maxsize=64)
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> bool:
     """Whether the prefill attention kernel takes this dtype and head shape here: AVX-512 builds
@@ -131,6 +150,8 @@ def prefill_attention_serves(dtype: torch.dtype, head_dim: int, group: int) -> b
     if prefill_attention() is None or not built_for_avx512():
         return False
     if head_dim % 64 or head_dim > 256 or group > 64:
+        falls_back("prefill attention", f"head_dim {head_dim} with {group} queries per KV head "
+                   f"is not a multiple of 64 up to 256 with at most 64")
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.evenflow_kernels.fused_moe_bf16_supported())

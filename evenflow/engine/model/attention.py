@@ -29,7 +29,7 @@ def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
     """Whether a decode step of `batch` sequences (heads of `head_dim`, `group` queries per KV
     head) runs the paged kernel (else torch's gathered attention, which alone needs the padding
     mask)."""
-    if native.decode_attention() is None:
+    if native.decode_attention() is None or not native.decode_attention_serves(head_dim):
         return False
     if native.decode_attention_registers(head_dim, group):
         return True

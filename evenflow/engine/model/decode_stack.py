@@ -72,6 +72,8 @@ class FastDecodeLayer:
         attn, moe = layer.self_attn, layer.mlp
         if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE) or moe.ep is not None:
             return None
+        if not native.decode_attention_serves(attn.head_dim):
+            return None
         if linear_args(attn.qkv_proj) is None or linear_args(attn.o_proj) is None or \
                 not isinstance(moe.gate, panels.PanelLinear):
             return None
