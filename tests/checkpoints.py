@@ -25,6 +25,21 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=128, moe_intermediate_size=48, num_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16)),
+    # Llama 3.1's rope scaling, with an original context short enough that the scaling changes
+    # most frequencies here
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        intermediate_size=128, rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=128, head_dim=24)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=48, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0)),
+    # YaRN (Qwen3's long-context setting): scaled frequencies and the attention scale
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        intermediate_size=128, head_dim=16, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0,
+            original_max_position_embeddings=64))),
 }
 
 

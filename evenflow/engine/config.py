@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,11 +169,34 @@ class ModelLoadError(ValueError):
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
+# Dense decoders that differ only in switches read below.
+_DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are scaled (transformers' rope_parameters / rope_scaling):
+    default, linear (positions / factor), llama3 (Llama 3.1's smoothed low-frequency scaling),
+    yarn (NTK-by-parts, with its attention scale on cos and sin); dynamic NTK equals default
+    within max_position_embeddings, which is the engine's context limit."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn's mscale)
 
 
 @dataclass(frozen=True)
@@ -190,7 +214,11 @@ class ModelConfig:
     rope_theta: float
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    o_proj_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on q and k: per head (Qwen3), or over the whole projection
+    qk_norm_whole: bool = False  # (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
+    rope: RopeScaling = field(default_factory=RopeScaling)
     # MoE; num_experts == 0 means dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -226,12 +254,56 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from rope_parameters (transformers 5) or rope_scaling (older)."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type in ("default", "dynamic"):
+        return theta, RopeScaling()
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported "
+                             f"(default, linear, dynamic, llama3, yarn)")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("partial rotary embeddings are not supported")
+    original = int(params.get("original_max_position_embeddings")
+                   or raw.get("max_position_embeddings", 0))
+    factor = params.get("factor")
+    if rope_type == "yarn" and factor is None:  # (DeepSeek-V3 states the lengths instead)
+        factor = raw["max_position_embeddings"] / original
+    factor = float(factor)
+    attention = 1.0
+    if rope_type == "yarn":
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        given, mscale, all_dim = (params.get("attention_factor"), params.get("mscale"),
+                                  params.get("mscale_all_dim"))
+        if given is not None:
+            attention = float(given)
+        elif mscale and all_dim:
+            attention = float(get_mscale(factor, mscale) / get_mscale(factor, all_dim))
+        else:
+            attention = get_mscale(factor)
+    return theta, RopeScaling(
+        rope_type=rope_type, factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)), attention_factor=attention)
+
+
+def _context_limit(raw: dict[str, Any], arch: str) -> int:
+    """max_position_embeddings, capped by a sliding window that the engine does not implement:
+    within the window, full attention is exact."""
+    limit = int(raw.get("max_position_embeddings", 4096))
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
 
 
 def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -247,6 +319,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         layers = int(raw["num_hidden_layers"])
+        theta, rope = _rope(raw)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
@@ -259,19 +332,33 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             intermediate_size=int(raw.get("intermediate_size", 0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_context_limit(raw, arch),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(raw),
+            rope_theta=theta,
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
         )
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        if arch in _DENSE:
             return ModelConfig(
                 **common,
-                attention_bias=bool(raw.get("attention_bias", False)),
+                # Qwen2: q/k/v biases always
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 sparse_layers=(False,) * layers,
+            )
+        if arch == "OlmoeForCausalLM":
+            bias = bool(raw.get("attention_bias", False))
+            return ModelConfig(
+                **common,
+                attention_bias=bias, o_proj_bias=bias, qk_norm=True, qk_norm_whole=True,
+                clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
+                num_experts=int(raw["num_experts"]),
+                num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                sparse_layers=(True,) * layers,
             )
         if arch == "MixtralForCausalLM":
             return ModelConfig(

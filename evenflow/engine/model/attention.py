@@ -59,11 +59,15 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                bias=cfg.o_proj_bias)
+        if cfg.qk_norm:  # per head, or over the whole q and k projections (qk_norm_whole)
+            q_dim, k_dim = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim) \
+                if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_whole, self.clip_qkv = \
+            cfg.qk_norm, cfg.qk_norm_whole, cfg.clip_qkv
 
     def forward(
         self,
@@ -76,15 +80,22 @@ class Attention(nn.Module):
     ) -> Tensor:
         T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
-        fused = native.rotary_kv_write() if not meta.prefills and not self.qk_norm else None
+        plain = not self.qk_norm and self.clip_qkv is None
+        fused = native.rotary_kv_write() if not meta.prefills and plain else None
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
             return self.o_proj(self._decode_attention(q, k_cache, v_cache, meta).reshape(
                 T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
-        if self.qk_norm:
+        if self.qk_norm_whole:
+            qk = torch.cat([self.q_norm(qk[:, :nh].reshape(T, nh * hd)).view(T, nh, hd),
+                            self.k_norm(qk[:, nh:].reshape(T, n_kv * hd)).view(T, n_kv, hd)],
+                           dim=1)
+        elif self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        if self.clip_qkv is not None:
+            qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
         # rotary on q and k heads at once: rotate_half(x) * sin == roll(x, hd/2) * signed sin
         # (bitwise; one op instead of four)
         qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin

@@ -70,7 +70,8 @@ class FastDecodeLayer:
         if any(k is None for k in kernels) or not hasattr(native.ops(), "decode_stack"):
             return None
         attn, moe = layer.self_attn, layer.mlp
-        if layer.tp is not None or attn.qk_norm or not isinstance(moe, MoE) or moe.ep is not None:
+        if layer.tp is not None or attn.qk_norm or attn.clip_qkv is not None or \
+                not isinstance(moe, MoE) or moe.ep is not None:
             return None
         if not native.decode_attention_serves(attn.head_dim):
             return None

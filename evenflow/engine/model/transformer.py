@@ -125,7 +125,7 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_len: int, dtype: torch.dtype) -> None:
         self._cos, self._sin = rope_tables(self.config.head_dim, self.config.rope_theta,
-                                           max_len, dtype)
+                                           max_len, dtype, self.config.rope)
 
     def forward(
         self,

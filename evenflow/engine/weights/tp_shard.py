@@ -37,6 +37,9 @@ class TPShard:
         if cfg.num_heads % n:
             raise ModelLoadError(f"tensor_parallel_size {n} must divide the model's "
                                  f"{cfg.num_heads} attention heads")
+        if cfg.qk_norm_whole or cfg.o_proj_bias:
+            raise ModelLoadError(f"tensor parallelism does not split {cfg.architecture}'s q/k "
+                                 f"norm over the whole projection (or its o_proj bias) yet")
         if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
             raise ModelLoadError(f"tensor_parallel_size {n} and the model's {cfg.num_kv_heads} "
                                  f"KV heads must divide one another")
