@@ -268,10 +268,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
         raise ModelLoadError("partial rotary embeddings are not supported")
     original = int(params.get("original_max_position_embeddings")
                    or raw.get("max_position_embeddings", 0))
-    factor = params.get("factor")
-    if rope_type == "yarn" and factor is None:  # (DeepSeek-V3 states the lengths instead)
-        factor = raw["max_position_embeddings"] / original
-    factor = float(factor)
+    given_factor = params.get("factor")
+    if given_factor is None and rope_type != "yarn":
+        raise ModelLoadError(f"rope scaling {rope_type!r} needs a factor")
+    # (without a factor, YaRN's is the ratio of the lengths, as DeepSeek-V3's config states them)
+    factor = float(given_factor if given_factor is not None
+                   else raw["max_position_embeddings"] / original)
     attention = 1.0
     if rope_type == "yarn":
         def get_mscale(scale: float, mscale: float = 1.0) -> float:
