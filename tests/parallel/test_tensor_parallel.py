@@ -24,7 +24,13 @@ pytestmark = pytest.mark.slow  # rank processes loading models: ~110 s
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+# One per way a layer splits (dense, q/k norm, biases, experts, shared expert); the other
+# families differ in rope or config only, which the split does not touch. OLMoE's q/k norm
+# spans the whole projection: its split is refused (below).
+TP_ARCHS = ["llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=TP_ARCHS)
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     make_checkpoint(request.param, path)
@@ -137,6 +143,13 @@ def test_followers_stop_with_the_engine(tmp_path):
     procs = list(engine._tp.procs)
     engine.close()
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
+
+
+def test_a_norm_over_the_whole_projection_is_refused_with_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt"
+    make_checkpoint("olmoe", path)
+    with pytest.raises(Exception, match="does not split OlmoeForCausalLM's q/k norm"):
+        Engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
 
 
 def test_uneven_split_is_refused_with_a_clear_error(tmp_path):
