@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import torch
-from checkpoints import ARCHS, VOCAB, make_checkpoint
+from checkpoints import VOCAB, make_checkpoint
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
