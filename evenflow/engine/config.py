@@ -4,9 +4,10 @@ EngineConfig: how one engine runs (dtype, cache size, batching); the mesh's defa
 settings are this class's defaults (services/config.py reads them from here). ModelConfig: read
 from a Hugging Face config.json, for the architectures we implement.
 
-One frozen dataclass covers Llama, Qwen3 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE: the
-differences are switches (q/k norm, qkv bias, shared expert, top-k renormalisation, which
-layers are sparse) read here once, so the model file has no per-architecture branches.
+One frozen dataclass covers Llama, Qwen2, Qwen3, Mistral (dense) and Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE: the differences are switches (q/k norm per head or over the projection, qkv
+bias, clip_qkv, shared expert, top-k renormalisation, which layers are sparse, rope scaling)
+read here once, so the model files have no per-architecture branches.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The transformer: one model file for Llama, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The decoder wired from a ModelConfig: one model for Llama, Qwen2, Qwen3, Mistral, Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE (their differences are config switches, engine/config.py).
 
 Tokens of all sequences in a step are flattened into one batch (T tokens). Attention reads and
 writes a paged KV cache through slot indices (slot = block_id * block_size + offset); MoE layers
