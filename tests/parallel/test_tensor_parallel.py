@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow  # rank processes loading models: ~110 s
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-# One per way a layer splits (dense, q/k norm, biases, experts, shared expert); the other
-# families differ in rope or config only, which the split does not touch. OLMoE's q/k norm
-# spans the whole projection: its split is refused (below).
-TP_ARCHS = ["llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+# One per way a layer splits (dense, q/k norm per head or over the whole projection, biases,
+# experts, shared expert); the other families differ in rope or config only, which the split
+# does not touch.
+TP_ARCHS = ["llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -145,10 +145,10 @@ def test_followers_stop_with_the_engine(tmp_path):
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
 
 
-def test_a_norm_over_the_whole_projection_is_refused_with_a_clear_error(tmp_path):
+def test_a_k_norm_over_replicated_kv_heads_is_refused_with_a_clear_error(tmp_path):
     path = tmp_path / "ckpt"
-    make_checkpoint("olmoe", path)
-    with pytest.raises(Exception, match="does not split OlmoeForCausalLM's q/k norm"):
+    make_checkpoint("olmoe", path, overrides=dict(num_key_value_heads=1))
+    with pytest.raises(Exception, match="must divide OlmoeForCausalLM's 1 KV heads"):
         Engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
 
 

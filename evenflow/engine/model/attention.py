@@ -13,6 +13,7 @@ from evenflow.engine.config import ModelConfig
 from evenflow.engine.kernels import native
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
+from evenflow.parallel.group import ProcessGroup
 
 # Decode attention runs the paged kernel (kernels/paged_attention.cpp: K and V read in place) at
 # every batch size where its register-resident path serves the head shape (AVX-512 builds; head
@@ -68,6 +69,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.qk_norm, self.qk_norm_whole, self.clip_qkv = \
             cfg.qk_norm, cfg.qk_norm_whole, cfg.clip_qkv
+        # Tensor parallel (engine/weights/tp_shard.py): a norm over the whole projection sums
+        # its squares over every rank's heads
+        self.tp: ProcessGroup | None = None
 
     def forward(
         self,
@@ -89,9 +93,12 @@ class Attention(nn.Module):
                 T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm_whole:
-            qk = torch.cat([self.q_norm(qk[:, :nh].reshape(T, nh * hd)).view(T, nh, hd),
-                            self.k_norm(qk[:, nh:].reshape(T, n_kv * hd)).view(T, n_kv, hd)],
-                           dim=1)
+            q, k = qk[:, :nh].reshape(T, nh * hd), qk[:, nh:].reshape(T, n_kv * hd)
+            if self.tp is None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            else:
+                q, k = self._sharded_norms(q, k)
+            qk = torch.cat([q.view(T, nh, hd), k.view(T, n_kv, hd)], dim=1)
         elif self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         if self.clip_qkv is not None:
@@ -135,6 +142,21 @@ class Attention(nn.Module):
                                                meta))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _sharded_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """RMSNorm of this rank's slices of q and k by the whole projections' mean squares
+        (one all-reduce of both sums), in float32 as transformers' RMSNorm computes it."""
+        assert self.tp is not None
+        world = self.tp.world_size
+        q32, k32 = q.float(), k.float()
+        sums = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)])  # (2, T)
+        self.tp.all_reduce(sums)
+        q_var = sums[0].unsqueeze(-1) / (q.shape[-1] * world)
+        k_var = sums[1].unsqueeze(-1) / (k.shape[-1] * world)
+        eps = self.q_norm.eps
+        q = self.q_norm.weight * (q32 * torch.rsqrt(q_var + eps)).to(q.dtype)
+        k = self.k_norm.weight * (k32 * torch.rsqrt(k_var + eps)).to(k.dtype)
+        return q, k
 
     def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                           meta: AttentionMetadata) -> Tensor:

@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
     def set_tensor_parallel(self, group: ProcessGroup) -> None:
         self.tp = group
         for layer in self.decoder_layers():
-            layer.tp = group
+            layer.tp = layer.self_attn.tp = group
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]

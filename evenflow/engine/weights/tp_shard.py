@@ -37,9 +37,9 @@ class TPShard:
         if cfg.num_heads % n:
             raise ModelLoadError(f"tensor_parallel_size {n} must divide the model's "
                                  f"{cfg.num_heads} attention heads")
-        if cfg.qk_norm_whole or cfg.o_proj_bias:
-            raise ModelLoadError(f"tensor parallelism does not split {cfg.architecture}'s q/k "
-                                 f"norm over the whole projection (or its o_proj bias) yet")
+        if cfg.qk_norm_whole and cfg.num_kv_heads % n:
+            raise ModelLoadError(f"tensor_parallel_size {n} must divide {cfg.architecture}'s "
+                                 f"{cfg.num_kv_heads} KV heads: its k norm spans them all")
         if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
             raise ModelLoadError(f"tensor_parallel_size {n} and the model's {cfg.num_kv_heads} "
                                  f"KV heads must divide one another")
@@ -80,7 +80,13 @@ class TPShard:
         qkv = attn.qkv_proj
         attn.qkv_proj = _linear(qkv.weight.data.index_select(0, rows),
                                 None if qkv.bias is None else qkv.bias.data.index_select(0, rows))
-        attn.o_proj = _linear(attn.o_proj.weight.data[:, q_rows], None)
+        # (the ranks' partial outputs are summed: the bias is added once, by rank 0)
+        bias = attn.o_proj.bias
+        attn.o_proj = _linear(attn.o_proj.weight.data[:, q_rows],
+                              bias.data.clone() if bias is not None and self.rank == 0 else None)
+        if cfg.qk_norm_whole:  # each rank normalizes its slice by the whole projection's norm
+            attn.q_norm.weight = _param(attn.q_norm.weight.data[q_rows])
+            attn.k_norm.weight = _param(attn.k_norm.weight.data[kv_rows])
         attn.num_heads, attn.num_kv_heads = heads_per_rank, len(self.kv_heads(cfg))
 
     def _shard_mlp(self, mlp: MLP) -> None:
