@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from evenflow import models
-from evenflow.engine.config import EngineConfig, ModelConfig, switched_on
+from evenflow.engine.config import EngineConfig, ModelConfig
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener
 from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -157,7 +157,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
             torch.set_num_threads(self.num_threads)
 
     def kernel_summary(self) -> str:
-        fast = "" if switched_on("EVENFLOW_FAST_DECODE") else "; fast decode off " \
+        # (what the runner decided when it built the model's forward, not the environment now)
+        fast = "" if self.model.decode_stack_builder is not None else "; fast decode off " \
             "(EVENFLOW_FAST_DECODE=0)"
         return f"{self.kv_dtype_name}; {native.summary()}{fast}"
 

@@ -159,7 +159,11 @@ class DEPEngine:
         self.model_config = self.rank0.model_config
         self.world_size = world
         self._owner: dict[str, int] = {}  # live request -> its rank
-        self._mail = Meeting()  # for the next meeting
+        # rank 0's mail for the next meeting (sent only when there is some)
+        self._adds: list[RankAdd] = []
+        self._aborts: list[str] = []
+        self._placement: Placement | None = None
+        self._take_load = False
         self._held: list[StepOutput] = []  # outputs of a meeting that step() has not returned
         self._rank0_step: RankStepDone | None = None  # waiting for the others' same step
         # per step (the latest MOE_TIMES_KEPT), per rank: [MoE compute s, collective s (incl.
@@ -175,7 +179,7 @@ class DEPEngine:
 
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call, over every rank."""
-        self._mail = dataclasses.replace(self._mail, take_load=True)
+        self._take_load = True
         counts = self._meet()
         assert counts is not None
         return counts
@@ -189,26 +193,25 @@ class DEPEngine:
             load[r] += 1
         rank = load.index(min(load))
         self._owner[request_id] = rank
-        self._mail.adds.append(RankAdd(rank=rank, request_id=request_id,
-                                       prompt_token_ids=list(prompt_token_ids),
-                                       sampling=spec_of(params)))
+        self._adds.append(RankAdd(rank=rank, request_id=request_id,
+                                  prompt_token_ids=list(prompt_token_ids),
+                                  sampling=spec_of(params)))
 
     def abort(self, request_id: str) -> bool:
         if self._owner.pop(request_id, None) is None:
             return False
-        self._mail.aborts.append(request_id)
+        self._aborts.append(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._owner or self._mail.aborts or self._held)
+        return bool(self._owner or self._aborts or self._held)
 
     def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
                         version: int) -> None:
         """A new expert placement on every rank: handed out at the next meeting, agreed at the
         one after, then taken one MoE layer per step (each rank reading the experts its slots
         newly hold: engine/weights/expert_store.py)."""
-        placement = Placement.of(phy2log, share, version=version)
-        self._mail = dataclasses.replace(self._mail, placement=placement)
+        self._placement = Placement.of(phy2log, share, version=version)
 
     def step(self) -> list[StepOutput]:
         self._meet()
@@ -221,7 +224,11 @@ class DEPEngine:
     def _meet(self) -> torch.Tensor | None:
         """One meeting (and the step it decides): rank 0's mail out, the others' last steps
         in; their outputs and rank 0's own are held for step()."""
-        mail, self._mail = self._mail, Meeting()
+        mail = None
+        if self._adds or self._aborts or self._placement is not None or self._take_load:
+            mail = Meeting(adds=self._adds, aborts=self._aborts, placement=self._placement,
+                           take_load=self._take_load)
+            self._adds, self._aborts, self._placement, self._take_load = [], [], None, False
         busy = self.rank0.decide_step(mail)
         if self.rank0.fatal_error is not None:
             raise RuntimeError(self.rank0.fatal_error)

@@ -197,15 +197,14 @@ class MoE(nn.Module):
         if fused is not None:  # every routed expert in one native call
             out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
             return self._add_shared_expert(x, out)
-        gate_up, down = in_use.linears()
         if self.ep is not None:
-            out = self._expert_parallel(x, groups, weights, gate_up, down)
+            out = self._expert_parallel(x, groups, weights, *in_use.linears())
         elif x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
-            out = self._one_token(x, groups.tolist(), weights[0].tolist(), gate_up, down)
+            out = self._one_token(x, groups.tolist(), weights[0].tolist(), *in_use.linears())
         else:
             if counts is None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
-            out = self._grouped(x, groups, counts, weights, gate_up, down)
+            out = self._grouped(x, groups, counts, weights, in_use)
         return self._add_shared_expert(x, out)
 
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
@@ -261,7 +260,7 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, order // self.top_k, back)
 
     def _grouped(self, x: Tensor, groups: Tensor, counts: Tensor, weights: Tensor,
-                 gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
+                 in_use: ExpertWeights) -> Tensor:
         """Tokens sorted by slot, each slot's rows through its expert in one matmul."""
         order = torch.argsort(groups, stable=True)
         token_of = order // self.top_k  # token index of each sorted (token, expert) pair
@@ -270,11 +269,11 @@ class MoE(nn.Module):
         active = sum(1 for n in counts_list if n)
         sorted_groups = groups[order]
         width = max(counts_list)
-        in_use = self.experts_in_use()
         if isinstance(in_use, PlainExperts) and 2 * active >= len(counts_list) \
                 and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_groups, counts, width, in_use.w13, in_use.w2)
         else:
+            gate_up, down = in_use.linears()
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
                 self._run_experts, gate_up=gate_up, down=down))
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
