@@ -13,6 +13,12 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attent
                num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=1,
                bos_token_id=0, tie_word_embeddings=False)
 
+_DEEPSEEK = dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                 topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                 intermediate_size=96, kv_lora_rank=32, qk_rope_head_dim=16,
+                 qk_nope_head_dim=16, v_head_dim=24, routed_scaling_factor=2.5,
+                 num_key_value_heads=4)  # (transformers needs KV heads = heads for MLA)
+
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=16)),
@@ -40,6 +46,24 @@ ARCHS = {
         intermediate_size=128, head_dim=16, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0,
             original_max_position_embeddings=64))),
+    # DeepSeek-V3: MLA with q_lora, 1 dense layer then DeepSeekMoE (8 routed experts in 4
+    # groups, 2 chosen from the best 2 groups, 1 shared expert, sigmoid scores)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK, q_lora_rank=48)),
+    # ... without q_lora, with YaRN (its mscale in the softmax scale and on cos / sin)
+    "deepseek_v3_yarn": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _DEEPSEEK, q_lora_rank=None, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1))),
+    # DeepSeek-V2: softmax routing, group_limited_greedy, no q_lora
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5)),
+    # GPT-OSS: sinks, a sliding layer (window 8) then a full one, biases, clamped SwiGLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
+        sliding_window=8, rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+            truncate=False, original_max_position_embeddings=4096))),
 }
 
 

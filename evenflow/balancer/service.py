@@ -46,7 +46,8 @@ class BalancerService(WorkerService):
         model_dir = models.resolve_model(cfg.model)
         assert model_dir is not None, f"unknown model {cfg.model!r}"
         raw = json.loads((model_dir / "config.json").read_text())
-        num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        num_experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts")
+                          or raw.get("num_experts") or 0)
         trigger = TriggerConfig(cfg.eplb_threshold, cfg.eplb_min_interval_reports,
                                 cfg.eplb_window_reports)
         roles = ENGINE_ROLES if cfg.eplb_per_role else ("",)

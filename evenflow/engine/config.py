@@ -1,24 +1,20 @@
 """Engine and model configuration, torch-free (services build an EngineConfig without torch).
 
 EngineConfig: how one engine runs (dtype, cache size, batching); the mesh's defaults for these
-settings are this class's defaults (services/config.py reads them from here). ModelConfig: read
-from a Hugging Face config.json, for the architectures we implement.
-
-One frozen dataclass covers Llama, Qwen2, Qwen3, Mistral (dense) and Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE: the differences are switches (q/k norm per head or over the projection, qkv
-bias, clip_qkv, shared expert, top-k renormalisation, which layers are sparse, rope scaling)
-read here once, so the model files have no per-architecture branches.
+settings are this class's defaults (services/config.py reads them from here). ModelConfig: a
+model's shape and switches (engine/families.py maps each family's config.json onto it): one
+frozen dataclass for every family, whose differences are switches (q/k norm per head or over
+the projection, biases, clip_qkv, MLA, sliding windows and sinks, shared experts, routing,
+expert activation, which layers are sparse, rope scaling), so the model files have no
+per-architecture branches.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from evenflow import models
 
@@ -168,20 +164,6 @@ class ModelLoadError(ValueError):
     """The checkpoint cannot be served: unknown architecture, missing or corrupt files."""
 
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "OlmoeForCausalLM",
-)
-# Dense decoders that differ only in switches read below.
-_DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-
-
 @dataclass(frozen=True)
 class RopeScaling:
     """How rotary frequencies are scaled (transformers' rope_parameters / rope_scaling):
@@ -202,13 +184,17 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """One model's shape and switches (engine/families.py maps each family's config.json onto
+    it). Attention is grouped-query attention, or multi-head latent attention (MLA, DeepSeek
+    V2/V3) where kv_lora_rank > 0; feed-forward layers are dense MLPs or routed experts."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # query/key head width (MLA: nope + rope dims)
     intermediate_size: int  # dense MLP width
     max_position_embeddings: int
     rms_norm_eps: float
@@ -220,21 +206,57 @@ class ModelConfig:
     qk_norm_whole: bool = False  # (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
     rope: RopeScaling = field(default_factory=RopeScaling)
+    attention_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
+    # Sliding-window attention per layer (0: full attention), empty: every layer full; and a
+    # learned per-head sink logit in every softmax (GPT-OSS)
+    layer_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    # Multi-head latent attention (DeepSeek V2/V3): the cache holds kv_lora_rank + qk_rope dims
+    # per token and layer; q through a low-rank pair when q_lora_rank > 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek's rotary dims come in interleaved pairs (model/mla.py reorders them)
+    rope_interleave: bool = False
     # MoE; num_experts == 0 means dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts: none
     sparse_layers: tuple[bool, ...] = field(default=())  # per layer: MoE (True) or dense MLP
+    # Routing (model/router.py): softmax over every expert, sigmoid scores (DeepSeek-V3), or a
+    # softmax over the top-k logits (GPT-OSS); group-limited choice (n groups, the best
+    # topk_groups by their max or top-2 sum); a per-expert bias added for the choice only
+    # (DeepSeek-V3's e_score_correction_bias); the chosen weights times a scaling factor
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    score_correction_bias: bool = False
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    group_scoring: str = "max"
+    routed_scaling_factor: float = 1.0
+    # Routed experts' biases and activation: silu(gate) * up, or GPT-OSS's clamped SwiGLU
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"
         assert len(self.sparse_layers) == self.num_layers
+        assert not self.layer_windows or len(self.layer_windows) == self.num_layers
         if self.num_experts:
             assert 0 < self.num_experts_per_tok <= self.num_experts
+            assert self.num_experts % self.num_expert_groups == 0
+        assert self.router_scoring in ("softmax", "sigmoid", "softmax_topk")
+        assert self.group_scoring in ("max", "top2_sum")
+        assert self.expert_activation in ("silu", "clamped_swiglu")
 
     @property
     def is_moe(self) -> bool:
@@ -244,172 +266,33 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.sparse_layers)
 
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
-def _eos_ids(*values: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-    for value in values:
-        if isinstance(value, int):
-            ids.append(value)
-        elif isinstance(value, list):
-            ids.extend(v for v in value if isinstance(v, int))
-    return tuple(dict.fromkeys(ids))
+    @property
+    def rotary_dim(self) -> int:
+        """Dims rotary embeddings turn, per head (MLA: the rope part only)."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from rope_parameters (transformers 5) or rope_scaling (older)."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type in ("default", "dynamic"):
-        return theta, RopeScaling()
-    if rope_type not in ("linear", "llama3", "yarn"):
-        raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported "
-                             f"(default, linear, dynamic, llama3, yarn)")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial rotary embeddings are not supported")
-    original = int(params.get("original_max_position_embeddings")
-                   or raw.get("max_position_embeddings", 0))
-    given_factor = params.get("factor")
-    if given_factor is None and rope_type != "yarn":
-        raise ModelLoadError(f"rope scaling {rope_type!r} needs a factor")
-    # (without a factor, YaRN's is the ratio of the lengths, as DeepSeek-V3's config states them)
-    factor = float(given_factor if given_factor is not None
-                   else raw["max_position_embeddings"] / original)
-    attention = 1.0
-    if rope_type == "yarn":
-        def get_mscale(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    def window(self, layer: int) -> int:
+        """Layer's sliding window in tokens (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
-        given, mscale, all_dim = (params.get("attention_factor"), params.get("mscale"),
-                                  params.get("mscale_all_dim"))
-        if given is not None:
-            attention = float(given)
-        elif mscale and all_dim:
-            attention = float(get_mscale(factor, mscale) / get_mscale(factor, all_dim))
-        else:
-            attention = get_mscale(factor)
-    return theta, RopeScaling(
-        rope_type=rope_type, factor=factor,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
-        truncate=bool(params.get("truncate", True)), attention_factor=attention)
+    def kv_parts(self, kv_heads: int | None = None) -> tuple[tuple[int, int], ...]:
+        """Each layer's cache tensors as (heads, dims) per token: K and V of `kv_heads` heads
+        (default: all), or MLA's one latent of kv_lora_rank + rope dims (shared by every head,
+        so never split)."""
+        if self.mla:
+            return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        return ((heads, self.head_dim), (heads, self.head_dim))
 
-
-def _context_limit(raw: dict[str, Any], arch: str) -> int:
-    """max_position_embeddings, capped by a sliding window that the engine does not implement:
-    within the window, full attention is exact."""
-    limit = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
-
-
-def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-    """Map a config.json dict onto ModelConfig; raises ModelLoadError naming what is wrong."""
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs or raw.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        layers = int(raw["num_hidden_layers"])
-        theta, rope = _rope(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
-        common: dict[str, Any] = dict(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(raw.get("intermediate_size", 0)),
-            max_position_embeddings=_context_limit(raw, arch),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
-            bos_token_id=raw.get("bos_token_id"),
-        )
-        if arch in _DENSE:
-            return ModelConfig(
-                **common,
-                # Qwen2: q/k/v biases always
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                sparse_layers=(False,) * layers,
-            )
-        if arch == "OlmoeForCausalLM":
-            bias = bool(raw.get("attention_bias", False))
-            return ModelConfig(
-                **common,
-                attention_bias=bias, o_proj_bias=bias, qk_norm=True, qk_norm_whole=True,
-                clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
-                num_experts=int(raw["num_experts"]),
-                num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                moe_intermediate_size=int(raw["intermediate_size"]),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                sparse_layers=(True,) * layers,
-            )
-        if arch == "MixtralForCausalLM":
-            return ModelConfig(
-                **common,
-                num_experts=int(raw["num_local_experts"]),
-                num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                moe_intermediate_size=int(raw["intermediate_size"]),
-                norm_topk_prob=True,
-                sparse_layers=(True,) * layers,
-            )
-        # Qwen2-MoE / Qwen3-MoE: some layers may be dense
-        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
-        step = int(raw.get("decoder_sparse_step", 1)) or 1
-        dense_only = set(raw.get("mlp_only_layers") or [])
-        sparse = tuple(
-            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)
-        )
-        qwen2 = arch == "Qwen2MoeForCausalLM"
-        return ModelConfig(
-            **common,
-            attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
-            qk_norm=not qwen2,
-            num_experts=experts,
-            num_experts_per_tok=int(raw["num_experts_per_tok"]),
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(
-                int(raw.get("shared_expert_intermediate_size", 0)) if qwen2 else 0
-            ),
-            sparse_layers=sparse,
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks {exc.args[0]!r} for {arch}") from exc
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
-        raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
-
-
-def load_config(model_dir: str | Path) -> ModelConfig:
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{model_dir}: config.json is missing")
-    try:
-        raw = json.loads(path.read_text())
-        gen_path = model_dir / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    except ValueError as exc:
-        raise ModelLoadError(f"{model_dir}: invalid JSON in config ({exc})") from exc
-    return parse_config(raw, generation)
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Cache elements one token takes over all layers (x dtype size = bytes)."""
+        return self.num_layers * sum(h * d for h, d in self.kv_parts())

@@ -78,8 +78,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
             read_missing_experts(self.model, self.model_dir, dtype, quant_config(config))
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
-        bytes_per_block = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                           * config.block_size * dtype.itemsize)
+        bytes_per_block = cfg.kv_elements_per_token * config.block_size * dtype.itemsize
         wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
         num_blocks = config.num_kv_blocks or max(
             1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from evenflow.engine.config import ModelConfig, load_config
+from evenflow.engine.config import ModelConfig
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.engine import Engine
+from evenflow.engine.families import load_config
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,10 @@ from evenflow.engine.weights.gptq import write_gptq
 from evenflow.engine.weights.quantize_model import QuantLinear, quantized_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3|q_a_proj|"
+                    r"q_b_proj|kv_a_proj_with_mqa)\.weight$")
+# GPT-OSS's stacked experts, (E, in, out): the engine quantizes each expert's transpose
+STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.")
 METHODS = {"int8": QuantConfig("int8"), "int4-g32": QuantConfig("int4", 32)}
 
@@ -37,12 +40,16 @@ def dequantized_copy(src: Path, dst: Path, config: QuantConfig) -> Path:
     """The checkpoint with every weight the engine quantizes replaced by its dequantized value
     (a layer's experts only when all of them fit, as the engine does)."""
     tensors = load_file(str(src / "model.safetensors"))
-    unfit = {m[1] for n, t in tensors.items() if (m := EXPERT.search(n)) and not config.fits(
-        t.shape)}
+    unfit = {m[1] for n, t in tensors.items() if (m := EXPERT.search(n))
+             and (LINEAR.search(n) or STACKED.search(n))
+             and not config.fits(t.shape[:0:-1] if STACKED.search(n) else t.shape)}
     for name, t in tensors.items():
         m = EXPERT.search(name)
         if LINEAR.search(name) and config.fits(t.shape) and not (m and m[1] in unfit):
             tensors[name] = quantize(t, config).dequantize().to(t.dtype)
+        elif STACKED.search(name) and not (m and m[1] in unfit):
+            tensors[name] = torch.stack([quantize(e.T.contiguous(), config).dequantize().T
+                                         for e in t]).to(t.dtype).contiguous()
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"))
     for f in src.iterdir():

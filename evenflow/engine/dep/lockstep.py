@@ -31,9 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-from evenflow.engine.config import EngineConfig, ModelLoadError, load_config
+from evenflow.engine.config import EngineConfig, ModelLoadError
 from evenflow.engine.core.block_manager import KVEventListener
 from evenflow.engine.engine import Engine, StepOutput
+from evenflow.engine.families import load_config
 from evenflow.engine.model.ffn import EPTimer
 from evenflow.engine.model.placement import check_slots
 from evenflow.engine.runners.rank_wire import (

@@ -32,11 +32,12 @@ from typing import NamedTuple
 
 import torch
 
-from evenflow.engine.config import EngineConfig, ModelLoadError, load_config
+from evenflow.engine.config import EngineConfig, ModelLoadError
 from evenflow.engine.core.sampling_params import SamplingParams, spec_of
 from evenflow.engine.core.sequence import FinishReason
 from evenflow.engine.dep.lockstep import LockstepEngine
 from evenflow.engine.engine import StepOutput
+from evenflow.engine.families import load_config
 from evenflow.engine.runners.rank_wire import (
     Meeting,
     Placement,

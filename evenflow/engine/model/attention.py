@@ -1,7 +1,12 @@
 """Grouped-query attention over the paged KV cache: q, k and v from one fused projection,
 rotary embeddings, the K/V written into their cache slots, then the prefill segments' causal
 attention (the native flash-style kernel or torch's) and the decoding sequences' attention (the
-paged kernel, reading K and V in place, or torch's gathered one)."""
+paged kernel, reading K and V in place, or torch's gathered one).
+
+A layer with a sliding window or attention sinks (GPT-OSS) computes its attention explicitly in
+torch (`windowed_attention`): keys older than the window are masked out, and each head's learned
+sink logit joins every softmax's denominator. (The window limits what a query reads; the blocks
+past it stay allocated until the sequence ends, as the full-attention layers need them.)"""
 
 from __future__ import annotations
 
@@ -50,14 +55,43 @@ def gathered_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots
     return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).reshape(B, nh, hd)
 
 
+def windowed_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+                       visible: Tensor | None, window: int, sinks: Tensor | None,
+                       scale: float) -> Tensor:
+    """q (B, nh, Lq, hd) at positions q_pos (B, Lq) over k / v (B, n_kv, L, hd) at k_pos
+    (B, L): causal, within `window` tokens (0: no window), `visible` (B, L) masking padding;
+    each head's sink logit (nh,) in the softmax's denominator -> (B, nh, Lq, hd)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, nh, Lq, L)
+    delta = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)  # (B, Lq, L)
+    allowed = delta >= 0
+    if window:
+        allowed &= delta < window
+    if visible is not None:
+        allowed &= visible.unsqueeze(1)
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 class Attention(nn.Module):
     """q, k and v come from one fused projection (qkv_proj: the loader concatenates the
     checkpoint's q_proj, k_proj and v_proj)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.scale = cfg.scale
+        self.window = cfg.window(layer)
+        # one learned logit per head, in every softmax's denominator (GPT-OSS)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
@@ -89,8 +123,10 @@ class Attention(nn.Module):
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
-            return self.o_proj(self._decode_attention(q, k_cache, v_cache, meta).reshape(
-                T, nh * hd))
+            out = self._windowed(q, q, q, k_cache, v_cache, meta) \
+                if self.window or self.sinks is not None else \
+                self._decode_attention(q, k_cache, v_cache, meta)
+            return self.o_proj(out.reshape(T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm_whole:
             q, k = qk[:, :nh].reshape(T, nh * hd), qk[:, nh:].reshape(T, n_kv * hd)
@@ -109,6 +145,9 @@ class Attention(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        if self.window or self.sinks is not None:
+            return self.o_proj(self._windowed(q, k, v, k_cache, v_cache, meta).reshape(
+                T, nh * hd))
 
         outs: list[Tensor] = []
         kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
@@ -119,7 +158,7 @@ class Attention(nn.Module):
                 slots = seg.slots if seg.slots is not None else \
                     meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
                 outs.append(kernel(q[seg.q_start : seg.q_start + seg.q_len], k_cache, v_cache,
-                                   slots, hd**-0.5))
+                                   slots, self.scale))
                 continue
             # 4-D (1, heads, len, hd) inputs: torch's CPU flash kernel takes these (3-D falls
             # back to the slow math path).
@@ -142,6 +181,38 @@ class Attention(nn.Module):
                                                meta))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _windowed(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  meta: AttentionMetadata) -> Tensor:
+        """Every segment's and decoding sequence's attention through windowed_attention."""
+        outs: list[Tensor] = []
+        for seg in meta.prefills:
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            if seg.slots is None:
+                ks, vs = k[rows], v[rows]
+            else:
+                ks, vs = k_cache.index_select(0, seg.slots), v_cache.index_select(0, seg.slots)
+            q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len).unsqueeze(0)
+            o = windowed_attention(q[rows].transpose(0, 1).unsqueeze(0),
+                                   ks.transpose(0, 1).unsqueeze(0),
+                                   vs.transpose(0, 1).unsqueeze(0), q_pos,
+                                   torch.arange(seg.ctx_len).unsqueeze(0), None,
+                                   self.window, self.sinks, self.scale)
+            outs.append(o[0].transpose(0, 1))
+        if meta.decode_slots is not None:
+            assert meta.decode_mask is not None, "windowed layers take torch's decode path"
+            slots = meta.decode_slots
+            B, L = slots.shape
+            n_kv, hd = k_cache.shape[1:]
+            visible = meta.decode_mask.view(B, L) == 0
+            lens = visible.sum(-1, keepdim=True)  # (B, 1): context lengths
+            kd = k_cache.index_select(0, slots.flatten()).view(B, L, n_kv, hd).transpose(1, 2)
+            vd = v_cache.index_select(0, slots.flatten()).view(B, L, n_kv, hd).transpose(1, 2)
+            o = windowed_attention(q[meta.num_prefill_tokens :].unsqueeze(2), kd, vd, lens - 1,
+                                   torch.arange(L).unsqueeze(0).expand(B, L), visible,
+                                   self.window, self.sinks, self.scale)
+            outs.append(o[:, :, 0])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _sharded_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """RMSNorm of this rank's slices of q and k by the whole projections' mean squares
@@ -166,6 +237,6 @@ class Attention(nn.Module):
             paged = native.decode_attention()
             assert paged is not None
             return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
-                         self.head_dim**-0.5)
+                         self.scale)
         return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
                                          meta.decode_mask)

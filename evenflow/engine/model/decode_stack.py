@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MoE
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
@@ -46,7 +47,7 @@ class FastDecodeLayer:
 
     def __init__(self, layer: DecoderLayer) -> None:
         attn, moe = layer.self_attn, layer.mlp
-        assert isinstance(moe, MoE)
+        assert isinstance(moe, MoE) and isinstance(attn, Attention)
         self.moe = moe
         # what the stack holds of the experts: their stacks, placement and counts
         self.held = self._experts_state(moe)
@@ -70,8 +71,12 @@ class FastDecodeLayer:
         if any(k is None for k in kernels) or not hasattr(native.ops(), "decode_stack"):
             return None
         attn, moe = layer.self_attn, layer.mlp
+        if not isinstance(attn, Attention) or attn.window or attn.sinks is not None:
+            return None  # MLA, sliding windows and sinks take the module path
         if layer.tp is not None or attn.qk_norm or attn.clip_qkv is not None or \
                 not isinstance(moe, MoE) or moe.ep is not None:
+            return None
+        if not moe.routing.plain or moe.score_bias is not None or not moe.plain_experts:
             return None
         if not native.decode_attention_serves(attn.head_dim):
             return None
@@ -166,21 +171,21 @@ class FastDecodeStack:
         return model._modules["lm_head"] is lm_head and model._cos is cos and model.tp is None
 
     def serves(self, meta: AttentionMetadata, dtypes: tuple[torch.dtype, ...],
-               kv: tuple[Tensor, Tensor]) -> bool:
+               kv: tuple[Tensor, ...]) -> bool:
         """These (usable) layers take this step: decodes only, on the paged attention, one
         dtype throughout (`dtypes`: the embedding's and rotary tables'; the caches', the
         norms')."""
         return not meta.prefills and meta.decode_lens is not None and \
             dtypes[0] == dtypes[1] == kv[0].dtype == self.dtype
 
-    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
              meta: AttentionMetadata) -> Tensor:
         """The whole decode step, every row sampled: -> (T, vocab) float32 logits."""
         return self.run_step(
             self.stack, input_ids, positions, [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """-> (the residual stream, the last layer's MoE output not yet added to it)."""
         return self.run(

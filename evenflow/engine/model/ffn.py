@@ -29,7 +29,7 @@ from evenflow.engine.model.experts import (
     PlainExperts,
 )
 from evenflow.engine.model.placement import SlotPlacement
-from evenflow.engine.model.router import route
+from evenflow.engine.model.router import Routing, route
 from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
@@ -68,8 +68,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    """GPT-OSS's expert activation over [gate | up]: (up + 1) * gate * sigmoid(alpha * gate),
+    gate clamped above at limit, up to [-limit, limit]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class MoE(nn.Module):
-    """Top-k routed experts (plus an optional gated shared expert, as in Qwen2-MoE).
+    """Top-k routed experts, plus optional shared experts: gated (Qwen2-MoE) or added as they
+    are (DeepSeek). Experts may carry biases and GPT-OSS's clamped SwiGLU (then they run on
+    the per-expert paths, never the fused kernel).
 
     Checkpoints load into stacked parameters, w13 (E, 2I, H) holding gate and up and w2
     (E, H, I) holding down; a stored form (model/experts.py: packed, fused, quantized) may take
@@ -82,14 +93,23 @@ class MoE(nn.Module):
         E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.routing = Routing.of(cfg)
+        self.gate = nn.Linear(H, E, bias=cfg.router_bias)  # the router
+        # DeepSeek-V3's e_score_correction_bias: added to the scores for the choice only
+        self.score_bias = nn.Parameter(torch.empty(E)) if cfg.score_correction_bias else None
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.w2 = nn.Parameter(torch.empty(E, H, inter))
+        # per logical expert (kept whole on every rank: they are small)
+        self.b13 = nn.Parameter(torch.empty(E, 2 * inter)) if cfg.expert_bias else None
+        self.b2 = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+        self.activation = cfg.expert_activation
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.counts: Tensor | None = None  # set by the engine: a row of its (layers, E) counter
         # Every expert in a stored form other than the plain stacks (then w13 and w2 are empty)
         self.stored: ExpertWeights | None = None
@@ -105,6 +125,11 @@ class MoE(nn.Module):
         # logical expert e (engine/weights/expert_store.py) when a placement brings it to this rank.
         self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
         self.resident: dict[int, ExpertPair] | None = None  # logical expert -> weights
+
+    @property
+    def plain_experts(self) -> bool:
+        """silu(gate) * up without biases: what the fused kernel and the padded bmm compute."""
+        return self.b13 is None and self.activation == "silu"
 
     def all_experts(self) -> ExpertWeights:
         """Every logical expert, in the stored form (the plain stacks unless stored)."""
@@ -183,8 +208,8 @@ class MoE(nn.Module):
         return self.num_experts
 
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
-        weights, experts = route(self.gate, x, self.num_experts, self.top_k,
-                                 self.norm_topk_prob, self.counts)  # (T, k) each
+        weights, experts = route(self.gate, x, self.routing, self.counts,
+                                 self.score_bias)  # (T, k) each
         groups = flat_experts = experts.flatten()  # (T*k,)
         counts: Tensor | None = None
         if self.placement is not None:  # each pair goes to one physical slot of its expert
@@ -193,14 +218,15 @@ class MoE(nn.Module):
                 counts = torch.bincount(groups, minlength=self.num_slots)
                 self.slot_counts += counts
         in_use = self.experts_in_use()
-        fused = in_use.fused_args() if self.ep is None else None
+        fused = in_use.fused_args() if self.ep is None and self.plain_experts else None
         if fused is not None:  # every routed expert in one native call
             out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
             return self._add_shared_expert(x, out)
         if self.ep is not None:
             out = self._expert_parallel(x, groups, weights, *in_use.linears())
         elif x.shape[0] == 1:  # one token (batch-1 decode): its k experts, no grouping
-            out = self._one_token(x, groups.tolist(), weights[0].tolist(), *in_use.linears())
+            out = self._one_token(x, groups.tolist(), weights[0].tolist(),
+                                  self._expert_mlp(*in_use.linears()))
         else:
             if counts is None:
                 counts = torch.bincount(groups, minlength=self.num_slots)
@@ -208,18 +234,45 @@ class MoE(nn.Module):
         return self._add_shared_expert(x, out)
 
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        if self.shared_expert_gate is None:
+            return out + self.shared_expert(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _expert_mlp(self, gate_up: ExpertLinear, down: ExpertLinear, offset: int = 0
+                    ) -> ExpertLinear:
+        """(rows, index) -> rows through that expert's MLP; `index` + offset is its physical
+        slot (or the logical expert without a placement), which picks the biases."""
+        if self.plain_experts:
+            def plain(h: Tensor, e: int) -> Tensor:
+                gate, up = gate_up(h, e).chunk(2, dim=-1)
+                return down(F.silu(gate) * up, e)
+            return plain
+        phy2log = None if self.placement is None else self.placement.phy2log.tolist()
+        alpha, limit = self.swiglu
+
+        def general(h: Tensor, e: int) -> Tensor:
+            logical = e + offset if phy2log is None else phy2log[e + offset]
+            g = gate_up(h, e)
+            if self.b13 is not None:
+                g = g + self.b13[logical]
+            if self.activation == "clamped_swiglu":
+                a = clamped_swiglu(g, alpha, limit)
+            else:
+                gate, up = g.chunk(2, dim=-1)
+                a = F.silu(gate) * up
+            y = down(a, e)
+            return y + self.b2[logical] if self.b2 is not None else y
+        return general
 
     @staticmethod
-    def _one_token(x: Tensor, slots: list[int], weights: list[float], gate_up: ExpertLinear,
-                   down: ExpertLinear) -> Tensor:
+    def _one_token(x: Tensor, slots: list[int], weights: list[float], mlp: ExpertLinear
+                   ) -> Tensor:
         """x (1, H) through its k experts (distinct slots), weighted and summed in float."""
         out: Tensor | None = None
         for j, slot in enumerate(slots):
-            gate, up = gate_up(x, slot).chunk(2, dim=-1)
-            y = down(F.silu(gate) * up, slot).float() * weights[j]
+            y = mlp(x, slot).float() * weights[j]
             out = y if out is None else out + y
         assert out is not None
         return out.to(x.dtype)
@@ -247,10 +300,11 @@ class MoE(nn.Module):
         if len(rows):
             by_slot = torch.argsort(local, stable=True)
             counts = torch.bincount(local, minlength=per_rank)
+            mlp = self._expert_mlp(lambda h, e: gate_up(h, base + e),
+                                   lambda h, e: down(h, base + e), offset=first)
             ys[by_slot] = self._experts_looped(
-                rows[by_slot], local[by_slot], counts, counts.tolist(), functools.partial(
-                    self._run_experts, gate_up=lambda h, e: gate_up(h, base + e),
-                    down=lambda h, e: down(h, base + e)))
+                rows[by_slot], local[by_slot], counts, counts.tolist(),
+                functools.partial(self._run_experts, mlp=mlp))
         computed = time.perf_counter()
         back = ep.all_to_all(ys, receive)
         if self.ep_timer is not None:
@@ -270,12 +324,12 @@ class MoE(nn.Module):
         sorted_groups = groups[order]
         width = max(counts_list)
         if isinstance(in_use, PlainExperts) and 2 * active >= len(counts_list) \
-                and width <= self.BATCHED_MAX_ROWS:
+                and width <= self.BATCHED_MAX_ROWS and self.plain_experts:
             ys = self._experts_batched(xs, sorted_groups, counts, width, in_use.w13, in_use.w2)
         else:
-            gate_up, down = in_use.linears()
+            mlp = self._expert_mlp(*in_use.linears())
             ys = self._experts_looped(xs, sorted_groups, counts, counts_list, functools.partial(
-                self._run_experts, gate_up=gate_up, down=down))
+                self._run_experts, mlp=mlp))
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -305,8 +359,7 @@ class MoE(nn.Module):
         return run(grouped, padded).index_select(0, rows)
 
     @staticmethod
-    def _run_experts(grouped: Tensor, counts: list[int], gate_up: ExpertLinear,
-                     down: ExpertLinear) -> Tensor:
+    def _run_experts(grouped: Tensor, counts: list[int], mlp: ExpertLinear) -> Tensor:
         """grouped (N, H): rows sorted by expert, counts[e] rows for expert e; only experts
         with rows are computed (and, quantized, read)."""
         ys = torch.empty_like(grouped)
@@ -314,8 +367,7 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = gate_up(grouped[start : start + n], e).chunk(2, dim=-1)  # (n, 2I)
-            ys[start : start + n] = down(F.silu(gate) * up, e)
+            ys[start : start + n] = mlp(grouped[start : start + n], e)
             start += n
         return ys
 

@@ -1,5 +1,6 @@
-"""The decoder wired from a ModelConfig: one model for Llama, Qwen2, Qwen3, Mistral, Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE (their differences are config switches, engine/config.py).
+"""The decoder wired from a ModelConfig: one model for every family engine/families.py reads
+(their differences are config switches: attention is grouped-query or latent (MLA), the
+feed-forward dense or routed experts).
 
 Tokens of all sequences in a step are flattened into one batch (T tokens). Attention reads and
 writes a paged KV cache through slot indices (slot = block_id * block_size + offset); MoE layers
@@ -19,22 +20,25 @@ from evenflow.engine.config import ModelConfig
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.mla import LatentAttention
 from evenflow.engine.model.norm import RMSNorm
 from evenflow.engine.model.rotary import rope_tables
 from evenflow.parallel.group import ProcessGroup
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sparse: bool) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp: nn.Module = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn: Attention | LatentAttention = \
+            LatentAttention(cfg) if cfg.mla else Attention(cfg, index)
+        self.mlp: nn.Module = MoE(cfg) if cfg.sparse_layers[index] else \
+            MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tensor parallel (engine/weights/tp_shard.py): attention and MLP give partial sums
         self.tp: ProcessGroup | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor],
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, ...],
                 meta: AttentionMetadata, pending: Tensor | None = None
                 ) -> tuple[Tensor, Tensor]:
         """x: the residual stream; pending: the layer before's MLP output, not yet added to it
@@ -44,7 +48,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(pending, x)
-        attn = self.self_attn(h, cos, sin, kv[0], kv[1], meta)
+        attn = self.self_attn(h, cos, sin, *kv, meta)  # kv: (K, V), or MLA's (latent,)
         if self.tp is not None:
             self.tp.all_reduce(attn)
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)
@@ -67,15 +71,15 @@ class DecodeStack(Protocol):
         ...
 
     def serves(self, meta: AttentionMetadata, dtypes: tuple[torch.dtype, ...],
-               kv: tuple[Tensor, Tensor]) -> bool:
+               kv: tuple[Tensor, ...]) -> bool:
         ...
 
-    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
              meta: AttentionMetadata) -> Tensor:  # (T, vocab) float32
         ...
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor,
-                 kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata
+                 kv_caches: list[tuple[Tensor, ...]], meta: AttentionMetadata
                  ) -> tuple[Tensor, Tensor]:
         ...
 
@@ -84,7 +88,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, s) for s in cfg.sparse_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -125,14 +129,14 @@ class CausalLM(nn.Module):
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
     def init_rope(self, max_len: int, dtype: torch.dtype) -> None:
-        self._cos, self._sin = rope_tables(self.config.head_dim, self.config.rope_theta,
+        self._cos, self._sin = rope_tables(self.config.rotary_dim, self.config.rope_theta,
                                            max_len, dtype, self.config.rope)
 
     def forward(
         self,
         input_ids: Tensor,  # (T,)
         positions: Tensor,  # (T,)
-        kv_caches: list[tuple[Tensor, Tensor]],
+        kv_caches: list[tuple[Tensor, ...]],
         meta: AttentionMetadata,
         logit_rows: Tensor,  # (S,) rows of the flat batch whose next token is sampled
     ) -> Tensor:  # (S, vocab) float32
@@ -157,7 +161,7 @@ class CausalLM(nn.Module):
         _, h = self.model.norm.add_and_norm(pending, x)
         return self._logits(h)
 
-    def _fast_decode(self, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]
+    def _fast_decode(self, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, ...]]
                      ) -> DecodeStack | None:
         """The fast decode stack where it takes this step (no builder: never)."""
         build = self.decode_stack_builder

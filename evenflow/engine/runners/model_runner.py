@@ -53,19 +53,23 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
         self.guides: Guides | None = None  # the engine's grammar matchers (structured output)
         slots = num_blocks * block_size
-        # One (K, V) pair per layer, (num_slots + 1, n_kv, hd). torch.empty: pages are only
-        # touched (and counted in RSS) as blocks are used. The extra last slot stays zero: padded
-        # attention positions read it, never uninitialised memory (0 * NaN would poison a row).
+        # Per layer a (K, V) pair, (num_slots + 1, n_kv, hd) each, or MLA's one latent
+        # (num_slots + 1, 1, kv_lora_rank + rope): ModelConfig.kv_parts. torch.empty: pages are
+        # only touched (and counted in RSS) as blocks are used. The extra last slot stays zero:
+        # padded attention positions read it, never uninitialised memory (0 * NaN would poison
+        # a row).
         self.null_slot = slots
         self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+        # the paged decode kernel serves plain grouped-query attention only
+        self.paged_attention_usable = not (cfg.mla or cfg.layer_windows or cfg.attention_sinks)
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
-        self.kv_caches = []
+        self.kv_caches: list[tuple[Tensor, ...]] = []
         for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
-            k = torch.empty(slots + 1, model.num_kv_heads, cfg.head_dim, dtype=dtype)
-            v = torch.empty(slots + 1, model.num_kv_heads, cfg.head_dim, dtype=dtype)
-            k[slots].zero_()
-            v[slots].zero_()
-            self.kv_caches.append((k, v))
+            parts = tuple(torch.empty(slots + 1, heads, dims, dtype=dtype)
+                          for heads, dims in cfg.kv_parts(model.num_kv_heads))
+            for part in parts:
+                part[slots].zero_()
+            self.kv_caches.append(parts)
         model.init_rope(max_model_len, dtype)
         if switched_on("EVENFLOW_FAST_DECODE"):
             model.decode_stack_builder = fast_stack
@@ -82,31 +86,40 @@ class ModelRunner:
     def _flat_caches(self) -> list[Tensor]:
         return [cache for pair in self.kv_caches for cache in pair]
 
+    def _kv_kernels(self) -> object | None:
+        """kernels/kv_blocks.cpp, which copies (K, V) pairs only (MLA's latent: torch)."""
+        return native.kv_blocks() if len(self.kv_caches[0]) == 2 else None
+
     def read_kv(self, block_ids: list[int]) -> Tensor:
-        """A contiguous copy of the blocks' K/V, block-major so that any run of blocks is one
-        contiguous byte range: (blocks, layers, 2, block_size, n_kv, hd)."""
+        """A contiguous copy of the blocks' cache, block-major so that any run of blocks is one
+        contiguous byte range: (blocks, layers, parts, block_size, heads, dims); parts are
+        K and V (2, n_kv, hd), or MLA's latent (1, 1, kv_lora_rank + rope)."""
         index = torch.tensor(block_ids, dtype=torch.long)
-        kernels = native.kv_blocks()
+        kernels = self._kv_kernels()
         if kernels is not None:  # one memcpy per (block, layer, K or V)
-            return kernels.kv_blocks_read(self._flat_caches(), index, self.block_size)
-        return torch.stack([torch.stack([self._blocks_view(k).index_select(0, index),
-                                         self._blocks_view(v).index_select(0, index)], dim=1)
-                            for k, v in self.kv_caches], dim=1)
+            return kernels.kv_blocks_read(  # type: ignore[attr-defined]
+                self._flat_caches(), index, self.block_size)
+        return torch.stack([torch.stack([self._blocks_view(part).index_select(0, index)
+                                         for part in parts], dim=1)
+                            for parts in self.kv_caches], dim=1)
 
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
-        """Inverse of read_kv: kv (blocks, layers, 2, block_size, n_kv, hd) into these blocks."""
+        """Inverse of read_kv: kv (blocks, layers, parts, block_size, heads, dims) into these
+        blocks."""
         index = torch.tensor(block_ids, dtype=torch.long)
-        kernels = native.kv_blocks()
+        kernels = self._kv_kernels()
         if kernels is not None and kv.is_contiguous() and kv.dtype == self.kv_caches[0][0].dtype:
-            kernels.kv_blocks_write(self._flat_caches(), index, kv, self.block_size)
+            kernels.kv_blocks_write(  # type: ignore[attr-defined]
+                self._flat_caches(), index, kv, self.block_size)
             return
-        for layer, (k, v) in enumerate(self.kv_caches):
-            self._blocks_view(k).index_copy_(0, index, kv[:, layer, 0].to(k.dtype))
-            self._blocks_view(v).index_copy_(0, index, kv[:, layer, 1].to(v.dtype))
+        for layer, parts in enumerate(self.kv_caches):
+            for j, part in enumerate(parts):
+                self._blocks_view(part).index_copy_(0, index, kv[:, layer, j].to(part.dtype))
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        k = self.kv_caches[0][0]
-        return (num_blocks, len(self.kv_caches), 2, self.block_size, *k.shape[1:])
+        parts = self.kv_caches[0]
+        return (num_blocks, len(self.kv_caches), len(parts), self.block_size,
+                *parts[0].shape[1:])
 
     def _slots(self, block_table: list[int], start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)
@@ -147,7 +160,8 @@ class ModelRunner:
                                   for c in decodes])  # (B, blocks)
             all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
             ctx = torch.tensor(lens)  # (B,)
-            if paged_decode_attention(len(decodes), *self.attention_shape):
+            if self.paged_attention_usable and \
+                    paged_decode_attention(len(decodes), *self.attention_shape):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
                 decode_slots, decode_lens = all_slots, ctx
             else:

@@ -161,7 +161,8 @@ class TPLeaderRunner(ModelRunner):
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The hand-off layout holds every KV head."""
         cfg = self.model.config
-        return (num_blocks, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        parts = cfg.kv_parts()
+        return (num_blocks, cfg.num_layers, len(parts), self.block_size, *parts[0])
 
     def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
         self._guard(self.tp.send, Placement.of(phy2log, share, num_ep_ranks))
@@ -172,6 +173,8 @@ def gather_heads(parts: Tensor, cfg: ModelConfig) -> Tensor:
     """(N, blocks, layers, 2, bs, heads_per_rank, hd) from every rank -> the full-head layout
     (blocks, layers, 2, bs, num_kv_heads, hd); a replicated head is taken from its first rank."""
     world = parts.shape[0]
+    if cfg.mla:  # the latent is whole on every rank
+        return parts[0]
     if cfg.num_kv_heads >= world:
         return torch.cat(list(parts.unbind(0)), dim=-2)
     first = [h * world // cfg.num_kv_heads for h in range(cfg.num_kv_heads)]
@@ -179,7 +182,9 @@ def gather_heads(parts: Tensor, cfg: ModelConfig) -> Tensor:
 
 
 def own_heads(kv: Tensor, shard: TPShard, cfg: ModelConfig) -> Tensor:
-    """This rank's heads of a full-head K/V payload."""
+    """This rank's heads of a full-head K/V payload (MLA's latent: all of it)."""
+    if cfg.mla:
+        return kv
     return kv.index_select(-2, torch.tensor(shard.kv_heads(cfg)))
 
 

@@ -33,10 +33,10 @@ from torch import Tensor
 
 from evenflow.engine.config import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights.hf_names import EXPERT, ROLE
+from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE
 
-QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
-                         r"\.weight$")
+QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3"
+                         r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$")
 
 
 def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -136,11 +136,11 @@ def to_model_values(cfg: ModelConfig, layer: int, values: dict[str, QuantValues]
     """GPTQ layers of one decoder layer, renamed (and fused) to the model's modules, relative
     to the layer: `self_attn.qkv_proj`, `mlp.w13` (one entry per expert), ..."""
     prefix = f"model.layers.{layer}."
-    local = {name.removeprefix(prefix): v for name, v in values.items()
+    local = {_renamed(name).removeprefix(prefix): v for name, v in values.items()
              if name.startswith(prefix)}
     out: dict[str, list[QuantValues]] = {}
-    qkv = [local.pop(f"self_attn.{p}_proj", None) for p in "qkv"]
-    if all(v is not None for v in qkv):
+    qkv = [] if cfg.mla else [local.pop(f"self_attn.{p}_proj", None) for p in "qkv"]
+    if qkv and all(v is not None for v in qkv):
         out["self_attn.qkv_proj"] = [_concat(qkv)]  # type: ignore[arg-type]
     elif any(v is not None for v in qkv):
         raise ModelLoadError(f"{prefix}self_attn: only some of q/k/v are quantized")
@@ -157,6 +157,12 @@ def to_model_values(cfg: ModelConfig, layer: int, values: dict[str, QuantValues]
             raise ModelLoadError(f"{prefix}: GPTQ checkpoint lacks expert {exc.args[0]}") from exc
     out.update({name: [v] for name, v in local.items()})  # o_proj, mlp.*_proj, shared_expert
     return out
+
+
+def _renamed(name: str) -> str:
+    for old, new in RENAMES:
+        name = name.replace(old, new)
+    return name
 
 
 def write_gptq(source: str | Path, out: str | Path, config: QuantConfig) -> Path:

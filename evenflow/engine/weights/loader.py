@@ -25,19 +25,20 @@ from evenflow.engine.config import (
     ModelConfig,
     ModelLoadError,
     cpu_has_bf16,
-    load_config,
 )
+from evenflow.engine.families import load_config
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights import gptq, safetensors_io
-from evenflow.engine.weights.hf_names import EXPERT, ROLE
+from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.progress import Progress
 
-# Already-stacked experts (transformers' in-memory layout, found in some exports).
-_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Already-stacked experts (transformers' in-memory layout, found in some exports; GPT-OSS's
+# checkpoints, transposed and with biases).
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -92,16 +93,24 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     layers = list(layers)
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
+    transposed = cfg.architecture in TRANSPOSED_EXPERTS
     for name, t in tensors.items():
         if m := EXPERT.match(name):
             experts[(int(m[1]), int(m[2]), ROLE[m[3]])] = t
         elif m := _STACKED.match(name):
-            state[f"model.layers.{m[1]}.mlp.{'w13' if m[2] == 'gate_up_proj' else 'w2'}"] = t
+            gate_up = m[2] == "gate_up_proj"
+            key = ("b" if m[3] else "w") + ("13" if gate_up else "2")
+            state[f"model.layers.{m[1]}.mlp.{key}"] = \
+                _untransposed(t, gate_up) if transposed else t
         elif ".block_sparse_moe.gate." in name:
             state[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
         else:
+            for old, new in RENAMES:
+                name = name.replace(old, new)
             state[name] = t
     for layer in layers:
+        if cfg.mla:  # (no q/k/v to fuse)
+            continue
         attn = f"model.layers.{layer}.self_attn."
         for kind in ("weight", "bias"):
             parts = [state.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
@@ -124,6 +133,17 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def _untransposed(t: Tensor, gate_up: bool) -> Tensor:
+    """GPT-OSS's stacked experts in the model's layout: gate_up (E, H, 2I) with gate and up
+    interleaved column by column -> (E, 2I, H) [gate | up]; down (E, I, H) -> (E, H, I); their
+    biases (E, 2I) de-interleaved the same way, (E, H) as is."""
+    if t.dim() == 2:  # a bias
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous() if gate_up else t
+    if gate_up:
+        t = torch.cat([t[:, :, 0::2], t[:, :, 1::2]], dim=2)
+    return t.transpose(1, 2).contiguous()
 
 
 def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch.dtype,

@@ -98,5 +98,5 @@ def _fusable(moe: MoE, dtype: torch.dtype) -> bool:
     """Plain float experts of this dtype, sizes the fused kernel takes (a tensor-parallel
     shard's own intermediate size)."""
     w13 = moe.w13
-    return (moe.stored is None and w13.numel() > 0 and w13.dtype == dtype
+    return (moe.stored is None and w13.numel() > 0 and w13.dtype == dtype and moe.plain_experts
             and panels.usable(dtype, w13.shape[2], w13.shape[1] // 2))

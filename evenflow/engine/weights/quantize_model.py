@@ -1,10 +1,11 @@
 """Putting quantized weights into the model: which weights are quantized, and the module that
 runs them.
 
-Quantized: the attention projections (fused qkv, o), dense and shared-expert MLPs, and the
-routed experts (w13, w2 stacks). Unquantized: the embedding, norms, the router (`gate`, tiny and
-precision-sensitive) and lm_head unless `quantize_lm_head`. A weight whose shape the method
-cannot take (int4 needs K divisible by the group size) stays in the engine's dtype.
+Quantized: the attention projections (fused qkv, o; MLA's q, latent and o projections), dense
+and shared-expert MLPs, and the routed experts (w13, w2 stacks). Unquantized: the embedding,
+norms, the router (`gate`, tiny and precision-sensitive), MLA's kv_b_proj (read per head by the
+absorbed decode) and lm_head unless `quantize_lm_head`. A weight whose shape the method cannot
+take (int4 needs K divisible by the group size) stays in the engine's dtype.
 
 The loader calls `quantize_layer` right after filling one decoder layer, so a bf16 copy of the
 whole model never exists (peak memory stays near the quantized size). Pre-quantized checkpoints
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.experts import QuantizedExperts
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
@@ -44,6 +46,8 @@ class QuantLinear(nn.Module):
 # Names (relative to a decoder layer) of the quantizable linear layers, by module kind.
 _ATTENTION = ("self_attn.qkv_proj", "self_attn.o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+# MLA's (kv_b_proj stays in the engine's dtype: decode reads it per head, the absorbed form)
+_LATENT = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
@@ -51,7 +55,9 @@ def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
     """Replace this layer's quantizable weights (in place). `given`: pre-quantized values by
     name relative to the layer (`self_attn.qkv_proj`, `mlp.w13` as one entry per expert)."""
     given = given or {}
-    names = list(_ATTENTION)
+    attn = layer.self_attn
+    names = list(_ATTENTION) if isinstance(attn, Attention) else [
+        f"self_attn.{n}" for n in _LATENT if hasattr(attn, n) and getattr(attn, n) is not None]
     mlp = layer.mlp
     if isinstance(mlp, MLP):
         names += [f"mlp.{n}" for n in _MLP]

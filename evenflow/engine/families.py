@@ -1,0 +1,293 @@
+"""config.json -> ModelConfig: the one place that knows each family's config keys, torch-free.
+
+Families: Llama (also Llama 3's rope), Qwen2, Qwen3, Mistral (dense); Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, DeepSeek-V2 and -V3 (MLA, DeepSeekMoE; also DeepSeek-R1 and Kimi K2, which
+are DeepSeek-V3 by architecture) and GPT-OSS. Each maps onto ModelConfig's switches, so the
+model files have no per-family branches; what the engine does not implement is refused with a
+ModelLoadError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from evenflow.engine.config import ModelConfig, ModelLoadError, RopeScaling
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
+)
+# Dense decoders that differ only in switches read below.
+_DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int))
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from rope_parameters (transformers 5) or rope_scaling (older)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type in ("default", "dynamic"):
+        return theta, RopeScaling()
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported "
+                             f"(default, linear, dynamic, llama3, yarn)")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("partial rotary embeddings are not supported")
+    original = int(params.get("original_max_position_embeddings")
+                   or raw.get("max_position_embeddings", 0))
+    given_factor = params.get("factor")
+    if given_factor is None and rope_type != "yarn":
+        raise ModelLoadError(f"rope scaling {rope_type!r} needs a factor")
+    # (without a factor, YaRN's is the ratio of the lengths, as DeepSeek-V3's config states them)
+    factor = float(given_factor if given_factor is not None
+                   else raw["max_position_embeddings"] / original)
+    attention = 1.0
+    if rope_type == "yarn":
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        given, mscale, all_dim = (params.get("attention_factor"), params.get("mscale"),
+                                  params.get("mscale_all_dim"))
+        if given is not None:
+            attention = float(given)
+        elif mscale and all_dim:
+            attention = float(get_mscale(factor, mscale) / get_mscale(factor, all_dim))
+        else:
+            attention = get_mscale(factor)
+    return theta, RopeScaling(
+        rope_type=rope_type, factor=factor,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)), attention_factor=attention)
+
+
+def _context_limit(raw: dict[str, Any], arch: str) -> int:
+    """max_position_embeddings, capped by a sliding window that the engine does not implement:
+    within the window, full attention is exact."""
+    limit = int(raw.get("max_position_embeddings", 4096))
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
+
+
+def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """Map a config.json dict onto ModelConfig; raises ModelLoadError naming what is wrong."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        theta, rope = _rope(raw)
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
+        common: dict[str, Any] = dict(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw.get("intermediate_size", 0)),
+            max_position_embeddings=_context_limit(raw, arch),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+        if arch in _DENSE:
+            return ModelConfig(
+                **common,
+                # Qwen2: q/k/v biases always
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                sparse_layers=(False,) * layers,
+            )
+        if arch == "OlmoeForCausalLM":
+            return _olmoe(raw, common)
+        if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+            return _deepseek(raw, common, arch == "DeepseekV3ForCausalLM")
+        if arch == "GptOssForCausalLM":
+            return _gpt_oss(raw, common)
+        if arch == "MixtralForCausalLM":
+            return ModelConfig(
+                **common,
+                num_experts=int(raw["num_local_experts"]),
+                num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True,
+                sparse_layers=(True,) * layers,
+            )
+        # Qwen2-MoE / Qwen3-MoE: some layers may be dense
+        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
+        step = int(raw.get("decoder_sparse_step", 1)) or 1
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        return ModelConfig(
+            **common,
+            attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
+            qk_norm=not qwen2,
+            num_experts=experts,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(
+                int(raw.get("shared_expert_intermediate_size", 0)) if qwen2 else 0
+            ),
+            sparse_layers=sparse,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks {exc.args[0]!r} for {arch}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: config.json is missing")
+    try:
+        raw = json.loads(path.read_text())
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: invalid JSON in config ({exc})") from exc
+    return parse_config(raw, generation)
+
+
+def _olmoe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        **common,
+        attention_bias=bias, o_proj_bias=bias, qk_norm=True, qk_norm_whole=True,
+        clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
+        num_experts=int(raw["num_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=(True,) * common["num_layers"],
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _deepseek(raw: dict[str, Any], common: dict[str, Any], v3: bool) -> ModelConfig:
+    """DeepSeek-V2 / -V3: MLA attention, `first_k_dense_replace` dense layers, then DeepSeekMoE
+    layers (routed experts plus ungated shared experts). V3 routes by sigmoid scores with a
+    score-correction bias and groups ranked by their top-2 sum (`noaux_tc`); V2 by softmax,
+    greedy or `group_limited_greedy` (groups ranked by their best expert). As in transformers,
+    V2 never renormalizes the top-k weights; both multiply them by routed_scaling_factor."""
+    nope, rope_dims = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    layers, heads = common["num_layers"], common["num_heads"]
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("DeepSeek-V2 with mlp_bias is not supported")
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    scale = (nope + rope_dims) ** -0.5
+    if (params.get("rope_type") or params.get("type") or "default") != "default" and \
+            params.get("mscale_all_dim"):
+        mscale = _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= mscale * mscale
+    experts = int(raw["n_routed_experts"])
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
+        raise ModelLoadError(f"topk_method {method!r} is not supported for "
+                             f"{common['architecture']}")
+    grouped = method != "greedy" and raw.get("n_group")
+    common |= dict(num_kv_heads=heads, head_dim=nope + rope_dims)
+    return ModelConfig(
+        **common,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        o_proj_bias=bool(raw.get("attention_bias", False)),
+        attention_scale=scale,
+        kv_lora_rank=int(raw["kv_lora_rank"]), q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope_dims, v_head_dim=int(raw["v_head_dim"]),
+        rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+        num_experts=experts,
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if v3 else False,
+        shared_expert_intermediate_size=int(raw["moe_intermediate_size"])
+        * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        sparse_layers=tuple(experts > 0 and i >= first_dense for i in range(layers)),
+        router_scoring="sigmoid" if v3 else "softmax",
+        score_correction_bias=v3,
+        num_expert_groups=int(raw["n_group"]) if grouped else 1,
+        topk_groups=int(raw["topk_group"]) if grouped else 1,
+        group_scoring="top2_sum" if v3 else "max",
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+    )
+
+
+def _gpt_oss(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """GPT-OSS: q/k/v/o biases, attention sinks, sliding-window layers alternating with full
+    ones (`layer_types`), a router with a bias whose top-k logits are softmaxed, experts with
+    biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`)."""
+    layers = common["num_layers"]
+    window = int(raw.get("sliding_window") or 0)
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(layers)]
+    bias = bool(raw.get("attention_bias", True))
+    return ModelConfig(
+        **common,
+        attention_bias=bias, o_proj_bias=bias,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        attention_sinks=True,
+        num_experts=int(raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["intermediate_size"]),
+        norm_topk_prob=False,
+        sparse_layers=(True,) * layers,
+        router_scoring="softmax_topk",
+        router_bias=True,
+        expert_bias=True,
+        expert_activation="clamped_swiglu",
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )

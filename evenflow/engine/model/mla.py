@@ -1,0 +1,141 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 / -V3) over the paged cache.
+
+Each token's keys and values are compressed into one latent: kv_lora_rank dims (normalized)
+plus qk_rope_head_dim rotary dims shared by every head. The cache holds that latent, one
+(num_slots, 1, kv_lora_rank + rope) tensor per layer — not K and V per head — so a token costs
+(kv_lora_rank + rope) elements per layer whatever the head count.
+
+- Prefill (expanded form): the context's latents go up through kv_b_proj into per-head keys
+  (nope part; the rope part is shared) and values; causal attention as usual.
+- Decode (absorbed form, as vLLM's and SGLang's MLA backends): each query's nope part is
+  multiplied into the latent space by kv_b_proj's key half (q_lat = q_nope W_uk), attends over
+  the cached latents directly (one shared "KV head" of kv_lora_rank + rope dims), and the
+  latent output goes up through the value half (W_uv). No per-head K/V is ever built.
+
+DeepSeek's rotary dims come in interleaved pairs (x0, x1), (x2, x3), ...: q's and the latent's
+rope parts are reordered to evens then odds before the rotate-half rotary (the same dot
+products as transformers' interleaved rotation; the cache holds them reordered).
+
+Under tensor parallelism (engine/weights/tp_shard.py) each rank keeps its heads' rows of q and
+kv_b_proj and o_proj's matching columns; the latent projection and the latent cache are whole
+on every rank (the latent is shared by all heads: splitting it would cost an all-reduce per
+attention, and a rank's cache would still need every dim to score its heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from evenflow.engine.config import ModelConfig
+from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.norm import RMSNorm
+
+# DeepSeek's q_a / kv_a norms keep transformers' default epsilon (not rms_norm_eps)
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentUpProjection(nn.Module):
+    """kv_b_proj: latent -> every head's [k_nope | v]. Not an nn.Linear on purpose: decode
+    reads its weight as two per-head matrices (the absorbed form), so packing (engine/weights/
+    prepack.py) and quantization leave it plain."""
+
+    def __init__(self, rank: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, rank))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H, nh = cfg.hidden_size, cfg.num_heads
+        self.num_heads = nh
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, \
+            cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        self.q_proj: nn.Module | None = None
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = LatentUpProjection(self.rank, nh * (self.nope + self.v_dim))
+        self.o_proj = nn.Linear(nh * self.v_dim, H, bias=cfg.o_proj_bias)
+        self.scale = cfg.scale
+        self.interleaved = cfg.rope_interleave
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1  # the latent
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
+        """x (T, H); cos / sin (T, 1, rope); cache: this layer's latents (slots, 1, r + rope)."""
+        T, nh = x.shape[0], self.num_heads
+        q = self.q_proj(x) if self.q_proj is not None else \
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, nh, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], self._rotate(q[..., self.nope :], cos, sin)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv[:, : self.rank]).unsqueeze(1),
+                            self._rotate(kv[:, self.rank :].unsqueeze(1), cos, sin)], dim=-1)
+        cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
+        outs = [self._prefill(q_nope[s.q_start : s.q_start + s.q_len],
+                              q_pe[s.q_start : s.q_start + s.q_len],
+                              latent[s.q_start : s.q_start + s.q_len] if s.slots is None
+                              else cache.index_select(0, s.slots), s.ctx_len - s.q_len)
+                for s in meta.prefills]
+        if meta.decode_slots is not None:
+            P = meta.num_prefill_tokens
+            outs.append(self._decode(q_nope[P:], q_pe[P:], cache, meta))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return self.o_proj(out.reshape(T, nh * self.v_dim))
+
+    def _prefill(self, q_nope: Tensor, q_pe: Tensor, ctx: Tensor, offset: int) -> Tensor:
+        """Expanded form: the context's latents (L, 1, rank + rope) up to per-head K and V;
+        queries q_len, at positions offset.. -> (q_len, nh, v_dim)."""
+        L, nh, q_len = ctx.shape[0], self.num_heads, q_nope.shape[0]
+        up = self.kv_b_proj(ctx[:, 0, : self.rank]).view(L, nh, self.nope + self.v_dim)
+        k = torch.cat([up[..., : self.nope],
+                       ctx[:, :, self.rank :].expand(L, nh, self.rope)], dim=-1)
+        v = up[..., self.nope :]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if offset == 0:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+        else:
+            mask = torch.arange(L).unsqueeze(0) <= torch.arange(q_len).unsqueeze(1) + offset
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, meta: AttentionMetadata
+                ) -> Tensor:
+        """Absorbed form: (B, nh, nope) queries into the latent space, attention over the
+        cached latents (B, L) as one shared head, the output up through W_uv -> (B, nh, v)."""
+        assert meta.decode_slots is not None
+        B, L = meta.decode_slots.shape
+        nh, width = self.num_heads, self.rank + self.rope
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (nh, nope, r), (nh, v, r)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (B, nh, r)
+        q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # (B, 1, nh, r + rope)
+        ctx = cache.index_select(0, meta.decode_slots.flatten()).view(B, 1, L, width)
+        o = F.scaled_dot_product_attention(q, ctx, ctx[..., : self.rank],
+                                           attn_mask=meta.decode_mask, scale=self.scale)
+        o = o.view(B, nh, self.rank).transpose(0, 1)  # (nh, B, r)
+        return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1)  # (B, nh, v)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate-half rotary (sin's first half negated: one multiply-add with a roll), the
+        interleaved pairs first reordered to evens then odds."""
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
