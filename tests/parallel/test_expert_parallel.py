@@ -18,7 +18,7 @@ from evenflow.parallel.shm import SHM_DIR
 pytestmark = pytest.mark.slow  # rank processes loading models: ~60 s
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)

@@ -25,9 +25,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 # One per way a layer splits (dense, q/k norm per head or over the whole projection, biases,
-# experts, shared expert); the other families differ in rope or config only, which the split
-# does not touch.
-TP_ARCHS = ["llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+# experts, shared expert, MLA heads over a whole latent, sinks and expert biases); the other
+# families differ in rope or config only, which the split does not touch.
+TP_ARCHS = ["llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+            "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)

@@ -3,9 +3,12 @@ layer in place:
 
 - attention: rank r keeps query heads [r*nh/N, (r+1)*nh/N) and the KV heads they read (split
   like the query heads when N <= num_kv_heads, else the one KV head its query heads share,
-  replicated on N / num_kv_heads ranks); o_proj keeps the matching input columns;
+  replicated on N / num_kv_heads ranks), and their sinks; o_proj keeps the matching input
+  columns. MLA: its heads' rows of q and kv_b_proj; the latent projection (and so the latent
+  cache) stays whole on every rank;
 - dense MLPs, shared experts and every routed expert: gate/up keep a slice of the intermediate
-  rows, down the same input columns (torch.tensor_split: any width works);
+  rows (and of their biases), down the same input columns (torch.tensor_split: any width works);
+  a bias after a partial sum (o_proj's, down's) is added by rank 0 only;
 - the embedding and lm_head keep a slice of the vocabulary, padded to ceil(V/N) rows so every
   rank's logits have one shape for the all-gather.
 
@@ -23,6 +26,7 @@ from torch import Tensor, nn
 from evenflow.engine.config import ModelConfig, ModelLoadError
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
+from evenflow.engine.model.mla import LatentAttention, LatentUpProjection
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 
 
@@ -58,7 +62,11 @@ class TPShard:
             memory_format=torch.contiguous_format)
 
     def shard_layer(self, layer: DecoderLayer, cfg: ModelConfig) -> None:
-        self._shard_attention(layer.self_attn, cfg)
+        attn = layer.self_attn
+        if isinstance(attn, LatentAttention):
+            self._shard_latent_attention(attn, cfg)
+        else:
+            self._shard_attention(attn, cfg)
         mlp = layer.mlp
         if isinstance(mlp, MLP):
             self._shard_mlp(mlp)
@@ -67,8 +75,34 @@ class TPShard:
             gate, up = mlp.w13.data[:, :half], mlp.w13.data[:, half:]
             mlp.w13 = _param(torch.cat([self._part(gate, 1), self._part(up, 1)], dim=1))
             mlp.w2 = _param(self._part(mlp.w2.data, 2))
+            if mlp.b13 is not None and mlp.b2 is not None:
+                gate_b, up_b = mlp.b13.data[:, :half], mlp.b13.data[:, half:]
+                mlp.b13 = _param(torch.cat([self._part(gate_b, 1), self._part(up_b, 1)], dim=1))
+                mlp.b2 = _param(mlp.b2.data.clone() if self.rank == 0 else
+                                torch.zeros_like(mlp.b2.data))
             if mlp.shared_expert is not None:
                 self._shard_mlp(mlp.shared_expert)
+
+    def _heads(self, num_heads: int, width: int) -> Tensor:
+        """The rows of this rank's heads in a (num_heads * width)-row projection."""
+        per = num_heads // self.world_size
+        return torch.arange(self.rank * per * width, (self.rank + 1) * per * width)
+
+    def _shard_latent_attention(self, attn: LatentAttention, cfg: ModelConfig) -> None:
+        nh = cfg.num_heads
+        q_rows = self._heads(nh, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        if isinstance(attn.q_proj, nn.Linear):
+            attn.q_proj = _linear(attn.q_proj.weight.data[q_rows], None)
+        else:
+            attn.q_b_proj = _linear(attn.q_b_proj.weight.data[q_rows], None)
+        up = LatentUpProjection(cfg.kv_lora_rank, 1)
+        up.weight = _param(attn.kv_b_proj.weight.data[
+            self._heads(nh, cfg.qk_nope_head_dim + cfg.v_head_dim)].contiguous())
+        attn.kv_b_proj = up
+        bias = attn.o_proj.bias
+        attn.o_proj = _linear(attn.o_proj.weight.data[:, self._heads(nh, cfg.v_head_dim)],
+                              bias.data.clone() if bias is not None and self.rank == 0 else None)
+        attn.num_heads = nh // self.world_size
 
     def _shard_attention(self, attn: Attention, cfg: ModelConfig) -> None:
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -84,6 +118,9 @@ class TPShard:
         bias = attn.o_proj.bias
         attn.o_proj = _linear(attn.o_proj.weight.data[:, q_rows],
                               bias.data.clone() if bias is not None and self.rank == 0 else None)
+        if attn.sinks is not None:
+            per = heads_per_rank
+            attn.sinks = _param(attn.sinks.data[self.rank * per : (self.rank + 1) * per].clone())
         if cfg.qk_norm_whole:  # each rank normalizes its slice by the whole projection's norm
             attn.q_norm.weight = _param(attn.q_norm.weight.data[q_rows])
             attn.k_norm.weight = _param(attn.k_norm.weight.data[kv_rows])
