@@ -29,7 +29,7 @@ from evenflow.engine.config import (
 from evenflow.engine.families import load_config
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights import gptq, safetensors_io
+from evenflow.engine.weights import gptq, mxfp4, safetensors_io
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
@@ -39,6 +39,9 @@ from evenflow.progress import Progress
 # Already-stacked experts (transformers' in-memory layout, found in some exports; GPT-OSS's
 # checkpoints, transposed and with biases).
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+# GPT-OSS's MXFP4 experts (engine/weights/mxfp4.py): (E, out, in / 32, 16) nibbles and scales
+_MXFP4 = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))"
+                    r"_(blocks|scales)$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -94,7 +97,7 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
     transposed = cfg.architecture in TRANSPOSED_EXPERTS
-    for name, t in tensors.items():
+    for name, t in _dequantized_mxfp4(tensors).items():
         if m := EXPERT.match(name):
             experts[(int(m[1]), int(m[2]), ROLE[m[3]])] = t
         elif m := _STACKED.match(name):
@@ -133,6 +136,24 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def _dequantized_mxfp4(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """MXFP4 expert stacks (blocks + scales) replaced by their float values in the layout of
+    an unquantized GPT-OSS checkpoint, (E, in, out); everything else as it is."""
+    found = {m[1]: None for name in tensors if (m := _MXFP4.match(name))}
+    if not found:
+        return tensors
+    out = {name: t for name, t in tensors.items() if not _MXFP4.match(name)}
+    for base in found:
+        try:
+            values = mxfp4.dequantize(tensors[f"{base}_blocks"], tensors[f"{base}_scales"])
+        except KeyError as exc:
+            raise ModelLoadError(f"MXFP4 checkpoint lacks {exc.args[0]}") from exc
+        except ValueError as exc:
+            raise ModelLoadError(f"{base}: {exc}") from exc
+        out[base] = values.transpose(-1, -2)
+    return out
 
 
 def _untransposed(t: Tensor, gate_up: bool) -> Tensor:
