@@ -1,6 +1,7 @@
-"""Random HF-format checkpoints for benchmarks and tests, written without transformers:
-config.json, model.safetensors with Mixtral's tensor names (fixed seed, normal(0, 0.02) init) and
-a word-level tokenizer, so the mesh can serve them too."""
+"""Random HF-format checkpoints for benchmarks and tests: the Mixtral-style benchmark model,
+written without transformers (config.json, model.safetensors with Mixtral's tensor names, fixed
+seed, normal(0, 0.02) init), the same size in other families' shapes (DeepSeek-V3, GPT-OSS:
+saved by transformers), each with a word-level tokenizer, so the mesh can serve them too."""
 
 from __future__ import annotations
 
@@ -87,4 +88,56 @@ def write_random_mixtral(path: Path, config: dict | None = None, seed: int = 0,
     (path / "config.json").write_text(json.dumps(
         {**cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
          "torch_dtype": str(dtype).removeprefix("torch.")}, indent=1))
+    return path
+
+
+# The benchmark model's size (~110M parameters, hidden 512, 8 layers, vocab 4096) in the shape
+# of other families: DeepSeek-V3 (MLA, 64 fine-grained routed experts top-6 in 4 groups of
+# which 2 compete, 1 shared expert, 1 dense layer first) and GPT-OSS (sinks, sliding layers of
+# 128 tokens alternating with full ones, 32 biased experts top-4).
+_FAMILY_COMMON = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8,
+                      num_attention_heads=8, max_position_embeddings=4096, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False)
+FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
+        n_shared_experts=1, n_group=4, topk_group=2, moe_intermediate_size=128,
+        intermediate_size=1024, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_key_value_heads=2, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        intermediate_size=256, sliding_window=128,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=4096))),
+}
+QUICK_FAMILY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def write_family(path: Path, arch: str, quick: bool = False, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, skew: tuple[int, ...] = ()) -> Path:
+    """A random `arch` checkpoint of the benchmark's size (FAMILIES), saved by transformers
+    (needed here: pip install transformers); written once, reused after. `skew`: experts whose
+    router rows are scaled 6x in every MoE layer, so routing favours them (bench ep)."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[arch]
+    fields = {**_FAMILY_COMMON, **extra, **(QUICK_FAMILY if quick else {})}
+    path = Path(path)
+    stamp = json.dumps({"arch": arch, "fields": fields, "seed": seed, "skew": list(skew),
+                        "dtype": str(dtype)}, sort_keys=True)
+    if (path / "bench-stamp.json").is_file() and (path / "bench-stamp.json").read_text() == stamp:
+        return path
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if skew and name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                param[list(skew)] *= 6
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(path)
+    write_word_tokenizer(path, fields["vocab_size"], fields["bos_token_id"],
+                         fields["eos_token_id"])
+    (path / "bench-stamp.json").write_text(stamp)
     return path

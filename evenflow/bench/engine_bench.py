@@ -201,23 +201,29 @@ def main(argv: list[str] | None = None) -> int:
                          "(threads / tp threads each)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: the dtype this CPU computes natively (bf16 needs AVX512-BF16)")
+    ap.add_argument("--arch", default="mixtral", choices=["mixtral", "deepseek_v3", "gpt_oss"],
+                    help="the random checkpoint's family, all ~110M parameters (deepseek_v3, "
+                         "gpt_oss: written by transformers)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
     args = ap.parse_args(argv)
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+    from evenflow.bench.checkpoint import QUICK_MODEL, write_family, write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config import cpu_has_bf16
     from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL
-    name = "mixtral-quick" if args.quick else "mixtral-110m"
+    name = f"{args.arch}-{'quick' if args.quick else '110m'}"
     root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
-    ckpt = write_random_mixtral(root / name, QUICK_MODEL if args.quick else None)
+    if args.arch == "mixtral":
+        ckpt = write_random_mixtral(root / name, QUICK_MODEL if args.quick else None)
+    else:
+        ckpt = write_family(root / name, args.arch, args.quick)
     dtype = args.dtype if args.dtype != "auto" else (
         "bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))
-    print(f"checkpoint: {ckpt} (random Mixtral-style MoE), both engines compute in {dtype}")
+    print(f"checkpoint: {ckpt} (random {args.arch}-style MoE), the engines compute in {dtype}")
     stages = 1 + (args.tp > 1) + (not args.no_reference) + bool(args.vllm_python)
     with Progress("bench engine: engines measured", stages, on_terminal()) as progress:
         ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)

@@ -2,7 +2,9 @@
 expert-parallel ranks?
 
 On a skewed workload (tiny-moe's own routing, and a random 110M Mixtral whose router favours
-experts 2 and 3, which the initial placement puts on one rank without replicas), N=2 DEP ranks
+experts 2 and 3, which the initial placement puts on one rank without replicas; or, with
+`--arch deepseek_v3`, a random 110M DeepSeek-V3 of 64 fine-grained experts whose router favours
+experts 2-7, all on rank 0 at first), N=2 DEP ranks
 of 1 thread each (offline, engine/dep/offline.py) run batch-32 decode and a 2,048-token prefill
 per rank, first under the initial placement (experts in order, the redundant slots on copies of
 the first experts), then under the placement the balancer computes
@@ -222,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(argv[1:])
     ap = argparse.ArgumentParser(prog="evenflow bench ep", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny-moe only, small sizes")
+    ap.add_argument("--arch", default="mixtral", choices=["mixtral", "deepseek_v3"],
+                    help="deepseek_v3: a random 110M DeepSeek-V3 (64 fine-grained experts "
+                         "top-6, 1 shared) whose router favours experts 2-7, instead of "
+                         "tiny-moe and the skewed Mixtral")
     ap.add_argument("--simulate", action="store_true",
                     help="the timing model of an EP step at scale instead (bench/ep_sim.py)")
     ap.add_argument("--ranks", default="8,32,64", help="--simulate: EP rank counts")
@@ -254,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line("bfloat16" if cpu_has_bf16() else "float32", 2))
     root = Path(tempfile.gettempdir()) / "evenflow-bench"
     models = [("tiny-moe", "tiny-moe")]
-    if not args.quick:
+    if args.arch == "deepseek_v3":
+        from evenflow.bench.checkpoint import write_family
+
+        # experts 2-7 sit on rank 0 under the initial placement, all in routing group 0
+        models = [("random 110M DeepSeek-V3, router skewed to experts 2-7", str(write_family(
+            root / f"deepseek_v3-{'quick' if args.quick else '110m'}-skewed-2-7",
+            "deepseek_v3", args.quick, skew=(2, 3, 4, 5, 6, 7))))]
+    elif not args.quick:
         models.append(("random 110M Mixtral, router skewed to experts 2 and 3",
                        str(skewed_mixtral(root))))
     tables = []
