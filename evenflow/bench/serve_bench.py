@@ -224,10 +224,33 @@ async def kv_figures(url: str, model: str, nats_url: str, vocab: int,
     return {"kv_bytes": bytes1 - bytes0, "kv_seconds": secs1 - secs0, "kv_runs": kv_runs}
 
 
+def kv_per_token_line(model: str, itemsize: int, transfer_bytes: float, prompt_len: int
+                      ) -> str:
+    """The hand-off's KV bytes per prompt token (measured: one transfer over its prompt's
+    tokens, the last block's unused slots included; and the cache layout's exact figure), next
+    to a grouped-query model of the same width: the same layers and query heads with a quarter
+    of them as KV heads (the benchmark Mixtral's 8 / 2), K and V as wide as this model's."""
+    from evenflow.engine.families import load_config
+
+    cfg = load_config(model)
+    exact = cfg.kv_elements_per_token * itemsize
+    k_dim, v_dim = (cfg.head_dim, cfg.v_head_dim) if cfg.mla else (cfg.head_dim, cfg.head_dim)
+    kv_heads = max(1, cfg.num_heads // 4)
+    gqa = cfg.num_layers * kv_heads * (k_dim + v_dim) * itemsize
+    kind = (f"MLA latent {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim} rope dims" if cfg.mla
+            else f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} dims, K and V")
+    return (f"{'KV per token (bytes)':34} {transfer_bytes / prompt_len:10.0f} {exact:10d}"
+            f"   (measured hand-off / layout; {kind}, {cfg.num_layers} layers); GQA of the same "
+            f"width ({cfg.num_heads} heads / {kv_heads} KV heads): {gqa} bytes, "
+            f"{gqa / exact:.2f}x this model's")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="evenflow bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the random 110M Mixtral")
+    ap.add_argument("--arch", default="mixtral", choices=["mixtral", "deepseek_v3", "gpt_oss"],
+                    help="without --model: the random 110M checkpoint in this family's shape")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -255,14 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 6
     tpot_rounds = (6, 8) if args.quick else (3, 2)  # batch 1, batch 16 (quick: ~1 ms steps)
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
+    from evenflow.bench.checkpoint import QUICK_MODEL, write_family, write_random_mixtral
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    model = args.model or str(write_random_mixtral(
-        Path(tempfile.gettempdir()) / "evenflow-bench" / ("mixtral-quick" if args.quick
-                                                          else "mixtral-110m"),
-        QUICK_MODEL if args.quick else None))
+    root = Path(tempfile.gettempdir()) / "evenflow-bench"
+    size = "quick" if args.quick else "110m"
+    if args.model:
+        model = args.model
+    elif args.arch == "mixtral":
+        model = str(write_random_mixtral(root / f"mixtral-{size}",
+                                         QUICK_MODEL if args.quick else None))
+    else:
+        model = str(write_family(root / f"{args.arch}-{size}", args.arch, args.quick))
     print(f"model: {model}")
     offline_engine = OfflineEngine(model)
     print(machine_line(offline_engine.engine.kv_dtype_name, 1))
@@ -278,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             args.output_len, tpot_rounds))
         neighbours = busy_neighbour_tpot(offline_engine, args.output_len)
         vocab = offline_engine.vocab
+        offline_itemsize = offline_engine.engine.runner.kv_caches[0][0].element_size()
         del offline_engine  # (its memory, before the load run)
         admin_url = mesh.admin_nats_url or mesh.config.nats_url or ""
         figures = asyncio.run(kv_figures(mesh.url, name, admin_url, vocab, args.kv_prompt_len))
@@ -309,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{kv_bw / raw if raw else 0:6.2f}x   (raw NATS publish vs prefill->decode, "
           f"{per_transfer / 1e6:.2f} MB per request)"
           + ("; no raw figure: a raw transfer timed out" if not raw else ""))
+    print(kv_per_token_line(model, offline_itemsize, per_transfer, args.kv_prompt_len))
     idle, busy, spinners = neighbours
     print(f"{'TPOT p50, batch 16, CPUs busy (ms)':34} {idle * ms:10.2f} {busy * ms:10.2f} "
           f"{(busy - idle) * ms:15.2f} {busy / idle:6.2f}x   (the engine alone, the other "
