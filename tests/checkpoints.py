@@ -64,6 +64,12 @@ ARCHS = {
         sliding_window=8, rope_parameters=dict(
             rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
             truncate=False, original_max_position_embeddings=4096))),
+    # GLM-4.5 (Glm4Moe): no layer of its own, the parts above mapped from its config:
+    # DeepSeek-V3's routing and shared experts under GQA with partial rotary, biases, q/k norm
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        moe_intermediate_size=32, intermediate_size=96, use_qk_norm=True,
+        first_k_dense_replace=1, attention_bias=True, routed_scaling_factor=1.5)),
 }
 
 

@@ -206,6 +206,7 @@ class ModelConfig:
     qk_norm_whole: bool = False  # (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
     rope: RopeScaling = field(default_factory=RopeScaling)
+    partial_rotary: float = 1.0  # share of each head's dims rotary turns (the first ones)
     attention_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
     # Sliding-window attention per layer (0: full attention), empty: every layer full; and a
     # learned per-head sink logit in every softmax (GPT-OSS)
@@ -273,7 +274,7 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """Dims rotary embeddings turn, per head (MLA: the rope part only)."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary)
 
     @property
     def scale(self) -> float:

@@ -2,9 +2,9 @@
 
 Families: Llama (also Llama 3's rope), Qwen2, Qwen3, Mistral (dense); Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE, DeepSeek-V2 and -V3 (MLA, DeepSeekMoE; also DeepSeek-R1 and Kimi K2, which
-are DeepSeek-V3 by architecture) and GPT-OSS. Each maps onto ModelConfig's switches, so the
-model files have no per-family branches; what the engine does not implement is refused with a
-ModelLoadError naming it.
+are DeepSeek-V3 by architecture), GPT-OSS and GLM-4.5 (Glm4Moe: a mapping only, no layer
+of its own). Each maps onto ModelConfig's switches, so the model files have no per-family
+branches; what the engine does not implement is refused with a ModelLoadError naming it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 # Dense decoders that differ only in switches read below.
 _DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -54,8 +55,6 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     if rope_type not in ("linear", "llama3", "yarn"):
         raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported "
                              f"(default, linear, dynamic, llama3, yarn)")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial rotary embeddings are not supported")
     original = int(params.get("original_max_position_embeddings")
                    or raw.get("max_position_embeddings", 0))
     given_factor = params.get("factor")
@@ -128,6 +127,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope=rope,
+            partial_rotary=_partial_rotary(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
@@ -146,6 +146,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             return _deepseek(raw, common, arch == "DeepseekV3ForCausalLM")
         if arch == "GptOssForCausalLM":
             return _gpt_oss(raw, common)
+        if arch == "Glm4MoeForCausalLM":
+            return _glm4_moe(raw, common)
         if arch == "MixtralForCausalLM":
             return ModelConfig(
                 **common,
@@ -290,4 +292,38 @@ def _gpt_oss(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
         expert_activation="clamped_swiglu",
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+    )
+
+
+def _partial_rotary(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+
+
+def _glm4_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """GLM-4.5 / 4.6 (Glm4Moe): DeepSeek-V3's MoE (sigmoid scores with a correction bias,
+    groups, routed_scaling_factor, ungated shared experts, dense first layers) under grouped-query
+    attention with partial rotary, q/k/v biases and an optional per-head q/k norm. No layer of
+    its own: a mapping onto the parts the other families use."""
+    experts = int(raw["n_routed_experts"])
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    return ModelConfig(
+        **common,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=bool(raw.get("use_qk_norm", False)),
+        num_experts=experts,
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(raw["moe_intermediate_size"])
+        * int(raw.get("n_shared_experts") or 0),
+        shared_expert_gated=False,
+        sparse_layers=tuple(experts > 0 and i >= first_dense
+                            for i in range(common["num_layers"])),
+        router_scoring="sigmoid",
+        score_correction_bias=True,
+        num_expert_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
+        group_scoring="top2_sum",
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
     )

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from evenflow import LLM, SamplingParams, models
 from evenflow.engine.config import ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, quantize
+from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.engine.weights.gptq import write_gptq
 from evenflow.engine.weights.quantize_model import QuantLinear, quantized_bytes
 
@@ -82,10 +83,17 @@ def test_gptq_checkpoint_loads_to_the_model_quantized_at_load(checkpoint, tmp_pa
     out = write_gptq(checkpoint, tmp_path / "gptq", config)
     spec = json.loads((out / "config.json").read_text())["quantization_config"]
     assert spec["quant_method"] == "gptq" and spec["bits"] == 4 and spec["group_size"] == 32
-    from_gptq = LLM(str(out), dtype="float32")
-    at_load = LLM(str(checkpoint), dtype="float32", quantization="int4", quant_group_size=32)
-    assert [o.token_ids for o in from_gptq.generate(prompts(), GREEDY)] == [
-        o.token_ids for o in at_load.generate(prompts(), GREEDY)]
+    from_gptq = LLM(str(out), dtype="float32").engine.runner
+    at_load = LLM(str(checkpoint), dtype="float32", quantization="int4",
+                  quant_group_size=32).engine.runner
+    # GPTQ stores scales in float16: the logits agree to that rounding (~1e-4 here), not
+    # bitwise; a wrongly read weight moves them by far more (greedy tokens can flip on a
+    # random model's near-ties, so they are not compared)
+    for prompt in prompts():
+        blocks = list(range(-(-len(prompt) // 16)))
+        chunk = [ChunkInput(prompt, 0, blocks, True, every_row=True)]
+        got, want = from_gptq.forward(chunk), at_load.forward(chunk)
+        assert (got - want).abs().max() < 2e-3 * want.abs().max()
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,47 @@ def test_qwen2_has_qkv_biases_and_olmoe_normalizes_whole_projections():
     assert parse("Qwen2ForCausalLM").attention_bias
     olmoe = parse("OlmoeForCausalLM", num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)
     assert olmoe.qk_norm and olmoe.qk_norm_whole and olmoe.clip_qkv == 4.0 and olmoe.is_moe
+
+
+DEEPSEEK = dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                moe_intermediate_size=32, kv_lora_rank=64, q_lora_rank=None,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                first_k_dense_replace=1, n_shared_experts=2)
+
+
+def test_deepseek_v3_maps_onto_mla_and_deepseekmoe():
+    cfg = parse("DeepseekV3ForCausalLM", **DEEPSEEK, routed_scaling_factor=2.5)
+    assert cfg.mla and cfg.kv_parts() == ((1, 64 + 16),) and cfg.rotary_dim == 16
+    assert cfg.sparse_layers == (False, True)
+    assert cfg.shared_expert_intermediate_size == 64 and not cfg.shared_expert_gated
+    assert (cfg.router_scoring, cfg.num_expert_groups, cfg.topk_groups, cfg.group_scoring) == (
+        "sigmoid", 4, 2, "top2_sum")
+    assert cfg.score_correction_bias and cfg.routed_scaling_factor == 2.5
+    assert cfg.scale == pytest.approx(48**-0.5)
+    # YaRN with mscale_all_dim: the softmax scale grows by mscale squared
+    yarn = parse("DeepseekV3ForCausalLM", **DEEPSEEK, rope_parameters=dict(
+        rope_type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+        original_max_position_embeddings=4096, rope_theta=10000.0))
+    mscale = 0.1 * math.log(40.0) + 1.0
+    assert yarn.scale == pytest.approx(48**-0.5 * mscale**2)
+    assert yarn.rope.attention_factor == pytest.approx(1.0)  # mscale / mscale_all_dim
+
+
+def test_deepseek_v2_routes_by_softmax_and_refuses_what_it_lacks():
+    v2 = parse("DeepseekV2ForCausalLM", **DEEPSEEK, topk_method="group_limited_greedy")
+    assert v2.router_scoring == "softmax" and v2.group_scoring == "max"
+    assert not v2.norm_topk_prob and not v2.score_correction_bias
+    assert parse("DeepseekV2ForCausalLM", **DEEPSEEK).num_expert_groups == 1  # greedy
+    with pytest.raises(ModelLoadError, match="topk_method 'bogus'"):
+        parse("DeepseekV2ForCausalLM", **DEEPSEEK, topk_method="bogus")
+
+
+def test_gpt_oss_alternates_windows_and_glm4_moe_rotates_part_of_each_head():
+    oss = parse("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    assert oss.layer_windows == (8, 0) and oss.attention_sinks and oss.expert_bias
+    assert oss.router_scoring == "softmax_topk" and oss.expert_activation == "clamped_swiglu"
+    glm = parse("Glm4MoeForCausalLM", **{k: v for k, v in DEEPSEEK.items() if "lora" not in k
+                                          and "head_dim" not in k},
+                head_dim=32, rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5))
+    assert not glm.mla and glm.rotary_dim == 16 and glm.router_scoring == "sigmoid"

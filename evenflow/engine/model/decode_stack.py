@@ -71,8 +71,9 @@ class FastDecodeLayer:
         if any(k is None for k in kernels) or not hasattr(native.ops(), "decode_stack"):
             return None
         attn, moe = layer.self_attn, layer.mlp
-        if not isinstance(attn, Attention) or attn.window or attn.sinks is not None:
-            return None  # MLA, sliding windows and sinks take the module path
+        if not isinstance(attn, Attention) or attn.window or attn.sinks is not None or \
+                attn.rotary_dim != attn.head_dim:
+            return None  # MLA, sliding windows, sinks and partial rotary take the module path
         if layer.tp is not None or attn.qk_norm or attn.clip_qkv is not None or \
                 not isinstance(moe, MoE) or moe.ep is not None:
             return None

@@ -250,21 +250,22 @@ class MoE(nn.Module):
                 return down(F.silu(gate) * up, e)
             return plain
         phy2log = None if self.placement is None else self.placement.phy2log.tolist()
-        alpha, limit = self.swiglu
 
         def general(h: Tensor, e: int) -> Tensor:
             logical = e + offset if phy2log is None else phy2log[e + offset]
             g = gate_up(h, e)
             if self.b13 is not None:
                 g = g + self.b13[logical]
-            if self.activation == "clamped_swiglu":
-                a = clamped_swiglu(g, alpha, limit)
-            else:
-                gate, up = g.chunk(2, dim=-1)
-                a = F.silu(gate) * up
-            y = down(a, e)
+            y = down(self._activate(g), e)
             return y + self.b2[logical] if self.b2 is not None else y
         return general
+
+    def _activate(self, gate_up: Tensor) -> Tensor:
+        """[gate | up] (..., 2I) -> (..., I)."""
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(gate_up, *self.swiglu)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     @staticmethod
     def _one_token(x: Tensor, slots: list[int], weights: list[float], mlp: ExpertLinear
@@ -324,7 +325,7 @@ class MoE(nn.Module):
         sorted_groups = groups[order]
         width = max(counts_list)
         if isinstance(in_use, PlainExperts) and 2 * active >= len(counts_list) \
-                and width <= self.BATCHED_MAX_ROWS and self.plain_experts:
+                and width <= self.BATCHED_MAX_ROWS:
             ys = self._experts_batched(xs, sorted_groups, counts, width, in_use.w13, in_use.w2)
         else:
             mlp = self._expert_mlp(*in_use.linears())
@@ -378,7 +379,13 @@ class MoE(nn.Module):
         padded = xs.new_zeros(w13.shape[0], width, xs.shape[1])  # (E, width, H)
         padded[sorted_experts, slot] = xs
         h = torch.bmm(padded, w13.transpose(1, 2))  # (E, width, 2I)
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # (E, width, H)
+        if self.b13 is not None and self.b2 is not None:  # biases of each slot's expert
+            index = self.placement.phy2log if self.placement is not None else \
+                torch.arange(self.num_experts)
+            h = h + self.b13.index_select(0, index).unsqueeze(1)
+            out = torch.bmm(self._activate(h), w2.transpose(1, 2))  # (E, width, H)
+            out = out + self.b2.index_select(0, index).unsqueeze(1)
+        else:
+            out = torch.bmm(self._activate(h), w2.transpose(1, 2))
         return out[sorted_experts, slot]
 

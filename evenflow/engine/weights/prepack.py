@@ -89,7 +89,11 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
                 fast = panels.linear_usable(dtype, child.out_features, child.in_features,
                                             padded=True)
                 setattr(module, name, panels.PanelLinear(child) if fast else PackedLinear(child))
-        if isinstance(module, MoE) and module.stored is None and module.w13.numel():
+        # (experts with biases or another activation stay plain stacks: decode runs them all
+        # in one padded bmm with the biases, where a per-expert loop of packed weights would
+        # cost ~12 small ops an expert)
+        if isinstance(module, MoE) and module.stored is None and module.w13.numel() and \
+                module.plain_experts:
             module.store(PackedExperts([pack(w) for w in module.w13.data],
                                        [pack(w) for w in module.w2.data]))
 
