@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -125,7 +126,7 @@ def write_family(path: Path, arch: str, quick: bool = False, seed: int = 0,
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[arch]
-    fields = {**_FAMILY_COMMON, **extra, **(QUICK_FAMILY if quick else {})}
+    fields: dict[str, Any] = {**_FAMILY_COMMON, **extra, **(QUICK_FAMILY if quick else {})}
     path = Path(path)
     stamp = json.dumps({"arch": arch, "fields": fields, "seed": seed, "skew": list(skew),
                         "dtype": str(dtype)}, sort_keys=True)
