@@ -53,6 +53,20 @@ def test_head_dim_64_at_a_batch_of_twelve(tmp_path, heads, kv_heads):
         assert out.token_ids == reference(hf, prompt)
 
 
+def test_prompts_up_to_260_tokens_twice(checkpoint):
+    """5 to 260 tokens, then the same prompts again: the second pass reads every full block
+    from the prefix cache and must not change a token."""
+    path, hf = checkpoint
+    prompts = random_prompts([5, 64, 131, 260], seed=11)
+    want = [reference(hf, prompt) for prompt in prompts]
+    llm = LLM(str(path), dtype="float32", block_size=16)
+    for again in (False, True):
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        if again:
+            assert [o.num_cached_tokens for o in outs] == [0, 48, 128, 256]
+
+
 def test_shared_prefix_hits_cache(checkpoint):
     path, hf = checkpoint
     prefix = random_prompts([40], seed=7)[0]
