@@ -107,7 +107,7 @@ def _up(args: argparse.Namespace) -> int:
     import time
 
     from evenflow.services.config import ConfigError, env_help, load_config
-    from evenflow.services.launcher import LaunchError, LocalMesh
+    from evenflow.services.launcher import ROLES, LaunchError, LocalMesh
     from evenflow.services.supervisor import GaveUp
 
     if args.help_env:
@@ -142,27 +142,43 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, interrupt)
     if config.engine == "torch":
         _build_kernels_once()
+    roles = tuple(r.strip() for r in getattr(args, "roles", "").split(",") if r.strip())
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown or (roles and args.ray):
+        print(f"evenflow serve: error: {'roles are ' + ', '.join(ROLES) if unknown else '--ray'}"
+              f"{' (not ' + ', '.join(unknown) + ')' if unknown else ' runs whole meshes'}",
+              file=sys.stderr)
+        return 2
     if args.ray:
         from evenflow.rayserve.local import LocalRayMesh
 
         mesh: LocalMesh | LocalRayMesh = LocalRayMesh(config)
     else:
-        mesh = LocalMesh(config)
+        mesh = LocalMesh(config, roles=roles, first_index=getattr(args, "index", 0))
     try:
         mesh.start()
         c = mesh.config
         from evenflow.services.config import redact
 
-        gateways = "gateway" if c.num_gateways == 1 else f"{c.num_gateways} gateways"
-        where = "on Ray Serve" if args.ray else f"({gateways}, {c.num_prefill} prefill, " \
-            f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
-        print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
+        if roles:
+            gateway = f" at {mesh.url}" if "gateway" in roles else ""
+            print(f"evenflow is serving {c.model_name}{gateway}: this host runs "
+                  f"{', '.join(roles)} (NATS {redact(c.nats_url)}, Redis "
+                  f"{redact(c.redis_url)})", flush=True)
+        else:
+            gateways = "gateway" if c.num_gateways == 1 else f"{c.num_gateways} gateways"
+            where = "on Ray Serve" if args.ray else f"({gateways}, {c.num_prefill} prefill, " \
+                f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
+            print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
         if isinstance(mesh, LocalMesh):
             print("metrics: " + ", ".join(f"{name} {url}" for name, url in
                                           mesh.metrics_urls().items()), flush=True)
-        print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'", flush=True)
+        if not roles or "gateway" in roles:
+            print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: "
+                  "application/json' "
+                  f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
+                  f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'",
+                  flush=True)
         while True:  # restart whatever dies; give up on what keeps dying
             try:
                 mesh.supervise(report=lambda m: print(f"evenflow up: {m}", file=sys.stderr,
@@ -191,6 +207,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     module = importlib.import_module(f"evenflow.bench.{args.what}_bench")
     return int(module.main(args.rest))
+
+
+def _dev(args: argparse.Namespace) -> int:
+    from evenflow.dev import hosts
+
+    return hosts.main(args.rest)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -241,37 +263,8 @@ def _bus_secrets(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="evenflow", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text offline with the engine")
-    gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
-    gen.add_argument("--model", default="tiny-moe",
-                     help="built-in model name, checkpoint dir or Hugging Face id")
-    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
-    guided = gen.add_mutually_exclusive_group()
-    guided.add_argument("--json-schema", default=None,
-                        help="structured output: the output is JSON matching this schema (text)")
-    guided.add_argument("--regex", default=None, help="structured output: matching this regex")
-    guided.add_argument("--choice", action="append", help="structured output: one of these "
-                        "strings (repeatable)")
-    gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
-    _quantization_args(gen)
-    gen.add_argument("-v", "--verbose", action="store_true")
-    gen.set_defaults(func=_generate)
-
-    up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
+def _mesh_arguments(up: argparse.ArgumentParser) -> None:
+    """`evenflow up`'s and `evenflow serve`'s options."""
     up.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
     up.add_argument("--host", default=None)
     up.add_argument("--model", default=None,
@@ -282,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gateway processes sharing the HTTP port (SO_REUSEPORT; default 1)")
     up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
-    up.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    up.add_argument("--nats-url", default=None,
+                    help="use this NATS instead of starting one (a cluster: its servers, "
+                         "comma-separated)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--api-key-file", default=None,
                     help="require a Bearer key: one per line in this file (or set "
@@ -317,7 +312,53 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the gateway picks workers (default kv)")
     engine.add_argument("--log-level", default=None, choices=list(LOG_LEVELS))
     _quantization_args(engine)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="evenflow", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
+    gen.add_argument("--model", default="tiny-moe",
+                     help="built-in model name, checkpoint dir or Hugging Face id")
+    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
+    guided = gen.add_mutually_exclusive_group()
+    guided.add_argument("--json-schema", default=None,
+                        help="structured output: the output is JSON matching this schema (text)")
+    guided.add_argument("--regex", default=None, help="structured output: matching this regex")
+    guided.add_argument("--choice", action="append", help="structured output: one of these "
+                        "strings (repeatable)")
+    gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
+    _quantization_args(gen)
+    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
+    _mesh_arguments(up)
     up.set_defaults(func=_up)
+    serve = sub.add_parser(
+        "serve", help="run one host's share of a mesh spanning several hosts",
+        description="Start only --roles here, against the mesh's NATS (one or more servers, "
+                    "comma-separated: a NATS cluster) and Redis; number this host's workers "
+                    "from --index so every worker id is unique in the mesh. The gateway "
+                    "listens on --host (an address of this host other hosts and clients reach).")
+    _mesh_arguments(serve)
+    serve.add_argument("--roles", required=True,
+                       help="comma-separated: gateway, prefill, decode, kv_index, balancer")
+    serve.add_argument("--index", type=int, default=0,
+                       help="first worker number on this host (p<index>, d<index>, ...)")
+    serve.set_defaults(func=_up)
 
     quant = sub.add_parser("quantize", help="write a GPTQ-format quantized copy of a checkpoint")
     quant.add_argument("model", help="built-in model name or checkpoint dir (bf16/fp32)")
@@ -341,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="torch.profiler over the offline engine: `evenflow profile --help`")
     prof.add_argument("rest", nargs=argparse.REMAINDER)
     prof.set_defaults(func=_profile)
+    dev = sub.add_parser("dev", add_help=False,
+                         help="developer tools: `evenflow dev hosts --help` (simulated hosts)")
+    dev.add_argument("tool", choices=["hosts"])
+    dev.add_argument("rest", nargs=argparse.REMAINDER)
+    dev.set_defaults(func=_dev)
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
     bench.add_argument("what", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

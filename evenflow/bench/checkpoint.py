@@ -104,9 +104,10 @@ FAMILIES = {
         # (DeepSeek-V3's own latent, 512 + 64 rope dims: the only width vLLM's CPU MLA kernel
         # takes; 16 heads)
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=512,
-        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
-        n_shared_experts=1, n_group=4, topk_group=2, moe_intermediate_size=128,
-        intermediate_size=1024, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64,
+        num_experts_per_tok=6, n_shared_experts=1, n_group=4, topk_group=2,
+        moe_intermediate_size=128, intermediate_size=1024, first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
         # (as DeepSeek-V3's own config.json says; vLLM reads the correction bias only then)
         topk_method="noaux_tc", scoring_func="sigmoid",
         rope_parameters=dict(rope_type="default", rope_theta=10000.0))),

@@ -129,8 +129,11 @@ class Bus:
         kwargs: dict[str, Any] = {}
         if security is not None:
             kwargs = security.connect_kwargs()
+        # several servers (a NATS cluster, one per host): "nats://a:4222,nats://b:4222";
+        # nats-py picks one and fails over to the others
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         self.nc = await nats.connect(
-            url, name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, **kwargs,
+            servers, name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, **kwargs,
             max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=3,
             allow_reconnect=True, error_cb=self._on_error, disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect)

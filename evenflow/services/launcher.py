@@ -187,11 +187,15 @@ def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None
 _EP_WORKER = re.compile(r"^([dp]\d+)r(\d+)$")  # rank r of DEP worker group d3 / p0
 
 
-def worker_ids(prefix: str, count: int, ep: int) -> list[str]:
-    """d0, d1, ... or, with DEP groups of ep ranks, d0r0, d0r1, d1r0, ..."""
+def worker_ids(prefix: str, count: int, ep: int, first: int = 0) -> list[str]:
+    """d0, d1, ... or, with DEP groups of ep ranks, d0r0, d0r1, d1r0, ... (numbered from
+    `first`: each host of a multi-host mesh takes its own numbers)."""
     if ep <= 1:
-        return [f"{prefix}{i}" for i in range(count)]
-    return [f"{prefix}{i}r{r}" for i in range(count) for r in range(ep)]
+        return [f"{prefix}{i}" for i in range(first, first + count)]
+    return [f"{prefix}{i}r{r}" for i in range(first, first + count) for r in range(ep)]
+
+
+ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer")
 
 
 @dataclass
@@ -208,6 +212,11 @@ class LocalMesh:
     credentials: dict[tuple[str, str], str] = field(default_factory=dict)  # creds files
     admin_nats_url: str | None = None  # for operators, benchmarks and tests (full access)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker id -> /metrics port
+    # One host's share of a mesh spanning several (`evenflow serve --roles`): only these
+    # roles start here, against the NATS and Redis the config names (nothing is started for
+    # them), workers numbered from first_index. Empty: the whole mesh, on this host.
+    roles: tuple[str, ...] = ()
+    first_index: int = 0
 
     @property
     def url(self) -> str:
@@ -216,6 +225,10 @@ class LocalMesh:
     def start(self, env: dict[str, str] | None = None, health_timeout_s: float = 120) -> None:
         try:
             cfg = self.config
+            roles = self.roles or ROLES
+            if self.roles and not (cfg.nats_url and cfg.redis_url):
+                raise LaunchError("a host's share of a mesh needs the mesh's NATS and Redis "
+                                  "URLs (--nats, --redis)")
             if not cfg.nats_url and cfg.nats_auth:
                 cfg = self._start_secure_nats(cfg)
             cfg = ensure_data_plane(cfg, self.servers)
@@ -225,16 +238,24 @@ class LocalMesh:
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
             self.child_env = child_env | (env or {}) | cfg.to_env()
-            for worker in worker_ids("d", cfg.num_decode, cfg.expert_parallel_size):
-                self.spawn(["-m", "evenflow.decode", worker])
-            for worker in worker_ids("p", cfg.num_prefill, cfg.expert_parallel_size):
-                self.spawn(["-m", "evenflow.prefill", worker])
-            self.spawn(["-m", "evenflow.kv_index", "kv0"])
-            if cfg.num_ep_ranks and cfg.engine == "torch":
-                self.spawn(["-m", "evenflow.balancer", "eplb0"])
-            for i in range(cfg.num_gateways):
-                self.spawn(["-m", "evenflow.gateway", f"g{i}"])
-            self.wait_healthy(health_timeout_s)
+            ep, first = cfg.expert_parallel_size, self.first_index
+            if "decode" in roles:
+                for worker in worker_ids("d", cfg.num_decode, ep, first):
+                    self.spawn(["-m", "evenflow.decode", worker])
+            if "prefill" in roles:
+                for worker in worker_ids("p", cfg.num_prefill, ep, first):
+                    self.spawn(["-m", "evenflow.prefill", worker])
+            if "kv_index" in roles:
+                self.spawn(["-m", "evenflow.kv_index", f"kv{first}"])
+            if "balancer" in roles and cfg.num_ep_ranks and cfg.engine == "torch":
+                self.spawn(["-m", "evenflow.balancer", f"eplb{first}"])
+            if "gateway" in roles:
+                for i in range(first, first + cfg.num_gateways):
+                    self.spawn(["-m", "evenflow.gateway", f"g{i}"])
+            if self.roles:  # the other hosts' workers are not ours to wait for
+                self.wait_started()
+            else:
+                self.wait_healthy(health_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -303,6 +324,13 @@ class LocalMesh:
         lone = {"gateway": f"{self.url}/metrics"} if self.config.num_gateways == 1 else {}
         return {**lone, **{
             w: f"http://{host}:{port}/metrics" for w, port in self.metrics_ports.items()}}
+
+    def wait_started(self, settle_s: float = 1.0) -> None:
+        """Every process of this host's share still running after `settle_s`."""
+        time.sleep(settle_s)
+        dead = [p for p in self.procs if p.poll() is not None]
+        if dead:
+            raise LaunchError(f"{_command(dead[0])} exited with {dead[0].returncode}")
 
     def wait_healthy(self, timeout_s: float) -> None:
         def check_children() -> None:

@@ -1,0 +1,1 @@
+"""Developer tools: simulated hosts (hosts.py)."""
