@@ -1,0 +1,100 @@
+"""The mesh over three simulated hosts, deployed as a user would with `evenflow serve`: a NATS
+cluster (one server per host, routes between them), Redis on A, the gateway and KV index on A,
+prefill on B, decode on C — so every request's KV hand-off crosses hosts. A completion streams
+what the offline engine generates; with B's NATS server killed, the services reconnect to the
+survivors and the mesh serves again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from evenflow.services.launcher import find_binary
+
+pytestmark = pytest.mark.slow  # three hosts' services: ~40 s
+
+PROMPT = "count from 7 :"
+
+
+def nats_server(host, peers) -> list[str]:
+    routes = ",".join(f"nats://{p.address}:6222" for p in peers if p is not host)
+    return [find_binary("nats-server"), "-a", host.address, "-p", "4222", "--cluster_name",
+            "evenflow", "--cluster", f"nats://{host.address}:6222", "--routes", routes]
+
+
+def complete(host, url: str, timeout_s: float = 60) -> tuple[int, str]:
+    """A streamed completion sent from `host` (only hosts reach each other's addresses):
+    (HTTP status, the streamed text)."""
+    script = (
+        "import httpx, json, sys\n"
+        "text, status = '', 0\n"
+        f"with httpx.stream('POST', '{url}/v1/completions', timeout={timeout_s}, json="
+        f"{{'model': 'tiny-moe', 'prompt': '{PROMPT}', 'max_tokens': 3, 'temperature': 0,"
+        " 'stream': True}) as r:\n"
+        "    status = r.status_code\n"
+        "    for line in r.iter_lines():\n"
+        "        if line.startswith('data: {'):\n"
+        "            text += json.loads(line[6:])['choices'][0]['text']\n"
+        "print(json.dumps([status, text]))\n")
+    done = host.run([sys.executable, "-c", script], timeout=timeout_s + 10)
+    if done.returncode:
+        return 0, done.stderr[-300:]
+    status, text = json.loads(done.stdout.strip().splitlines()[-1])
+    return status, text
+
+
+def until_served(host, url: str, within_s: float) -> str:
+    deadline = time.monotonic() + within_s
+    last = (0, "")
+    while time.monotonic() < deadline:
+        last = complete(host, url, timeout_s=20)
+        if last[0] == 200 and last[1].split():
+            return last[1]
+        time.sleep(1)
+    raise AssertionError(f"not served within {within_s} s: {last}")
+
+
+def test_gateway_prefill_and_decode_on_three_hosts(three_hosts, tmp_path):
+    a, b, c = three_hosts.hosts
+    hosts = [a, b, c]
+    procs: list[subprocess.Popen] = []
+    logs = []
+
+    def start(host, argv, name):
+        log = (tmp_path / f"{name}.log").open("w")
+        logs.append(log)
+        procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    try:
+        nats = {h.index: start(h, nats_server(h, hosts), f"nats-{h.index}") for h in hosts}
+        start(a, [find_binary("redis-server"), "--bind", a.address, "--port", "6379",
+                  "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], "redis")
+        cluster = ",".join(f"nats://{h.address}:4222" for h in hosts)
+        common = ["--nats-url", cluster, "--redis-url", f"redis://{a.address}:6379",
+                  "--model", "tiny-moe"]
+        serve = [sys.executable, "-m", "evenflow.cli", "serve"]
+        start(a, [*serve, "--roles", "gateway,kv_index", "--host", a.address, "--port",
+                  "8000", *common], "host-a")
+        start(b, [*serve, "--roles", "prefill", "--index", "1", *common], "host-b")
+        start(c, [*serve, "--roles", "decode", "--index", "2", *common], "host-c")
+        url = f"http://{a.address}:8000"
+        assert until_served(a, url, 120).split() == ["7", "8", "9"]
+        nats[1].kill()  # B's NATS server: its clients move to A's or C's
+        nats[1].wait()
+        assert until_served(a, url, 60).split() == ["7", "8", "9"]
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in logs:
+            log.close()
