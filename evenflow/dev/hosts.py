@@ -249,8 +249,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.action == "down":
         removed = remove_namespaces(args.tag)
-        for state in STATE_DIR.glob(f"{args.tag or '*'}.json"):
-            state.unlink()
+        for saved in STATE_DIR.glob(f"{args.tag or '*'}.json"):
+            saved.unlink()
         print(f"removed {len(removed)} namespace(s)")
         return 0
     states = [json.loads(p.read_text()) for p in sorted(STATE_DIR.glob("*.json"))]
