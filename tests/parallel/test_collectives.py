@@ -73,23 +73,29 @@ def test_shm_collectives_equal_gloo(world):
     assert leftovers(name) == []
 
 
-def hierarchical(rank: int, world: int, name: str, port: int) -> list:
-    from evenflow.parallel.gloo import init_default
+def hierarchical(rank: int, world: int, name: str, port: int, hosts: list[str]) -> list:
+    from evenflow.parallel.gloo import GlooGroup, init_default
     from evenflow.parallel.hierarchical import HierarchicalGroup
 
     init_default(rank, world, f"127.0.0.1:{port}")
-    group = HierarchicalGroup(name, rank, ["a", "a", "b", "b"])
+    group = HierarchicalGroup(name, rank, hosts)
+    flat = GlooGroup(None)
     summed = group.all_reduce(torch.tensor([float(rank), 1.0]))
     gathered = group.all_gather(torch.tensor([rank * 10]))
+    counts = [(rank + d) % 3 for d in range(world)]
+    rows = torch.arange(sum(counts) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+    same = torch.equal(group.all_to_all(rows, counts), flat.all_to_all(rows, counts))
     group.barrier()
     group.close()
-    return [summed.tolist(), gathered.view(-1).tolist()]
+    return [summed.tolist(), gathered.view(-1).tolist(), same]
 
 
-def test_hierarchical_group_over_two_declared_hosts():
+# (host names that sort against the ranks' order: the leaders' group is in rank order)
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["b", "b", "a", "a"]])
+def test_hierarchical_group_over_two_declared_hosts(hosts):
     name = f"test-{uuid.uuid4().hex[:8]}"
-    results = run_ranks(hierarchical, 4, name, free_port(), timeout_s=120)
-    assert results == [[[6.0, 4.0], [0, 10, 20, 30]]] * 4
+    results = run_ranks(hierarchical, 4, name, free_port(), hosts, timeout_s=120)
+    assert results == [[[6.0, 4.0], [0, 10, 20, 30], True]] * 4
     assert leftovers(name) == []
 
 
