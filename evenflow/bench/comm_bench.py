@@ -87,7 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", default="2,4", help="rank counts for the op table")
     ap.add_argument("--meta-ranks", default="2,4,8", help="rank counts for the metadata line")
+    ap.add_argument("--hosts", type=int, default=0,
+                    help="instead: N simulated hosts x 2 ranks, hierarchical vs flat gloo "
+                         "(root; evenflow/bench/comm_hosts.py)")
+    ap.add_argument("--rate", default="10gbit", help="--hosts: each link's rate")
+    ap.add_argument("--delay-ms", type=float, default=1.0,
+                    help="--hosts: each link's delay (needs the kernel's netem)")
     args = ap.parse_args(argv)
+    if args.hosts:
+        from evenflow.bench.comm_hosts import run
+
+        return run(args.hosts, args.quick, args.rate, args.delay_ms)
 
     from evenflow.bench.machine import machine_line
     from evenflow.parallel.launch import run_ranks
