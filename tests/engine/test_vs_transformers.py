@@ -3,6 +3,8 @@ including prefix-cache hits, preemption, chunked prefill and requests arriving m
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from checkpoints import ARCHS, VOCAB, hf_greedy, make_checkpoint, run_with_arrivals
@@ -53,10 +55,17 @@ def test_head_dim_64_at_a_batch_of_twelve(tmp_path, heads, kv_heads):
         assert out.token_ids == reference(hf, prompt)
 
 
+# the families issue 30 names (the rest run the shorter prompts above)
+LONG_PROMPT_ARCHS = {"deepseek_v3", "deepseek_v3_yarn", "deepseek_v2", "gpt_oss", "olmoe",
+                     "llama3", "qwen2", "mistral", "glm4_moe"}
+
+
 def test_prompts_up_to_260_tokens_twice(checkpoint):
     """5 to 260 tokens, then the same prompts again: the second pass reads every full block
     from the prefix cache and must not change a token."""
     path, hf = checkpoint
+    if not any(re.fullmatch(rf"{arch}\d+", path.name) for arch in LONG_PROMPT_ARCHS):
+        pytest.skip("covered by the shorter prompts on this family")
     prompts = random_prompts([5, 64, 131, 260], seed=11)
     want = [reference(hf, prompt) for prompt in prompts]
     llm = LLM(str(path), dtype="float32", block_size=16)

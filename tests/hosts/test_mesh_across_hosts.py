@@ -26,9 +26,10 @@ def nats_server(host, peers) -> list[str]:
             "evenflow", "--cluster", f"nats://{host.address}:6222", "--routes", routes]
 
 
-def complete(host, url: str, timeout_s: float = 60) -> tuple[int, str]:
+def complete(host, url: str, timeout_s: float = 60) -> tuple[int | str, str]:
     """A streamed completion sent from `host` (only hosts reach each other's addresses):
-    (HTTP status, the streamed text)."""
+    (HTTP status, or the error event's code when the stream ended in one; the streamed
+    text); (0, stderr) where the client itself failed."""
     script = (
         "import httpx, json, sys\n"
         "text, status = '', 0\n"
@@ -38,7 +39,11 @@ def complete(host, url: str, timeout_s: float = 60) -> tuple[int, str]:
         "    status = r.status_code\n"
         "    for line in r.iter_lines():\n"
         "        if line.startswith('data: {'):\n"
-        "            text += json.loads(line[6:])['choices'][0]['text']\n"
+        "            event = json.loads(line[6:])\n"
+        "            if 'error' in event:\n"
+        "                status = event['error'].get('code') or 'error'\n"
+        "                break\n"
+        "            text += event['choices'][0]['text']\n"
         "print(json.dumps([status, text]))\n")
     done = host.run([sys.executable, "-c", script], timeout=timeout_s + 10)
     if done.returncode:
@@ -58,14 +63,17 @@ def until_served(host, url: str, within_s: float) -> str:
     raise AssertionError(f"not served within {within_s} s: {last}")
 
 
-def test_gateway_prefill_and_decode_on_three_hosts(three_hosts, tmp_path):
+@pytest.fixture(scope="module")
+def mesh3(three_hosts, tmp_path_factory):
+    """The mesh over the three hosts: (hosts, gateway URL, each host's NATS server)."""
     a, b, c = three_hosts.hosts
     hosts = [a, b, c]
+    logdir = tmp_path_factory.mktemp("mesh3")
     procs: list[subprocess.Popen] = []
     logs = []
 
     def start(host, argv, name):
-        log = (tmp_path / f"{name}.log").open("w")
+        log = (logdir / f"{name}.log").open("w")
         logs.append(log)
         procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT))
         return procs[-1]
@@ -73,7 +81,7 @@ def test_gateway_prefill_and_decode_on_three_hosts(three_hosts, tmp_path):
     try:
         nats = {h.index: start(h, nats_server(h, hosts), f"nats-{h.index}") for h in hosts}
         start(a, [find_binary("redis-server"), "--bind", a.address, "--port", "6379",
-                  "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], "redis")
+                  "--save", "", "--appendonly", "no", "--dir", str(logdir)], "redis")
         cluster = ",".join(f"nats://{h.address}:4222" for h in hosts)
         common = ["--nats-url", cluster, "--redis-url", f"redis://{a.address}:6379",
                   "--model", "tiny-moe"]
@@ -82,11 +90,7 @@ def test_gateway_prefill_and_decode_on_three_hosts(three_hosts, tmp_path):
                   "8000", *common], "host-a")
         start(b, [*serve, "--roles", "prefill", "--index", "1", *common], "host-b")
         start(c, [*serve, "--roles", "decode", "--index", "2", *common], "host-c")
-        url = f"http://{a.address}:8000"
-        assert until_served(a, url, 120).split() == ["7", "8", "9"]
-        nats[1].kill()  # B's NATS server: its clients move to A's or C's
-        nats[1].wait()
-        assert until_served(a, url, 60).split() == ["7", "8", "9"]
+        yield hosts, f"http://{a.address}:8000", nats
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:
@@ -98,3 +102,33 @@ def test_gateway_prefill_and_decode_on_three_hosts(three_hosts, tmp_path):
                 proc.kill()
         for log in logs:
             log.close()
+
+
+def test_gateway_prefill_and_decode_on_three_hosts(mesh3):
+    (a, _, _), url, _ = mesh3
+    assert until_served(a, url, 120).split() == ["7", "8", "9"]
+
+
+def test_a_dead_nats_server_leaves_the_cluster_serving(mesh3):
+    (a, _, _), url, nats = mesh3
+    until_served(a, url, 120)
+    nats[1].kill()  # B's NATS server: its clients move to A's or C's
+    nats[1].wait()
+    assert until_served(a, url, 60).split() == ["7", "8", "9"]
+
+
+def test_a_host_cut_off_and_back(mesh3, three_hosts):
+    """The decode host's link goes down: a request ends (an error, or served if it was
+    already through) within a bounded time, never hangs; with the link back, the mesh serves
+    again."""
+    (a, _, c), url, _ = mesh3
+    until_served(a, url, 120)
+    three_hosts.set_link(c, up=False)
+    try:
+        started = time.monotonic()
+        status, detail = complete(a, url, timeout_s=90)
+        assert time.monotonic() - started < 90  # answered, not timed out by the client
+        assert status != 0, detail  # an HTTP status or an error event, not a broken client
+    finally:
+        three_hosts.set_link(c, up=True)
+    assert until_served(a, url, 90).split() == ["7", "8", "9"]
