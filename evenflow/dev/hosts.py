@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -40,6 +41,9 @@ def probe() -> str | None:
     """None where simulated hosts can be made here, else why not."""
     if os.geteuid() != 0:
         return "not root: network namespaces need CAP_SYS_ADMIN"
+    missing = [tool for tool in ("ip", "nsenter", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed"
     name = f"evprobe-{uuid.uuid4().hex[:6]}"
     try:
         made = _ip("netns", "add", name, check=False)
@@ -150,6 +154,8 @@ class SimCluster:
             args = ["tbf", "rate", rate, "burst", "1mb", "latency", "10ms"]
         else:
             args = ["pfifo_fast"]
+        if shutil.which("tc") is None:
+            raise HostsUnavailable("tc (iproute2) is not installed: links cannot be shaped")
         done = subprocess.run(["ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev",
                                "eth0", "root", *args], capture_output=True, text=True)
         if done.returncode:
