@@ -28,7 +28,9 @@ def rank_main(rank: int, world: int, address: str, name: str, sizes: list[int],
 
     torch.set_num_threads(1)
     gloo.init_default(rank, world, address, timeout_s=120)
-    group = HierarchicalGroup(name, rank, discover_hosts(), timeout_s=120)
+    # a leader's slot takes every local rank's largest message (rows for other hosts)
+    slot = -(-(RANKS_PER_HOST * max(sizes) + 8 * world + 4096) // 64) * 64
+    group = HierarchicalGroup(name, rank, discover_hosts(), timeout_s=120, slot_bytes=slot)
     flat = gloo.GlooGroup(None, 120)
     out: dict = {}
     for op in OPS:

@@ -26,9 +26,11 @@ from evenflow.parallel.shm import ShmGroup
 
 
 class HierarchicalGroup:
-    def __init__(self, name: str, rank: int, hosts: list[str], timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, rank: int, hosts: list[str], timeout_s: float = 30.0,
+                 slot_bytes: int | None = None) -> None:
         """`hosts[r]`: the host of global rank r; torch.distributed's default group (every rank)
-        must be up already (gloo.init_default)."""
+        must be up already (gloo.init_default). slot_bytes: the host's shm slot (an
+        all_to_all's leader receives every local rank's rows bound for other hosts)."""
         self.rank, self.world_size = rank, len(hosts)
         names = sorted(set(hosts))
         self.local_ranks = [r for r, h in enumerate(hosts) if h == hosts[rank]]
@@ -38,7 +40,8 @@ class HierarchicalGroup:
         self.leader = self.local_ranks[0] == rank
         self.local = ShmGroup(f"{name}-{names.index(hosts[rank])}",
                               self.local_ranks.index(rank), len(self.local_ranks),
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s,
+                              **({"slot_bytes": slot_bytes} if slot_bytes else {}))
         self.leaders = GlooGroup(leaders, timeout_s)  # every rank joins new_group, as required
         self.hosts = hosts
         # hosts in the leaders group's order (GlooGroup orders its ranks)
