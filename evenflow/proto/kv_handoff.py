@@ -6,6 +6,10 @@ block-major and C-contiguous:
 
     (num_blocks, num_layers, 2 [K, V], block_size, num_kv_heads, head_dim)   in `dtype`
 
+or, for multi-head latent attention (DeepSeek-V2 / -V3), one part per layer, the latent:
+
+    (num_blocks, num_layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim)
+
 `block_shape` is everything after num_blocks; `dtype` is torch's name without "torch."
 ("bfloat16", "float32", "float16"; "uint8" for the mock engine, whose block shape is (0,)), in
 the machine's byte order (little-endian on every platform we run). Block b occupies bytes
