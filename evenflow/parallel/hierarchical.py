@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from evenflow.parallel.gloo import GlooGroup
-from evenflow.parallel.shm import ShmGroup
+from evenflow.parallel.shm import DEFAULT_SLOT_BYTES, ShmGroup
 
 
 class HierarchicalGroup:
@@ -40,8 +40,7 @@ class HierarchicalGroup:
         self.leader = self.local_ranks[0] == rank
         self.local = ShmGroup(f"{name}-{names.index(hosts[rank])}",
                               self.local_ranks.index(rank), len(self.local_ranks),
-                              timeout_s=timeout_s,
-                              **({"slot_bytes": slot_bytes} if slot_bytes else {}))
+                              slot_bytes=slot_bytes or DEFAULT_SLOT_BYTES, timeout_s=timeout_s)
         self.leaders = GlooGroup(leaders, timeout_s)  # every rank joins new_group, as required
         self.hosts = hosts
         # hosts in the leaders group's order (GlooGroup orders its ranks)
