@@ -8,6 +8,7 @@ grows. Ratios are gloo time / shm time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -94,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-ms", type=float, default=1.0,
                     help="--hosts: each link's delay (needs the kernel's netem)")
     args = ap.parse_args(argv)
-    if args.hosts:
-        from evenflow.bench.comm_hosts import run
+    if args.hosts:  # (its own process: comm_hosts builds on this module's helpers)
+        import subprocess
+        import sys
 
-        return run(args.hosts, args.quick, args.rate, args.delay_ms)
+        return subprocess.call([sys.executable, "-m", "evenflow.bench.comm_hosts",
+                                str(args.hosts), json.dumps(args.quick), args.rate or "",
+                                str(args.delay_ms)])
 
     from evenflow.bench.machine import machine_line
     from evenflow.parallel.launch import run_ranks

@@ -92,5 +92,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         r, w, addr, nm, sz, q = sys.argv[2:8]
         print(json.dumps(rank_main(int(r), int(w), addr, nm, json.loads(sz), json.loads(q))))
+    elif len(sys.argv) == 5:  # from `evenflow bench comm --hosts N`: hosts, quick, rate, delay
+        n, q, rate, delay = sys.argv[1:5]
+        raise SystemExit(run(int(n), json.loads(q), rate or None, float(delay)))
     else:
         raise SystemExit("run through `evenflow bench comm --hosts N`")
