@@ -234,8 +234,6 @@ def _deepseek(raw: dict[str, Any], common: dict[str, Any], v3: bool) -> ModelCon
             params.get("mscale_all_dim"):
         mscale = _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
         scale *= mscale * mscale
-    experts = int(raw["n_routed_experts"])
-    first_dense = int(raw.get("first_k_dense_replace") or 0)
     method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
         raise ModelLoadError(f"topk_method {method!r} is not supported for "
@@ -250,6 +248,18 @@ def _deepseek(raw: dict[str, Any], common: dict[str, Any], v3: bool) -> ModelCon
         kv_lora_rank=int(raw["kv_lora_rank"]), q_lora_rank=int(raw.get("q_lora_rank") or 0),
         qk_nope_head_dim=nope, qk_rope_head_dim=rope_dims, v_head_dim=int(raw["v_head_dim"]),
         rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+        **_deepseek_moe(raw, layers, v3, bool(grouped)),
+    )
+
+
+def _deepseek_moe(raw: dict[str, Any], layers: int, v3: bool, grouped: bool
+                  ) -> dict[str, Any]:
+    """DeepSeekMoE's ModelConfig fields (DeepSeek-V2 / -V3, and GLM-4.5's V3-style MoE):
+    dense first layers, routed experts, ungated shared experts, V3's sigmoid + correction
+    bias + top-2-sum groups or V2's softmax + max groups, the scaling factor."""
+    experts = int(raw["n_routed_experts"])
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    return dict(
         num_experts=experts,
         num_experts_per_tok=int(raw["num_experts_per_tok"]),
         moe_intermediate_size=int(raw["moe_intermediate_size"]),
@@ -305,25 +315,9 @@ def _glm4_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     groups, routed_scaling_factor, ungated shared experts, dense first layers) under grouped-query
     attention with partial rotary, q/k/v biases and an optional per-head q/k norm. No layer of
     its own: a mapping onto the parts the other families use."""
-    experts = int(raw["n_routed_experts"])
-    first_dense = int(raw.get("first_k_dense_replace") or 0)
     return ModelConfig(
         **common,
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=bool(raw.get("use_qk_norm", False)),
-        num_experts=experts,
-        num_experts_per_tok=int(raw["num_experts_per_tok"]),
-        moe_intermediate_size=int(raw["moe_intermediate_size"]),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        shared_expert_intermediate_size=int(raw["moe_intermediate_size"])
-        * int(raw.get("n_shared_experts") or 0),
-        shared_expert_gated=False,
-        sparse_layers=tuple(experts > 0 and i >= first_dense
-                            for i in range(common["num_layers"])),
-        router_scoring="sigmoid",
-        score_correction_bias=True,
-        num_expert_groups=int(raw.get("n_group") or 1),
-        topk_groups=int(raw.get("topk_group") or 1),
-        group_scoring="top2_sum",
-        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        **_deepseek_moe(raw, common["num_layers"], v3=True, grouped=bool(raw.get("n_group"))),
     )

@@ -126,7 +126,7 @@ class FastDecodeLayer:
             [float(self.in_norm.eps), float(self.post_norm.eps), float(self.scale)],
             list(qkv[:4]), list(o[:4]), list(gate[:4]), [qkv[4], o[4], gate[4]],
             [self.heads, self.kv_heads, self.head_dim, moe.num_experts, moe.top_k],
-            bool(moe.norm_topk_prob), moe.counts, placement,
+            bool(moe.routing.renormalize), moe.counts, placement,
             [list(w13), list(w2), list(s13), list(s2), list(o13), list(o2)], int(group))
 
 

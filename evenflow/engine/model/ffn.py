@@ -92,7 +92,6 @@ class MoE(nn.Module):
         super().__init__()
         E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
         self.routing = Routing.of(cfg)
         self.gate = nn.Linear(H, E, bias=cfg.router_bias)  # the router
         # DeepSeek-V3's e_score_correction_bias: added to the scores for the choice only
