@@ -126,7 +126,9 @@ def _up(args: argparse.Namespace) -> int:
             "served_model_name": args.served_model_name,
             "quantization": args.quantization, "quant_group_size": args.quant_group_size,
             "tensor_parallel_size": args.tensor_parallel_size,
-            "expert_parallel_size": args.expert_parallel_size})
+            "expert_parallel_size": args.expert_parallel_size,
+            "ep_ranks": getattr(args, "ep_ranks", None),
+            "ep_rendezvous": getattr(args, "ep_rendezvous", None)})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -154,7 +156,8 @@ def _up(args: argparse.Namespace) -> int:
 
         mesh: LocalMesh | LocalRayMesh = LocalRayMesh(config)
     else:
-        mesh = LocalMesh(config, roles=roles, first_index=getattr(args, "index", 0))
+        mesh = LocalMesh(config, roles=roles, first_index=getattr(args, "index", 0),
+                         serve_rendezvous=getattr(args, "ep_rendezvous_serve", False))
     try:
         mesh.start()
         c = mesh.config
@@ -358,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: gateway, prefill, decode, kv_index, balancer")
     serve.add_argument("--index", type=int, default=0,
                        help="first worker number on this host (p<index>, d<index>, ...)")
+    serve.add_argument("--ep-ranks", default=None,
+                       help="with --ep N: the ranks of each DEP group this host runs, e.g. "
+                            "0,1 (default: all); the other hosts run the rest with the same "
+                            "--index")
+    serve.add_argument("--ep-rendezvous", default=None, metavar="HOST:PORT",
+                       help="the DEP groups' rendezvous store; groups then span hosts and are "
+                            "elastic (they re-form without a lost rank and take it back)")
+    serve.add_argument("--ep-rendezvous-serve", action="store_true",
+                       help="serve the rendezvous store here (one host of the mesh does)")
     serve.set_defaults(func=_up)
 
     quant = sub.add_parser("quantize", help="write a GPTQ-format quantized copy of a checkpoint")

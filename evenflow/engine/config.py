@@ -124,6 +124,11 @@ class EngineConfig:
     # for now): N lockstep rank processes, each with its own requests and KV cache, each
     # computing its share of the expert slots; implies num_ep_ranks = N.
     expert_parallel_size: int = 1
+    # A DEP group across hosts: HOST:PORT of its rendezvous store (parallel/rendezvous.py). The
+    # group is then elastic: it forms from the ranks that arrive within ep_settle_s (all of
+    # them, when they do), re-forms without a lost rank, and takes it back when it returns.
+    ep_rendezvous: str = ""
+    ep_settle_s: float = 3.0
     show_progress: bool = False  # a loading bar on stderr (the offline API: on a terminal)
     # Reorder float weights once into oneDNN's blocked layout (engine/weights/prepack.py): decode's
     # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).

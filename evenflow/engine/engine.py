@@ -56,6 +56,9 @@ class Engine(ExpertPlacementControl, ProfileControl):
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 
     idle_poll_s = 0.5  # how long its thread waits for work when idle
+    # with fatal_error set: the worker should restart at once, not as a crash (an elastic
+    # expert-parallel group re-forming to take a rank back: engine/dep/lockstep.py)
+    restart_planned = False
 
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
                  collect_kv_events: bool = False, ep_group: ProcessGroup | None = None):

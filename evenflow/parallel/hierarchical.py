@@ -1,10 +1,15 @@
 """Collectives over several hosts: shared memory inside each host, gloo between one leader per
 host. all_reduce: shm all_reduce on each host, gloo all_reduce among the leaders, shm broadcast
 from each leader. all_gather: the same shape (every host must hold the same number of ranks).
+Hosts may hold different numbers of ranks (a group that lost some re-forms that way).
 all_to_all (the MoE dispatch and combine): rows for a rank on the same host go by shared
 memory only; rows for other hosts go to the host's leader (shm), between leaders (one gloo
 all_to_all, each host pair's rows in one message), and from the receiving leader to their
 ranks (shm) — the result is the flat all_to_all's, row for row.
+
+`spanning_group(membership)` makes the group an elastic rendezvous (parallel/rendezvous.py)
+formed: torch.distributed over the rendezvous store, hosts discovered, and a plain shm group
+when every member turned out to share one host.
 
 A "host" is whatever the caller declares (`hosts[rank]`), so one machine can play two;
 `discover_hosts()` finds them instead: ranks whose machine, boot and /dev/shm are the same
@@ -13,15 +18,19 @@ share a host (a private /dev/shm, as on a simulated host, is another host).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import socket
+import struct
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from evenflow.parallel.gloo import GlooGroup
+from evenflow.parallel.rendezvous import Membership
 from evenflow.parallel.shm import DEFAULT_SLOT_BYTES, ShmGroup
 
 
@@ -34,8 +43,7 @@ class HierarchicalGroup:
         self.rank, self.world_size = rank, len(hosts)
         names = sorted(set(hosts))
         self.local_ranks = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-        if any(hosts.count(h) != len(self.local_ranks) for h in names):
-            raise ValueError("every host must hold the same number of ranks")
+        self.most_local = max(hosts.count(h) for h in names)
         leaders = [min(r for r, h in enumerate(hosts) if h == host) for host in names]
         self.leader = self.local_ranks[0] == rank
         self.local = ShmGroup(f"{name}-{names.index(hosts[rank])}",
@@ -46,16 +54,39 @@ class HierarchicalGroup:
         # hosts in the leaders group's order (GlooGroup orders its ranks)
         self.host_order = sorted(names, key=lambda h: hosts.index(h))
 
+    @property
+    def timeout_s(self) -> float:
+        return self.local.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        """The shm waits' limit (gloo's was fixed when its group was made)."""
+        self.local.timeout_s = value
+
     def all_reduce(self, tensor: Tensor) -> Tensor:
         self.local.all_reduce(tensor)
         if self.leader:
             self.leaders.all_reduce(tensor)
         return self.local.broadcast(tensor, 0)
 
-    def all_gather(self, tensor: Tensor) -> Tensor:
-        local = self.local.all_gather(tensor)  # (local ranks, ...)
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        summed = self.all_reduce(tensor.clone())
+        return summed.tensor_split(self.world_size)[self.rank].clone()
+
+    def broadcast(self, tensor: Tensor, src: int = 0, patient: bool = False) -> Tensor:
+        """(Through an all_gather: not a hot path. patient: only the shm waits are.)"""
+        tensor.copy_(self.all_gather(tensor, patient=patient)[src])
+        return tensor
+
+    def all_gather(self, tensor: Tensor, nap_after_s: float = 0.0,
+                   patient: bool = False) -> Tensor:
+        """nap_after_s / patient: how the shm waits on this host wait (ShmGroup.all_gather)."""
+        local = self.local.all_gather(tensor, nap_after_s=nap_after_s, patient=patient)
         out = torch.empty(self.world_size, *tensor.shape, dtype=tensor.dtype)
         if self.leader:
+            if len(local) < self.most_local:  # every leader sends as many rows
+                local = torch.cat([local, local.new_zeros(self.most_local - len(local),
+                                                          *tensor.shape)])
             gathered = self.leaders.all_gather(local)  # (hosts, local ranks, ...)
             for h, host in enumerate(self.host_order):  # (the leaders group's order)
                 for i, r in enumerate(r for r, x in enumerate(self.hosts) if x == host):
@@ -147,6 +178,49 @@ def host_identity() -> str:
         boot = ""
     shm = os.stat("/dev/shm")
     return f"{socket.gethostname()}|{boot}|{shm.st_dev}:{shm.st_ino}"
+
+
+def spanning_group(membership: Membership, slot_bytes: int, timeout_s: float
+                   ) -> HierarchicalGroup | ShmGroup:
+    """The group of an epoch the rendezvous formed: torch.distributed's default group over the
+    rendezvous store (gloo), then hierarchical across the hosts the members discover, or plain
+    shared memory when they all share one."""
+    if dist.is_initialized():  # (a process joins one epoch: a new one is a new process)
+        dist.destroy_process_group()
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # (an operator's choice stands)
+        interface = interface_towards(membership.address.rpartition(":")[0])
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group("gloo", store=membership.prefix_store(), rank=membership.rank,
+                            world_size=membership.size, timeout=timedelta(seconds=timeout_s))
+    hosts = discover_hosts()
+    name = f"{membership.name}-e{membership.epoch}"
+    if len(set(hosts)) == 1:
+        return ShmGroup(name, membership.rank, membership.size, slot_bytes=slot_bytes,
+                        timeout_s=timeout_s)
+    return HierarchicalGroup(name, membership.rank, hosts, timeout_s, slot_bytes)
+
+
+def interface_towards(host: str) -> str | None:
+    """The network interface this machine reaches `host` through (Linux): gloo's default,
+    the address the machine's name resolves to, need not be reachable from the other hosts
+    (a container, a network namespace, a name bound to 127.0.1.1)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # (UDP: no packet is sent)
+            local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    address = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if socket.inet_ntoa(address) == local:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def discover_hosts() -> list[str]:

@@ -176,6 +176,12 @@ class MeshConfig:
     expert_parallel_size: int = 1
     ep_rank: int = 0
     ep_group: str = ""
+    # DEP groups across hosts (`evenflow serve --ep-ranks 0,1 --ep-rendezvous HOST:PORT`): the
+    # planned ranks this host runs of each group ("" = all), and the groups' rendezvous store;
+    # with a rendezvous, groups are elastic (engine/dep/lockstep.py).
+    ep_ranks: str = ""
+    ep_rendezvous: str = ""
+    ep_settle_s: float = 3.0
     # The engine's process-wide switches (engine/config.py ENGINE_SWITCHES: EVENFLOW_NATIVE_*,
     # EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every worker gets them.
     engine_switches: tuple[str, ...] = ()

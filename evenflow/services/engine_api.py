@@ -99,6 +99,10 @@ class ServingEngine(Protocol):
     @property
     def fatal_error(self) -> str | None:
         """Set when the engine can never step again (a tensor-parallel rank is gone)."""
+    @property
+    def restart_planned(self) -> bool:
+        """With fatal_error set: a restart is the plan, not a crash (an elastic
+        expert-parallel group re-forming)."""
 
     # -- the prefix cache (engine thread) ------------------------------------------------------
     def take_kv_events(self) -> list[KVCacheEvent]: ...

@@ -21,6 +21,7 @@ from evenflow.proto.kv_handoff import KVPayload
 from evenflow.proto.messages import KVCacheEvent, SamplingSpec
 from evenflow.services import logs
 from evenflow.services.engine_api import EngineOutput, ServingEngine
+from evenflow.services.supervisor import EXIT_PLANNED_RESTART
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +158,24 @@ EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step
 KV_EVENTS_INTERVAL_S = 0.05
 
 
-def exit_worker(reason: str) -> None:
+def exit_worker(reason: str, planned: bool = False) -> None:
     """An engine that lost a part of itself (a tensor-parallel rank) cannot be repaired in
     place: the worker process ends, its heartbeats stop, the gateway moves its streams as for
-    any dead worker and the supervisor starts a new one."""
-    log.critical("engine lost: %s; the worker exits (status %d)", reason, EXIT_ENGINE_LOST)
+    any dead worker and the supervisor starts a new one. planned: a restart the engine asked
+    for (EXIT_PLANNED_RESTART: the supervisor restarts it at once, not counted as a crash)."""
+    code = EXIT_PLANNED_RESTART if planned else EXIT_ENGINE_LOST
+    if planned:
+        log.warning("%s; the worker restarts (status %d)", reason, code)
+    else:
+        log.critical("engine lost: %s; the worker exits (status %d)", reason, code)
     logs.drain()
     logging.shutdown()
-    os._exit(EXIT_ENGINE_LOST)
+    os._exit(code)
 
 
 class EngineThread:
     def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop,
-                 on_fatal: Callable[[str], None] = exit_worker, step_delay_s: float = 0.0
+                 on_fatal: Callable[[str, bool], None] = exit_worker, step_delay_s: float = 0.0
                  ) -> None:
         self.engine, self._loop, self._on_fatal = engine, loop, on_fatal
         self.step_delay_s = step_delay_s  # a straggler on purpose (debug_step_delay_ms)
@@ -293,7 +299,7 @@ class EngineThread:
                 self._kv_flush_at = now + KV_EVENTS_INTERVAL_S
                 self._flush_kv_events()
             if self.engine.fatal_error is not None:
-                self._on_fatal(self.engine.fatal_error)
+                self._on_fatal(self.engine.fatal_error, self.engine.restart_planned)
                 return
 
     def _step(self) -> None:

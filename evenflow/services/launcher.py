@@ -187,12 +187,17 @@ def wait_for_health(url: str, timeout_s: float, check: Callable[[], None] | None
 _EP_WORKER = re.compile(r"^([dp]\d+)r(\d+)$")  # rank r of DEP worker group d3 / p0
 
 
-def worker_ids(prefix: str, count: int, ep: int, first: int = 0) -> list[str]:
+def worker_ids(prefix: str, count: int, ep: int, first: int = 0,
+               ranks: str = "") -> list[str]:
     """d0, d1, ... or, with DEP groups of ep ranks, d0r0, d0r1, d1r0, ... (numbered from
-    `first`: each host of a multi-host mesh takes its own numbers)."""
+    `first`: each host of a multi-host mesh takes its own numbers; `ranks` "2,3": only those
+    ranks of each group, when a group spans hosts)."""
     if ep <= 1:
         return [f"{prefix}{i}" for i in range(first, first + count)]
-    return [f"{prefix}{i}r{r}" for i in range(first, first + count) for r in range(ep)]
+    mine = [int(r) for r in ranks.split(",") if r.strip()] if ranks else list(range(ep))
+    if any(not 0 <= r < ep for r in mine):
+        raise LaunchError(f"--ep-ranks {ranks!r}: ranks go from 0 to {ep - 1}")
+    return [f"{prefix}{i}r{r}" for i in range(first, first + count) for r in mine]
 
 
 ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer")
@@ -217,6 +222,8 @@ class LocalMesh:
     # them), workers numbered from first_index. Empty: the whole mesh, on this host.
     roles: tuple[str, ...] = ()
     first_index: int = 0
+    # serve the DEP groups' rendezvous store (config.ep_rendezvous) from this host
+    serve_rendezvous: bool = False
 
     @property
     def url(self) -> str:
@@ -238,12 +245,16 @@ class LocalMesh:
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
             self.child_env = child_env | (env or {}) | cfg.to_env()
-            ep, first = cfg.expert_parallel_size, self.first_index
+            ep, first, ranks = cfg.expert_parallel_size, self.first_index, cfg.ep_ranks
+            if self.serve_rendezvous:
+                if not cfg.ep_rendezvous:
+                    raise LaunchError("serving a rendezvous store needs --ep-rendezvous")
+                self.spawn(["-m", "evenflow.parallel.rendezvous", cfg.ep_rendezvous])
             if "decode" in roles:
-                for worker in worker_ids("d", cfg.num_decode, ep, first):
+                for worker in worker_ids("d", cfg.num_decode, ep, first, ranks):
                     self.spawn(["-m", "evenflow.decode", worker])
             if "prefill" in roles:
-                for worker in worker_ids("p", cfg.num_prefill, ep, first):
+                for worker in worker_ids("p", cfg.num_prefill, ep, first, ranks):
                     self.spawn(["-m", "evenflow.prefill", worker])
             if "kv_index" in roles:
                 self.spawn(["-m", "evenflow.kv_index", f"kv{first}"])
@@ -307,12 +318,17 @@ class LocalMesh:
             worker_id = "gateway" if self.config.num_gateways == 1 else f"gateway-{worker_id}"
         env = dict(self.child_env)
         if (m := _EP_WORKER.match(worker_id)) and self.config.expert_parallel_size > 1:
-            env |= {"EVENFLOW_EP_RANK": m[2], "EVENFLOW_EP_GROUP": f"{os.getpid()}-{m[1]}"}
+            # a group spanning hosts is named alike on all of them (by its rendezvous port)
+            rendezvous = self.config.ep_rendezvous
+            group = f"rv{rendezvous.rpartition(':')[2]}-{m[1]}" if rendezvous \
+                else f"{os.getpid()}-{m[1]}"
+            env |= {"EVENFLOW_EP_RANK": m[2], "EVENFLOW_EP_GROUP": group}
         creds = self.credentials.get((role, "gateway" if role == "gateway" else worker_id))
         if creds is not None:
             env["EVENFLOW_NATS_CREDENTIALS_FILE"] = creds
         # a lone gateway serves /metrics on its HTTP port; several have a port each
-        if (role != "gateway" or self.config.num_gateways > 1) and worker_id:
+        if (role != "gateway" or self.config.num_gateways > 1) and worker_id \
+                and role != "parallel.rendezvous":
             if worker_id not in self.metrics_ports:  # a restarted worker keeps its port
                 self.metrics_ports[worker_id] = free_port()
             env["EVENFLOW_METRICS_PORT"] = str(self.metrics_ports[worker_id])

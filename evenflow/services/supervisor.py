@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 
+# A child that exits with this status asked to be restarted (an elastic expert-parallel group
+# re-forming): restarted at once, not counted as a crash.
+EXIT_PLANNED_RESTART = 75
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     max_crashes: int = 5
@@ -64,7 +69,10 @@ class Supervisor:
                     self._restart(child, now)
                 continue
             code = child.proc.poll()
-            if code is not None:
+            if code == EXIT_PLANNED_RESTART:
+                self.report(f"{child.name} asked to restart")
+                self._restart(child, now)
+            elif code is not None:
                 self._crashed(child, now, f"exited with code {code}")
 
     def _restart(self, child: Child, now: float) -> None:

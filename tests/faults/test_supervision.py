@@ -17,7 +17,12 @@ import pytest
 from meshutil import supervised_mesh, wait_for
 
 from evenflow.services.config import MeshConfig
-from evenflow.services.supervisor import GaveUp, RestartPolicy, Supervisor
+from evenflow.services.supervisor import (
+    EXIT_PLANNED_RESTART,
+    GaveUp,
+    RestartPolicy,
+    Supervisor,
+)
 
 pytestmark = pytest.mark.slow
 KEY = "supervised-key"
@@ -37,6 +42,23 @@ def test_supervisor_backs_off_and_gives_up():
     assert child.restarts == 2
     assert any("restarting in 0.1 s" in r for r in reports)
     assert any("restarting in 0.2 s" in r for r in reports)  # doubled
+
+
+def test_a_planned_restart_is_not_a_crash():
+    """A worker that asks to restart (an elastic DEP group re-forming) comes back at once,
+    however often, and is never given up on."""
+    reports: list[str] = []
+    supervisor = Supervisor(RestartPolicy(max_crashes=1, window_s=60, backoff_s=5),
+                            reports.append)
+    child = supervisor.add("regrouper", lambda: subprocess.Popen(
+        [sys.executable, "-c", f"raise SystemExit({EXIT_PLANNED_RESTART})"]))
+    deadline = time.monotonic() + 30
+    while child.restarts < 3 and time.monotonic() < deadline:
+        supervisor.check()  # (would raise GaveUp on the second crash)
+        time.sleep(0.02)
+    assert child.restarts >= 3 and not child.crashes
+    assert "regrouper asked to restart" in reports
+    child.proc.wait()
 
 
 @pytest.fixture(scope="module")

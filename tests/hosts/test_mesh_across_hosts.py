@@ -6,61 +6,22 @@ survivors and the mesh serves again."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 
 import pytest
+from mesh_client import complete, until_served
 
 from evenflow.services.launcher import find_binary
 
 pytestmark = pytest.mark.slow  # three hosts' services: ~40 s
-
-PROMPT = "count from 7 :"
 
 
 def nats_server(host, peers) -> list[str]:
     routes = ",".join(f"nats://{p.address}:6222" for p in peers if p is not host)
     return [find_binary("nats-server"), "-a", host.address, "-p", "4222", "--cluster_name",
             "evenflow", "--cluster", f"nats://{host.address}:6222", "--routes", routes]
-
-
-def complete(host, url: str, timeout_s: float = 60) -> tuple[int | str, str]:
-    """A streamed completion sent from `host` (only hosts reach each other's addresses):
-    (HTTP status, or the error event's code when the stream ended in one; the streamed
-    text); (0, stderr) where the client itself failed."""
-    script = (
-        "import httpx, json, sys\n"
-        "text, status = '', 0\n"
-        f"with httpx.stream('POST', '{url}/v1/completions', timeout={timeout_s}, json="
-        f"{{'model': 'tiny-moe', 'prompt': '{PROMPT}', 'max_tokens': 3, 'temperature': 0,"
-        " 'stream': True}) as r:\n"
-        "    status = r.status_code\n"
-        "    for line in r.iter_lines():\n"
-        "        if line.startswith('data: {'):\n"
-        "            event = json.loads(line[6:])\n"
-        "            if 'error' in event:\n"
-        "                status = event['error'].get('code') or 'error'\n"
-        "                break\n"
-        "            text += event['choices'][0]['text']\n"
-        "print(json.dumps([status, text]))\n")
-    done = host.run([sys.executable, "-c", script], timeout=timeout_s + 10)
-    if done.returncode:
-        return 0, done.stderr[-300:]
-    status, text = json.loads(done.stdout.strip().splitlines()[-1])
-    return status, text
-
-
-def until_served(host, url: str, within_s: float) -> str:
-    deadline = time.monotonic() + within_s
-    last = (0, "")
-    while time.monotonic() < deadline:
-        last = complete(host, url, timeout_s=20)
-        if last[0] == 200 and last[1].split():
-            return last[1]
-        time.sleep(1)
-    raise AssertionError(f"not served within {within_s} s: {last}")
 
 
 @pytest.fixture(scope="module")

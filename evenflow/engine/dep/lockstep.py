@@ -21,10 +21,21 @@ Two drivers use it:
   outputs back.
 A collective that fails (a rank died or hangs) makes the engine fatal: a mesh worker exits and
 its supervisor restarts it, and the group re-forms.
+
+Across hosts (config.ep_rendezvous set), the group is elastic: its ranks meet through the
+rendezvous store (parallel/rendezvous.py) in epochs, over a hierarchical group (shm on each
+host, gloo between hosts). The survivors of a lost rank restart and form the next epoch
+without it (the engine's ranks are the epoch's members; the placement's slots split over
+them); a rank that comes back asks to join, and the group's rank 0, which looks for such
+requests about once a second, ends the epoch at the next idle meeting (or after
+REGROUP_WAIT_S under load): every rank exits with a planned restart (`restart_planned`) and
+the next epoch includes the newcomer. Streams on a restarting worker migrate as for any
+worker that ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +57,8 @@ from evenflow.engine.runners.rank_wire import (
 )
 from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.group import CollectiveError
+from evenflow.parallel.hierarchical import HierarchicalGroup, spanning_group
+from evenflow.parallel.rendezvous import Membership, RendezvousError, join
 from evenflow.parallel.shm import ShmGroup
 
 log = logging.getLogger(__name__)
@@ -63,6 +76,8 @@ class LockstepEngine(Engine):
     # for its first step; an idle group costs a few % of a core per rank).
     BUSY_POLL_S, IDLE_POLL_S, IDLE_AFTER_S = 0.01, 0.04, 2.0
     IDLE_NAP_AFTER_S = 0.0002  # waiting for an idle peer: sleep, don't spin
+    JOIN_CHECK_S = 1.0  # an elastic group's rank 0 looks for ranks asking to join this often
+    REGROUP_WAIT_S = 10.0  # a busy group takes joiners after this long anyway
 
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None,
                  collect_kv_events: bool, ep_rank: int, group_name: str,
@@ -71,12 +86,26 @@ class LockstepEngine(Engine):
         if not cfg.is_moe:
             raise ModelLoadError("expert parallelism needs a MoE model")
         world = config.expert_parallel_size
+        slot_bytes = slot_bytes_for(config, cfg.hidden_size, cfg.num_experts_per_tok)
+        self.membership: Membership | None = None
+        self.group: ShmGroup | HierarchicalGroup
         try:
-            self.group = ShmGroup(group_name, ep_rank, world, timeout_s=LOAD_TIMEOUT_S,
-                                  slot_bytes=slot_bytes_for(config, cfg.hidden_size,
-                                                            cfg.num_experts_per_tok),
-                                  peers_alive=peers_alive)
-        except CollectiveError as exc:
+            if config.ep_rendezvous:
+                slots = cfg.num_experts + config.num_redundant_experts
+                self.membership = join(
+                    config.ep_rendezvous, group_name, ep_rank, world,
+                    tuple(n for n in range(1, world + 1) if slots % n == 0),
+                    config.ep_settle_s, LOAD_TIMEOUT_S)
+                self.group = spanning_group(self.membership, slot_bytes, LOAD_TIMEOUT_S)
+                # this epoch's members are the ranks: the slots split over them
+                config = dataclasses.replace(config, num_ep_ranks=self.membership.size)
+                log.info("expert-parallel group %s epoch %d: rank %d of %d (planned rank %d)",
+                         group_name, self.membership.epoch, self.membership.rank,
+                         self.membership.size, ep_rank)
+            else:
+                self.group = ShmGroup(group_name, ep_rank, world, timeout_s=LOAD_TIMEOUT_S,
+                                      slot_bytes=slot_bytes, peers_alive=peers_alive)
+        except (CollectiveError, RendezvousError) as exc:
             raise ModelLoadError(f"expert-parallel group {group_name}: {exc}") from exc
         super().__init__(config, kv_event_listener, collect_kv_events, ep_group=self.group)
         self.group.barrier()  # every rank loaded
@@ -92,6 +121,9 @@ class LockstepEngine(Engine):
         for layer in self.model.moe_layers():
             layer.ep_timer = self.ep_timer
         self._steps, self._step_s = 0, 0.0
+        self.restart_planned = False  # the group ends its epoch to take a rank back
+        self._join_checked = time.monotonic()
+        self._joiners_since: float | None = None
 
     @property
     def idle_poll_s(self) -> float:  # type: ignore[override]
@@ -122,7 +154,7 @@ class LockstepEngine(Engine):
             # (new requests in the mail count as work: they are added right after the meeting)
             work = super().has_unfinished() or (mail is not None and bool(mail.adds))
             every = self.group.all_gather(torch.tensor(
-                [int(work), pending, len(data)], dtype=torch.int64),
+                [int(work), pending, len(data), self._joiners_waiting()], dtype=torch.int64),
                 nap_after_s=self.IDLE_NAP_AFTER_S, patient=patient)
             sizes = every[:, 2].tolist()
             self.inbox = gather_meetings(self.group, data, sizes) if max(sizes) else []
@@ -140,7 +172,40 @@ class LockstepEngine(Engine):
         busy = self._group_busy = bool(every[:, 0].any())
         if busy:
             self._last_busy = time.monotonic()
+        if int(every[0, 3]) and (not busy or int(every[0, 3]) > self.REGROUP_WAIT_S):
+            self._regroup()
+            return False
         return busy
+
+    def _joiners_waiting(self) -> int:
+        """On an elastic group's rank 0: 0 when no rank asks to join, else for how long (s,
+        at least 1) ranks have been asking; elsewhere 0."""
+        m = self.membership
+        if m is None or m.rank != 0:
+            return 0
+        now = time.monotonic()
+        if now - self._join_checked >= self.JOIN_CHECK_S:
+            self._join_checked = now
+            try:
+                asking = bool(m.joiners())
+            except (RuntimeError, OSError) as exc:  # the store is gone: keep serving
+                log.warning("rendezvous store unreachable: %s", exc)
+                asking = False
+            self._joiners_since = (self._joiners_since or now) if asking else None
+        return 0 if self._joiners_since is None else max(1, int(now - self._joiners_since))
+
+    def _regroup(self) -> None:
+        """End this epoch so that the next includes the ranks asking to join: every rank
+        restarts (planned), and the group forms again through the rendezvous."""
+        assert self.membership is not None
+        if self.membership.rank == 0:
+            try:
+                self.membership.end_epoch()
+            except (RuntimeError, OSError) as exc:
+                log.warning("could not end epoch %d: %s", self.membership.epoch, exc)
+        self.restart_planned = True
+        self._fatal = (f"expert-parallel group regroups: a rank asks to join epoch "
+                       f"{self.membership.epoch}")
 
     def step(self) -> list[StepOutput]:
         """This rank's step, or a dummy forward pass when it has nothing to run."""
