@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge
 
 from evenflow.balancer.eplb import balancedness, rebalance_from, replica_shares, slots_moved
 from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
+from evenflow.balancer.topology import HostLoads, host_routing, topology_aware
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ SLOTS_MOVED = Counter("evenflow_eplb_slots_moved_total", "Expert slots moved by 
                       ["role"])
 COMPUTE_SECONDS = Gauge("evenflow_eplb_compute_seconds", "Time to compute the last placement",
                         ["role"])
+CROSS_HOST_ROWS = Gauge("evenflow_eplb_cross_host_rows_per_step",
+                        "(token, expert) rows a DEP step sends to another host (each also "
+                        "comes back), under the placement", ["role", "when"])
 ACKED = Gauge("evenflow_eplb_workers_on_version", "Workers reporting load under the version",
               ["role"])
 
@@ -45,6 +49,7 @@ class RoleBalance:
         self.worker_versions: dict[str, int] = {}
         self.stored_version = 0  # the newest version known to be in Redis
         self.store_lock = asyncio.Lock()
+        self.hosts = HostLoads()  # where the load comes from, for DEP groups across hosts
 
     @property
     def label(self) -> str:
@@ -79,6 +84,10 @@ class RoleBalance:
             return None  # load under a placement we no longer know: skip it
         slot_counts = torch.tensor(message.counts, dtype=torch.float32).view(L, P)
         logical = torch.zeros(L, self.num_experts).scatter_add_(1, layout, slot_counts)
+        self.hosts.add(message.ep_rank, message.ep_size, message.host, logical, message.steps)
+        if self.hosts.group_size and P % self.hosts.group_size == 0:
+            # an elastic group runs with this many ranks now (placements fold onto them)
+            self.num_ranks = self.trigger.num_gpus = self.hosts.group_size
         if not self.trigger.observe(logical, self.phy2log, self._slot_shares()):
             return None
         return self._rebalance()
@@ -93,14 +102,34 @@ class RoleBalance:
         before = balancedness(load, self.phy2log, self.num_ranks, self._slot_shares())
         started = time.perf_counter()
         placement = rebalance_from(self.phy2log, load, self.num_ranks)
-        shares = replica_shares(load, placement.phy2log, self.num_ranks)
+        phy2log = placement.phy2log
+        shares = replica_shares(load, phy2log, self.num_ranks)
+        after = balancedness(load, phy2log, self.num_ranks, shares)
+        topology = self.hosts.view()
+        if topology is not None:  # a group across hosts: fewer rows crossing them
+            by_host, rank_host, steps = topology
+            loads, cross = host_routing(by_host, self.phy2log, self.num_ranks, rank_host)
+            before = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
+            phy2log = topology_aware(phy2log, by_host, self.num_ranks, rank_host)
+            shares = torch.ones(phy2log.shape)  # even among the replicas a host routes to
+            loads, cross_after = host_routing(by_host, phy2log, self.num_ranks, rank_host)
+            after = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
+            per_step = 1 / max(steps, 1e-9)
+            CROSS_HOST_ROWS.labels(role=self.label, when="before").set(
+                float(cross.sum()) * per_step)
+            CROSS_HOST_ROWS.labels(role=self.label, when="after").set(
+                float(cross_after.sum()) * per_step)
+            log.info("%s placement across %d hosts: rows crossing hosts per step %.1f -> %.1f",
+                     self.label, by_host.shape[0], float(cross.sum()) * per_step,
+                     float(cross_after.sum()) * per_step)
+            if float(cross_after.sum()) < 0.9 * float(cross.sum()):
+                before -= MIN_GAIN  # fewer crossing rows is worth a move by itself
         COMPUTE_SECONDS.labels(role=self.label).set(time.perf_counter() - started)
-        after = balancedness(load, placement.phy2log, self.num_ranks, shares)
         if after < before + MIN_GAIN:
             return None  # not worth moving weights (nor waking every worker) for
-        moved = slots_moved(self.phy2log, placement.phy2log)
+        moved = slots_moved(self.phy2log, phy2log)
         self.version += 1
-        self.phy2log, self.shares = placement.phy2log, shares
+        self.phy2log, self.shares = phy2log, shares
         self.history[self.version] = self.phy2log
         for old in [v for v in self.history if v < self.version - HISTORY]:
             del self.history[old]

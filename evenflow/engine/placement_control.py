@@ -74,6 +74,9 @@ class ExpertPlacementControl:
     def take_rank_timing(self) -> list[float] | None:
         return None  # not an expert-parallel rank (engine/dep/lockstep.py is)
 
+    def ep_topology(self) -> tuple[int, int, str] | None:
+        return None  # not an expert-parallel rank
+
     def take_slot_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, physical slot) since the last call."""
         counts = self.slot_counts.clone()

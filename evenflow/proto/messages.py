@@ -259,10 +259,12 @@ class ExpertLoad:
     v2: the worker's role (placements are per role) and, from an expert-parallel rank (`group`
     names its DEP group), its steps over the same period: their wall time, its own experts'
     compute, the dispatch/combine collectives (which include waiting for the slowest rank) and
-    the (token, expert) rows it computed."""
+    the (token, expert) rows it computed. v3: the rank's place in its group as it runs now (an
+    elastic group re-forms with fewer or more ranks) and its host's id (opaque; ranks sharing a
+    host share it): the balancer's topology-aware placement reads where load comes from."""
 
     TYPE: ClassVar[str] = "expert_load"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     worker_id: str
     version: int
     num_layers: int
@@ -275,6 +277,9 @@ class ExpertLoad:
     moe_compute_s: float = 0.0
     moe_wait_s: float = 0.0
     moe_rows: int = 0
+    ep_rank: int = -1
+    ep_size: int = 0
+    host: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

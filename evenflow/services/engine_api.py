@@ -126,6 +126,9 @@ class ServingEngine(Protocol):
     def take_rank_timing(self) -> list[float] | None:
         """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
         collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
+    def ep_topology(self) -> tuple[int, int, str] | None:
+        """An expert-parallel rank's (rank in its group, group size, host id); None
+        elsewhere."""
 
 
 def logprob_fields(out: EngineOutput) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class ExpertLoadTaken:
     num_slots: int
     counts: list[int]
     timing: list[float] | None = None  # an expert-parallel rank's (ServingEngine)
+    topology: tuple[int, int, str] | None = None  # its (rank, group size, host)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class EngineThread:
             case TakeExpertLoad():
                 version = engine.placement_version
                 self._emit(ExpertLoadTaken(version, *engine.take_expert_load(),
-                                           engine.take_rank_timing()))
+                                           engine.take_rank_timing(), engine.ep_topology()))
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.cached_block_hashes()))

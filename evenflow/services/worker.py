@@ -220,13 +220,15 @@ class WorkerService:
                 self.send(subjects.KV_EVENTS, KVSnapshot(
                     worker_id=self.worker_id, role=self.role, epoch=self.epoch,
                     seq=self.kv_seq, block_hashes=hashes))
-            case ExpertLoadTaken(version, layers, slots, counts, timing):
+            case ExpertLoadTaken(version, layers, slots, counts, timing, topology):
                 steps, step_s, compute_s, wait_s, rows = timing or (0, 0.0, 0.0, 0.0, 0)
+                ep_rank, ep_size, host = topology or (-1, 0, "")
                 self.send(subjects.EXPERT_LOAD, ExpertLoad(
                     worker_id=self.worker_id, version=version, num_layers=layers,
                     num_slots=slots, counts=counts, role=self.role.value,
                     group=self.config.ep_group, steps=int(steps), step_s=step_s,
-                    moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows)))
+                    moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows),
+                    ep_rank=ep_rank, ep_size=ep_size, host=host))
                 if steps:
                     self._record_rank_sample(int(steps), step_s, compute_s, wait_s, int(rows))
             case ProfileTaken(request_id, steps, lines, trace_file, error):

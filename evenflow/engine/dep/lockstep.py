@@ -221,6 +221,13 @@ class LockstepEngine(Engine):
         self._step_s += time.perf_counter() - started
         return outputs
 
+    def ep_topology(self) -> tuple[int, int, str] | None:
+        """(this rank in its group, the group's size, its host's id: ranks sharing one share
+        it), for the balancer's topology-aware placement."""
+        hosts = getattr(self.group, "hosts", None)
+        host = hosts[self.group.rank] if hosts else "one-host"
+        return self.group.rank, self.group.world_size, host
+
     def take_rank_timing(self) -> list[float] | None:
         """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
         compute_s, wait_s, rows = self.ep_timer.take()

@@ -23,14 +23,23 @@ class SlotPlacement:
 
     @staticmethod
     def build(phy2log: Tensor, num_experts: int, num_ranks: int,
-              share: Tensor | None = None) -> SlotPlacement:
-        """phy2log (P,), share (P,) per-slot share of its expert's tokens (even if None)."""
+              share: Tensor | None = None, local_ranks: list[int] | None = None
+              ) -> SlotPlacement:
+        """phy2log (P,), share (P,) per-slot share of its expert's tokens (even if None).
+        local_ranks: the ranks on this rank's host, when the group spans hosts: an expert
+        with a replica among them is routed to those replicas only (by their shares), so its
+        rows do not cross hosts; the others to all their replicas."""
         P = phy2log.shape[0]
         check_slots(phy2log, num_experts, num_ranks)
         phy2log = phy2log.long()
         counts = torch.bincount(phy2log, minlength=num_experts)
         if share is None:
             share = 1.0 / counts[phy2log].float()
+        if local_ranks is not None and len(local_ranks) < num_ranks:
+            here = torch.isin(torch.arange(P) // (P // num_ranks), torch.tensor(local_ranks))
+            local = torch.bincount(phy2log[here], minlength=num_experts)
+            share = torch.where((local[phy2log] > 0) & ~here, 0.0, share.float())
+            share = torch.where(here & (share <= 0), 1e-6, share)  # (a local one is used)
         R = int(counts.max())
         order = torch.argsort(phy2log, stable=True)  # slots grouped by expert
         rank = torch.arange(P) - (torch.cumsum(counts, 0) - counts)[phy2log[order]]

@@ -236,5 +236,7 @@ class ModelRunner:
         """MoE layer `row` (of moe_layers()) under its new placement (slots,); how many
         experts it had to read."""
         layer = self.model.moe_layers()[row]
+        # expert-parallel across hosts: this host's rows go to its own replicas where it has one
+        local_ranks = getattr(layer.ep, "local_ranks", None)
         return layer.set_placement(SlotPlacement.build(
-            phy2log, self.model.config.num_experts, num_ep_ranks, share))
+            phy2log, self.model.config.num_experts, num_ep_ranks, share, local_ranks))
