@@ -202,7 +202,7 @@ def _up(args: argparse.Namespace) -> int:
 
 # `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
 BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep",
-              "sampling", "frontend", "kernels")
+              "sampling", "frontend", "kernels", "hosts")
 
 
 def _bench(args: argparse.Namespace) -> int:
