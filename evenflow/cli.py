@@ -128,6 +128,7 @@ def _up(args: argparse.Namespace) -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
             "expert_parallel_size": args.expert_parallel_size,
             "ep_ranks": getattr(args, "ep_ranks", None),
+            "ep_nodes": getattr(args, "ep_nodes", None),
             "ep_rendezvous": getattr(args, "ep_rendezvous", None)})
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
@@ -154,7 +155,8 @@ def _up(args: argparse.Namespace) -> int:
     if args.ray:
         from evenflow.rayserve.local import LocalRayMesh
 
-        mesh: LocalMesh | LocalRayMesh = LocalRayMesh(config)
+        mesh: LocalMesh | LocalRayMesh = LocalRayMesh(config, getattr(args, "ray_address",
+                                                                       None))
     else:
         mesh = LocalMesh(config, roles=roles, first_index=getattr(args, "index", 0),
                          serve_rendezvous=getattr(args, "ep_rendezvous_serve", False))
@@ -287,6 +289,12 @@ def _mesh_arguments(up: argparse.ArgumentParser) -> None:
                          "EVENFLOW_API_KEYS; keys never go on the command line)")
     up.add_argument("--ray", action="store_true",
                     help="run the services as Ray Serve applications on a local Ray")
+    up.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                    help="with --ray: deploy on this Ray cluster (its nodes on several hosts) "
+                         "instead of a local Ray; needs --nats-url and --redis-url")
+    up.add_argument("--ep-nodes", type=int, default=None,
+                    help="with --ray and --ep N: spread each DEP group over this many nodes "
+                         "(a placement group, N / K ranks on each)")
     up.add_argument("--help-env", action="store_true",
                     help="list every EVENFLOW_* setting and engine switch with its default")
     up.add_argument("--engine", default=None, choices=["torch", "mock"],

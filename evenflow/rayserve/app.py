@@ -17,6 +17,14 @@ host for the shm collectives); each rank is a mesh worker of its own, as under `
 (Ray then replaces the whole group), and children die with it (PR_SET_PDEATHSIG, and a lost
 group ends every rank's collectives within seconds). Chosen over a placement group of N
 STRICT_PACK bundles: Serve scales and replaces the group as one unit, with no extra actors.
+
+Across nodes (`ep_nodes: K`): the replica asks Serve for a placement group of K bundles, one
+per node (STRICT_SPREAD), each with the CPUs of N / K ranks. The replica sits in the first;
+it serves the group's rendezvous store (parallel/rendezvous.py) and starts its node's other
+ranks as above, and one `RankHost` actor in each other bundle starts that node's ranks. The
+ranks meet through the store and form one group over the nodes (shared memory inside a node,
+gloo between). A rank lost anywhere fails the replica's health check: Ray replaces the whole
+group, still one unit.
 """
 
 from __future__ import annotations
@@ -71,8 +79,15 @@ class ServiceReplica:
         self.role = role
         config, worker_id = _config(args), f"{role[0]}-{replica}"
         self.ranks: list[subprocess.Popen] = []
+        self.hosts: list[Any] = []  # RankHost actors on the group's other nodes
+        self._store: Any = None
         if role in ("prefill", "decode") and config.expert_parallel_size > 1:
             config = replace(config, ep_rank=0, ep_group=f"ray-{replica}")
+            if config.ep_nodes > 1:
+                # the group forms once every rank has come (Ray replaces it as one unit: no
+                # elastic re-forming inside a replica, whose exit would end them all)
+                config, self._store = _serve_rendezvous(replace(config, ep_settle_s=600.0))
+                self.hosts = start_rank_hosts(role, worker_id, config)
             self.ranks = start_follower_ranks(role, worker_id, config)
             worker_id += "r0"
         self.service: WorkerService = service_cls(config, worker_id)
@@ -84,6 +99,11 @@ class ServiceReplica:
         if self.task.done():
             raise RuntimeError(f"{self.role} service stopped: {self.task.exception()!r}")
         gone = [p.pid for p in self.ranks if p.poll() is not None]
+        if self.hosts:
+            import ray
+
+            for lost in ray.get([host.exited.remote() for host in self.hosts], timeout=10):
+                gone += lost
         if gone:
             raise RuntimeError(f"expert-parallel rank process(es) {gone} exited")
         if not self.service.bus.connected:
@@ -100,6 +120,11 @@ class ServiceReplica:
         self.service.request_stop()
         for rank in self.ranks:
             rank.send_signal(signal.SIGTERM)
+        if self.hosts:
+            import ray
+
+            for host in self.hosts:
+                ray.kill(host)  # (its ranks get SIGTERM with it: PR_SET_PDEATHSIG)
         try:
             await asyncio.wait_for(asyncio.shield(self.task), timeout=30)
         finally:
@@ -118,14 +143,65 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_follower_ranks(role: str, worker_id: str, config: MeshConfig
-                         ) -> list[subprocess.Popen]:
-    """Ranks 1..N-1 of this replica's DEP group, as worker processes on this node."""
+def start_follower_ranks(role: str, worker_id: str, config: MeshConfig,
+                         ranks: range | None = None) -> list[subprocess.Popen]:
+    """Ranks of this replica's DEP group as worker processes on this node: 1..N-1, or with
+    the group over several nodes, this node's share after rank 0."""
     env = {**os.environ, **config.to_env()}
+    if ranks is None:
+        ranks = range(1, config.expert_parallel_size // max(1, config.ep_nodes))
     return [subprocess.Popen(
         [sys.executable, "-m", f"evenflow.{role}", f"{worker_id}r{rank}"],
         env={**env, "EVENFLOW_EP_RANK": str(rank)}, preexec_fn=_die_with_parent)
-        for rank in range(1, config.expert_parallel_size)]
+        for rank in ranks]
+
+
+def _serve_rendezvous(config: MeshConfig) -> tuple[MeshConfig, Any]:
+    """The group's rendezvous store, in this replica's process, on this node's address."""
+    from datetime import timedelta
+
+    import ray
+    import torch.distributed as dist
+
+    ip = ray.util.get_node_ip_address()
+    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    return replace(config, ep_rendezvous=f"{ip}:{store.port}"), store
+
+
+class RankHost:
+    """A DEP group's ranks on one of its other nodes (a Ray actor in the group's placement
+    group bundle): started as worker processes, watched, ended with the actor."""
+
+    def __init__(self, role: str, worker_id: str, env: dict[str, str], ranks: list[int]
+                 ) -> None:
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", f"evenflow.{role}", f"{worker_id}r{rank}"],
+            env={**os.environ, **env, "EVENFLOW_EP_RANK": str(rank)},
+            preexec_fn=_die_with_parent) for rank in ranks]
+
+    def exited(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is not None]
+
+
+def start_rank_hosts(role: str, worker_id: str, config: MeshConfig) -> list[Any]:
+    """One RankHost per other bundle of this replica's placement group (one per node)."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = get_current_placement_group()
+    if group is None:
+        raise RuntimeError("ep_nodes > 1 needs the replica's placement group")
+    per_node = config.expert_parallel_size // config.ep_nodes
+    env = config.to_env()
+    actor = ray.remote(RankHost)
+    return [actor.options(  # type: ignore[attr-defined]
+        name=f"rankhost-{worker_id}-{node}", num_cpus=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=node)).remote(
+        role, worker_id, env, list(range(node * per_node, (node + 1) * per_node)))
+        for node in range(1, config.ep_nodes)]
 
 
 def _autoscaling(args: dict[str, Any], policy: str | None,
@@ -147,10 +223,19 @@ def _autoscaling(args: dict[str, Any], policy: str | None,
 
 def _service_app(name: str, args: dict[str, Any], policy: str | None,
                  policy_kwargs: dict[str, Any] | None = None):
+    cpus = float(args.get("num_cpus", 0.5)) * max(1, int(args.get("expert_parallel_size", 1)))
+    nodes = int(args.get("ep_nodes", 1)) if name in ("prefill", "decode") else 1
+    spread: dict[str, Any] = {}
+    if nodes > 1 and int(args.get("expert_parallel_size", 1)) > 1:  # a group over K nodes
+        if int(args["expert_parallel_size"]) % nodes:
+            raise ValueError(f"expert_parallel_size {args['expert_parallel_size']} does not "
+                             f"split over ep_nodes {nodes}")
+        cpus /= nodes
+        spread = {"placement_group_bundles": [{"CPU": cpus}] * nodes,
+                  "placement_group_strategy": "STRICT_SPREAD"}
     deployment = serve.deployment(
         ServiceReplica, name=name, autoscaling_config=_autoscaling(args, policy, policy_kwargs),
-        ray_actor_options={"num_cpus": float(args.get("num_cpus", 0.5))
-                           * max(1, int(args.get("expert_parallel_size", 1)))},
+        ray_actor_options={"num_cpus": cpus}, **spread,
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30,
         max_ongoing_requests=1)
     return deployment.bind(name, args)  # type: ignore[attr-defined]  # (stubs: a Deployment)

@@ -24,8 +24,12 @@ from evenflow.services.launcher import (
 
 
 class LocalRayMesh:
-    def __init__(self, config: MeshConfig) -> None:
+    def __init__(self, config: MeshConfig, address: str | None = None) -> None:
+        """address: an existing Ray cluster's (`ray start --head` on one host, `ray start
+        --address` on the others): the applications are deployed there, spread over its
+        nodes, and NATS and Redis must be given (URLs every node reaches)."""
         self.config = config
+        self.address = address
         self.servers: list[LocalServer] = []
         self.credentials: dict[str, str] = {}  # role -> credentials file
         self._secrets: str | None = None
@@ -41,6 +45,11 @@ class LocalRayMesh:
         from evenflow.rayserve import app
 
         cfg = self.config
+        if self.address and not (cfg.nats_url and cfg.redis_url):
+            from evenflow.services.launcher import LaunchError
+
+            raise LaunchError("a Ray cluster's mesh needs NATS and Redis every node reaches "
+                              "(--nats-url, --redis-url)")
         if not cfg.nats_url and cfg.nats_auth:
             cfg = self._start_secure_nats(cfg)
         cfg = self.config = ensure_data_plane(cfg, self.servers)
@@ -48,9 +57,16 @@ class LocalRayMesh:
                                 for k, v in cfg.to_env().items()}
         # Logical CPUs, not cores: the services mostly wait on the network, and each replica
         # asks for a quarter; a small machine still fits the whole mesh.
-        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
-                 ignore_reinit_error=True)
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        if self.address:  # a cluster: its nodes' CPUs as they were started
+            ray.init(address=self.address, ignore_reinit_error=True)
+        else:
+            ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
+                     ignore_reinit_error=True)
+        # on a cluster, the HTTP proxy where the gateway's address is (the head), unless it
+        # binds every address (then one on every node)
+        everywhere = not self.address or cfg.host in ("0.0.0.0", "::")
+        serve.start(http_options={"host": cfg.host, "port": cfg.port},
+                    proxy_location="EveryNode" if everywhere else "HeadOnly")
         args = {**args, "num_cpus": 0.25}
 
         def of(role: str, **extra: Any) -> dict[str, Any]:
@@ -89,7 +105,7 @@ class LocalRayMesh:
             from ray import serve
 
             serve.shutdown()
-            ray.shutdown()
+            ray.shutdown()  # (a cluster's nodes stay up: only this client leaves)
         finally:
             for server in self.servers:
                 server.stop()

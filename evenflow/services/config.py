@@ -182,6 +182,10 @@ class MeshConfig:
     ep_ranks: str = ""
     ep_rendezvous: str = ""
     ep_settle_s: float = 3.0
+    # Under Ray (`evenflow up --ray --ep N --ep-nodes K`): each DEP group's ranks spread over
+    # K nodes (N / K on each) through a placement group, meeting through a rendezvous store
+    # its replica serves (evenflow/rayserve/app.py).
+    ep_nodes: int = 1
     # The engine's process-wide switches (engine/config.py ENGINE_SWITCHES: EVENFLOW_NATIVE_*,
     # EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every worker gets them.
     engine_switches: tuple[str, ...] = ()
