@@ -228,7 +228,9 @@ class GatewayClient:
                                deadline: float | None) -> WorkerState:
         """A decode worker with room for the prompt. While every live one is full the request
         waits (as in vLLM's waiting queue) for queue_timeout_s at most, then fails with
-        NO_CAPACITY (503); at once when no live worker could ever hold the prompt."""
+        NO_CAPACITY (503); at once when no live worker could ever hold the prompt, unless the
+        request is moving off a failed worker and no decode worker is live: then it waits
+        for one (as long) to come back."""
         if flight.admit_by is None:
             flight.admit_by = time.monotonic() + self.config.queue_timeout_s
         give_up = flight.admit_by if deadline is None else min(flight.admit_by, deadline)
@@ -243,9 +245,11 @@ class GatewayClient:
                 if not flight.refused:
                     flight.admit_by = None  # room at once: a later wait starts afresh
                 return decode
-            could_fit = [s for s in self.registry.live(Role.DECODE)
-                         if s.heartbeat.total_kv_blocks >= total_blocks + 1]
-            if not could_fit:
+            live = self.registry.live(Role.DECODE)
+            could_fit = [s for s in live if s.heartbeat.total_kv_blocks >= total_blocks + 1]
+            # a stream moving off a worker that died, with no decode worker live at all (a
+            # DEP group re-forming, a lone worker restarting): it waits for one, as for room
+            if not could_fit and not (exclude and not live):
                 raise RequestFailed(errors.NO_CAPACITY, "no live decode worker has room for "
                                     f"{total_blocks} KV blocks")
             if time.monotonic() >= give_up:

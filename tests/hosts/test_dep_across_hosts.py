@@ -3,13 +3,16 @@
 on B, started by `evenflow serve --ep 4 --ep-ranks ... --ep-rendezvous A:PORT`. The MoE
 all-to-alls go through shared memory on each host and gloo between them. Its completions
 equal the one-host engine's token for token; with B's processes killed, A's ranks re-form a
-group of two and serve within seconds; B back, the group takes its ranks again."""
+group of two and serve within seconds (a stream in flight migrates with its text unchanged);
+B back, the group takes its ranks again."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -21,15 +24,17 @@ from evenflow.services.launcher import find_binary
 pytestmark = pytest.mark.slow  # 4 rank processes on 2 hosts: ~60 s
 
 PROMPT, MAX_TOKENS = "count from 3 :", 12
+LONG_TOKENS = 40  # a stream in flight when host B dies (steps slowed to 40 ms: ~2 s long)
 RENDEZVOUS_PORT = 29400
 
 
 @pytest.fixture(scope="module")
-def expected() -> str:
-    """The one-host engine's greedy text (no expert parallelism), float32 as the mesh."""
-    out = LLM("tiny-moe", dtype="float32").generate(
-        [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return out[0].text
+def expected() -> dict[int, str]:
+    """The one-host engine's greedy texts (no expert parallelism), float32 as the mesh, by
+    max_tokens."""
+    llm = LLM("tiny-moe", dtype="float32")
+    return {n: llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0))[0].text
+            for n in (MAX_TOKENS, LONG_TOKENS)}
 
 
 class Deployment:
@@ -40,6 +45,7 @@ class Deployment:
         self.logs: list = []
         self.url = f"http://{self.a.address}:8000"
         a = self.a.address
+        self.env = {**os.environ, "EVENFLOW_DEBUG_STEP_DELAY_MS": "40"}
         self.common = ["--nats-url", f"nats://{a}:4222", "--redis-url", f"redis://{a}:6379",
                        "--model", "tiny-moe", "--dtype", "float32", "--prefill", "0",
                        "--ep", "4", "--ep-rendezvous", f"{a}:{RENDEZVOUS_PORT}"]
@@ -47,7 +53,7 @@ class Deployment:
     def start(self, host, argv, name) -> subprocess.Popen:
         log = (self.logdir / f"{name}.log").open("a")
         self.logs.append(log)
-        self.procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        self.procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env))
         return self.procs[-1]
 
     def serve(self, host, name, *args) -> subprocess.Popen:
@@ -107,11 +113,16 @@ def test_a_group_over_two_hosts_matches_one_host(dep2, expected):
     assert (0, 4) in dep2.group_sizes()  # one epoch, every rank in it
     for _ in range(3):  # each rank takes requests of its own (data-parallel attention)
         text = until_served(dep2.a, dep2.url, 60, prompt=PROMPT, max_tokens=MAX_TOKENS)
-        assert text == expected
+        assert text == expected[MAX_TOKENS]
 
 
 def test_the_survivors_serve_and_take_the_lost_host_back(dep2, three_hosts, expected):
     until_decode_workers(dep2, 4, 180)
+    in_flight: list = []  # a stream running when B dies: it migrates, its text unchanged
+    stream = threading.Thread(target=lambda: in_flight.append(complete(
+        dep2.a, dep2.url, timeout_s=120, prompt=PROMPT, max_tokens=LONG_TOKENS)))
+    stream.start()
+    time.sleep(1.0)
     three_hosts.kill_processes(dep2.b)  # host B's serve and both its ranks, SIGKILL
     killed = time.monotonic()
     until_served(dep2.a, dep2.url, 30, prompt=PROMPT, max_tokens=MAX_TOKENS)
@@ -119,7 +130,10 @@ def test_the_survivors_serve_and_take_the_lost_host_back(dep2, three_hosts, expe
     sizes = dep2.group_sizes()
     assert any(n == 2 for _, n in sizes), sizes  # A's ranks alone, as a group of two
     assert took < 10, f"served again {took:.1f} s after host B's ranks died"
-    assert complete(dep2.a, dep2.url, prompt=PROMPT, max_tokens=MAX_TOKENS) == (200, expected)
+    assert complete(dep2.a, dep2.url, prompt=PROMPT, max_tokens=MAX_TOKENS) == (
+        200, expected[MAX_TOKENS])
+    stream.join(130)
+    assert in_flight == [(200, expected[LONG_TOKENS])]
     # B comes back: its ranks ask to join, the group re-forms with all four
     dep2.serve(dep2.b, "host-b", "--roles", "decode", "--ep-ranks", "2,3")
     deadline = time.monotonic() + 120
@@ -129,4 +143,4 @@ def test_the_survivors_serve_and_take_the_lost_host_back(dep2, three_hosts, expe
     until_decode_workers(dep2, 4, 60)
     for _ in range(3):
         assert until_served(dep2.a, dep2.url, 60, prompt=PROMPT,
-                            max_tokens=MAX_TOKENS) == expected
+                            max_tokens=MAX_TOKENS) == expected[MAX_TOKENS]
