@@ -13,6 +13,7 @@ import time
 import pytest
 from mesh_client import complete, until_served
 
+from evenflow.dev.hosts import HostsUnavailable
 from evenflow.services.launcher import find_binary
 
 pytestmark = pytest.mark.slow  # three hosts' services: ~40 s
@@ -93,3 +94,18 @@ def test_a_host_cut_off_and_back(mesh3, three_hosts):
     finally:
         three_hosts.set_link(c, up=True)
     assert until_served(a, url, 90).split() == ["7", "8", "9"]
+
+
+def test_a_lossy_link(mesh3, three_hosts):
+    """2% of the decode host's packets lost (netem): TCP recovers them; the mesh serves the
+    same text within a bounded time. Skipped where the kernel has no netem."""
+    (a, _, c), url, _ = mesh3
+    until_served(a, url, 120)
+    try:
+        three_hosts.netem(c, loss_pct=2.0, rate="10gbit")
+    except HostsUnavailable as exc:
+        pytest.skip(f"no packet loss here: {exc}")
+    try:
+        assert until_served(a, url, 60).split() == ["7", "8", "9"]
+    finally:
+        three_hosts.netem(c, rate="10gbit")  # (tbf only: the loss is gone)

@@ -43,6 +43,17 @@ def test_kuberay_manifest_is_a_rayservice_with_a_valid_serve_config():
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     schema.ServeDeploySchema.model_validate(serve_config)
     assert manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    # decode's DEP groups span two nodes: a placement group of one bundle per node
+    pytest.importorskip("ray")
+    from evenflow.rayserve.app import decode_app
+
+    (decode,) = [a for a in serve_config["applications"] if a["name"] == "decode"]
+    assert decode["args"]["ep_nodes"] == 2
+    replica = decode_app(decode["args"])._bound_deployment._replica_config
+    assert len(replica.placement_group_bundles) == 2
+    assert replica.placement_group_strategy == "STRICT_SPREAD"
+    workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert workers["minReplicas"] >= 2
 
 
 def test_compose_has_the_data_plane_jaeger_and_every_service():
