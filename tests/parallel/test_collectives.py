@@ -85,6 +85,10 @@ def hierarchical(rank: int, world: int, name: str, port: int, hosts: list[str]) 
     counts = [(rank + d) % 3 for d in range(world)]
     rows = torch.arange(sum(counts) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
     same = torch.equal(group.all_to_all(rows, counts), flat.all_to_all(rows, counts))
+    # above FLAT_ALL_TO_ALL_ABOVE per rank the rows go flat: the same result
+    big = [(rank + d) % 3 * 400 for d in range(world)]  # 4 KiB rows: ~5 MiB per rank
+    rows = torch.randn(sum(big), 1024, generator=torch.Generator().manual_seed(rank))
+    same = same and torch.equal(group.all_to_all(rows, big), flat.all_to_all(rows, big))
     group.barrier()
     group.close()
     return [summed.tolist(), gathered.view(-1).tolist(), same]
