@@ -6,10 +6,12 @@ workers by default (real block managers, prefix caches and KV events; a timing m
 the model), or the real default model with `--real`. Printed per policy: prefix hit rate (cached
 prompt tokens / prompt tokens) next to the oracle's (each request's longest prefix held anywhere
 in the fleet, assuming nothing is evicted), prefill tokens computed, TTFT p50/p90, ITL p99,
-throughput, and for `kv` the gateway's mean KV index match time under that load (a Redis round
-trip: on a machine whose cores the workers keep busy it costs more than on an idle one). Then a
-workload with no shared prefixes (KV-aware must not cost throughput), the KV index's match
-latency for 128 and 1,024 blocks on an idle machine, and its write throughput.
+throughput, and for `kv` the gateway's mean KV index match time under that load. Then the same
+KV-aware run routing from Redis alone: decision p50 / p99 (hashing, match, picking workers) and
+hit rate, the gateway's own index copy (kv_index/local_copy.py) against Redis round trips. Then
+a workload with no shared prefixes (KV-aware must not cost throughput), the KV index's match
+latency for 128 and 1,024 blocks on an idle machine (Redis, and the gateway's copy), and its
+write throughput.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class PolicyResult:
     wall: float = 0.0
     errors: int = 0
     lookup_s: float | None = None  # mean KV index match at the gateway, under this load
+    # routing decision p50 / p99 at the gateway (histogram quantiles), and where its index
+    # matches were answered
+    decision: tuple[float, float] | None = None
+    lookups: dict[str, float] = field(default_factory=dict)
 
 
 class Oracle:
@@ -132,7 +138,7 @@ async def run_workload(url: str, model: str, w: Workload, tokenizer, oracle: Ora
 
 
 def run_policy(policy: str, args: argparse.Namespace, w: Workload,
-               multi_turn: bool) -> PolicyResult:
+               multi_turn: bool, local_copy: bool = True) -> PolicyResult:
     from evenflow.proto.tokenizer import Tokenizer
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
@@ -143,7 +149,8 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
         ("decode_load_weight", args.decode_load_weight)) if value is not None}
     config = MeshConfig(port=0, model=args.model, engine="torch" if args.real else "mock",
                         router=policy, num_prefill=args.prefill, num_decode=args.decode,
-                        kv_cache_gb=0.25, threads_per_worker=1, **overrides)
+                        kv_cache_gb=0.25, threads_per_worker=1,
+                        kv_index_local_copy=local_copy, **overrides)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:
@@ -156,6 +163,7 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
         result = run_client(run_workload(mesh.url, config.model_name, w, tokenizer, oracle,
                                           seed=1, multi_turn=multi_turn))
         result.lookup_s = mean_lookup_seconds(mesh.url)
+        result.decision, result.lookups = decision_figures(mesh.url)
         return result
     finally:
         mesh.stop()
@@ -167,6 +175,57 @@ def mean_lookup_seconds(url: str) -> float | None:
     found = {name: float(value) for name, value in re.findall(
         r"^evenflow_kv_lookup_seconds_(sum|count) (\S+)$", text, re.MULTILINE)}
     return found["sum"] / found["count"] if found.get("count") else None
+
+
+def decision_figures(url: str) -> tuple[tuple[float, float] | None, dict[str, float]]:
+    """The gateway's routing decision p50 / p99 (interpolated in its histogram's buckets, as
+    Prometheus' histogram_quantile does) and its index matches by source."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    buckets = sorted((float("inf") if le == "+Inf" else float(le), float(n)) for le, n in
+                     re.findall(r'^evenflow_route_decision_seconds_bucket\{le="([^"]+)"\} (\S+)$',
+                                text, re.MULTILINE))
+    sources = {src: float(n) for src, n in re.findall(
+        r'^evenflow_kv_lookups_total\{source="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+    if not buckets or not buckets[-1][1]:
+        return None, sources
+    return (histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)), sources
+
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """q-quantile of cumulative (upper bound, count) buckets, linear inside a bucket."""
+    total = buckets[-1][1]
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def local_match_latency(blocks: int, members: int = 16, calls: int = 300
+                        ) -> tuple[float, float]:
+    """p50 / p99 seconds of the gateway's own index copy answering the same match as
+    match_latency (the same members holding the same shares)."""
+    from evenflow.kv_index.local_copy import LocalIndex
+    from evenflow.proto.messages import KVSnapshot, Role
+
+    hashes = chain_hashes(list(range(blocks * 16)), 16)
+    index = LocalIndex()
+    live = {f"w{m}": "e" for m in range(members)}
+    for m in range(members):
+        index.apply(KVSnapshot(worker_id=f"w{m}", role=Role.DECODE, epoch="e", seq=0,
+                               block_hashes=hashes[: blocks * (m + 1) // members]))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        got = index.match(hashes, live)
+        times.append(time.perf_counter() - t0)
+    assert max(got.values()) == blocks
+    return percentile(times, 50), percentile(times, 99)
 
 
 async def match_latency(blocks: int, members: int = 16,
@@ -317,6 +376,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{percentile(r.ttfts, 90) * 1e3:8.1f}ms {percentile(r.itls, 99) * 1e3:7.1f}ms "
               f"{r.output_tokens / r.wall:8.1f} {r.errors:6d} "
               f"{'-' if r.lookup_s is None else f'{r.lookup_s * 1e3:.2f}ms':>9}")
+    if "kv" in results:  # the same workload, routing from Redis alone
+        redis_only = run_policy("kv", args, w, True, local_copy=False)
+        print("\nKV-aware routing decisions under this load (hashing, index match, picking "
+              "the workers), the gateway's own index copy vs Redis only:")
+        print(f"{'index':12} {'hit rate':>9} {'decision p50':>13} {'p99':>9} {'from copy':>10} "
+              f"{'from Redis':>11}")
+        for name, r in (("local copy", results["kv"]), ("Redis only", redis_only)):
+            hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
+            p50, p99 = r.decision or (0.0, 0.0)
+            print(f"{name:12} {hit:9.3f} {p50 * 1e3:11.3f}ms {p99 * 1e3:7.3f}ms "
+                  f"{r.lookups.get('local', 0):10.0f} {r.lookups.get('redis', 0):11.0f}")
     if "round_robin" in results and "kv" in results:
         rr, kv = results["round_robin"], results["kv"]
         ttft_ratio = percentile(kv.ttfts, 50) / percentile(rr.ttfts, 50)
@@ -334,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         p50, p99, hashed = asyncio.run(match_latency(blocks))
         print(f"  match {blocks:5d} blocks: p50 {p50 * 1e3:.3f} ms  p99 {p99 * 1e3:.3f} ms  "
               f"(hashing the {blocks * 16:,} tokens + match: p50 {hashed * 1e3:.3f} ms)")
+        p50, p99 = local_match_latency(blocks)
+        print(f"  the gateway's own copy, {blocks:5d} blocks: p50 {p50 * 1e3:.3f} ms  "
+              f"p99 {p99 * 1e3:.3f} ms")
     rate = asyncio.run(write_throughput(10_000 if args.quick else 50_000))
     print(f"  write throughput (NATS -> kv_index -> Redis): {rate:,.0f} block events/s")
     return 0

@@ -26,6 +26,7 @@ from opentelemetry.context import Context
 from evenflow.gateway.replies import DeltaQueue, Ordering
 from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState
 from evenflow.kv_index.client import KVIndexClient
+from evenflow.kv_index.local_copy import LocalIndex
 from evenflow.kv_index.store import Keys
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
@@ -34,6 +35,9 @@ from evenflow.proto.messages import (
     Cancel,
     DecodeRequest,
     ErrorMessage,
+    KVEvents,
+    KVResyncRequest,
+    KVSnapshot,
     Message,
     PrefillRequest,
     ProfileRequest,
@@ -48,11 +52,14 @@ from evenflow.services.bus import Bus, MessageBus
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
     CACHED_TOKENS,
+    KV_INDEX_FALLBACKS,
     KV_LOOKUP_SECONDS,
+    KV_LOOKUPS,
     LIVE_WORKERS,
     PREDICTED_CACHED_TOKENS,
     PROMPT_TOKENS,
     RETRIES,
+    ROUTE_DECISION_SECONDS,
     ROUTING_DECISIONS,
 )
 
@@ -84,6 +91,7 @@ class _Flight:
     # next heartbeat (which says whether room came back)
     refused: dict[str, float] = field(default_factory=dict)
     admit_by: float | None = None  # waiting for room since: give up at this time.monotonic()
+    waited_s: float = 0.0  # waiting for a decode worker with room (not routing time)
 
 
 class GatewayClient:
@@ -100,6 +108,10 @@ class GatewayClient:
         self.kv = KVIndexClient(config.redis_url, Keys(config.redis_prefix),
                                 config.kv_lookup_timeout_s, config.prediction_ttl_ms) if (
             config.redis_url and config.router == "kv") else None
+        # this gateway's own copy of the index, from the KV-event stream (Redis answers while
+        # it is behind)
+        self.kv_copy = LocalIndex() if self.kv is not None and config.kv_index_local_copy \
+            else None
         self.flights: dict[str, _Flight] = {}
         self._profiles: dict[str, asyncio.Future[ProfileResult]] = {}  # POST /admin/profile
         self._heartbeats: asyncio.Task | None = None
@@ -128,6 +140,8 @@ class GatewayClient:
                                security=self.config.nats_security())
         await self.bus.subscribe(self.inbox, self._on_inbox)
         await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
+        if self.kv_copy is not None:
+            await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv_events)
         self._heartbeats = asyncio.create_task(self._heartbeat(), name="gateway heartbeats")
 
     async def _connect_until_up(self) -> None:
@@ -151,7 +165,30 @@ class GatewayClient:
                     beat, sent_at=time.time(), running=len(self.flights)))
             except Exception:  # NATS down: the bus reconnects; try again next beat
                 log.warning("gateway heartbeat failed")
+            if self.kv_copy is not None:
+                await self._resync_copy(self.kv_copy)
             await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _resync_copy(self, copy: LocalIndex) -> None:
+        """Ask the workers this gateway's index copy is behind for their snapshots; forget
+        the ones that left."""
+        for gone in [w for w in copy.workers if w not in self.registry.workers]:
+            copy.forget(gone)
+        for worker_id in copy.to_resync(self._live_epochs()):
+            try:
+                await self.bus.publish(subjects.kv_resync(worker_id),
+                                       KVResyncRequest(worker_id=worker_id))
+            except Exception:  # NATS down: asked again on a later beat
+                return
+
+    def _on_kv_events(self, message: Message, _ctx: Context) -> None:
+        if isinstance(message, KVEvents | KVSnapshot) and self.kv_copy is not None:
+            self.kv_copy.apply(message)
+
+    def _live_epochs(self) -> dict[str, str]:
+        """Live prefill and decode workers -> their current epochs."""
+        return {s.worker_id: s.heartbeat.epoch for role in WORKER_ROLES
+                for s in self.registry.live(role)}
 
     async def close(self) -> None:
         for task in (self._heartbeats, self._connecting):
@@ -219,6 +256,13 @@ class GatewayClient:
             return {}
         started = time.perf_counter()
         try:
+            if self.kv_copy is not None:
+                live = self._live_epochs()
+                if not self.kv_copy.behind(live):
+                    KV_LOOKUPS.labels(source="local").inc()
+                    return self.kv.with_predictions(self.kv_copy.match(hashes, live), hashes)
+                KV_INDEX_FALLBACKS.labels(reason="behind").inc()
+            KV_LOOKUPS.labels(source="redis").inc()
             return await self.kv.lookup(hashes, self.registry.epoch_of)
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
@@ -255,7 +299,9 @@ class GatewayClient:
             if time.monotonic() >= give_up:
                 raise RequestFailed(errors.NO_CAPACITY, "no decode worker had room within "
                                     f"{self.config.queue_timeout_s:g} s")
+            slept = time.perf_counter()
             await asyncio.sleep(ROOM_POLL_S)
+            flight.waited_s += time.perf_counter() - slept
 
     async def _send(self, request_id: str, flight: _Flight, prompt: list[int],
                     spec: SamplingSpec, exclude: set[str], force_local: bool,
@@ -263,6 +309,8 @@ class GatewayClient:
         """Route the request and publish it; raises RequestFailed when nothing can take it."""
         bs = self.config.block_size
         queued_at = time.monotonic()
+        decided = time.perf_counter()
+        flight.waited_s = 0.0
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
             total = -(-len(prompt) // bs)
@@ -281,6 +329,7 @@ class GatewayClient:
                 local = True  # no prefill worker: the decode worker prefills
             computing = decode if local else prefill
             assert computing is not None
+            ROUTE_DECISION_SECONDS.observe(time.perf_counter() - decided - flight.waited_s)
             hit = matched.get(computing.worker_id, 0)
             if reason == "kv":
                 reason = "kv_hit" if hit else "kv_miss"

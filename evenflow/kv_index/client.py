@@ -62,6 +62,12 @@ class KVIndexClient:
             worker_id, epoch = store.split_member(member)
             if epoch_of(worker_id) == epoch:
                 matched[worker_id] = blocks
+        return self.with_predictions(matched, block_hashes)
+
+    def with_predictions(self, matched: dict[str, int], block_hashes: list[int]
+                         ) -> dict[str, int]:
+        """`matched` (from Redis or the gateway's own copy) merged with this gateway's live
+        predictions."""
         for worker_id, blocks in self._local_prefix(block_hashes).items():
             matched[worker_id] = max(matched.get(worker_id, 0), blocks)
         return matched

@@ -53,9 +53,12 @@ class GlooGroup:
         summed = self.all_reduce(tensor.clone())
         return summed.tensor_split(self.world_size)[self.rank].clone()
 
-    def all_to_all(self, tensor: Tensor, send_counts: list[int]) -> Tensor:
+    def all_to_all(self, tensor: Tensor, send_counts: list[int],
+                   matrix: Tensor | None = None) -> Tensor:
+        """matrix: every rank's send_counts [src, dst], when the caller gathered them."""
         # gloo's all_to_all takes equal sizes only: every chunk padded to the largest
-        matrix = self.all_gather(torch.tensor(send_counts, dtype=torch.int64))  # [src, dst]
+        if matrix is None:
+            matrix = self.all_gather(torch.tensor(send_counts, dtype=torch.int64))
         incoming, width = matrix[:, self.rank].tolist(), int(matrix.max())
         rows = tensor.contiguous()
         sends = []

@@ -109,7 +109,7 @@ class HierarchicalGroup:
         rows = tensor.contiguous()
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         if int(matrix.sum()) * row_bytes > FLAT_ALL_TO_ALL_ABOVE * W:  # (the same on every rank)
-            return self.flat.all_to_all(rows, send_counts)
+            return self.flat.all_to_all(rows, send_counts, matrix)
         counts = matrix.tolist()
         empty = rows[:0]
         local = self.local_ranks

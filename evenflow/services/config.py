@@ -117,6 +117,9 @@ class MeshConfig:
     # shipped; a chat's next turn thus reuses the previous answer, which only the decode worker
     # holds. 0 disables (every prompt goes to a prefill worker).
     local_prefill_threshold: int = 128
+    # Each gateway keeps its own copy of the KV block index from the KV-event stream and routes
+    # from it; Redis answers while the copy is behind (kv_index/local_copy.py). False: Redis only.
+    kv_index_local_copy: bool = True
     decode_retries: int = 2  # other workers tried when one fails or stops responding
     # A request no live decode worker has KV room for waits this long for one (as in vLLM's
     # waiting queue), then fails with 503.

@@ -29,7 +29,19 @@ LIVE_WORKERS = Gauge("evenflow_live_workers", "Workers with a fresh heartbeat", 
 ROUTING_DECISIONS = Counter("evenflow_routing_decisions_total", "Requests routed, by reason",
                             ["reason"])
 KV_LOOKUP_SECONDS = Histogram("evenflow_kv_lookup_seconds", "KV index match latency at the gateway",
-                              buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05))
+                              buckets=(0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.001, 0.002,
+                                       0.005, 0.01, 0.05))
+# A routing decision: hashing the prompt, the index match, picking the workers (not the wait for
+# a worker with room, nor the publish)
+ROUTE_DECISION_SECONDS = Histogram(
+    "evenflow_route_decision_seconds", "A routing decision at the gateway",
+    buckets=(0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01,
+             0.05))
+KV_LOOKUPS = Counter("evenflow_kv_lookups_total",
+                     "KV index matches at the gateway, by where they were answered", ["source"])
+KV_INDEX_FALLBACKS = Counter(
+    "evenflow_kv_index_fallbacks_total",
+    "Matches the gateway's local copy of the index could not answer (sent to Redis)", ["reason"])
 PROMPT_TOKENS = Counter("evenflow_prompt_tokens_total", "Prompt tokens served", ["worker"])
 CACHED_TOKENS = Counter("evenflow_cached_prompt_tokens_total",
                         "Prompt tokens served from a prefix cache (actual)", ["worker"])

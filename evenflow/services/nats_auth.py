@@ -4,8 +4,8 @@ read (mode 0600; never argv, never the environment: a service gets only the path
 
 Permissions (`{id}` is the service's own id; P = "evenflow"):
 
-  gateway        pub P.prefill.*, P.decode.*, P.heartbeat.gateway.*
-                 sub P.gateway.*, P.heartbeat.>
+  gateway        pub P.prefill.*, P.decode.*, P.kv.resync.*, P.heartbeat.gateway.*
+                 sub P.gateway.*, P.heartbeat.>, P.kv.events (its copy of the KV index)
   prefill-{id}   pub P.gateway.*, P.kvx.*, P.kv.events, P.eplb.load, P.heartbeat.prefill.{id}
                  sub P.prefill.{id}, P.kv.resync.{id}, P.eplb.placement, P.heartbeat.gateway.*
   decode-{id}    pub P.gateway.*, P.kv.events, P.eplb.load, P.heartbeat.decode.{id}
@@ -58,8 +58,9 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
                  subjects.heartbeat("gateway", "*"))
     worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat)
     table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-        "gateway": ((f"{P}.prefill.*", f"{P}.decode.*", subjects.heartbeat("gateway", "*")),
-                    (f"{P}.gateway.*", subjects.HEARTBEATS)),
+        "gateway": ((f"{P}.prefill.*", f"{P}.decode.*", subjects.kv_resync("*"),
+                     subjects.heartbeat("gateway", "*")),
+                    (f"{P}.gateway.*", subjects.HEARTBEATS, subjects.KV_EVENTS)),
         "prefill": ((*worker_out, subjects.kv_transfer("*")),
                     (subjects.prefill_worker(worker_id), *worker_in)),
         "decode": (worker_out,

@@ -134,16 +134,47 @@ def test_burst_sharing_a_new_prefix_sticks_to_one_worker(sticky_mesh):
     assert metric(kv_mesh, name, worker="all") == 0
 
 
-def test_redis_outage_routes_by_load_and_recovers(kv_mesh):
+@pytest.fixture(params=[False, True], ids=["redis-only", "local-copy"])
+def outage_mesh(request):
+    config = MeshConfig(port=0, engine="mock", num_prefill=2, num_decode=1, num_kv_blocks=128,
+                        heartbeat_interval_s=0.2, worker_timeout_s=1.5,
+                        local_prefill_threshold=0, kv_index_local_copy=request.param)
+    mesh = LocalMesh(config)
+    mesh.start(health_timeout_s=120)
+    yield mesh
+    mesh.stop()
+
+
+def test_redis_outage_costs_no_request_and_the_index_recovers(outage_mesh):
+    """Redis down: with Redis only, routing goes by load (`redis_unavailable`); with the
+    gateway's own copy of the index, routing still finds the cached prefix. Either way no
+    request fails, and Redis, back empty, is rebuilt from the workers' snapshots."""
+    kv_mesh = outage_mesh
+    local_copy = kv_mesh.config.kv_index_local_copy
     redis_server = next(s for s in kv_mesh.servers if s.kind == "redis")
     tokens = prompt(40)
     complete(kv_mesh, tokens)
+    if local_copy:  # the copy syncs from the workers' snapshots within a few beats
+
+        def routed_from_the_copy() -> bool:
+            complete(kv_mesh, tokens)
+            return metric(kv_mesh, "evenflow_kv_lookups_total", source="local") > 0
+
+        assert wait_for(routed_from_the_copy, timeout=10)
     redis_server.stop()
     started = time.monotonic()
+    hits = metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit")
     for seed in range(41, 45):
         complete(kv_mesh, prompt(seed))  # no request fails
+    out = complete(kv_mesh, tokens)
     assert time.monotonic() - started < 10
-    assert metric(kv_mesh, "evenflow_routing_decisions_total", reason="redis_unavailable") >= 4
+    unavailable = metric(kv_mesh, "evenflow_routing_decisions_total", reason="redis_unavailable")
+    if local_copy:
+        assert unavailable == 0
+        assert metric(kv_mesh, "evenflow_routing_decisions_total", reason="kv_hit") > hits
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    else:
+        assert unavailable >= 5
     restarted = start_redis(redis_server.port)  # empty: the index must resync
     kv_mesh.servers[kv_mesh.servers.index(redis_server)] = restarted
     r = redis.Redis.from_url(restarted.url)

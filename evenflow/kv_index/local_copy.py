@@ -1,0 +1,143 @@
+"""A gateway's own copy of the KV block index, fed by the workers' KV-event stream (the one the
+KV index service writes to Redis), so that a routing decision is a dictionary walk instead of a
+Redis round trip. Redis stays the source of truth: a copy that is behind for a worker — it has
+not seen that worker's snapshot yet, or it missed an event (a gap in the worker's sequence) —
+says so, and the caller asks Redis instead (and counts it) until the worker's snapshot, which
+the copy asks for itself, arrives.
+
+Members are (worker, epoch) as in Redis; a worker's new epoch replaces its old member.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from evenflow.proto.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvents,
+    KVSnapshot,
+)
+
+RESYNC_EVERY_S = 2.0  # a worker not yet synced is asked for its snapshot at most this often
+
+
+@dataclass
+class _Copy:
+    epoch: str
+    last_seq: int = 0
+    synced: bool = False  # a snapshot, then every event since, without a gap
+    blocks: set[int] = field(default_factory=set)
+    asked_at: float = 0.0  # when its snapshot was last requested
+
+
+class LocalIndex:
+    def __init__(self) -> None:
+        self.workers: dict[str, _Copy] = {}  # worker_id -> its copy
+        self.holders: dict[int, set[str]] = {}  # block hash -> worker ids holding it
+        self.events = 0
+
+    def _copy(self, worker_id: str, epoch: str) -> _Copy:
+        copy = self.workers.get(worker_id)
+        if copy is None or copy.epoch != epoch:  # new, or restarted: forget the old epoch
+            if copy is not None:
+                self._drop_blocks(worker_id, copy)
+            copy = self.workers[worker_id] = _Copy(epoch)
+        return copy
+
+    def _drop_blocks(self, worker_id: str, copy: _Copy) -> None:
+        for h in copy.blocks:
+            held = self.holders.get(h)
+            if held is not None:
+                held.discard(worker_id)
+                if not held:
+                    del self.holders[h]
+        copy.blocks = set()
+
+    def apply(self, message: KVEvents | KVSnapshot) -> None:
+        """One message of the KV-event stream."""
+        copy = self._copy(message.worker_id, message.epoch)
+        if isinstance(message, KVSnapshot):
+            if copy.synced and message.seq <= copy.last_seq:
+                return  # (another subscriber's resync: we are current already)
+            self._drop_blocks(message.worker_id, copy)
+            for h in message.block_hashes:
+                self._add(message.worker_id, copy, h)
+            copy.synced, copy.last_seq = True, message.seq
+            return
+        if not copy.synced or message.seq <= copy.last_seq:
+            return  # a snapshot will cover it, or we have it already
+        if message.seq != copy.last_seq + 1:
+            copy.synced = False  # missed some: behind until a snapshot
+            return
+        copy.last_seq = message.seq
+        for event in message.events:
+            self.events += 1
+            if isinstance(event, AllBlocksCleared):
+                self._drop_blocks(message.worker_id, copy)
+            elif isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    self._add(message.worker_id, copy, h)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    copy.blocks.discard(h)
+                    held = self.holders.get(h)
+                    if held is not None:
+                        held.discard(message.worker_id)
+                        if not held:
+                            del self.holders[h]
+
+    def _add(self, worker_id: str, copy: _Copy, h: int) -> None:
+        copy.blocks.add(h)
+        self.holders.setdefault(h, set()).add(worker_id)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that left."""
+        copy = self.workers.pop(worker_id, None)
+        if copy is not None:
+            self._drop_blocks(worker_id, copy)
+
+    def behind(self, live: dict[str, str]) -> list[str]:
+        """Live workers (worker_id -> current epoch) this copy cannot answer for."""
+        return [w for w, epoch in live.items()
+                if (copy := self.workers.get(w)) is None or copy.epoch != epoch
+                or not copy.synced]
+
+    def to_resync(self, live: dict[str, str], now: float | None = None) -> list[str]:
+        """Behind workers whose snapshot was not asked for within RESYNC_EVERY_S (marked
+        asked now)."""
+        now = time.monotonic() if now is None else now
+        due = []
+        for w in self.behind(live):
+            copy = self._copy(w, live[w])
+            if now - copy.asked_at >= RESYNC_EVERY_S:
+                copy.asked_at = now
+                due.append(w)
+        return due
+
+    def match(self, block_hashes: list[int], live: dict[str, str]) -> dict[str, int]:
+        """worker_id -> how many leading blocks of `block_hashes` it holds (live workers)."""
+        holders = self.holders
+        first = holders.get(block_hashes[0]) if block_hashes else None
+        if not first:
+            return {}
+        candidates = first & live.keys()
+        matched: dict[str, int] = {}
+        for i, h in enumerate(block_hashes):
+            held = holders.get(h)
+            if held is None:
+                break
+            if candidates <= held:  # (the usual case: nobody's run ends here)
+                continue
+            for w in candidates - held:
+                matched[w] = i
+            candidates = candidates & held
+            if not candidates:
+                break
+        else:
+            i = len(block_hashes)
+        for w in candidates:
+            matched[w] = i
+        return matched
