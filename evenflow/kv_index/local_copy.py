@@ -1,11 +1,14 @@
 """A gateway's own copy of the KV block index, fed by the workers' KV-event stream (the one the
-KV index service writes to Redis), so that a routing decision is a dictionary walk instead of a
-Redis round trip. Redis stays the source of truth: a copy that is behind for a worker — it has
+KV index service writes to Redis), so that a routing decision is a few set lookups (the same
+binary search per worker as the Redis script) instead of a Redis round trip. Redis stays the source of truth: a copy that is behind for a worker — it has
 not seen that worker's snapshot yet, or it missed an event (a gap in the worker's sequence) —
 says so, and the caller asks Redis instead (and counts it) until the worker's snapshot, which
 the copy asks for itself, arrives.
 
-Members are (worker, epoch) as in Redis; a worker's new epoch replaces its old member.
+Members are (worker, epoch) as in Redis; a worker's new epoch replaces its old member. Not in
+the copy: the other gateways' predictions (Redis has them; this gateway's own stay merged in,
+kv_index/client.py), so with several gateways a burst sharing a new prefix sticks a little less
+across gateways than through Redis.
 """
 
 from __future__ import annotations
@@ -118,26 +121,22 @@ class LocalIndex:
         return due
 
     def match(self, block_hashes: list[int], live: dict[str, str]) -> dict[str, int]:
-        """worker_id -> how many leading blocks of `block_hashes` it holds (live workers)."""
-        holders = self.holders
-        first = holders.get(block_hashes[0]) if block_hashes else None
+        """worker_id -> how many leading blocks of `block_hashes` it holds (live workers), as
+        the Redis index answers it (store.MATCH): the workers holding the first block, each
+        by a binary search for its run's end (a worker's holdings are prefix-closed: a block
+        is cached only with its parents, and evicted before them)."""
+        first = self.holders.get(block_hashes[0]) if block_hashes else None
         if not first:
             return {}
-        candidates = first & live.keys()
         matched: dict[str, int] = {}
-        for i, h in enumerate(block_hashes):
-            held = holders.get(h)
-            if held is None:
-                break
-            if candidates <= held:  # (the usual case: nobody's run ends here)
-                continue
-            for w in candidates - held:
-                matched[w] = i
-            candidates = candidates & held
-            if not candidates:
-                break
-        else:
-            i = len(block_hashes)
-        for w in candidates:
-            matched[w] = i
+        for w in first & live.keys():
+            blocks = self.workers[w].blocks
+            lo, hi = 1, len(block_hashes)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if block_hashes[mid - 1] in blocks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            matched[w] = lo
         return matched
