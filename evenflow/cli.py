@@ -178,6 +178,11 @@ def _up(args: argparse.Namespace) -> int:
         if isinstance(mesh, LocalMesh):
             print("metrics: " + ", ".join(f"{name} {url}" for name, url in
                                           mesh.metrics_urls().items()), flush=True)
+            admin = mesh.credentials.get(("admin", ""))
+            if admin and (not roles or "gateway" in roles):
+                print(f"operators: evenflow doctor --url {mesh.url} --nats {c.nats_url} "
+                      f"--nats-credentials {admin}  (the admin user's credentials, mode 0600)",
+                      flush=True)
         if not roles or "gateway" in roles:
             print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: "
                   "application/json' "

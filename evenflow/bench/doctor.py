@@ -16,8 +16,11 @@ client's own timings, prints:
 - a verdict naming the slowest layer and instance, with the evidence.
 `--json FILE` writes the same as JSON, `--png FILE` the waterfall as a chart.
 
-`--url URL` points it at a running mesh instead (its gateway): the workload goes there, and the
-traces come from the mesh's services if they export to the doctor's receiver — start the mesh
+`--url URL` points it at a running mesh instead (its gateway): the workload goes there. With
+`--nats URL` (the mesh's NATS, with rights to read every subject: the admin user's) it compares
+the workers from their heartbeats (prefill: engine step time per prompt token; decode: time per
+output token as each stream saw it), however the mesh was started. The phases come from
+traces, if the services export to the doctor's receiver — start the mesh
 with OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT and give the doctor `--otlp-port PORT`
 (default 4318, OTLP/HTTP's port); `--otlp-host 0.0.0.0` when the services run elsewhere. An API
 key, if the gateway needs one, comes from OPENAI_API_KEY. Without traces it still reports the
@@ -62,7 +65,10 @@ def _ms(values: list[float]) -> dict:
 
 
 def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
-            loop_lag_p99_s: float | None, ep_ranks: list[dict] | None = None) -> dict:
+            loop_lag_p99_s: float | None, ep_ranks: list[dict] | None = None,
+            from_heartbeats: list[dict] | None = None) -> dict:
+    """from_heartbeats: per-worker costs from the workers' heartbeats (WorkerStepWatch), used
+    for the workers no trace covers (a mesh started without tracing)."""
     by_name: dict[str, list[ReceivedSpan]] = defaultdict(list)
     for span in spans:
         by_name[span.name].append(span)
@@ -92,6 +98,10 @@ def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
                     "p50": (1 - accounted) * ttft_p50 * 1e3 if ttfts else None, "p99": None,
                     "share": 1 - accounted if ttfts else None, "of": "TTFT", "spans": 0})
     instances = _instances(by_name)
+    traced = {(i["role"], i["worker"]) for i in instances}
+    untraced = [i for i in from_heartbeats or [] if (i["role"], i["worker"]) not in traced]
+    if untraced and not traced:
+        instances = untraced
     return {"waterfall": rows, "instances": instances, "ep_ranks": ep_ranks or [],
             "gateway_loop_lag_p99_ms": None if loop_lag_p99_s is None else loop_lag_p99_s * 1e3,
             "verdict": _verdict(rows, instances, loop_lag_p99_s, ep_ranks or [])}
@@ -166,7 +176,9 @@ def print_report(result: dict) -> None:
         print(f"  {r['phase'][:56]:56} {p50:>9} {p99:>9} {share:>14}")
     for i in result["instances"]:
         print(f"  {i['role']:7} {i['worker']:8} {i['ms_per_token']:8.3f} ms/token  "
-              f"{i['vs_peers']:.2f}x peers ({i['samples']} requests)")
+              f"{i['vs_peers']:.2f}x peers ("
+              + ("from its heartbeats)" if i.get("source") == "heartbeats"
+                 else f"{i['samples']} requests)"))
     for r in result["ep_ranks"]:
         print(f"  EP rank {r['group']}/{r['rank']:6} MoE {r['moe_compute_ms']:7.2f} ms/step, "
               f"collectives {r['moe_wait_ms']:7.2f} ms/step, {r['rows_per_step']:6.1f} rows/step"
@@ -218,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                     help="local mesh: every worker a DEP group of N expert-parallel ranks")
     ap.add_argument("--nats", default=None, metavar="URL",
-                    help="--url: the mesh's NATS, to read its EP ranks' load reports")
+                    help="--url: the mesh's NATS (with rights to read every subject, e.g. "
+                    "the admin user's), to read the workers' heartbeats (each one's step "
+                    "time per token: the slow instance, with no tracing set up) and EP ranks' "
+                    "load reports")
+    ap.add_argument("--nats-credentials", default=None, metavar="FILE",
+                    help="--nats: a credentials file (`evenflow up` prints its admin one)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -228,19 +245,20 @@ def main(argv: list[str] | None = None) -> int:
         receiver = OTLPReceiver(args.otlp_host, 4318 if args.otlp_port is None
                                 else args.otlp_port)
         try:
-            load, lag, ep_ranks = _run_against(args.url.rstrip("/"), receiver, prompt_len,
-                                               output_len, requests, concurrency,
-                                               args.flush_wait, args.nats)
+            load, lag, ep_ranks, beats = _run_against(args.url.rstrip("/"), receiver,
+                                                      prompt_len, output_len, requests,
+                                                      concurrency, args.flush_wait, args.nats,
+                                                      args.nats_credentials)
         finally:
             receiver.stop()
         where = f"the mesh at {args.url}"
     else:
         receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
-        load, lag, ep_ranks = _run_local(args, receiver, prompt_len, output_len, requests,
-                                         concurrency)
+        load, lag, ep_ranks, beats = _run_local(args, receiver, prompt_len, output_len,
+                                                requests, concurrency)
         where = f"{args.prefill} prefill + {args.decode} decode workers"
     result = analyse(receiver.spans, [t.ttft for t in load.timings],
-                     [t.e2e for t in load.timings], lag, ep_ranks)
+                     [t.e2e for t in load.timings], lag, ep_ranks, beats)
     result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
                           "output_tokens": output_len, "requests": requests,
                           "concurrency": concurrency, "failed": load.errors,
@@ -252,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{where}, {len(receiver.spans)} spans")
     if not receiver.spans:
         print(f"  no spans arrived: start the mesh's services with "
-              f"OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint} for the phases and workers")
+              f"OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint} for the phases"
+              + ("; workers compared from their heartbeats" if beats else
+                 " and workers (or give --nats URL: workers from their heartbeats)"))
     if load.first_error:
         print(f"  first failure: {load.first_error}")
     print_report(result)
@@ -267,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int,
                output_len: int, requests: int, concurrency: int
-               ) -> tuple[LoadResult, float | None, list[dict]]:
+               ) -> tuple[LoadResult, float | None, list[dict], list[dict]]:
     """A local mesh exporting its spans to `receiver`, the workload through it."""
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.services.config import MeshConfig
@@ -291,19 +311,20 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
 
         vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
         prompts = make_prompts(requests, prompt_len, vocab, seed=3)
-        load, ep_ranks = run_client(_watching_ranks(
-            mesh.admin_nats_url or mesh.config.nats_url if args.expert_parallel > 1 else None,
+        load, ep_ranks, beats = run_client(_watching_ranks(
+            mesh.admin_nats_url or mesh.config.nats_url,
             run_load(mesh.url, mesh.config.model_name, prompts, output_len, concurrency,
                      progress=True)))
-        return load, _loop_lag_p99(mesh.url), ep_ranks
+        return load, _loop_lag_p99(mesh.url), ep_ranks, beats
     finally:
         mesh.stop()  # the services flush their spans as they exit
         receiver.stop()
 
 
 def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: int,
-                 requests: int, concurrency: int, flush_wait: float, nats_url: str | None
-                 ) -> tuple[LoadResult, float | None, list[dict]]:
+                 requests: int, concurrency: int, flush_wait: float, nats_url: str | None,
+                 credentials: str | None = None
+                 ) -> tuple[LoadResult, float | None, list[dict], list[dict]]:
     """The workload against a running mesh's gateway; its services' spans, if they export to
     `receiver`, arrive meanwhile and up to `flush_wait` s after."""
     import os
@@ -321,40 +342,47 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
     rng = random.Random(3)
     prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
-    load, ep_ranks = run_client(_watching_ranks(nats_url, run_load(
-        url, model, prompts, output_len, concurrency, api_key=key, progress=True)))
+    load, ep_ranks, beats = run_client(_watching_ranks(nats_url, run_load(
+        url, model, prompts, output_len, concurrency, api_key=key, progress=True),
+        credentials))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
     # A service whose exporter met the receiver before it listened (spans from the mesh's start)
     # retries that batch with backoff for up to its export timeout (10 s) and sends the
     # workload's spans after it: wait up to 20 s (or 3 flush waits) more for the gateway's route
     # spans and a worker's.
-    deadline = time.monotonic() + max(20.0, 3 * flush_wait)
+    # (none at all, and the workers' heartbeats answered: the mesh does not trace; no wait)
+    deadline = time.monotonic() + (0.0 if beats and not receiver.spans
+                                   else max(20.0, 3 * flush_wait))
     while time.monotonic() < deadline:
         names = {(s.service, s.name) for s in receiver.spans}
         if ("evenflow-gateway", "route") in names and \
                 {service for service, _ in names} & {"evenflow-prefill", "evenflow-decode"}:
             break
         time.sleep(0.25)
-    return load, lag, ep_ranks
+    return load, lag, ep_ranks, beats
 
 
-async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, LoadResult]
-                          ) -> tuple[LoadResult, list[dict]]:
-    """The workload, with the EP ranks' load reports collected from NATS meanwhile (and for one
-    report interval after, so that the last steps are counted)."""
+async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, LoadResult],
+                          credentials: str | None = None
+                          ) -> tuple[LoadResult, list[dict], list[dict]]:
+    """The workload, with the EP ranks' load reports and the workers' heartbeats collected from
+    NATS meanwhile (and for one report interval after, so that the last steps are counted)."""
     if nats_url is None:
-        return await workload, []
-    from evenflow.bench.ep_watch import RankLoadWatch
+        return await workload, [], []
+    from evenflow.bench.ep_watch import RankLoadWatch, WorkerStepWatch
 
-    watch = RankLoadWatch()
-    await watch.start(nats_url)
+    watch, beats = RankLoadWatch(), WorkerStepWatch()
+    await watch.start(nats_url, credentials)
+    await beats.start(nats_url, credentials)
+    await asyncio.sleep(1.0)  # every worker's first heartbeat, before the load
     try:
         load = await workload
         await asyncio.sleep(1.5)
     finally:
         await watch.stop()
-    return load, watch.summary()
+        await beats.stop()
+    return load, watch.summary(), beats.instances()
 
 
 if __name__ == "__main__":

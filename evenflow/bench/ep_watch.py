@@ -1,7 +1,8 @@
 """`evenflow doctor`'s view of expert-parallel ranks: the ExpertLoad reports every DEP rank sends
 the balancer (its steps, its own experts' compute, the dispatch/combine collectives that include
 waiting for the slowest rank, and the (token, expert) rows it computed), collected from NATS over
-the workload's window, as each rank's per-step figures against its group's median."""
+the workload's window, as each rank's per-step figures against its group's median; and every
+engine worker's step time per token from its heartbeats (no tracing needed)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import statistics
 from collections import defaultdict
 
 from evenflow.proto import subjects
-from evenflow.proto.messages import ExpertLoad, Message
-from evenflow.services.bus import Bus
+from evenflow.proto.messages import ExpertLoad, Message, WorkerHeartbeat
+from evenflow.services.bus import Bus, NatsSecurity
 
 
 class RankLoadWatch:
@@ -21,8 +22,8 @@ class RankLoadWatch:
         # (group, rank) -> [steps, step_s, compute_s, wait_s, rows]
         self.totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * 5)
 
-    async def start(self, nats_url: str) -> None:
-        await self.bus.connect(nats_url)
+    async def start(self, nats_url: str, credentials_file: str | None = None) -> None:
+        await self.bus.connect(nats_url, security=NatsSecurity(credentials_file))
         await self.bus.subscribe(subjects.EXPERT_LOAD, self._on_load)
 
     async def stop(self) -> None:
@@ -50,4 +51,55 @@ class RankLoadWatch:
                             "step_ms": t[1] / steps * 1e3, "moe_compute_ms": t[2] / steps * 1e3,
                             "moe_wait_ms": t[3] / steps * 1e3, "rows_per_step": t[4] / steps,
                             "vs_group": compute[rank] / median if median > 0 else 1.0})
+        return out
+
+
+class WorkerStepWatch:
+    """Every engine worker's cumulative step time and tokens, as its heartbeats carry them
+    (WorkerHeartbeat v4): the first and the last seen while subscribed. What a running mesh
+    already says about each instance, with no tracing set up."""
+
+    def __init__(self) -> None:
+        self.bus = Bus("doctor-heartbeats")
+        self.first: dict[str, WorkerHeartbeat] = {}
+        self.last: dict[str, WorkerHeartbeat] = {}
+
+    async def start(self, nats_url: str, credentials_file: str | None = None) -> None:
+        await self.bus.connect(nats_url, security=NatsSecurity(credentials_file))
+        await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
+
+    async def stop(self) -> None:
+        await self.bus.close()
+
+    def _on_heartbeat(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, WorkerHeartbeat) and message.role in ("prefill", "decode"):
+            first = self.first.setdefault(message.worker_id, message)
+            if message.epoch == first.epoch:  # (a restarted worker's counters start over)
+                self.last[message.worker_id] = message
+
+    def instances(self) -> list[dict]:
+        """Per worker over the window: prefill ms per prompt token computed (its engine's step
+        time over them), or decode ms per output token as its streams saw it (first token to
+        last, over those tokens), against its role's median."""
+        cost: dict[tuple[str, str], float] = {}
+        for worker, last in self.last.items():
+            first = self.first[worker]
+            if last.role == "prefill":
+                seconds = last.step_seconds - first.step_seconds
+                tokens = last.prompt_tokens_computed - first.prompt_tokens_computed
+            else:
+                seconds = last.stream_seconds - first.stream_seconds
+                tokens = last.stream_tokens - first.stream_tokens
+            if tokens > 0 and seconds > 0:
+                cost[(str(last.role), worker)] = seconds / tokens
+        out = []
+        for role in ("prefill", "decode"):
+            workers = {w: c for (r, w), c in cost.items() if r == role}
+            if not workers:
+                continue
+            peers = statistics.median(workers.values())
+            for worker, value in sorted(workers.items()):
+                out.append({"role": role, "worker": worker, "ms_per_token": value * 1e3,
+                            "vs_peers": value / peers if peers else 1.0, "samples": 0,
+                            "source": "heartbeats"})
         return out

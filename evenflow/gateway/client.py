@@ -92,6 +92,7 @@ class _Flight:
     refused: dict[str, float] = field(default_factory=dict)
     admit_by: float | None = None  # waiting for room since: give up at this time.monotonic()
     waited_s: float = 0.0  # waiting for a decode worker with room (not routing time)
+    no_worker_since: float = 0.0  # migrating with no decode worker live, since (monotonic)
 
 
 class GatewayClient:
@@ -274,7 +275,7 @@ class GatewayClient:
         waits (as in vLLM's waiting queue) for queue_timeout_s at most, then fails with
         NO_CAPACITY (503); at once when no live worker could ever hold the prompt, unless the
         request is moving off a failed worker and no decode worker is live: then it waits
-        for one (as long) to come back."""
+        migration_wait_s for one to come back."""
         if flight.admit_by is None:
             flight.admit_by = time.monotonic() + self.config.queue_timeout_s
         give_up = flight.admit_by if deadline is None else min(flight.admit_by, deadline)
@@ -286,16 +287,23 @@ class GatewayClient:
             decode = (self.registry.pick_decode(total_blocks, matched, exclude | refusing)
                       or self.registry.pick_decode(total_blocks, matched, refusing))
             if decode is not None:
+                flight.no_worker_since = 0.0
                 if not flight.refused:
                     flight.admit_by = None  # room at once: a later wait starts afresh
                 return decode
             live = self.registry.live(Role.DECODE)
             could_fit = [s for s in live if s.heartbeat.total_kv_blocks >= total_blocks + 1]
-            # a stream moving off a worker that died, with no decode worker live at all (a
-            # DEP group re-forming, a lone worker restarting): it waits for one, as for room
-            if not could_fit and not (exclude and not live):
-                raise RequestFailed(errors.NO_CAPACITY, "no live decode worker has room for "
-                                    f"{total_blocks} KV blocks")
+            if not could_fit:
+                # a stream moving off a worker that died, with no decode worker live at all
+                # (a DEP group re-forming, a lone worker restarting): it waits for one to come
+                # back, migration_wait_s at most
+                now = time.monotonic()
+                if exclude and not live:
+                    flight.no_worker_since = flight.no_worker_since or now
+                if not (exclude and not live) or \
+                        now - flight.no_worker_since > self.config.migration_wait_s:
+                    raise RequestFailed(errors.NO_CAPACITY, "no live decode worker has room "
+                                        f"for {total_blocks} KV blocks")
             if time.monotonic() >= give_up:
                 raise RequestFailed(errors.NO_CAPACITY, "no decode worker had room within "
                                     f"{self.config.queue_timeout_s:g} s")

@@ -1,9 +1,10 @@
 """A gateway's own copy of the KV block index, fed by the workers' KV-event stream (the one the
 KV index service writes to Redis), so that a routing decision is a few set lookups (the same
-binary search per worker as the Redis script) instead of a Redis round trip. Redis stays the source of truth: a copy that is behind for a worker — it has
-not seen that worker's snapshot yet, or it missed an event (a gap in the worker's sequence) —
-says so, and the caller asks Redis instead (and counts it) until the worker's snapshot, which
-the copy asks for itself, arrives.
+binary search per worker as the Redis script) instead of a Redis round trip. Redis stays the
+source of truth: a copy that is behind for a worker — it has not seen that worker's snapshot
+yet, or it missed an event (a gap in the worker's sequence) — says so, and the caller asks
+Redis instead (and counts it) until the worker's snapshot, which the copy asks for itself,
+arrives.
 
 Members are (worker, epoch) as in Redis; a worker's new epoch replaces its old member. Not in
 the copy: the other gateways' predictions (Redis has them; this gateway's own stay merged in,

@@ -303,7 +303,9 @@ class WorkerHeartbeat:
     """Every service's liveness and load, every heartbeat interval."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 3  # 3: `draining` is its own field (was folded into role)
+    # 3: `draining` is its own field (was folded into role); 4: the engine's cumulative step
+    # time and tokens (an operator's tools compare workers from them, no tracing needed)
+    VERSION: ClassVar[int] = 4
     worker_id: str
     role: Role
     model: str
@@ -322,6 +324,14 @@ class WorkerHeartbeat:
     draining: bool = False  # shutting down: route nothing new here (its KV lease holds)
     unhealthy: str = ""  # why it cannot serve now (its engine keeps failing); empty: healthy
     metrics_port: int = 0  # where this process serves Prometheus /metrics (0: nowhere)
+    # engine workers: cumulative wall time of engine steps, back-to-back steps' gaps included
+    step_seconds: float = 0.0
+    prompt_tokens_computed: int = 0  # cumulative prompt tokens computed (cached ones not)
+    output_tokens: int = 0  # cumulative tokens generated
+    # finished requests' first-to-last-token time and those tokens: time per output token as
+    # the streams saw it
+    stream_seconds: float = 0.0
+    stream_tokens: int = 0
 
 
 # -- operator profiles (POST /admin/profile at the gateway) ------------------------------------

@@ -43,6 +43,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
     "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
     "orphan_ttl_s": (0, None, False), "queue_timeout_s": (0, None, True),
+    "migration_wait_s": (0, None, True),
     "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
     "max_inflight": (1, None, True), "max_queued": (0, None, True),
     "kv_chunk_bytes": (4096, None, True), "bus_peer_reassembly_mb": (1, None, True),
@@ -124,6 +125,10 @@ class MeshConfig:
     # A request no live decode worker has KV room for waits this long for one (as in vLLM's
     # waiting queue), then fails with 503.
     queue_timeout_s: float = 60.0
+    # A stream whose decode worker died, when no decode worker is live at all, waits this long
+    # for one to come back (an elastic DEP group re-forming, a supervised restart) before it
+    # ends with an error
+    migration_wait_s: float = 10.0
     # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
     router: str = "kv"
     # w: cost of one block to prefill against one block of queued work. At 1 the cost is the

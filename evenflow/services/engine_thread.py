@@ -157,6 +157,10 @@ EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step
 # KV indexer, on CPUs the decode step shares. An idle engine flushes at once, so an index never
 # lags a finished prefill.
 KV_EVENTS_INTERVAL_S = 0.05
+# Steps this close after the previous one ran back to back (the engine busy throughout): the
+# time between them — applying commands, flushing events, a process stopped from outside — is
+# counted as step time (heartbeats' step_seconds: what a token cost this worker in wall time)
+BACK_TO_BACK_S = 0.25
 
 
 def exit_worker(reason: str, planned: bool = False) -> None:
@@ -188,6 +192,17 @@ class EngineThread:
         self._profile: Profile | None = None  # running: steps counted, ends at a deadline
         self._profile_steps, self._profile_until = 0, 0.0
         self._kv_flush_at = 0.0  # while stepping, KV events go out at most this often
+        # cumulative, for heartbeats (written here, read by the worker's loop)
+        self.step_seconds = 0.0
+        self.prompt_tokens_computed = 0
+        self.output_tokens = 0
+        # finished requests' time from their first token to their last, and those tokens: a
+        # worker's time per output token as its streams saw it (a slow worker's batches grow,
+        # so its step time per token hides it; this does not)
+        self.stream_seconds = 0.0
+        self.stream_tokens = 0
+        self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
+        self._last_step_end = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -307,6 +322,9 @@ class EngineThread:
         """One step. A step that raises fails the requests it held, never the next step: they
         are dropped and reported, and the engine goes on; several failures in a row mark it
         unhealthy (heartbeats say so, and the router stops sending here)."""
+        started = time.perf_counter()
+        if started - self._last_step_end < BACK_TO_BACK_S:
+            started = self._last_step_end  # busy throughout: the gap is this step's too
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -325,6 +343,22 @@ class EngineThread:
         self.consecutive_failures, self.problem = 0, None
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        self._last_step_end = time.perf_counter()
+        self.step_seconds += self._last_step_end - started
+        now = self._last_step_end
+        for out in outputs:
+            self.output_tokens += len(out.new_token_ids)
+            started_at = self._started.get(out.request_id)
+            if started_at is None:  # its first output: its prompt was computed
+                self._started[out.request_id] = [now, 0.0]
+                self.prompt_tokens_computed += out.num_prompt_tokens - out.num_cached_tokens
+            else:
+                started_at[1] += len(out.new_token_ids)
+            if out.finished and not out.kv_follows:
+                first, tokens = self._started.pop(out.request_id)
+                if tokens:
+                    self.stream_seconds += now - first
+                    self.stream_tokens += int(tokens)
         if outputs:
             self._emit(StepDone(outputs))
 

@@ -5,6 +5,7 @@ everything it starts, it stops: on Ctrl-C / SIGTERM, or once a child crashed too
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import random
@@ -44,6 +45,12 @@ def _ephemeral_low() -> int | None:
         return None
 
 
+# Ports this process handed out lately: a mesh picks its gateway's, NATS', Redis' and every
+# worker's metrics port before any of them listens, so a free port must not be picked twice (a
+# CI run lost a gateway's port to its own mesh's metrics port that way).
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port() -> int:
     """A port nobody holds now, for a server started a moment later. On Linux it is drawn
     below the ephemeral range: a port the kernel hands out itself (bind to 0) is also what any
@@ -53,11 +60,14 @@ def free_port() -> int:
     if low is not None and low > 12000:
         for _ in range(200):
             port = _PORTS.randint(10000, low - 1)
+            if port in _HANDED_OUT:  # (given to a server of ours that may not listen yet)
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
+                _HANDED_OUT.append(port)
                 return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -96,11 +96,18 @@ class WorkerService:
 
     def heartbeat(self) -> WorkerHeartbeat:
         """This service's heartbeat; workers add their load."""
+        thread = self._thread
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
                                epoch=self.epoch, draining=self.draining,
                                unhealthy=self.healthy() or "",
-                               metrics_port=self.config.metrics_port)
+                               metrics_port=self.config.metrics_port,
+                               step_seconds=thread.step_seconds if thread else 0.0,
+                               prompt_tokens_computed=thread.prompt_tokens_computed
+                               if thread else 0,
+                               output_tokens=thread.output_tokens if thread else 0,
+                               stream_seconds=thread.stream_seconds if thread else 0.0,
+                               stream_tokens=thread.stream_tokens if thread else 0)
 
     def busy(self) -> bool:
         return False

@@ -5,6 +5,9 @@ already running, whose services export their spans to the doctor's receiver."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 
 import pytest
 from meshutil import running_mesh
@@ -97,3 +100,44 @@ def test_doctor_reports_each_expert_parallel_rank_against_its_group(tmp_path):
     for rank in ranks.values():
         assert rank["steps"] > 0 and rank["moe_compute_ms"] > 0 and rank["rows_per_step"] > 0
     assert "EP rank" in result["verdict"]
+
+
+def test_doctor_names_a_throttled_worker_of_a_mesh_started_without_tracing(tmp_path):
+    """The mesh started plainly (no OTLP endpoint), then one decode worker throttled from
+    outside (SIGSTOP / SIGCONT, 80% of the time stopped): given the mesh's NATS, the doctor
+    compares workers from their heartbeats (engine step time per token) and names that one,
+    and no other, without restarting anything."""
+    out = tmp_path / "doctor.json"
+    with running_mesh(MeshConfig(port=0, num_prefill=1, num_decode=2, num_ep_ranks=0,
+                                 local_prefill_threshold=0, stats_log_interval_s=0,
+                                 router="round_robin")) as mesh:
+        (d1,) = [p for p in mesh.procs if str(p.args[-1]) == "d1"]
+        stop = threading.Event()
+
+        def throttle() -> None:
+            while not stop.is_set():
+                d1.send_signal(signal.SIGSTOP)
+                time.sleep(0.06)
+                d1.send_signal(signal.SIGCONT)
+                time.sleep(0.015)
+
+        thread = threading.Thread(target=throttle, daemon=True)
+        thread.start()
+        try:
+            # as `evenflow up` prints it for operators: the admin user's credentials file
+            admin = mesh.credentials[("admin", "")]
+            assert doctor.main(["--url", mesh.url, "--nats", mesh.config.nats_url,
+                                "--nats-credentials", admin, "--otlp-port", str(free_port()),
+                                "--flush-wait", "0", "--workload", "chat",
+                                "--json", str(out)]) == 0
+        finally:
+            stop.set()
+            thread.join()
+            d1.send_signal(signal.SIGCONT)
+    result = json.loads(out.read_text())
+    assert result["workload"]["failed"] == 0
+    by_worker = {i["worker"]: i for i in result["instances"]}
+    assert {"p0", "d0", "d1"} <= set(by_worker)
+    assert all(i.get("source") == "heartbeats" for i in result["instances"])
+    assert by_worker["d1"]["vs_peers"] > doctor.STANDS_OUT
+    assert "slowest instance: decode d1" in result["verdict"]

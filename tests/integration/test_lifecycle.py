@@ -87,8 +87,9 @@ def test_one_trace_spans_gateway_prefill_and_decode(mesh, client, otlp):
 
 @pytest.fixture
 def small_mesh():
+    # (no supervisor: a dead worker stays dead; a stream waits 1 s for one to come back)
     running = LocalMesh(MeshConfig(port=0, heartbeat_interval_s=0.2, worker_timeout_s=1.5,
-                                   local_prefill_threshold=16))
+                                   local_prefill_threshold=16, migration_wait_s=1.0))
     running.start(health_timeout_s=180)
     yield running
     running.stop()
