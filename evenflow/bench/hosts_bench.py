@@ -178,22 +178,16 @@ print(json.dumps(asyncio.run(kv_figures(sys.argv[1], sys.argv[2], sys.argv[3], i
 
 
 def run_kv(cluster, model_dir: str, vocab: int, prompt_len: int, logdir: Path) -> dict:
+    from evenflow.dev.hosts import HostProcesses
     from evenflow.services.launcher import find_binary
 
     a, b, c = cluster.hosts[:3]
     nats_url, url = f"nats://{a.address}:4222", f"http://{a.address}:8000"
-    procs: list[subprocess.Popen] = []
-    logs = []
-
     # the mesh as `bench serve` measures it: no expert placement, every prompt prefilled by
     # the prefill worker (so every request's KV crosses hosts)
-    env = {**os.environ, "EVENFLOW_LOCAL_PREFILL_THRESHOLD": "0", "EVENFLOW_NUM_EP_RANKS": "0"}
-
-    def start(host, argv, name) -> None:
-        log = (logdir / f"{name}.log").open("w")
-        logs.append(log)
-        procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
-
+    services = HostProcesses(logdir, {**os.environ, "EVENFLOW_LOCAL_PREFILL_THRESHOLD": "0",
+                                      "EVENFLOW_NUM_EP_RANKS": "0"})
+    start = services.start
     try:
         start(a, [find_binary("nats-server"), "-a", a.address, "-p", "4222"], "nats")
         start(a, [find_binary("redis-server"), "--bind", a.address, "--port", "6379",
@@ -234,16 +228,7 @@ def run_kv(cluster, model_dir: str, vocab: int, prompt_len: int, logdir: Path) -
         figures["per_transfer"] = per_transfer
         return figures
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
+        services.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,40 @@ class SimHost:
         return [int(p) for p in out.split()]
 
 
+class HostProcesses:
+    """Services started on simulated hosts, each writing to its own log file in `logdir`:
+    stopped together (SIGTERM, SIGKILL after a grace), their logs closed."""
+
+    def __init__(self, logdir: Path, env: dict[str, str] | None = None) -> None:
+        self.logdir, self.env = Path(logdir), env
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+
+    def start(self, host: SimHost, argv: list[str], name: str) -> subprocess.Popen:
+        """argv on `host`, its output appended to `name`.log."""
+        log = (self.logdir / f"{name}.log").open("a")
+        self._logs.append(log)
+        self.procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                     env=self.env))
+        return self.procs[-1]
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for proc in reversed(self.procs):  # (the last started first: clients before servers)
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()
+
+
 @dataclass
 class SimCluster:
     tag: str

@@ -3,18 +3,21 @@
 The ranks meet in a TCPStore served by one small process (`python -m
 evenflow.parallel.rendezvous HOST:PORT`, started by `evenflow serve --ep-rendezvous-serve`).
 A group lives in numbered epochs. Epoch e is formed by the planned ranks that register for
-it: once all `world` of them are there, or `settle_s` after a rank's own arrival, that rank
-fixes the members with an atomic compare-and-set (the first one wins; every rank reads the
-same list), keeping the largest count the model's slots split over (`sizes`). Members are
-renumbered 0..n-1 in planned-rank order, and their torch.distributed group uses the store
-under the epoch's prefix.
+it: once all `world` of them are there, or `settle_s` after a rank's own arrival (half of it
+for a later epoch: survivors of a loss restart together, and time without a group is time
+without service), that rank fixes the members with an atomic compare-and-set (the first
+one wins; every rank reads the same list), keeping the largest count the model's slots split
+over (`sizes`). Members are renumbered 0..n-1 in planned-rank order, and their
+torch.distributed group uses the store under the epoch's prefix.
 
 A rank that finds epoch e already formed:
 - was one of its members: the epoch is broken (this rank died and came back), so it starts
   epoch e + 1 and registers there (the survivors, restarting too, meet it there);
 - was not (it came back late, or its host did): it asks to join (`e{e}/join/{rank}`) and waits
   for the next epoch. The running group's rank 0 looks for such requests between steps
-  (`Membership.joiners`); the group then ends its epoch, and the next one includes them.
+  (`Membership.joiners`); the group then ends its epoch, naming the next one's members (its
+  own and the joiners: `e{e+1}/expect`), and the next epoch forms once they are all there
+  (or EXPECT_WAIT_S has passed, if one of them died meanwhile).
 
 Every wait here has a deadline: a store that is gone, or a group that never forms, is an error.
 """
@@ -29,6 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 POLL_S = 0.05
+EXPECT_WAIT_S = 30.0  # an epoch whose members were named waits this long for all of them
 
 
 class RendezvousError(RuntimeError):
@@ -64,8 +68,10 @@ class Membership:
                    if r not in self.members and self.store.check([self._key("join", r)])]
         return waiting if waiting and self.size + len(waiting) in self.sizes else []
 
-    def end_epoch(self) -> None:
-        """Close this epoch (the group re-forms in the next one)."""
+    def end_epoch(self, joiners: list[int] | None = None) -> None:
+        """Close this epoch; the next one waits for this one's members and `joiners`."""
+        expected = sorted(set(self.members) | set(joiners or []))
+        self.store.set(f"{self.name}/e{self.epoch + 1}/expect", ",".join(map(str, expected)))
         _bump(self.store, self.name, self.epoch)
 
     def prefix_store(self) -> dist.PrefixStore:
@@ -105,9 +111,15 @@ def join(address: str, name: str, planned_rank: int, world: int, sizes: tuple[in
                 continue
             store.set(f"{key}/rank/{planned_rank}", "1")
             arrived = time.monotonic()
+            settle = settle_s if epoch == 0 else settle_s / 2
+            expected = set(_members(store, key, "expect")) if store.check(
+                [f"{key}/expect"]) else None
+            if expected:
+                settle = EXPECT_WAIT_S
             while not store.check([f"{key}/members"]):
                 present = [r for r in range(world) if store.check([f"{key}/rank/{r}"])]
-                if len(present) == world or time.monotonic() - arrived >= settle_s:
+                if len(present) == world or (expected and expected <= set(present)) or \
+                        time.monotonic() - arrived >= settle:
                     count = max((n for n in sizes if n <= len(present)), default=0)
                     if count:
                         chosen = ",".join(map(str, present[:count]))
@@ -139,8 +151,8 @@ def _bump(store: dist.TCPStore, name: str, epoch: int) -> None:
     store.compare_set(f"{name}/epoch", str(epoch), str(epoch + 1))
 
 
-def _members(store: dist.TCPStore, key: str) -> list[int]:
-    return [int(r) for r in store.get(f"{key}/members").decode().split(",")]
+def _members(store: dist.TCPStore, key: str, which: str = "members") -> list[int]:
+    return [int(r) for r in store.get(f"{key}/{which}").decode().split(",") if r]
 
 
 def _wait_epoch_after(store: dist.TCPStore, name: str, epoch: int, deadline: float) -> None:

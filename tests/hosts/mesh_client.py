@@ -38,14 +38,14 @@ def complete(host, url: str, timeout_s: float = 60, prompt: str = PROMPT,
     return status, text
 
 
-def until_served(host, url: str, within_s: float, **request) -> str:
+def until_served(host, url: str, within_s: float, poll_s: float = 1.0, **request) -> str:
     deadline = time.monotonic() + within_s
     last = (0, "")
     while time.monotonic() < deadline:
         last = complete(host, url, timeout_s=20, **request)
         if last[0] == 200 and last[1].split():
             return last[1]
-        time.sleep(1)
+        time.sleep(poll_s)
     raise AssertionError(f"not served within {within_s} s: {last}")
 
 

@@ -6,14 +6,13 @@ survivors and the mesh serves again."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
 import pytest
 from mesh_client import complete, until_served
 
-from evenflow.dev.hosts import HostsUnavailable
+from evenflow.dev.hosts import HostProcesses, HostsUnavailable
 from evenflow.services.launcher import find_binary
 
 pytestmark = pytest.mark.slow  # three hosts' services: ~40 s
@@ -31,15 +30,8 @@ def mesh3(three_hosts, tmp_path_factory):
     a, b, c = three_hosts.hosts
     hosts = [a, b, c]
     logdir = tmp_path_factory.mktemp("mesh3")
-    procs: list[subprocess.Popen] = []
-    logs = []
-
-    def start(host, argv, name):
-        log = (logdir / f"{name}.log").open("w")
-        logs.append(log)
-        procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT))
-        return procs[-1]
-
+    services = HostProcesses(logdir)
+    start = services.start
     try:
         nats = {h.index: start(h, nats_server(h, hosts), f"nats-{h.index}") for h in hosts}
         start(a, [find_binary("redis-server"), "--bind", a.address, "--port", "6379",
@@ -54,16 +46,7 @@ def mesh3(three_hosts, tmp_path_factory):
         start(c, [*serve, "--roles", "decode", "--index", "2", *common], "host-c")
         yield hosts, f"http://{a.address}:8000", nats
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
+        services.stop()
 
 
 def test_gateway_prefill_and_decode_on_three_hosts(mesh3):

@@ -7,13 +7,13 @@ group; completions stream the one-host text."""
 from __future__ import annotations
 
 import secrets
-import subprocess
 import sys
 import time
 
 import pytest
 from mesh_client import health, until_served
 
+from evenflow.dev.hosts import HostProcesses
 from evenflow.services.launcher import find_binary
 
 pytestmark = pytest.mark.slow  # three Ray nodes and the mesh's applications: ~2 min
@@ -40,14 +40,8 @@ def ray_mesh(three_hosts, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("raymesh")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "RAY_USAGE_STATS_ENABLED": "0"}
-    procs: list[subprocess.Popen] = []
-    logs = []
-
-    def start(host, argv, name) -> None:
-        log = (logdir / f"{name}.log").open("w")
-        logs.append(log)
-        procs.append(host.popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env={**_environ(), **env}))
+    services = HostProcesses(logdir, {**_environ(), **env})
+    start = services.start
 
     def ray_start(host, *args) -> None:
         done = host.run([*RAY, "start", "--node-ip-address", host.address, "--num-cpus", "2",
@@ -69,16 +63,7 @@ def ray_mesh(three_hosts, tmp_path_factory):
               "up")
         yield a, f"http://{a.address}:8000", env
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs:
-            log.close()
+        services.stop(grace_s=30)
         # (the Ray nodes' daemons die with their hosts: three_hosts.close kills every
         # process inside a host; `ray stop` would find every Ray on this machine)
 

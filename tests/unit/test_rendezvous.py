@@ -5,6 +5,7 @@ rank asks to join and the next epoch includes it, sizes the slots do not split o
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -65,7 +66,8 @@ def test_survivors_reform_and_a_late_rank_is_taken_back(address):
             break
         threading.Event().wait(0.05)
     assert waiting == [2]
-    second[0].end_epoch()
+    second[0].end_epoch(waiting)  # the next epoch: 0, 1 and 2, whoever comes first waits
+    time.sleep(1.0)  # rank 2 is there first (and waits for 0 and 1, past its settle time)
     third = join_all(address, [0, 1])
     thread.join(30)
     assert third[0].members == [0, 1, 2] and late[2].epoch == third[0].epoch == 2

@@ -124,6 +124,7 @@ class LockstepEngine(Engine):
         self.restart_planned = False  # the group ends its epoch to take a rank back
         self._join_checked = time.monotonic()
         self._joiners_since: float | None = None
+        self._joiners: list[int] = []  # planned ranks asking to join, as rank 0 last saw
 
     @property
     def idle_poll_s(self) -> float:  # type: ignore[override]
@@ -187,10 +188,11 @@ class LockstepEngine(Engine):
         if now - self._join_checked >= self.JOIN_CHECK_S:
             self._join_checked = now
             try:
-                asking = bool(m.joiners())
+                self._joiners = m.joiners()
             except (RuntimeError, OSError) as exc:  # the store is gone: keep serving
                 log.warning("rendezvous store unreachable: %s", exc)
-                asking = False
+                self._joiners = []
+            asking = bool(self._joiners)
             self._joiners_since = (self._joiners_since or now) if asking else None
         return 0 if self._joiners_since is None else max(1, int(now - self._joiners_since))
 
@@ -200,7 +202,7 @@ class LockstepEngine(Engine):
         assert self.membership is not None
         if self.membership.rank == 0:
             try:
-                self.membership.end_epoch()
+                self.membership.end_epoch(self._joiners)
             except (RuntimeError, OSError) as exc:
                 log.warning("could not end epoch %d: %s", self.membership.epoch, exc)
         self.restart_planned = True
