@@ -1,7 +1,8 @@
 """`evenflow up --decode 1 --ep 2`: a DEP group of two decode ranks, each a worker of its own,
-serves the API; kill -9 one rank mid-stream and the stream ends with an error event (the only
-decode group is gone) within 10 s, the other rank leaves the group within 10 s, no shm segment
-is left, and the supervisor brings the group back, serving again."""
+serves the API; kill -9 one rank mid-stream: the other rank leaves the group within 10 s, the
+stream either moves to the group the supervisor brings back (the gateway waits
+migration_wait_s for a decode worker) or ends with an error event, within a bound; no shm
+segment is left, and the group serves again."""
 
 from __future__ import annotations
 
@@ -106,8 +107,9 @@ def test_killing_a_rank_ends_the_group_and_it_comes_back(ep_mesh):
         rank1.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         assert wait_for(lambda: rank0.poll() is not None, timeout=10), "rank 0 stayed"
-        _, tokens, error = pending.result(timeout=30)
-        assert time.monotonic() - killed < 10
+        _, tokens, error = pending.result(timeout=60)
+        # (bounded: the heartbeat timeout, the wait for a decode worker, the rest of the stream)
+        assert time.monotonic() - killed < 10 + ep_mesh.config.migration_wait_s + 10
     assert error is not None or tokens == 200  # an error event, never a silent cut
     assert wait_for(lambda: worker(ep_mesh, "d0r0").pid != rank0.pid
                     and worker(ep_mesh, "d0r1").pid != rank1.pid, timeout=15)
