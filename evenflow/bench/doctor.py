@@ -371,17 +371,19 @@ async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, Lo
     if nats_url is None:
         return await workload, [], []
     from evenflow.bench.ep_watch import RankLoadWatch, WorkerStepWatch
+    from evenflow.services.bus import Bus, NatsSecurity
 
+    bus = Bus("doctor")  # one connection for both watchers
     watch, beats = RankLoadWatch(), WorkerStepWatch()
-    await watch.start(nats_url, credentials)
-    await beats.start(nats_url, credentials)
-    await asyncio.sleep(1.0)  # every worker's first heartbeat, before the load
+    await bus.connect(nats_url, security=NatsSecurity(credentials))
     try:
+        await watch.attach(bus)
+        await beats.attach(bus)
+        await asyncio.sleep(1.0)  # every worker's first heartbeat, before the load
         load = await workload
         await asyncio.sleep(1.5)
     finally:
-        await watch.stop()
-        await beats.stop()
+        await bus.close()
     return load, watch.summary(), beats.instances()
 
 

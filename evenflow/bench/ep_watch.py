@@ -11,23 +11,19 @@ from collections import defaultdict
 
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, Message, WorkerHeartbeat
-from evenflow.services.bus import Bus, NatsSecurity
+from evenflow.services.bus import MessageBus
 
 
 class RankLoadWatch:
     """Sums the ExpertLoad reports of every DEP rank while subscribed."""
 
     def __init__(self) -> None:
-        self.bus = Bus("doctor")
         # (group, rank) -> [steps, step_s, compute_s, wait_s, rows]
         self.totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * 5)
 
-    async def start(self, nats_url: str, credentials_file: str | None = None) -> None:
-        await self.bus.connect(nats_url, security=NatsSecurity(credentials_file))
-        await self.bus.subscribe(subjects.EXPERT_LOAD, self._on_load)
-
-    async def stop(self) -> None:
-        await self.bus.close()
+    async def attach(self, bus: MessageBus) -> None:
+        """Listen on a connected bus (the caller's: it closes it)."""
+        await bus.subscribe(subjects.EXPERT_LOAD, self._on_load)
 
     def _on_load(self, message: Message, _ctx: object) -> None:
         if isinstance(message, ExpertLoad) and message.group and message.steps > 0:
@@ -60,16 +56,12 @@ class WorkerStepWatch:
     already says about each instance, with no tracing set up."""
 
     def __init__(self) -> None:
-        self.bus = Bus("doctor-heartbeats")
         self.first: dict[str, WorkerHeartbeat] = {}
         self.last: dict[str, WorkerHeartbeat] = {}
 
-    async def start(self, nats_url: str, credentials_file: str | None = None) -> None:
-        await self.bus.connect(nats_url, security=NatsSecurity(credentials_file))
-        await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
-
-    async def stop(self) -> None:
-        await self.bus.close()
+    async def attach(self, bus: MessageBus) -> None:
+        """Listen on a connected bus (the caller's: it closes it)."""
+        await bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
 
     def _on_heartbeat(self, message: Message, _ctx: object) -> None:
         if isinstance(message, WorkerHeartbeat) and message.role in ("prefill", "decode"):

@@ -41,7 +41,6 @@ class LocalIndex:
     def __init__(self) -> None:
         self.workers: dict[str, _Copy] = {}  # worker_id -> its copy
         self.holders: dict[int, set[str]] = {}  # block hash -> worker ids holding it
-        self.events = 0
 
     def _copy(self, worker_id: str, epoch: str) -> _Copy:
         copy = self.workers.get(worker_id)
@@ -78,7 +77,6 @@ class LocalIndex:
             return
         copy.last_seq = message.seq
         for event in message.events:
-            self.events += 1
             if isinstance(event, AllBlocksCleared):
                 self._drop_blocks(message.worker_id, copy)
             elif isinstance(event, BlockStored):
