@@ -233,8 +233,10 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _quantization_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
-                        help="weight-only quantization at load: int8 (per output channel) or "
-                             "int4 (groups, with zero points); a GPTQ checkpoint needs none")
+                        help="quantization at load: int8 (weight-only, per output channel), "
+                             "int4 (weight-only, groups, with zero points) or w8a8 (int8 weights "
+                             "and per-token int8 activations, on VNNI); a GPTQ or "
+                             "compressed-tensors checkpoint needs none")
     parser.add_argument("--quant-group-size", type=int, default=None,
                         choices=list(INT4_GROUP_SIZES), help="int4 group size (default 64)")
 
@@ -243,19 +245,26 @@ def _quantize(args: argparse.Namespace) -> int:
     from evenflow import models
     from evenflow.engine.config import ModelLoadError
     from evenflow.engine.quant.stacks import QuantConfig
+    from evenflow.engine.weights.compressed_tensors import write_compressed_tensors
     from evenflow.engine.weights.gptq import write_gptq
 
     source = models.resolve_model(args.model)
     if source is None:
         print(f"evenflow quantize: error: no model {args.model!r}", file=sys.stderr)
         return 2
+    fmt = args.format or ("compressed-tensors" if args.quantization == "w8a8" else "gptq")
+    if fmt == "gptq" and args.quantization == "w8a8":
+        print("evenflow quantize: error: GPTQ has no w8a8 (int8 activations): use "
+              "--format compressed-tensors", file=sys.stderr)
+        return 2
+    write = write_gptq if fmt == "gptq" else write_compressed_tensors
     try:
-        out = write_gptq(source, args.out, QuantConfig(args.quantization, args.group_size,
-                                                       args.symmetric))
+        out = write(source, args.out, QuantConfig(args.quantization, args.group_size,
+                                                  args.symmetric))
     except (ValueError, ModelLoadError, OSError) as exc:
         print(f"evenflow quantize: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote a GPTQ checkpoint ({args.quantization}) to {out}; serve it with "
+    print(f"wrote a {fmt} checkpoint ({args.quantization}) to {out}; serve it with "
           f"`evenflow up --model {out}`")
     return 0
 
@@ -385,10 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the rendezvous store here (one host of the mesh does)")
     serve.set_defaults(func=_up)
 
-    quant = sub.add_parser("quantize", help="write a GPTQ-format quantized copy of a checkpoint")
+    quant = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (GPTQ or "
+                                            "compressed-tensors format)")
     quant.add_argument("model", help="built-in model name or checkpoint dir (bf16/fp32)")
     quant.add_argument("out", help="directory for the quantized checkpoint")
     quant.add_argument("--quantization", default="int4", choices=list(QUANT_METHODS))
+    quant.add_argument("--format", default=None, choices=["gptq", "compressed-tensors"],
+                       help="default: compressed-tensors for w8a8 (as vLLM serves W8A8), GPTQ "
+                            "for int8 and int4")
     quant.add_argument("--group-size", type=int, default=64, choices=list(INT4_GROUP_SIZES))
     quant.add_argument("--symmetric", action="store_true", help="int4 without zero points")
     quant.set_defaults(func=_quantize)

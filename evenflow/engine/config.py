@@ -20,7 +20,7 @@ from evenflow import models
 
 DTYPES = ("float32", "bfloat16", "float16")
 # engine/quant/stacks.py implements them (this module is torch-free)
-QUANT_METHODS = ("int8", "int4")
+QUANT_METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -109,9 +109,11 @@ class EngineConfig:
     # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
     num_ep_ranks: int = 0
     num_redundant_experts: int = 0
-    # Weight-only quantization at load (engine/quant/stacks.py): None, "int8" (per output channel)
-    # or "int4" (groups of quant_group_size input channels, with zero points unless symmetric).
-    # A GPTQ checkpoint is loaded quantized as it is, whatever this says.
+    # Quantization at load (engine/quant/stacks.py): None, "int8" (weight-only, per output
+    # channel), "int4" (weight-only, groups of quant_group_size input channels, with zero points
+    # unless symmetric) or "w8a8" (int8 weights per channel and int8 activations per token, on
+    # VNNI's integer dot product). A GPTQ or compressed-tensors checkpoint is loaded quantized as
+    # it is, whatever this says.
     quantization: str | None = None
     quant_group_size: int = 64
     quant_symmetric: bool = False

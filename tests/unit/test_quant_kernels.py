@@ -1,6 +1,7 @@
 """Quantized weights compute what their dequantized values say, in every stored form and
 kernel (torch's packed int8/int4 kernels, our own C++ kernel and dequantize-then-matmul), in
-fp32 and bf16; the GPTQ layout packs and unpacks as the format says."""
+fp32 and bf16; w8a8 computes the integer product of per-token int8 rows and int8 weights (VNNI
+panels, fused experts, torch's _int_mm); the GPTQ and compressed-tensors layouts read back."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from evenflow.engine.quant.stacks import (
     Int8Stack,
     QuantConfig,
     QuantValues,
+    W8A8Stack,
     quantize,
+    quantize_rows,
 )
 from evenflow.engine.weights import gptq
 
@@ -140,3 +143,79 @@ def test_gptq_tensors_read_back_to_the_same_values(method, symmetric):
     want = quantize(w, config)
     assert torch.equal(got.q, want.q)
     assert torch.allclose(got.dequantize(), want.dequantize(), rtol=1e-3, atol=1e-6)
+
+
+def w8a8_reference(x: torch.Tensor, v: QuantValues) -> torch.Tensor:
+    """x @ w.T as w8a8 defines it: x's rows quantized per token, integer sums, both scales."""
+    q, row_scale = quantize_rows(x)
+    return (q.double() @ v.q.double().T * row_scale.double() * v.scale[:, 0].double()).float()
+
+
+def test_quantize_rows_is_symmetric_per_row_and_keeps_zero_rows():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and q[0].tolist() == [64, -127, 32, 0]  # 63.5 -> 64 (even)
+    assert scale[0].item() == pytest.approx(1 / 127) and scale[1].item() == 0
+    assert q[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_every_form_computes_the_integer_product(dtype):
+    from evenflow.engine.quant.build import build_stack
+
+    values = [quantize(w, QuantConfig("w8a8")) for w in weights(n=128)]
+    assert all(v.int8_activations and v.q.abs().max() <= 127 for v in values)
+    stacks = [W8A8Stack.build(values), build_stack(values, dtype)]  # torch's, and the panels'
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 5, 7, 33):
+        x = torch.randn(m, 128, generator=g).to(dtype)
+        for e, v in enumerate(values):
+            want = w8a8_reference(x, v)
+            for stack in stacks:  # exact integer sums: only the output's rounding differs
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                assert (stack.linear(x, e).float() - want).abs().max() <= \
+                    tol * want.abs().max(), type(stack).__name__
+            # and close to the unquantized product (per-token int8 activations: ~1%)
+            exact = F.linear(x.float(), v.dequantize())
+            assert (want - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
+def test_w8a8_fused_experts_equal_each_expert_alone():
+    from evenflow.engine.kernels import panels
+    from evenflow.engine.quant.panel_stack import PanelStack, usable
+
+    hidden, inter = 128, 64
+    w13 = [quantize(w, QuantConfig("w8a8")) for w in weights(4, 2 * inter, hidden, seed=1)]
+    w2 = [quantize(w, QuantConfig("w8a8")) for w in weights(4, hidden, inter, seed=2)]
+    if not usable(w13, torch.bfloat16, gate_up=True):
+        pytest.skip("no VNNI panel kernels here (torch's integer matmul serves w8a8)")
+    gate_up, down = PanelStack.build(w13, gate_up=True), PanelStack.build(w2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, hidden, generator=g).bfloat16()
+    slots = torch.tensor([[0, 2], [1, 3], [2, 2], [3, 0], [1, 0], [0, 1]])
+    route = torch.rand(6, 2, generator=g)
+    (a, s13, c13), (b, s2, c2) = gate_up.experts(), down.experts()
+    got = panels.run_experts(x, slots, route, a, b, s13, s2, c13, c2, 0)
+    want = torch.zeros(6, hidden)
+    for t in range(6):
+        for j in range(2):
+            e = int(slots[t, j])
+            h = gate_up.linear(x[t:t + 1], e).float()
+            act = (F.silu(h[:, :inter]) * h[:, inter:]).bfloat16()
+            want[t] += route[t, j] * down.linear(act, e).float()[0]
+    assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_compressed_tensors_layers_read_back_to_the_same_values():
+    from evenflow.engine.weights import compressed_tensors
+
+    for method in ("w8a8", "int8"):
+        spec = compressed_tensors.read_quant_config(
+            compressed_tensors.quantization_config(method))
+        assert spec["method"] == method
+        want = quantize(weights(experts=1)[0], QuantConfig("w8a8"))
+        tensors = {"a.weight": want.q, "a.weight_scale": want.scale, "b.weight": want.q.float()}
+        got = compressed_tensors.take_quantized(tensors, spec)
+        assert list(tensors) == ["b.weight"]  # an unquantized layer stays as it is
+        assert torch.equal(got["a"].q, want.q) and torch.equal(got["a"].scale, want.scale)
+        assert got["a"].int8_activations == (method == "w8a8")

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -91,13 +92,17 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   }
   const int64_t n_active = static_cast<int64_t>(active.size());
 
+  const bool w8a8 = w13[0].format == Format::kW8A8;
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
-  const float* xf = quantized ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  const float* xf = quantized && !w8a8 ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  QuantRows xq, actq;  // w8a8: the tokens and the activations, quantized per row
+  if (w8a8) quantize_rows(xp, tokens, hidden, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::unique_ptr<float[]> act_f(quantized && !std::is_same_v<T, float> ? new float[pairs * inter]
-                                                                         : nullptr);
+  std::unique_ptr<float[]> act_f(quantized && !w8a8 && !std::is_same_v<T, float>
+                                     ? new float[pairs * inter]
+                                     : nullptr);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();
 
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
@@ -111,6 +116,10 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           w13[e], p, hidden, start[e + 1] - first,
           [&](int64_t i) { return xp + (order[first + i] / top_k) * hidden; },
           [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; },
+          [&](int64_t i) {
+            const int64_t token = order[first + i] / top_k;
+            return std::make_pair(xq.row(token), w8a8 ? xq.scale[token] : 0.f);
+          },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               for (int v = 0; v < 2; ++v) {
@@ -126,6 +135,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
     }
   });
 
+  if (w8a8) quantize_rows(act.get(), pairs, inter, actq);
+
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
   at::parallel_for(0, panels2 * n_active, 1, [&](int64_t begin, int64_t end) {
@@ -136,6 +147,9 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           w2[e], p, inter, start[e + 1] - first,
           [&](int64_t i) { return act.get() + (first + i) * inter; },
           [&](int64_t i) { return actf + (first + i) * inter; },
+          [&](int64_t i) {
+            return std::make_pair(actq.row(first + i), w8a8 ? actq.scale[first + i] : 0.f);
+          },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               const f16v scale = splat(route[order[first + r0 + r]]);
@@ -170,6 +184,15 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
                    size_t e, int64_t n, int64_t k, int64_t group, at::ScalarType act) {
   TORCH_CHECK(data.is_contiguous(), "slot ", e, ": weights must be contiguous");
   const auto type = data.scalar_type();
+  if (type == at::kChar && e < offsets.size() && offsets[e].scalar_type() == at::kInt) {
+    TORCH_CHECK(kHasVnni, "w8a8 experts need AVX512-VNNI");
+    TORCH_CHECK(data.numel() == n * k && k % 4 == 0 && e < scales.size() &&
+                    scales[e].scalar_type() == at::kFloat && scales[e].is_contiguous() &&
+                    scales[e].numel() == n && offsets[e].is_contiguous() &&
+                    offsets[e].numel() == n,
+                "slot ", e, ": w8a8 needs (n, k) int8 weights, n float32 scales, n int32 comps");
+    return weight_of(data, &scales[e], &offsets[e], group);
+  }
   if (type == at::kChar || type == at::kByte) {
     const bool int4 = type == at::kByte;
     TORCH_CHECK(data.numel() == (int4 ? n * k / 2 : n * k) && e < scales.size(),
@@ -238,6 +261,7 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
         "Tensor[] scales13, Tensor[] scales2, Tensor[] offsets13, Tensor[] offsets2, int group) "
         "-> Tensor");
   m.def("fused_moe_bf16_supported", []() { return kHasBf16Dot; });
+  m.def("w8a8_supported", []() { return kHasVnni && kPanelsFast; });
   m.def("panel_kernels_fast", []() { return kPanelsFast; });
   m.def("panel_kernels_f32_fast", []() { return kPanelsF32Fast; });
 }

@@ -176,6 +176,14 @@ def built_for_avx512() -> bool:
 
 
 @functools.cache
+def w8a8_supported() -> bool:
+    """Whether the panel kernels were built with VNNI's integer dot product (w8a8 panels:
+    engine/kernels/panel_quant.h)."""
+    kernels = ops()
+    return kernels is not None and bool(kernels.w8a8_supported())
+
+
+@functools.cache
 def panels_f32_fast() -> bool:
     """Whether the float32 panel kernels beat oneDNN here: AVX-512 builds, and AVX2 builds with
     their own 8-float kernel (kernels/panel.h: panel_f32_avx2)."""

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -29,8 +30,8 @@ using namespace evenflow_panel;
 constexpr int64_t kRowBlock = 16 * kRows;  // rows a task takes (the panel stays in L2)
 
 template <typename T>
-void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, const Weight& wt,
-                 int64_t n_total, const float* bias, T* out) {
+void linear_impl(const T* x, const float* xf, const QuantRows* xq, int64_t rows, int64_t k_total,
+                 const Weight& wt, int64_t n_total, const float* bias, T* out) {
   const int64_t panels = n_total / kPanel;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -40,6 +41,9 @@ void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, con
           wt, p, k_total, std::min(rows, first + kRowBlock) - first,
           [&](int64_t i) { return x + (first + i) * k_total; },
           [&](int64_t i) { return xf + (first + i) * k_total; },
+          [&](int64_t i) {
+            return std::make_pair(xq->row(first + i), xq->scale[first + i]);
+          },
           [&](int64_t r0, int mm, float* sums) {
             for (int r = 0; r < mm; ++r) {
               float* row = sums + r * kPanel;
@@ -58,8 +62,9 @@ void linear_impl(const T* x, const float* xf, int64_t rows, int64_t k_total, con
 namespace evenflow_ops {
 
 // x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
-// f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), or (N/64, K/2, 64) uint8 int4 nibbles
-// with scale and offset (N/64, K/group, 64); bias: (N,) float32 or none.
+// f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), (N/64, K/2, 64) uint8 int4 nibbles
+// with scale and offset (N/64, K/group, 64), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
+// and its int32 comp (N,) as `offset`; bias: (N,) float32 or none.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& scale,
@@ -72,7 +77,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t k_total = x.size(1);
   const auto type = w.scalar_type();
   bool layout;
-  if (type == at::kChar) {
+  const bool w8a8 = type == at::kChar && offset.has_value() && offset->scalar_type() == at::kInt;
+  if (w8a8) {
+    TORCH_CHECK(kHasVnni, "w8a8 panels need AVX512-VNNI");
+    layout = w.dim() == 4 && w.size(1) * 4 == k_total && w.size(2) == kPanel && w.size(3) == 4;
+  } else if (type == at::kChar) {
     layout = w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel;
   } else if (type == at::kByte) {
     layout = w.dim() == 3 && w.size(1) * 2 == k_total && w.size(2) == kPanel;
@@ -90,7 +99,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                     scale->is_contiguous() && scale->numel() == n_total * per_channel,
                 "a quantized weight needs a contiguous float32 scale of ", n_total * per_channel,
                 " values");
-    if (type == at::kByte) {
+    if (w8a8) {
+      TORCH_CHECK(offset->is_contiguous() && offset->numel() == n_total,
+                  "w8a8 needs a contiguous int32 comp of ", n_total, " values");
+    } else if (type == at::kByte) {
       TORCH_CHECK(group > 0 && group % 2 == 0 && k_total % group == 0 && offset.has_value() &&
                       offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
                       offset->numel() == scale->numel(),
@@ -111,14 +123,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     return bias.has_value() ? out.add_(*bias) : out;
   }
   at::Tensor out = at::empty({x.size(0), n_total}, x.options());
+  QuantRows xq;
   if (bf16) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     std::vector<float> copy;
-    const float* xf = wt.format != Format::kPlain ? float_rows(xb, x.numel(), copy) : nullptr;
-    linear_impl(xb, xf, x.size(0), k_total, wt, n_total, bias_p,
+    const float* xf = nullptr;
+    if (w8a8)
+      quantize_rows(xb, x.size(0), k_total, xq);
+    else if (wt.format != Format::kPlain)
+      xf = float_rows(xb, x.numel(), copy);
+    linear_impl(xb, xf, &xq, x.size(0), k_total, wt, n_total, bias_p,
                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
-    linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), x.size(0), k_total, wt, n_total,
+    if (w8a8) quantize_rows(x.data_ptr<float>(), x.size(0), k_total, xq);
+    linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), &xq, x.size(0), k_total, wt, n_total,
                 bias_p, out.data_ptr<float>());
   }
   return out;

@@ -1,12 +1,19 @@
 """The choice of a quantized weight's stored form: the panel form where the native panel
-kernels serve it, else int8 / int4 stacks with their measured kernels."""
+kernels serve it, else int8 / int4 stacks with their measured kernels, or w8a8 on torch's
+integer matmul."""
 
 from __future__ import annotations
 
 import torch
 
 from evenflow.engine.quant.panel_stack import PanelStack, usable
-from evenflow.engine.quant.stacks import Int4Stack, Int8Stack, QuantStack, QuantValues
+from evenflow.engine.quant.stacks import (
+    Int4Stack,
+    Int8Stack,
+    QuantStack,
+    QuantValues,
+    W8A8Stack,
+)
 
 
 def build_stack(values: list[QuantValues], dtype: torch.dtype,
@@ -18,6 +25,8 @@ def build_stack(values: list[QuantValues], dtype: torch.dtype,
     them)."""
     if usable(values, dtype, gate_up):
         return PanelStack.build(values, gate_up, consume)
+    if values[0].int8_activations:
+        return W8A8Stack.build(values)
     if values[0].bits == 8:
         return Int8Stack.build(values, dtype)
     return Int4Stack.build(values, dtype)

@@ -5,7 +5,10 @@ A `PanelStack` holds E weights (N, K), each as its own tensors (so an expert pla
 slots by reference, without copies):
 - int8: (N/64, K, 64) int8 and a float32 scale per output channel (N,);
 - int4: (N/64, K/2, 64) uint8 (byte (kp, c): k = 2kp in the low nibble, 2kp + 1 in the high),
-  with float32 scale and offset (N/64, G, 64): w = q * scale + offset.
+  with float32 scale and offset (N/64, G, 64): w = q * scale + offset;
+- w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side: VNNI's
+  vpdpbusd), a float32 scale per output channel (N,) and, in the offset's place, an int32
+  comp (N,) = 128 * sum_k q[n, k] (the kernel's activations are unsigned, offset by 128).
 A MoE layer's gate_up stack has its channels interleaved as engine/kernels/panels.py describes
 (panel p: gate [32p, 32p + 32), then up); `linear` returns them in the plain order again.
 
@@ -31,6 +34,8 @@ def usable(values: list[QuantValues], dtype: torch.dtype, gate_up: bool = False)
     n, k = values[0].q.shape
     if not native.built_for_avx512():  # (the quantized panels' loops are AVX-512's)
         return False
+    if values[0].int8_activations and (k % 4 or not native.w8a8_supported()):
+        return False
     if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
         return False
     return panels.usable(dtype, PANEL, PANEL) and panels.linear_usable(dtype, n, k)
@@ -49,6 +54,10 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
     zero = v.zero if v.zero is not None else torch.full_like(scale, 0.0 if v.bits == 8 else 8.0)
     if gate_up:
         q, scale, zero = _interleave(q), _interleave(scale), _interleave(zero.float())
+    if v.int8_activations:
+        comp = q.sum(dim=1, dtype=torch.int32).mul_(128).contiguous()
+        return q.view(n // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous(), \
+            scale[:, 0].contiguous(), comp
     if v.bits == 8:
         return q.view(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous(), \
             scale[:, 0].contiguous(), None
@@ -65,6 +74,7 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
 class PanelStack(QuantStack):
     def __init__(self, bits: int, group_size: int, n: int, k: int, data: list[Tensor],
                  scale: list[Tensor], offset: list[Tensor] | None, gate_up: bool) -> None:
+        """`offset`: int4's offsets, w8a8's comps (int32), None for int8."""
         self.bits, self.group_size, self.gate_up = bits, group_size, gate_up
         self.num, self.out_features, self.in_features = len(data), n, k
         self.data, self.scale, self.offset = data, scale, offset
@@ -84,7 +94,7 @@ class PanelStack(QuantStack):
             packed = [_pack(v, gate_up) for v in values]
         offsets = [o for _, _, o in packed if o is not None]
         return cls(bits, group_size, n, k, [d for d, _, _ in packed],
-                   [s for _, s, _ in packed], offsets if bits == 4 else None, gate_up)
+                   [s for _, s, _ in packed], offsets or None, gate_up)
 
     def kernel_args(self, e: int = 0) -> tuple:
         """panel_linear's arguments after x for weight e (the weight, bias, scale, offset,

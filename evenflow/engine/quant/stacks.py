@@ -1,9 +1,15 @@
-"""Weight-only quantization: the numbers (quantizers), the stored forms and the matmul kernels.
+"""Quantization: the numbers (quantizers), the stored forms and the matmul kernels.
 
-Two methods, both weight-only (activations stay in the engine's dtype):
+Two weight-only methods (activations stay in the engine's dtype) and one that quantizes the
+activations too:
 - int8: per output channel, symmetric. w[n, k] = q[n, k] * scale[n], q in [-128, 127].
 - int4: per group of `group_size` input channels, with zero points (or symmetric).
   w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], q in [0, 15], g = k // group_size.
+- w8a8: int8's weights, and each activation row quantized to int8 as it arrives (dynamic, per
+  token, symmetric: `quantize_rows`), so the matmul runs on integer dot products (VNNI's
+  vpdpbusd in the panel kernels, engine/kernels/panel_quant.h; torch._int_mm elsewhere:
+  `W8A8Stack`). vLLM calls it W8A8 int8 (compressed-tensors' "int-quantized" format with dynamic
+  per-token input activations).
 
 `QuantValues` is the method-independent intermediate (our quantizer and the GPTQ reader both
 produce it); a `QuantStack` holds one weight or a stack of experts' weights (E, N, K) in the
@@ -48,7 +54,7 @@ from evenflow.engine.kernels.plan import (
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # int8 | int4
+    method: str  # int8 | int4 | w8a8
     group_size: int = 64  # int4 only
     symmetric: bool = False  # int4: no zero points
     quantize_lm_head: bool = False  # the embedding and lm_head stay unquantized by default
@@ -61,18 +67,22 @@ class QuantConfig:
         n, k = weight_shape[-2], weight_shape[-1]
         if self.method == "int8":
             return n >= 16
+        if self.method == "w8a8":  # (the integer dot product takes inputs four at a time)
+            return n >= 16 and k % 4 == 0
         return n >= 16 and k % self.group_size == 0 and k % 2 == 0
 
 
 @dataclass
 class QuantValues:
     """w ≈ (q - zero) * scale, per group of K; q unsigned for int4, signed with zero None for
-    int8 (one group: the whole row)."""
+    int8 (one group: the whole row). `int8_activations`: the activations meeting this weight are
+    quantized per token too (w8a8)."""
 
     bits: int
     q: Tensor  # (N, K) int8 (bits 8) or uint8 holding 0..15 (bits 4)
     scale: Tensor  # (N, G) float32
     zero: Tensor | None  # (N, G) float32, or None: symmetric around 0 (int8) / 8 (int4)
+    int8_activations: bool = False
 
     @property
     def group_size(self) -> int:
@@ -91,10 +101,12 @@ def quantize(w: Tensor, config: QuantConfig) -> QuantValues:
     # In place on one float32 copy: a load quantizing as it reads holds one weight's worth of
     # temporaries, not five.
     w = w.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    if config.method == "int8":
+    if config.method in ("int8", "w8a8"):
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
-        q = w.div_(scale).round_().clamp_(-128, 127).to(torch.int8)
-        return QuantValues(8, q, scale, None)
+        # (w8a8 keeps to [-127, 127]: symmetric, as compressed-tensors' int8 weights are)
+        bottom = -127 if config.method == "w8a8" else -128
+        q = w.div_(scale).round_().clamp_(bottom, 127).to(torch.int8)
+        return QuantValues(8, q, scale, None, config.method == "w8a8")
     n, k = w.shape
     groups = w.view(n, k // config.group_size, config.group_size)
     if config.symmetric:
@@ -179,6 +191,46 @@ class Int8Stack(QuantStack):
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes + (
             self.scale_f32.nbytes if self.scale_f32 is not None else 0)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row of x (M, K) as int8 and its float32 scale (M, 1): x ~ q * scale, scale =
+    max|x| / 127, q = round(x * 127 / max|x|) (half to even), as the native kernels quantize
+    (engine/kernels/panel_quant.h: quantize_rows); a zero row gets scale 0."""
+    x = x.float()
+    peak = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    return torch.round(x * inv).to(torch.int8), peak / 127.0
+
+
+class W8A8Stack(QuantStack):
+    """w8a8 on torch's integer matmul (torch._int_mm): where the VNNI panel kernels do not serve
+    (engine/quant/panel_stack.py). q_t (E, K, N) int8 (the layout _int_mm reads), scale (E, N)
+    float32."""
+
+    bits = 8
+
+    def __init__(self, q_t: Tensor, scale: Tensor) -> None:
+        self.q_t, self.scale = q_t, scale
+        self.num, self.in_features, self.out_features = q_t.shape
+
+    @classmethod
+    def build(cls, values: list[QuantValues]) -> W8A8Stack:
+        return cls(torch.stack([v.q.T for v in values]).contiguous(),
+                   torch.stack([v.scale[:, 0].float() for v in values]).contiguous())
+
+    def linear(self, x: Tensor, e: int = 0) -> Tensor:
+        flat = x.reshape(-1, self.in_features)
+        q, row_scale = quantize_rows(flat)
+        sums = torch._int_mm(q, self.q_t[e]).float()
+        out = sums * (self.scale[e].unsqueeze(0) * row_scale)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def select(self, index: Tensor) -> W8A8Stack:
+        return W8A8Stack(self.q_t.index_select(0, index), self.scale.index_select(0, index))
+
+    def nbytes(self) -> int:
+        return self.q_t.nbytes + self.scale.nbytes
 
 
 class Int4Stack(QuantStack):

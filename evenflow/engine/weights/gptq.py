@@ -14,8 +14,8 @@ config.json carries `quantization_config: {quant_method: gptq, bits, group_size,
 checkpoint_format}`; group_size -1 means one group per row.
 
 Supported: 4-bit with any group size the int4 kernels take (32/64/128), symmetric or not; 8-bit
-per-channel symmetric (our int8). Other methods (AWQ, compressed-tensors, fp8) are refused with
-a clear error.
+per-channel symmetric (our int8). compressed-tensors' int8 has its own module
+(compressed_tensors.py); other methods (AWQ, fp8) are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down
 
 
 def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The checkpoint's quantization_config if it is GPTQ we can load; None if unquantized."""
+    """The checkpoint's quantization_config if it is GPTQ we can load (with our `method` added);
+    None if unquantized."""
     spec = config.get("quantization_config")
     if not spec:
         return None
@@ -48,8 +49,9 @@ def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
     if method == "mxfp4":  # GPT-OSS's experts: dequantized as read (engine/weights/mxfp4.py)
         return None
     if method != "gptq":
-        raise ModelLoadError(f"checkpoint quantization {method!r} is not supported (GPTQ is; "
-                             f"or load the unquantized checkpoint with --quantization)")
+        raise ModelLoadError(f"checkpoint quantization {method!r} is not supported (GPTQ and "
+                             f"compressed-tensors int8 are; or load the unquantized checkpoint "
+                             f"with --quantization)")
     bits, group = spec.get("bits"), spec.get("group_size", -1)
     if bits == 4 and group not in INT4_GROUP_SIZES:
         raise ModelLoadError(f"4-bit GPTQ with group size {group} is not supported "
@@ -59,7 +61,7 @@ def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
                              "(group_size -1, sym true)")
     if bits not in (4, 8):
         raise ModelLoadError(f"{bits}-bit GPTQ is not supported (4 or 8)")
-    return spec
+    return {**spec, "method": "int8" if bits == 8 else "int4"}
 
 
 def _shifts(bits: int) -> Tensor:
@@ -130,7 +132,7 @@ def _concat(parts: list[QuantValues]) -> QuantValues:
     if zero is None and any(z is not None for z in zeros):
         raise ModelLoadError("GPTQ parts to fuse mix symmetric and asymmetric quantization")
     return QuantValues(parts[0].bits, torch.cat([p.q for p in parts]),
-                       torch.cat([p.scale for p in parts]), zero)
+                       torch.cat([p.scale for p in parts]), zero, parts[0].int8_activations)
 
 
 def to_model_values(cfg: ModelConfig, layer: int, values: dict[str, QuantValues]

@@ -29,7 +29,7 @@ from evenflow.engine.config import (
 from evenflow.engine.families import load_config
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights import gptq, mxfp4, safetensors_io
+from evenflow.engine.weights import compressed_tensors, gptq, mxfp4, safetensors_io
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
@@ -184,6 +184,22 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
     return {name: tensor.to(dtype) for name, tensor in state.items()}
 
 
+def read_quant_spec(config: dict) -> dict | None:
+    """The checkpoint's quantization as we load it (GPTQ or compressed-tensors int8, with its
+    `method`), None if unquantized; ModelLoadError for what we cannot load."""
+    spec = config.get("quantization_config") or {}
+    if spec.get("quant_method") == compressed_tensors.FORMAT:
+        return compressed_tensors.read_quant_config(spec)
+    return gptq.read_quant_config(config)
+
+
+def take_quantized(tensors: dict[str, Tensor], spec: dict) -> dict[str, QuantValues]:
+    """Pop the pre-quantized layers out of one read of `tensors`, by HF layer name."""
+    if spec.get("format") == compressed_tensors.FORMAT:
+        return compressed_tensors.take_quantized(tensors, spec)
+    return gptq.take_quantized(tensors, spec)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype,
                quantization: QuantConfig | None = None, shard: TPShard | None = None,
                show_progress: bool = False) -> CausalLM:
@@ -194,7 +210,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir)
-    spec = gptq.read_quant_config(json.loads((model_dir / "config.json").read_text()))
+    spec = read_quant_spec(json.loads((model_dir / "config.json").read_text()))
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -202,7 +218,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     if shard is not None:
         shard.check(cfg)
         if spec is not None:
-            raise ModelLoadError("tensor parallelism over a pre-quantized (GPTQ) checkpoint is "
+            raise ModelLoadError("tensor parallelism over a pre-quantized checkpoint is "
                                  "not supported: load the unquantized one with quantization=")
     with Progress(f"loading {model_dir.name}", cfg.num_layers + 1, show_progress) as progress:
         _load_by_layer(model, files, expected, dtype, spec, quantization, shard, progress)
@@ -215,9 +231,9 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                    dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None,
                    shard: TPShard | None, progress: Progress) -> None:
     cfg = model.config
-    if quantization is None and spec is not None:  # GPTQ: quantized as it says, the rest as is
-        quantization = QuantConfig("int8" if spec["bits"] == 8 else "int4",
-                                   max(32, spec.get("group_size", 64)), bool(spec.get("sym")))
+    if quantization is None and spec is not None:  # quantized as it says, the rest as is
+        quantization = QuantConfig(spec["method"], max(32, spec.get("group_size", 64)),
+                                   bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
     names = tensor_names(files)
     for layer in range(cfg.num_layers):
@@ -227,7 +243,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
             quantization is not None and spec is None and shard is None
             and cfg.sparse_layers[layer]) else None
         tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None))
-        given_hf = gptq.take_quantized(tensors, spec) if spec else {}
+        given_hf = take_quantized(tensors, spec) if spec else {}
         given = gptq.to_model_values(cfg, layer, given_hf)
         if experts is not None:
             assert quantization is not None
@@ -251,7 +267,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         _return_freed_memory()
         progress.update()
     tensors = _read_tensors(names, lambda name: layer_of.match(name) is None)
-    given_head = gptq.take_quantized(tensors, spec).get("lm_head") if spec else None
+    given_head = take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
     rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
     model.load_state_dict(_checked(_to_model_names(cfg, tensors, []), rest, dtype, covered),
