@@ -41,6 +41,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from evenflow.bench.doctor_metrics import Samples, phase_rows, scrape, worker_instances
 from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_client, run_load
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
 
@@ -66,9 +67,12 @@ def _ms(values: list[float]) -> dict:
 
 def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
             loop_lag_p99_s: float | None, ep_ranks: list[dict] | None = None,
-            from_heartbeats: list[dict] | None = None) -> dict:
+            from_heartbeats: list[dict] | None = None,
+            gateway_metrics: tuple[Samples, Samples] | None = None) -> dict:
     """from_heartbeats: per-worker costs from the workers' heartbeats (WorkerStepWatch), used
-    for the workers no trace covers (a mesh started without tracing)."""
+    for the workers no trace covers (a mesh started without tracing); gateway_metrics: the
+    gateway's /metrics before and after the workload (bench/doctor_metrics.py): the phases
+    before the first token and the workers, where no trace says."""
     by_name: dict[str, list[ReceivedSpan]] = defaultdict(list)
     for span in spans:
         by_name[span.name].append(span)
@@ -98,6 +102,11 @@ def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
                     "p50": (1 - accounted) * ttft_p50 * 1e3 if ttfts else None, "p99": None,
                     "share": 1 - accounted if ttfts else None, "of": "TTFT", "spans": 0})
     instances = _instances(by_name)
+    if gateway_metrics is not None and not by_name.get("route"):  # no traces: the gateway's
+        metric_rows = phase_rows(*gateway_metrics, statistics.mean(ttfts) if ttfts else None)
+        if metric_rows:
+            rows = metric_rows + rows[4:]  # (KV transfer, decode and the client's totals)
+        from_heartbeats = from_heartbeats or worker_instances(*gateway_metrics)
     traced = {(i["role"], i["worker"]) for i in instances}
     untraced = [i for i in from_heartbeats or [] if (i["role"], i["worker"]) not in traced]
     if untraced and not traced:
@@ -132,12 +141,14 @@ def _instances(by_name: dict[str, list[ReceivedSpan]]) -> list[dict]:
 
 def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None,
              ep_ranks: list[dict]) -> str:
-    before = [r for r in rows[:4] if r["share"] is not None]
+    before = [r for r in rows if r["of"] == "TTFT" and r["share"] is not None
+              and r["share"] < 1 and r["phase"] != "unattributed"]
     worst = max(before, key=lambda r: r["share"]) if before else None
     parts = []
     if worst is not None:
+        which, ms = ("p50", worst["p50"]) if worst["p50"] is not None else ("mean", worst["mean"])
         parts.append(f"slowest layer before the first token: {worst['phase']} "
-                     f"({100 * worst['share']:.0f}% of TTFT p50, {worst['p50']:.1f} ms)")
+                     f"({100 * worst['share']:.0f}% of TTFT {which}, {ms:.1f} ms)")
     slow = max(instances, key=lambda i: i["vs_peers"], default=None)
     if slow is not None and slow["vs_peers"] > STANDS_OUT:
         parts.append(f"slowest instance: {slow['role']} {slow['worker']}, "
@@ -168,12 +179,12 @@ def _loop_lag_p99(url: str, headers: dict[str, str] | None = None) -> float | No
 
 
 def print_report(result: dict) -> None:
-    print(f"  {'phase':56} {'p50 ms':>9} {'p99 ms':>9} {'share':>14}")
+    print(f"  {'phase':56} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'share':>14}")
     for r in result["waterfall"]:
-        p50 = "-" if r["p50"] is None else f"{r['p50']:.2f}"
-        p99 = "-" if r["p99"] is None else f"{r['p99']:.2f}"
+        p50, p99, mean = ("-" if r.get(k) is None else f"{r[k]:.2f}"
+                          for k in ("p50", "p99", "mean"))
         share = "" if r["share"] is None else f"{100 * r['share']:.0f}% of {r['of']}"
-        print(f"  {r['phase'][:56]:56} {p50:>9} {p99:>9} {share:>14}")
+        print(f"  {r['phase'][:56]:56} {p50:>9} {p99:>9} {mean:>9} {share:>14}")
     for i in result["instances"]:
         print(f"  {i['role']:7} {i['worker']:8} {i['ms_per_token']:8.3f} ms/token  "
               f"{i['vs_peers']:.2f}x peers ("
@@ -245,10 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         receiver = OTLPReceiver(args.otlp_host, 4318 if args.otlp_port is None
                                 else args.otlp_port)
         try:
-            load, lag, ep_ranks, beats = _run_against(args.url.rstrip("/"), receiver,
-                                                      prompt_len, output_len, requests,
-                                                      concurrency, args.flush_wait, args.nats,
-                                                      args.nats_credentials)
+            load, lag, ep_ranks, beats, metrics = _run_against(
+                args.url.rstrip("/"), receiver, prompt_len, output_len, requests, concurrency,
+                args.flush_wait, args.nats, args.nats_credentials)
         finally:
             receiver.stop()
         where = f"the mesh at {args.url}"
@@ -256,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
         load, lag, ep_ranks, beats = _run_local(args, receiver, prompt_len, output_len,
                                                 requests, concurrency)
+        metrics = None
         where = f"{args.prefill} prefill + {args.decode} decode workers"
     result = analyse(receiver.spans, [t.ttft for t in load.timings],
-                     [t.e2e for t in load.timings], lag, ep_ranks, beats)
+                     [t.e2e for t in load.timings], lag, ep_ranks, beats, metrics)
     result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
                           "output_tokens": output_len, "requests": requests,
                           "concurrency": concurrency, "failed": load.errors,
@@ -269,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
           f"failed), {prompt_len} -> {output_len} tokens, concurrency {concurrency}; "
           f"{where}, {len(receiver.spans)} spans")
     if not receiver.spans:
-        print(f"  no spans arrived: start the mesh's services with "
-              f"OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint} for the phases"
-              + ("; workers compared from their heartbeats" if beats else
-                 " and workers (or give --nats URL: workers from their heartbeats)"))
+        print("  no spans arrived (the mesh does not trace to this doctor): the phases come "
+              "from the gateway's /metrics, the workers from their heartbeats"
+              + ("" if beats else " as the gateway re-exports them")
+              + f"; for traces, start the services with "
+              f"OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint}")
     if load.first_error:
         print(f"  first failure: {load.first_error}")
     print_report(result)
@@ -324,9 +336,11 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
 def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: int,
                  requests: int, concurrency: int, flush_wait: float, nats_url: str | None,
                  credentials: str | None = None
-                 ) -> tuple[LoadResult, float | None, list[dict], list[dict]]:
+                 ) -> tuple[LoadResult, float | None, list[dict], list[dict],
+                            tuple[Samples, Samples]]:
     """The workload against a running mesh's gateway; its services' spans, if they export to
-    `receiver`, arrive meanwhile and up to `flush_wait` s after."""
+    `receiver`, arrive meanwhile and up to `flush_wait` s after; the gateway's /metrics before
+    and after."""
     import os
     import time
 
@@ -342,9 +356,12 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
     rng = random.Random(3)
     prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
+    before = scrape(url, headers)
     load, ep_ranks, beats = run_client(_watching_ranks(nats_url, run_load(
         url, model, prompts, output_len, concurrency, api_key=key, progress=True),
         credentials))
+    time.sleep(1.5)  # every worker's next heartbeat (1 s), with the workload's last tokens
+    metrics = (before, scrape(url, headers))
     lag = _loop_lag_p99(url, headers)
     time.sleep(flush_wait)
     # A service whose exporter met the receiver before it listened (spans from the mesh's start)
@@ -352,15 +369,16 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
     # workload's spans after it: wait up to 20 s (or 3 flush waits) more for the gateway's route
     # spans and a worker's.
     # (none at all, and the workers' heartbeats answered: the mesh does not trace; no wait)
-    deadline = time.monotonic() + (0.0 if beats and not receiver.spans
-                                   else max(20.0, 3 * flush_wait))
+    # (so do the worker figures the gateway re-exports from the heartbeats)
+    untraced = (beats or worker_instances(*metrics)) and not receiver.spans
+    deadline = time.monotonic() + (0.0 if untraced else max(20.0, 3 * flush_wait))
     while time.monotonic() < deadline:
         names = {(s.service, s.name) for s in receiver.spans}
         if ("evenflow-gateway", "route") in names and \
                 {service for service, _ in names} & {"evenflow-prefill", "evenflow-decode"}:
             break
         time.sleep(0.25)
-    return load, lag, ep_ranks, beats
+    return load, lag, ep_ranks, beats, metrics
 
 
 async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, LoadResult],

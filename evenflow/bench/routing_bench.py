@@ -178,12 +178,16 @@ def mean_lookup_seconds(url: str) -> float | None:
 
 
 def decision_figures(url: str) -> tuple[tuple[float, float] | None, dict[str, float]]:
-    """The gateway's routing decision p50 / p99 (interpolated in its histogram's buckets, as
-    Prometheus' histogram_quantile does) and its index matches by source."""
+    """The gateway's routing decision p50 / p99 over every decision, wherever its index match
+    was answered (interpolated in its histogram's buckets, as Prometheus' histogram_quantile
+    does, summed over the `index` label), and its index matches by source."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    buckets = sorted((float("inf") if le == "+Inf" else float(le), float(n)) for le, n in
-                     re.findall(r'^evenflow_route_decision_seconds_bucket\{le="([^"]+)"\} (\S+)$',
-                                text, re.MULTILINE))
+    summed: dict[float, float] = {}
+    for le, n in re.findall(r'^evenflow_route_decision_seconds_bucket\{index="\w+",'
+                            r'le="([^"]+)"\} (\S+)$', text, re.MULTILINE):
+        bound = float("inf") if le == "+Inf" else float(le)
+        summed[bound] = summed.get(bound, 0.0) + float(n)
+    buckets = sorted(summed.items())
     sources = {src: float(n) for src, n in re.findall(
         r'^evenflow_kv_lookups_total\{source="(\w+)"\} (\S+)$', text, re.MULTILINE)}
     if not buckets or not buckets[-1][1]:

@@ -67,6 +67,8 @@ class _Active:
     blocks: int  # KV blocks promised until the engine admits it
     queue_span: trace.Span | None = None
     sent: int = 0  # output tokens of the request already sent (the prefill worker's first: 1)
+    received_ns: int = field(default_factory=time.time_ns)  # (clock of Admitted.at_ns)
+    admitted_ns: int = 0
 
 
 class DecodeWorker(WorkerService):
@@ -197,6 +199,7 @@ class DecodeWorker(WorkerService):
         active = self.active.get(event.request_id)
         if active is not None:
             active.blocks = 0  # the engine holds them now
+            active.admitted_ns = event.at_ns
             if active.queue_span is not None:
                 active.queue_span.end(end_time=event.at_ns)
                 active.queue_span = None
@@ -245,11 +248,16 @@ class DecodeWorker(WorkerService):
             if active is None:
                 continue
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
+            queued_s = computed_s = 0.0
+            if active.sent == 0:  # prefilled here: the first token's queue and compute time
+                admitted = active.admitted_ns or active.received_ns
+                queued_s = (admitted - active.received_ns) / 1e9
+                computed_s = (time.time_ns() - admitted) / 1e9
             by_gateway[active.reply_subject].append(TokenDelta(
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, first_index=active.sent,
-                **logprob_fields(out)))
+                queued_s=queued_s, computed_s=computed_s, **logprob_fields(out)))
             active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]

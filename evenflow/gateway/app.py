@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from evenflow.gateway.protocol import (
     validation_error,
 )
 from evenflow.gateway.responses import AdmittedStream, _json, complete, stream
+from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.messages import WORKER_ROLES
 from evenflow.services.config import MeshConfig
@@ -164,14 +166,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 async def _handle(gateway: Gateway, kind: str,
                   body: CompletionRequest | ChatCompletionRequest) -> Response:
+    received = time.perf_counter()
     if gateway.draining:
         raise APIError(503, "The gateway is shutting down.", "overloaded_error",
                        code="draining", headers={"Retry-After": "1"})
     job = gateway.build_job(kind, body)
     await gateway.attach_guide(job, body)
+    tokenized = time.perf_counter()
     # The slot is released exactly once, by whoever ends the response: _complete's finally,
     # or the streaming response once it is done.
     await gateway.admission.acquire()
+    if job.stream and job.n == 1:
+        job.timings = FirstTokenTimings(received, tokenized, time.perf_counter())
     span = gateway.tracer.start_span(  # ended when the response is complete
         "gateway.request", kind=trace.SpanKind.SERVER,
         attributes={"gen_ai.operation.name": kind, "gen_ai.request.model": job.model,

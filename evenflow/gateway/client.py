@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 
 from evenflow.gateway.replies import DeltaQueue, Ordering
 from evenflow.gateway.router import RouterWeights, WorkerRegistry, WorkerState
+from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.kv_index.client import KVIndexClient
 from evenflow.kv_index.local_copy import LocalIndex
 from evenflow.kv_index.store import Keys
@@ -61,6 +62,7 @@ from evenflow.services.metrics import (
     RETRIES,
     ROUTE_DECISION_SECONDS,
     ROUTING_DECISIONS,
+    export_worker_figures,
 )
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ log = logging.getLogger(__name__)
 
 ROOM_POLL_S = 0.05  # how often a request waiting for a decode worker with room looks again
 PROFILE_GRACE_S = 30.0  # a profile's answer may come this long after its window (trace export)
+# at start, readiness waits this long at most for the index copy to hold every worker's snapshot
+COPY_SYNC_GRACE_S = 5.0
 LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the request was lost
 
 
@@ -93,6 +97,7 @@ class _Flight:
     admit_by: float | None = None  # waiting for room since: give up at this time.monotonic()
     waited_s: float = 0.0  # waiting for a decode worker with room (not routing time)
     no_worker_since: float = 0.0  # migrating with no decode worker live, since (monotonic)
+    index_source: str = "none"  # where the last routing decision's KV match came from
 
 
 class GatewayClient:
@@ -117,6 +122,8 @@ class GatewayClient:
         self._profiles: dict[str, asyncio.Future[ProfileResult]] = {}  # POST /admin/profile
         self._heartbeats: asyncio.Task | None = None
         self._connecting: asyncio.Task | None = None  # retrying a NATS that was down at start
+        self._ready_since: float | None = None
+        self._copy_ready = False  # the index copy was in step once (or the grace ran out)
 
     async def start(self) -> None:
         """Connect, or keep trying in the background: the HTTP side serves meanwhile, and
@@ -201,13 +208,32 @@ class GatewayClient:
             await self.kv.close()
 
     def ready(self) -> bool:
+        """Connected, with workers to route to; at start, also with the index copy in step
+        with them (bounded by COPY_SYNC_GRACE_S: a worker that cannot send its snapshot only
+        delays readiness), so that the first requests do not all go to Redis."""
         if not self.bus.connected or not self.registry.live(Role.DECODE):
             return False
-        return bool(self.registry.live(Role.PREFILL)) or self.config.local_prefill_threshold > 0
+        if not self.registry.live(Role.PREFILL) and self.config.local_prefill_threshold <= 0:
+            return False
+        if self._copy_ready or self.kv_copy is None:
+            return True
+        now = time.monotonic()
+        self._ready_since = self._ready_since or now
+        self._copy_ready = not self.kv_copy.behind(self._live_epochs()) or \
+            now - self._ready_since > COPY_SYNC_GRACE_S
+        return self._copy_ready
 
     def _on_heartbeat(self, message: Message, _ctx: Context) -> None:
         if isinstance(message, WorkerHeartbeat):
             self.registry.observe(message)
+            if message.role in ("prefill", "decode"):
+                export_worker_figures(message)
+                if self.kv_copy is not None and self.kv_copy.to_resync(
+                        {message.worker_id: message.epoch}):  # new here: its snapshot now
+                    task = asyncio.ensure_future(self.bus.publish(
+                        subjects.kv_resync(message.worker_id),
+                        KVResyncRequest(worker_id=message.worker_id)))
+                    task.add_done_callback(lambda t: t.exception())  # owned: result observed
             for role in WORKER_ROLES:
                 LIVE_WORKERS.labels(role=role).set(len(self.registry.live(role)))
 
@@ -251,7 +277,7 @@ class GatewayClient:
             self._profiles.pop(request_id, None)
 
     # -- routing ----------------------------------------------------------------------------
-    async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
+    async def _lookup(self, hashes: list[int], flight: _Flight) -> dict[str, int] | None:
         """worker_id -> cached leading blocks; None when the index is unusable."""
         if self.kv is None:
             return {}
@@ -261,9 +287,11 @@ class GatewayClient:
                 live = self._live_epochs()
                 if not self.kv_copy.behind(live):
                     KV_LOOKUPS.labels(source="local").inc()
+                    flight.index_source = "local"
                     return self.kv.with_predictions(self.kv_copy.match(hashes, live), hashes)
                 KV_INDEX_FALLBACKS.labels(reason="behind").inc()
             KV_LOOKUPS.labels(source="redis").inc()
+            flight.index_source = "redis"
             return await self.kv.lookup(hashes, self.registry.epoch_of)
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
@@ -322,7 +350,8 @@ class GatewayClient:
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
             total = -(-len(prompt) // bs)
-            matched = await self._lookup(hashes)
+            flight.index_source = "none"
+            matched = await self._lookup(hashes, flight)
             reason = self.config.router if matched is not None else "redis_unavailable"
             matched = matched or {}
             decode = await self._wait_for_decode(total, matched, exclude, flight, deadline)
@@ -337,7 +366,8 @@ class GatewayClient:
                 local = True  # no prefill worker: the decode worker prefills
             computing = decode if local else prefill
             assert computing is not None
-            ROUTE_DECISION_SECONDS.observe(time.perf_counter() - decided - flight.waited_s)
+            ROUTE_DECISION_SECONDS.labels(index=flight.index_source).observe(
+                time.perf_counter() - decided - flight.waited_s)
             hit = matched.get(computing.worker_id, 0)
             if reason == "kv":
                 reason = "kv_hit" if hit else "kv_miss"
@@ -382,10 +412,11 @@ class GatewayClient:
 
     # -- one request ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], spec: SamplingSpec,
-                       request_id: str | None = None,
-                       deadline: float | None = None) -> AsyncIterator[TokenDelta]:
+                       request_id: str | None = None, deadline: float | None = None,
+                       timings: FirstTokenTimings | None = None) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
-        `deadline` (time.monotonic()): past it the request fails with TIMEOUT."""
+        `deadline` (time.monotonic()): past it the request fails with TIMEOUT. `timings`: marked
+        when the request is published and when its first delta is taken."""
         request_id = request_id or uuid.uuid4().hex
         # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
         # that still holds an earlier attempt never confuses the two.
@@ -398,6 +429,8 @@ class GatewayClient:
         finished = False
         try:
             await self._send(wire_id, flight, prompt, spec, exclude, False, deadline)
+            if timings is not None:
+                timings.published = time.perf_counter()
             last_progress = time.monotonic()
             while True:
                 held = ordering.next_held(len(emitted))
@@ -479,6 +512,8 @@ class GatewayClient:
                         resumed_output_tokens=len(emitted))  # (a grammar consumes them)
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted), deadline=deadline)
+                    if timings is not None:
+                        timings.published = time.perf_counter()
                     continue
                 last_progress = time.monotonic()
                 flight.refused.clear()  # admitted: a later re-send waits for room afresh
@@ -486,6 +521,8 @@ class GatewayClient:
                 if deadline is not None and last_progress > deadline:
                     raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 if not emitted:
+                    if timings is not None:
+                        timings.first_delta(item.queued_s, item.computed_s)
                     self._count_hits(flight, len(prompt), item.num_cached_tokens)
                     if flight.prefill:
                         self.registry.prefill_done(flight.prefill, flight.prefill_blocks)

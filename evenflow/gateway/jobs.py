@@ -34,6 +34,7 @@ from evenflow.gateway.structured import (
     requested_format,
     requested_tools,
 )
+from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.messages import SamplingSpec
@@ -78,6 +79,8 @@ class Job:
     # echo + logprobs: prompt tokens 1, 2, ... (the first has no logprob), from the first delta
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     tools: ToolMode | None = None  # a forced tool call: how the output becomes tool_calls
+    # a streamed single-choice request: its time to first token, split (gateway/timings.py)
+    timings: FirstTokenTimings | None = None
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
@@ -270,7 +273,8 @@ class Gateway:
         itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
-                                                    min(job.deadline, self.drain_deadline)):
+                                                    min(job.deadline, self.drain_deadline),
+                                                    job.timings):
                 now = time.monotonic()
                 if first and delta.prompt_logprobs:
                     ids = job.prompt_ids

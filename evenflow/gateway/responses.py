@@ -135,6 +135,8 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
                                         piece.finish, first[index],
                                         _rendered_logprobs(gateway, job, piece, offsets[index]),
                                         usage))
+                if first[index] and job.timings is not None:
+                    job.timings.first_chunk()
                 first[index] = False
                 offsets[index] += len(piece.text)
             finishes[index] = piece.finish or finishes[index]

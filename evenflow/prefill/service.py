@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -56,6 +56,7 @@ class _Pending:
     compute_span: trace.Span | None = None
     token: int = 0  # the first token, sent along with the KV
     num_cached_tokens: int = 0
+    received_ns: int = field(default_factory=time.time_ns)  # (clock of Admitted.at_ns)
 
 
 class PrefillWorker(WorkerService):
@@ -203,10 +204,12 @@ class PrefillWorker(WorkerService):
         if finish is None and out.kv_follows:
             pending.awaiting_kv, pending.compute_span = True, compute
             pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
+        admitted = pending.admitted_ns or pending.received_ns
         return TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
                           num_prompt_tokens=len(req.prompt_token_ids),
                           num_cached_tokens=out.num_cached_tokens, first_index=0,
-                          **logprob_fields(out))
+                          queued_s=(admitted - pending.received_ns) / 1e9,
+                          computed_s=(time.time_ns() - admitted) / 1e9, **logprob_fields(out))
 
     def _ship_kv(self, pending: _Pending, kv: kv_handoff.KVPayload) -> None:
         req, token = pending.request, pending.token

@@ -149,6 +149,11 @@ class TokenDelta:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
+    # With the first token, from the worker that computed the prompt: seconds from receiving
+    # the request to its engine taking it (queued), and from then to the first token
+    # (computed). The gateway splits its time to first token with them (the doctor reads it).
+    queued_s: float = 0.0
+    computed_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,7 +161,8 @@ class TokenDeltas:
     """Every delta a worker produced for one gateway in one engine step."""
 
     TYPE: ClassVar[str] = "token_deltas"
-    VERSION: ClassVar[int] = 3  # 2: TokenDelta.first_index; 3: TokenDelta logprobs
+    # 2: TokenDelta.first_index; 3: TokenDelta logprobs; 4: TokenDelta queued_s / computed_s
+    VERSION: ClassVar[int] = 4
     worker_id: str
     deltas: list[TokenDelta]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
@@ -24,6 +25,37 @@ REQUESTS = Counter("evenflow_requests_total", "Requests finished at the gateway"
                    ["endpoint", "outcome"])
 TTFT = Histogram("evenflow_ttft_seconds", "Time to first token at the gateway",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+# The gateway's time to first token of a streamed request, split (gateway/timings.py): the
+# phases, and "total" (from the request's handler to its first chunk handed to the server)
+TTFT_PHASE_SECONDS = Histogram(
+    "evenflow_ttft_phase_seconds", "A streamed request's time to first token at the gateway, "
+    "by phase", ["phase"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                    0.5, 1, 2.5, 5, 10))
+# Each engine worker's cumulative figures as its heartbeats carry them (WorkerHeartbeat v4),
+# re-exported by the gateway, which hears every worker: per-instance evidence on the gateway's
+# own /metrics (`evenflow doctor --url`), whatever the mesh was started with
+WORKER_STEP_SECONDS = Gauge("evenflow_worker_step_seconds",
+                            "A worker's engine step time so far (its heartbeat)",
+                            ["role", "worker"])
+WORKER_PROMPT_TOKENS = Gauge("evenflow_worker_prompt_tokens_computed",
+                             "Prompt tokens a worker computed so far (its heartbeat)",
+                             ["role", "worker"])
+WORKER_STREAM_SECONDS = Gauge("evenflow_worker_stream_seconds",
+                              "Seconds a decode worker's streams ran, first token to last, so "
+                              "far (its heartbeat)", ["role", "worker"])
+WORKER_STREAM_TOKENS = Gauge("evenflow_worker_stream_tokens",
+                             "Tokens over those seconds (its heartbeat)", ["role", "worker"])
+
+
+def export_worker_figures(beat: Any) -> None:
+    """An engine worker's heartbeat (WorkerHeartbeat v4) into the WORKER_* gauges."""
+    labels = (str(beat.role), beat.worker_id)
+    WORKER_STEP_SECONDS.labels(*labels).set(beat.step_seconds)
+    WORKER_PROMPT_TOKENS.labels(*labels).set(beat.prompt_tokens_computed)
+    WORKER_STREAM_SECONDS.labels(*labels).set(beat.stream_seconds)
+    WORKER_STREAM_TOKENS.labels(*labels).set(beat.stream_tokens)
+
+
 INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway")
 LIVE_WORKERS = Gauge("evenflow_live_workers", "Workers with a fresh heartbeat", ["role"])
 ROUTING_DECISIONS = Counter("evenflow_routing_decisions_total", "Requests routed, by reason",
@@ -33,8 +65,9 @@ KV_LOOKUP_SECONDS = Histogram("evenflow_kv_lookup_seconds", "KV index match late
                                        0.005, 0.01, 0.05))
 # A routing decision: hashing the prompt, the index match, picking the workers (not the wait for
 # a worker with room, nor the publish)
+# (`index`: where its KV match was answered: local — the gateway's copy —, redis, or none)
 ROUTE_DECISION_SECONDS = Histogram(
-    "evenflow_route_decision_seconds", "A routing decision at the gateway",
+    "evenflow_route_decision_seconds", "A routing decision at the gateway", ["index"],
     buckets=(0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01,
              0.05))
 KV_LOOKUPS = Counter("evenflow_kv_lookups_total",

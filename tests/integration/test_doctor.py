@@ -104,9 +104,11 @@ def test_doctor_reports_each_expert_parallel_rank_against_its_group(tmp_path):
 
 def test_doctor_names_a_throttled_worker_of_a_mesh_started_without_tracing(tmp_path):
     """The mesh started plainly (no OTLP endpoint), then one decode worker throttled from
-    outside (SIGSTOP / SIGCONT, 80% of the time stopped): given the mesh's NATS, the doctor
-    compares workers from their heartbeats (engine step time per token) and names that one,
-    and no other, without restarting anything."""
+    outside (SIGSTOP / SIGCONT, 80% of the time stopped): given only the gateway's URL, the
+    doctor compares workers from their heartbeats (as the gateway's /metrics re-exports them)
+    and names that one, and no other, and splits the time to first token into named phases
+    (the gateway's own, from its /metrics) with less than 10% left unattributed, without
+    restarting anything."""
     out = tmp_path / "doctor.json"
     with running_mesh(MeshConfig(port=0, num_prefill=1, num_decode=2, num_ep_ranks=0,
                                  local_prefill_threshold=0, stats_log_interval_s=0,
@@ -124,10 +126,7 @@ def test_doctor_names_a_throttled_worker_of_a_mesh_started_without_tracing(tmp_p
         thread = threading.Thread(target=throttle, daemon=True)
         thread.start()
         try:
-            # as `evenflow up` prints it for operators: the admin user's credentials file
-            admin = mesh.credentials[("admin", "")]
-            assert doctor.main(["--url", mesh.url, "--nats", mesh.config.nats_url,
-                                "--nats-credentials", admin, "--otlp-port", str(free_port()),
+            assert doctor.main(["--url", mesh.url, "--otlp-port", str(free_port()),
                                 "--flush-wait", "0", "--workload", "chat",
                                 "--json", str(out)]) == 0
         finally:
@@ -140,4 +139,9 @@ def test_doctor_names_a_throttled_worker_of_a_mesh_started_without_tracing(tmp_p
     assert {"p0", "d0", "d1"} <= set(by_worker)
     assert all(i.get("source") == "heartbeats" for i in result["instances"])
     assert by_worker["d1"]["vs_peers"] > doctor.STANDS_OUT
+    assert by_worker["d0"]["vs_peers"] < doctor.STANDS_OUT
     assert "slowest instance: decode d1" in result["verdict"]
+    phases = {r["phase"]: r for r in result["waterfall"]}
+    assert phases["gateway: worker compute"]["mean"] > 0
+    assert phases["gateway: NATS hops"]["mean"] >= 0
+    assert abs(phases["unattributed"]["share"]) < 0.10
