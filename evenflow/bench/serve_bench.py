@@ -16,6 +16,8 @@ tiny-moe` works with prompts under 512 tokens.
 `--base-url URL` runs only the load (4.) against any OpenAI-compatible server - vLLM's, Dynamo's
 or a running `evenflow up` - with `--request-rate` (Poisson arrivals) and `--concurrency`;
 `--json FILE` and `--plot DIR` (TTFT / ITL CDFs, throughput over time) work in both modes.
+5. The one-message K/V hand-off against a chunk and a completion: the batch-16 first gap on two
+   meshes, alternating (bench/handoff_bench.py).
 """
 
 from __future__ import annotations
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-prompt-len", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--no-handoff-table", action="store_true",
+                    help="skip the last table (the one-message K/V hand-off, two meshes)")
     ap.add_argument("--base-url", default=None,
                     help="load an already running OpenAI-compatible server instead")
     ap.add_argument("--api-key", default=None, help="--base-url: its API key")
@@ -347,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"  ({failed} requests failed during the overhead runs)")
     _report(args, load, "gateway")
+    if not args.no_handoff_table:
+        from evenflow.bench.handoff_bench import handoff_table
+
+        handoff_table(model, vocab, 6 if args.quick else 5, args.output_len)
     return 0
 
 

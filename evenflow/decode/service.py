@@ -151,6 +151,10 @@ class DecodeWorker(WorkerService):
         KV_TRANSFER_BYTES.labels(service="decode").inc(len(chunk.data))
 
     def _on_complete(self, done: KVTransferComplete, ctx: Context) -> None:
+        if done.inline:  # the one chunk came inside: as if it had come first, alone
+            self._on_chunk(KVBlockChunk(request_id=done.request_id, seq=0,
+                                        first_block=done.first_block,
+                                        num_blocks=done.num_blocks, data=done.data), ctx)
         transfer = self.transfers.pop(done.request_id, None)
         if transfer is None:
             self._error(done.reply_subject, done.request_id, errors.KV_TRANSFER_FAILED,

@@ -222,7 +222,8 @@ class PrefillWorker(WorkerService):
         transfer.set_attribute("evenflow.kv.bytes", sum(len(c.data) for c in chunks))
         tctx = trace.set_span_in_context(transfer)
         decode_subject = subjects.kv_transfer(req.decode_worker)
-        for chunk in chunks:
+        inline = chunks[0] if len(chunks) == 1 and self.config.kv_inline_handoff else None
+        for chunk in [] if inline is not None else chunks:
             self.send(decode_subject, KVBlockChunk(
                 request_id=req.request_id, seq=chunk.seq, first_block=chunk.first_block,
                 num_blocks=chunk.num_blocks, data=chunk.data), tctx)
@@ -232,5 +233,9 @@ class PrefillWorker(WorkerService):
             dtype=kv.dtype, prompt_token_ids=req.prompt_token_ids, first_token_id=token,
             sampling=req.sampling, reply_subject=req.reply_subject,
             num_cached_tokens=pending.num_cached_tokens, enqueued_at=req.enqueued_at,
-            export_started_at=export_started), tctx)
+            export_started_at=export_started, inline=inline is not None,
+            data=inline.data if inline else b"",
+            first_block=inline.first_block if inline else 0), tctx)
+        if inline is not None:
+            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(inline.data))
         transfer.end()

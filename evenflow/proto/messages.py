@@ -112,10 +112,14 @@ class KVBlockChunk:
 
 @dataclass(frozen=True, kw_only=True)
 class KVTransferComplete:
-    """All chunks sent: `num_chunks` of them. The decode worker can admit the request."""
+    """All chunks sent: `num_chunks` of them. The decode worker can admit the request.
+
+    K/V that fits in one chunk travels inside this message (`inline`: `data`, blocks from
+    `first_block`; `num_chunks` 1): the whole hand-off — the prompt, its first token, its K/V
+    and the completion — in one message instead of two."""
 
     TYPE: ClassVar[str] = "kv_complete"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: inline K/V (inline, data, first_block)
     request_id: str
     num_chunks: int
     num_blocks: int
@@ -127,6 +131,9 @@ class KVTransferComplete:
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
     enqueued_at: float
     export_started_at: float  # prefill worker clock when it began exporting this KV
+    inline: bool = False  # the only chunk's K/V is here, not sent as a chunk:
+    data: bytes | memoryview = b""
+    first_block: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

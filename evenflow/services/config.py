@@ -121,6 +121,9 @@ class MeshConfig:
     # Each gateway keeps its own copy of the KV block index from the KV-event stream and routes
     # from it; Redis answers while the copy is behind (kv_index/local_copy.py). False: Redis only.
     kv_index_local_copy: bool = True
+    # K/V that fits in one chunk goes inside the hand-off's completion message (one message, not
+    # two); off only to measure what it saves (bench serve)
+    kv_inline_handoff: bool = True
     decode_retries: int = 2  # other workers tried when one fails or stops responding
     # A request no live decode worker has KV room for waits this long for one (as in vLLM's
     # waiting queue), then fails with 503.

@@ -5,6 +5,7 @@ gateway's retry elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -110,6 +111,11 @@ def test_decode_worker_admits_refuses_and_checks_kv_transfers():
             await gateway.bus.publish(transfer, complete("remote", num_chunks=2))
             tokens, finish = await gateway.outcome("remote")
             assert tokens and finish == "length"
+            # ... or in one message: K/V small enough for one chunk comes inside the completion
+            await gateway.bus.publish(transfer, dataclasses.replace(
+                complete("inline", num_chunks=1), inline=True))
+            tokens, finish = await gateway.outcome("inline")
+            assert tokens and finish == "length"
             # The same with a chunk sent twice: the request fails, the worker keeps serving.
             for seq in (0, 0, 1):
                 await gateway.bus.publish(transfer, KVBlockChunk(
@@ -194,11 +200,15 @@ def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
         broker = InMemoryBroker()
         worker = PrefillWorker(config, "p0", InMemoryBus(broker, "p0"))
         completes: list[str] = []
+        inlined: list[KVTransferComplete] = []
+
+        def on_transfer(m: Message, _c: object) -> None:
+            assert isinstance(m, KVTransferComplete), m  # (no separate chunk)
+            completes.append(m.request_id)
+            inlined.append(m)
+
         async with serving(worker, broker) as gateway:
-            await gateway.bus.subscribe(
-                subjects.kv_transfer("d0"),
-                lambda m, _c: completes.append(m.request_id)
-                if isinstance(m, KVTransferComplete) else None)
+            await gateway.bus.subscribe(subjects.kv_transfer("d0"), on_transfer)
             ids = [f"r{i}" for i in range(4)]
             for request_id in ids:  # the first step (300 ms) holds r0; r1-r3 wait for the next
                 await gateway.bus.publish(subjects.prefill_worker("p0"), PrefillRequest(
@@ -217,6 +227,7 @@ def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
             while len(completes) < len(ids) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert sorted(completes) == ids
+            assert all(m.inline for m in inlined)  # one message each: K/V inside (one chunk)
 
     asyncio.run(scenario())
 

@@ -1,0 +1,77 @@
+"""`evenflow bench serve`'s last table: the one-message K/V hand-off against chunks + completion.
+
+Two local meshes at once (gateway, 1 prefill and 1 decode worker each, every prompt
+disaggregated), one with the one-message hand-off (`kv_inline_handoff`: K/V that fits in one
+chunk travels inside the completion message) and one without (a chunk message, then the
+completion), driven in alternation with batches of 16 streamed requests of 128-token prompts:
+the first gap of each stream (first token -> second: the prefill -> decode hand-off) as a p50
+per mesh, and the gaps after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request, run_client
+from evenflow.bench.sse_client import SSEClient
+
+
+async def _gaps(urls: dict[str, str], model: str, vocab: int, rounds: int, out_len: int
+                ) -> dict[str, tuple[list[float], list[float]]]:
+    gaps: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in urls}
+    clients = {name: SSEClient(url, timeout_s=300) for name, url in urls.items()}
+    for client in clients.values():
+        await client.__aenter__()
+    try:
+        for client in clients.values():  # warm-up
+            await asyncio.gather(*(one_request(client, model, p, 2, {})
+                                   for p in make_prompts(2, 128, vocab, seed=90)))
+        for r in range(rounds):
+            for name, client in clients.items():
+                outcomes = await asyncio.gather(*(
+                    one_request(client, model, p, out_len, {})
+                    for p in make_prompts(16, 128, vocab, seed=1000 + r)),
+                    return_exceptions=True)
+                for t in outcomes:
+                    if isinstance(t, RequestTiming) and len(t.itls) > 1:
+                        gaps[name][0].append(t.itls[0])
+                        gaps[name][1].append(statistics.fmean(t.itls[1:]))
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
+    return gaps
+
+
+def handoff_table(model: str, vocab: int, rounds: int, out_len: int) -> None:
+    """Print the table (starts and stops both meshes)."""
+    from evenflow.services.config import MeshConfig
+    from evenflow.services.launcher import LocalMesh
+
+    meshes = {}
+    try:
+        for name, inline in (("one message", True), ("chunk + completion", False)):
+            mesh = LocalMesh(MeshConfig(model=model, port=0, local_prefill_threshold=0,
+                                        threads_per_worker=1, kv_cache_gb=0.5, num_ep_ranks=0,
+                                        kv_inline_handoff=inline))
+            meshes[name] = mesh
+            mesh.start(health_timeout_s=300)
+        first = next(iter(meshes.values()))
+        gaps = run_client(_gaps({name: m.url for name, m in meshes.items()},
+                                first.config.model_name, vocab, rounds, out_len))
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+    print(f"\nthe K/V hand-off in one message (K/V that fits one {first.config.kv_chunk_bytes} "
+          f"B chunk inside the completion) against a chunk and a completion: batch 16, "
+          f"128-token prompts, {rounds} alternating rounds, p50 (ms)")
+    print(f"{'hand-off':22} {'first gap':>10} {'gaps after':>11} {'streams':>8}")
+    base = None
+    for name, (first_gaps, rest) in gaps.items():
+        if not first_gaps:
+            print(f"{name:22} {'-':>10} {'-':>11} {0:8d}")
+            continue
+        gap = statistics.median(first_gaps) * 1e3
+        base = base or gap
+        print(f"{name:22} {gap:10.2f} {statistics.median(rest) * 1e3:11.2f} "
+              f"{len(first_gaps):8d}   {gap / base:.2f}x the first row's first gap")
