@@ -16,6 +16,15 @@ api_server --model <evenflow/models/tiny-moe> --dtype bfloat16 --port 8100`); th
 to it at each concurrency and the table prints evenflow's req/s against the peer's. The peer
 computes for real, so `--real` gives evenflow real tiny-moe workers too (apples to apples).
 Both get one unrecorded warm-up round first.
+
+Peers this bench starts itself, each from its own venv, on the same load generator and streams
+(bench/peers.py): `--vllm-python PATH` (vLLM's OpenAI server over its CPU build, serving
+tiny-moe for real: it has no zero-compute mode) and `--dynamo-python PATH` (Dynamo's frontend
+over its mocker, zero compute like evenflow's mock). For each, req/s and tok/s at each
+concurrency and the CPU each of its processes spent per streamed token, beside evenflow's: the
+gateway against vLLM's api server and Dynamo's frontend, the workers' loops against vLLM's
+engine core (which computes too) and Dynamo's mocker. A peer that will not start is reported
+with the error that stopped it.
 """
 
 from __future__ import annotations
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode", type=int, default=2, help="decode workers (mock)")
+    ap.add_argument("--prefill", type=int, default=1,
+                    help="prefill workers (mock; every prompt goes through one: 0 = none)")
     ap.add_argument("--gateways", default="1",
                     help="gateway process counts to compare, e.g. 1,2 (each its own mesh)")
     ap.add_argument("--quick", action="store_true", help="concurrency 8 and 32, 16 tokens")
@@ -95,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-model", default=None, help="the peer's model name (default: its "
                     "first /v1/models entry)")
     ap.add_argument("--peer-name", default="peer", help="the peer's name in the table")
+    ap.add_argument("--vllm-python", default=None, metavar="PATH",
+                    help="start vLLM's OpenAI server from this venv's Python and compare")
+    ap.add_argument("--dynamo-python", default=None, metavar="PATH",
+                    help="start Dynamo's frontend and mocker from this venv's Python and "
+                         "compare")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     levels = [8, 32] if args.quick else [int(c) for c in args.concurrency.split(",")]
     output_len = 16 if args.quick else args.output_len
@@ -108,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_rows: list[tuple[int, int, dict[str, float]]] = []
     for gateways in (int(g) for g in args.gateways.split(",")):
         config = MeshConfig(port=0, engine="torch" if args.real else "mock",
-                            mock_timing_scale=0.0, num_prefill=0,
+                            mock_timing_scale=0.0, num_prefill=args.prefill,
+                            local_prefill_threshold=0 if args.prefill else 128,
                             num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
                             max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
                             stats_log_interval_s=0, num_gateways=gateways,
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                        for role, used in cpu_by_role(mesh).items()}
                 after = lag_buckets(urls, {})
                 tokens = max(1.0, load.throughput * load.wall)
-                cpu_rows.append((gateways, level, {r: 1e3 * c / tokens * 1e3
+                cpu_rows.append((gateways, level, {r: 1e6 * c / tokens
                                                    for r, c in sorted(cpu.items())}))
                 ttft = [t.ttft * 1e3 for t in load.timings]
                 rows.append((gateways, level, len(load.timings), load.errors,
@@ -150,14 +167,62 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {gateways:8d} {level:7d} {ok:5d} {failed:6d} {rps:8.1f} "
               f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {l50:13.1f} {l99:9.1f}")
     print("  (loop lag: bucket upper bounds; TTFT in ms)")
-    print("\nCPU ms per 1,000 streamed tokens, by process role (client: this process, the load "
+    print("\nCPU µs per streamed token, by process role (client: this process, the load "
           "generator; the one nearest a full core per token is the straggler)")
     for gateways, level, per_role in cpu_rows:
-        cells = "  ".join(f"{role} {ms:.0f}" for role, ms in per_role.items())
+        cells = "  ".join(f"{role} {us:.0f}" for role, us in per_role.items())
         print(f"  gateways {gateways}, {level:4d} streams:  {cells}")
     if args.peer_url:
         _peer_table(args, levels, output_len, base)
+    for python, starter in ((args.vllm_python, "start_vllm"), (args.dynamo_python,
+                                                              "start_dynamo")):
+        if python:
+            _started_peer_table(args, python, starter, levels, output_len, base,
+                                {level: per_role for g, level, per_role in cpu_rows
+                                 if g == cpu_rows[0][0]})
     return 0
+
+
+def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
+                        levels: list[int], output_len: int, ours: dict[int, float],
+                        our_cpu: dict[int, dict[str, float]]) -> None:
+    """A peer this bench starts (bench/peers.py) under the same streams: req/s, and CPU µs per
+    streamed token by its process roles beside evenflow's."""
+    from evenflow import models
+    from evenflow.bench import peers
+    from evenflow.services.config import MeshConfig
+
+    model_dir = str(models.resolve_model("tiny-moe"))
+    label = "vLLM" if starter == "start_vllm" else "Dynamo"
+    try:
+        peer = peers.start_vllm(python, model_dir, 2) if starter == "start_vllm" else \
+            peers.start_dynamo(python, model_dir, MeshConfig().block_size)
+    except (peers.PeerError, OSError) as exc:
+        print(f"\n{label}: did not start: {exc}")
+        return
+    try:
+        _warm_up(peer.url, peer.model, levels[0], args.prompt_len, output_len)
+        print(f"\n{label} at {peer.url} ({peer.model}), the same load generator and streams; "
+              "CPU µs per streamed token by its process roles, evenflow's beside")
+        for level in levels:
+            before = peer.cpu_by_role()
+            load = run_client(run_load(peer.url, peer.model, make_prompts(
+                2 * level, args.prompt_len, 500, seed=level), output_len, level))
+            after = peer.cpu_by_role()
+            tokens = max(1.0, load.throughput * load.wall)
+            rps = len(load.timings) / load.wall
+            cells = "  ".join(f"{role} {1e6 * (used - before.get(role, 0.0)) / tokens:.0f}"
+                              for role, used in sorted(after.items()))
+            mine = "  ".join(f"{role} {us:.0f}" for role, us in our_cpu.get(level, {}).items()
+                             if role in ("gateway", "decode", "prefill"))
+            print(f"  {level:4d} streams: {rps:7.1f} req/s, {load.throughput:7.0f} tok/s, "
+                  f"{load.errors} failed; evenflow {ours[level] / rps if rps else 0:.2f}x "
+                  f"its req/s")
+            print(f"        CPU µs/token: {label}: {cells};  evenflow: {mine}")
+            if load.first_error:
+                print(f"    first error: {load.first_error}")
+    finally:
+        peer.stop()
 
 
 def _warm_up(url: str, model: str, level: int, prompt_len: int, output_len: int) -> None:

@@ -61,6 +61,7 @@ class PolicyResult:
     # routing decision p50 / p99 at the gateway (histogram quantiles), and where its index
     # matches were answered
     decision: tuple[float, float] | None = None
+    decision_cpu: tuple[float, float] | None = None  # the same decisions' CPU time
     lookups: dict[str, float] = field(default_factory=dict)
 
 
@@ -164,6 +165,8 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
                                           seed=1, multi_turn=multi_turn))
         result.lookup_s = mean_lookup_seconds(mesh.url)
         result.decision, result.lookups = decision_figures(mesh.url)
+        result.decision_cpu = decision_figures(mesh.url,
+                                               "evenflow_route_decision_cpu_seconds")[0]
         return result
     finally:
         mesh.stop()
@@ -177,13 +180,15 @@ def mean_lookup_seconds(url: str) -> float | None:
     return found["sum"] / found["count"] if found.get("count") else None
 
 
-def decision_figures(url: str) -> tuple[tuple[float, float] | None, dict[str, float]]:
-    """The gateway's routing decision p50 / p99 over every decision, wherever its index match
+def decision_figures(url: str, metric: str = "evenflow_route_decision_seconds"
+                     ) -> tuple[tuple[float, float] | None, dict[str, float]]:
+    """The gateway's routing decision p50 / p99 over every decision (`metric`: their wall
+    time, or `evenflow_route_decision_cpu_seconds`, their CPU time), wherever its index match
     was answered (interpolated in its histogram's buckets, as Prometheus' histogram_quantile
     does, summed over the `index` label), and its index matches by source."""
     text = httpx.get(url + "/metrics", timeout=10).text
     summed: dict[float, float] = {}
-    for le, n in re.findall(r'^evenflow_route_decision_seconds_bucket\{index="\w+",'
+    for le, n in re.findall(rf'^{metric}_bucket\{{index="\w+",'
                             r'le="([^"]+)"\} (\S+)$', text, re.MULTILINE):
         bound = float("inf") if le == "+Inf" else float(le)
         summed[bound] = summed.get(bound, 0.0) + float(n)
@@ -383,13 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     if "kv" in results:  # the same workload, routing from Redis alone
         redis_only = run_policy("kv", args, w, True, local_copy=False)
         print("\nKV-aware routing decisions under this load (hashing, index match, picking "
-              "the workers), the gateway's own index copy vs Redis only:")
-        print(f"{'index':12} {'hit rate':>9} {'decision p50':>13} {'p99':>9} {'from copy':>10} "
-              f"{'from Redis':>11}")
+              "the workers), the gateway's own index copy vs Redis only; wall time, and the "
+              "gateway thread's CPU time (the wall time also holds waits for a core)")
+        print(f"{'index':12} {'hit rate':>9} {'decision p50':>13} {'p99':>9} {'CPU p50':>9} "
+              f"{'p99':>9} {'from copy':>10} {'from Redis':>11}")
         for name, r in (("local copy", results["kv"]), ("Redis only", redis_only)):
             hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0
             p50, p99 = r.decision or (0.0, 0.0)
+            c50, c99 = r.decision_cpu or (0.0, 0.0)
             print(f"{name:12} {hit:9.3f} {p50 * 1e3:11.3f}ms {p99 * 1e3:7.3f}ms "
+                  f"{c50 * 1e3:7.3f}ms {c99 * 1e3:7.3f}ms "
                   f"{r.lookups.get('local', 0):10.0f} {r.lookups.get('redis', 0):11.0f}")
     if "round_robin" in results and "kv" in results:
         rr, kv = results["round_robin"], results["kv"]

@@ -60,6 +60,7 @@ from evenflow.services.metrics import (
     PREDICTED_CACHED_TOKENS,
     PROMPT_TOKENS,
     RETRIES,
+    ROUTE_DECISION_CPU_SECONDS,
     ROUTE_DECISION_SECONDS,
     ROUTING_DECISIONS,
     export_worker_figures,
@@ -345,7 +346,7 @@ class GatewayClient:
         """Route the request and publish it; raises RequestFailed when nothing can take it."""
         bs = self.config.block_size
         queued_at = time.monotonic()
-        decided = time.perf_counter()
+        decided, cpu = time.perf_counter(), time.thread_time()
         flight.waited_s = 0.0
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
@@ -368,6 +369,8 @@ class GatewayClient:
             assert computing is not None
             ROUTE_DECISION_SECONDS.labels(index=flight.index_source).observe(
                 time.perf_counter() - decided - flight.waited_s)
+            ROUTE_DECISION_CPU_SECONDS.labels(index=flight.index_source).observe(
+                time.thread_time() - cpu)
             hit = matched.get(computing.worker_id, 0)
             if reason == "kv":
                 reason = "kv_hit" if hit else "kv_miss"
