@@ -96,9 +96,13 @@ async def one_request(client: SSEClient, model: str, prompt: list[int], max_toke
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            choice = chunk["choices"][0] if chunk.get("choices") else None
+            # a token's chunk: text, or none where a token decodes to nothing (a server that
+            # streams every token, as Dynamo's mocker does with token ids of no text)
+            if choice is not None and (choice.get("text") or
+                                       choice.get("finish_reason") is None):
                 arrivals.append(time.perf_counter())
-                pieces.append(chunk["choices"][0]["text"])
+                pieces.append(choice.get("text") or "")
     end = time.perf_counter()
     if not arrivals:
         raise RuntimeError("no tokens arrived")
