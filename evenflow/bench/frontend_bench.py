@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tempfile
 
 import httpx
 
@@ -192,8 +193,17 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
     from evenflow.bench import peers
     from evenflow.services.config import MeshConfig
 
-    model_dir = str(models.resolve_model("tiny-moe"))
     label = "vLLM" if starter == "start_vllm" else "Dynamo"
+    model_dir = str(models.resolve_model("tiny-moe"))
+    if label == "Dynamo":  # (its mocker's token ids are beyond tiny-moe's small vocabulary: they
+        # decode to nothing and nothing streams; the 4,096-word benchmark model's tokenizer
+        # decodes them, one word a token)
+        from pathlib import Path
+
+        from evenflow.bench.checkpoint import write_random_mixtral
+
+        model_dir = str(write_random_mixtral(Path(tempfile.gettempdir()) / "evenflow-bench"
+                                             / "mixtral-110m"))
     try:
         peer = peers.start_vllm(python, model_dir, 2) if starter == "start_vllm" else \
             peers.start_dynamo(python, model_dir, MeshConfig().block_size)

@@ -12,7 +12,9 @@ CPU time the bench reads per streamed token (as it does for evenflow's processes
 - Dynamo (`--dynamo-python PATH`: a venv with the ai-dynamo and ai-dynamo-runtime wheels,
   installed with --no-deps, and the few modules its frontend imports: README "Benchmarks"):
   `dynamo.frontend` and `dynamo.mocker` (one worker) with file-based discovery in a temporary
-  directory, its KV block size matching evenflow's. Roles: "frontend" and "mocker".
+  directory, its KV block size matching evenflow's, on the benchmark model's tokenizer (the
+  mocker's token ids decode to nothing in tiny-moe's small vocabulary). Roles: "frontend" and
+  "mocker".
 """
 
 from __future__ import annotations
