@@ -73,15 +73,26 @@ class KVIndexClient:
         return matched
 
     def _local_prefix(self, block_hashes: list[int]) -> dict[str, int]:
+        """worker -> how many leading blocks it is predicted to hold (unexpired): each worker's
+        run ends at the first block it lacks, so the set of workers still running only
+        shrinks, block by block."""
+        first = self._predicted.get(block_hashes[0]) if block_hashes else None
+        if not first:
+            return {}
         now = time.monotonic()
+        running = {w for w, expiry in first.items() if expiry > now}
         local: dict[str, int] = {}
-        for i, h in enumerate(block_hashes):
-            holders = {w for w, expiry in self._predicted.get(h, {}).items()
-                       if expiry > now and local.get(w, 0) == i}
-            if not holders:
-                break
-            for w in holders:
-                local[w] = i + 1
+        for i, h in enumerate(block_hashes[1:], start=1):
+            if not running:
+                return local
+            entry = self._predicted.get(h)
+            ended = running if entry is None else {
+                w for w in running if entry.get(w, 0.0) <= now}
+            for w in ended:
+                local[w] = i
+            running = running - ended
+        for w in running:
+            local[w] = len(block_hashes)
         return local
 
     def predict(self, block_hashes: list[int], workers: dict[str, tuple[str, int]]) -> None:

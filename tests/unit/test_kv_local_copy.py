@@ -72,3 +72,21 @@ def test_snapshots_are_asked_for_at_most_every_few_seconds():
     assert index.to_resync(live, now=200.0) == ["d1"]
     index.forget("d1")
     assert "d1" not in index.workers
+
+
+def test_this_gateways_predictions_give_each_worker_its_leading_run_of_blocks():
+    """A worker predicted to hold blocks counts only up to the first block it lacks (or whose
+    prediction expired), as the index's own match does."""
+    import time
+
+    from evenflow.kv_index.client import KVIndexClient
+
+    client = KVIndexClient.__new__(KVIndexClient)  # (no Redis: predictions are local)
+    later, gone = time.monotonic() + 60, time.monotonic() - 1
+    client._predicted = {1: {"a": later, "b": later, "c": gone}, 2: {"a": later, "b": later},
+                         3: {"a": later}, 4: {"a": later, "b": later}}
+    assert client._local_prefix([1, 2, 3, 4]) == {"a": 4, "b": 2}
+    assert client._local_prefix([1, 2, 9, 4]) == {"a": 2, "b": 2}
+    assert client._local_prefix([2, 3]) == {"a": 2, "b": 1}
+    assert client._local_prefix([7, 1]) == {} and client._local_prefix([]) == {}
+    assert client.with_predictions({"b": 3, "d": 1}, [1, 2, 3, 4]) == {"b": 3, "d": 1, "a": 4}
