@@ -15,20 +15,15 @@ static activation scales) are refused with a clear error.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from evenflow.engine.config import ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights.gptq import QUANTIZABLE
-from evenflow.engine.weights.hf_names import EXPERT
+from evenflow.engine.weights.quantized_copy import write_quantized_copy
 
 FORMAT = "compressed-tensors"
 # (the router gates are nn.Linear in transformers but never quantized: vLLM keeps them too)
@@ -108,31 +103,12 @@ def write_compressed_tensors(source: str | Path, out: str | Path, config: QuantC
     if config.method not in ("int8", "w8a8"):
         raise ValueError(f"compressed-tensors checkpoints here are int8 or w8a8, not "
                          f"{config.method}")
-    source, out = Path(source), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
     w8a8 = QuantConfig("w8a8")  # (int8's weights are the same numbers: symmetric, per channel)
-    unfit_layers = {m[1] for name, t in tensors.items()
-                    if (m := EXPERT.match(name)) and not w8a8.fits(t.shape)}
-    for name in list(tensors):
-        t = tensors[name]
-        m = EXPERT.match(name)
-        if QUANTIZABLE.search(name) and t.dim() == 2 and w8a8.fits(t.shape) and not (
-                m and m[1] in unfit_layers):
-            values = quantize(tensors.pop(name), w8a8)
-            base = name.removesuffix(".weight")
-            tensors[f"{base}.weight"] = values.q
-            tensors[f"{base}.weight_scale"] = values.scale.float().contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for path in source.iterdir():
-        if path.is_file() and not path.name.endswith(".safetensors") and \
-                not path.name.endswith(".index.json") and path.name != "config.json":
-            shutil.copy(path, out / path.name)
-    model_config = json.loads((source / "config.json").read_text())
-    model_config["quantization_config"] = quantization_config(config.method)
-    (out / "config.json").write_text(json.dumps(model_config, indent=1))
-    return out
+
+    def convert(base: str, weight: Tensor) -> dict[str, Tensor]:
+        values = quantize(weight, w8a8)
+        return {f"{base}.weight": values.q,
+                f"{base}.weight_scale": values.scale.float().contiguous()}
+
+    return write_quantized_copy(source, out, w8a8.fits, convert,
+                                quantization_config(config.method))

@@ -20,23 +20,16 @@ per-channel symmetric (our int8). compressed-tensors' int8 has its own module
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from evenflow.engine.config import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE
-
-QUANTIZABLE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3"
-                         r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$")
+from evenflow.engine.weights.quantized_copy import write_quantized_copy
 
 
 def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,36 +165,12 @@ def _renamed(name: str) -> str:
 def write_gptq(source: str | Path, out: str | Path, config: QuantConfig) -> Path:
     """Quantize an unquantized HF checkpoint with our quantizer and write it in GPTQ layout
     (config, tokenizer and other files copied). int8 -> 8-bit per channel, int4 -> 4-bit."""
-    source, out = Path(source), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     bits = 8 if config.method == "int8" else 4
-    tensors: dict[str, Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    # A layer's experts are quantized all or none (the engine runs them as one stack).
-    unfit_layers = {m[1] for name, t in tensors.items()
-                    if (m := EXPERT.match(name)) and not config.fits(t.shape)}
-    for name in list(tensors):
-        t = tensors[name]
-        m = EXPERT.match(name)
-        if QUANTIZABLE.search(name) and t.dim() == 2 and config.fits(t.shape) and not (
-                m and m[1] in unfit_layers):
-            tensors |= _gptq_tensors(name.removesuffix(".weight"), tensors.pop(name), config,
-                                     bits)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for path in source.iterdir():
-        if path.is_file() and not path.name.endswith(".safetensors") and \
-                not path.name.endswith(".index.json") and path.name != "config.json":
-            shutil.copy(path, out / path.name)
-    model_config = json.loads((source / "config.json").read_text())
-    model_config["quantization_config"] = {
-        "quant_method": "gptq", "bits": bits, "checkpoint_format": "gptq", "desc_act": False,
-        "group_size": -1 if bits == 8 else config.group_size,
-        "sym": True if bits == 8 else config.symmetric}
-    (out / "config.json").write_text(json.dumps(model_config, indent=1))
-    return out
+    return write_quantized_copy(
+        source, out, config.fits, lambda base, w: _gptq_tensors(base, w, config, bits),
+        {"quant_method": "gptq", "bits": bits, "checkpoint_format": "gptq", "desc_act": False,
+         "group_size": -1 if bits == 8 else config.group_size,
+         "sym": True if bits == 8 else config.symmetric})
 
 
 def _gptq_tensors(base: str, weight: Tensor, config: QuantConfig, bits: int
