@@ -8,7 +8,7 @@
 //         (group of `group` inputs, channel).
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
-//         rows are quantized too (per row, dynamic: QuantRows), so the sums are integer.
+//         rows are quantized too (per row, dynamic), so the sums are integer: panel_w8a8.h.
 // Few rows (decode) read the quantized panel directly: each weight vector is widened to float
 // in registers and meets every row with FMAs (float32 activations), so the weight is read once
 // at its stored size. From kDequantRows rows on, the panel is first dequantized into a plain
@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "panel.h"
+#include "panel_w8a8.h"
 
 namespace evenflow_panel {
 
@@ -40,80 +41,6 @@ struct Weight {
   int64_t group = 0;              // int4 only
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-constexpr bool kHasVnni = true;
-#else
-constexpr bool kHasVnni = false;
-#endif
-constexpr int kW8A8Rows = 6;
-constexpr int kPrefetchW8A8 = 2048;  // bytes ahead in a w8a8 weight stream  // rows per register block over a w8a8 panel (24 accumulators)
-
-// Rows quantized for w8a8, dynamically per row (as vLLM's dynamic per-token int8): with
-// a = max |x|, x ~ s * (q - 128) where s = a / 127 and q = round(x * 127 / a) + 128 in
-// [1, 255] (unsigned: vpdpbusd multiplies unsigned bytes by signed ones; the weights' comp
-// takes the 128 back out). A zero row is all 128 with s = 0.
-struct QuantRows {
-  std::unique_ptr<uint8_t[]> q;
-  std::unique_ptr<float[]> scale;
-  int64_t k = 0;
-
-  const uint8_t* row(int64_t i) const { return q.get() + i * k; }
-};
-
-inline float load1(float v) { return v; }
-inline float load1(uint16_t bf16) {
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-#if defined(__AVX512F__)
-inline __m512 load16_ps(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_ps(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
-
-// One row: its scale, and its k values as unsigned bytes (vectorized where AVX-512 is: the
-// rounding is the same, to nearest even, both ways).
-template <typename T>
-float quantize_row(const T* src, int64_t k, uint8_t* dst) {
-  float peak = 0.f;
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 top = _mm512_setzero_ps();
-  for (; j + kLanes <= k; j += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load16_ps(src + j)));
-  peak = _mm512_reduce_max_ps(top);
-#endif
-  for (; j < k; ++j) peak = std::max(peak, std::fabs(load1(src[j])));
-  const float inv = peak > 0.f ? 127.f / peak : 0.f;
-  j = 0;
-#if defined(__AVX512F__)
-  const __m512 scale = _mm512_set1_ps(inv);
-  const __m512i offset = _mm512_set1_epi32(128);
-  for (; j + kLanes <= k; j += kLanes) {
-    const __m512i q = _mm512_add_epi32(
-        _mm512_cvtps_epi32(_mm512_mul_ps(load16_ps(src + j), scale)), offset);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm512_cvtepi32_epi8(q));
-  }
-#endif
-  for (; j < k; ++j)  // (peak * inv rounds to 127 at most: no clamp needed)
-    dst[j] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(load1(src[j]) * inv)) + 128);
-  return peak / 127.f;
-}
-
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QuantRows& out) {
-  out.q.reset(new uint8_t[static_cast<size_t>(m * k)]);
-  out.scale.reset(new float[static_cast<size_t>(m)]);
-  out.k = k;
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      out.scale[i] = quantize_row(x + i * k, k, out.q.get() + i * k);
-  });
-}
 
 #if defined(__AVX512F__)
 constexpr int kQuantRows = 4;  // rows per register block over a quantized panel
@@ -276,71 +203,12 @@ void panel_int4_bf16(const uint16_t* const* x, const uint8_t* w, const float* sc
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// MR quantized rows against one w8a8 panel on vpdpbusd (64 multiply-adds an instruction, int32
-// sums: exact), then sums = (acc - comp) * row scale * channel scale.
-// acc += the four byte products of each lane (u8 of x, s8 of w). As inline assembly: GCC
-// (13) moved the intrinsic's accumulators through the stack on every step of the MR = 6 loop
-// (3x slower than the bf16 dot product's loop); the asm's tied operand keeps them in registers.
-inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
-  return acc;
-}
-
-template <int MR>
-void panel_w8a8(const uint8_t* const* xq, const float* row_scale, const int8_t* w,
-                const float* scale, const int32_t* comp, int64_t k_total, float* sums) {
-  __m512i acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
-  for (int64_t kq = 0; kq < k_total / 4; ++kq) {
-    const int8_t* wp = w + kq * 4 * kPanel;
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(wp + kPrefetchW8A8 + 64 * line);
-    const __m512i w0 = _mm512_loadu_si512(wp);
-    const __m512i w1 = _mm512_loadu_si512(wp + 64);
-    const __m512i w2 = _mm512_loadu_si512(wp + 128);
-    const __m512i w3 = _mm512_loadu_si512(wp + 192);
-    for (int r = 0; r < MR; ++r) {
-      int32_t quad;
-      std::memcpy(&quad, xq[r] + 4 * kq, sizeof quad);
-      const __m512i xv = _mm512_set1_epi32(quad);
-      acc[r][0] = dpbusd(acc[r][0], xv, w0);
-      acc[r][1] = dpbusd(acc[r][1], xv, w1);
-      acc[r][2] = dpbusd(acc[r][2], xv, w2);
-      acc[r][3] = dpbusd(acc[r][3], xv, w3);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    const __m512 rs = _mm512_set1_ps(row_scale[r]);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i c = _mm512_loadu_si512(comp + v * kLanes);
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + v * kLanes), rs);
-      _mm512_storeu_ps(sums + r * kPanel + v * kLanes,
-                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], c)), s));
-    }
-  }
-}
-
 inline void panel_w8a8_rows(const Weight& wt, int64_t p, const uint8_t* const* xq,
                             const float* row_scale, int m, int64_t k_total, float* sums) {
-  const int8_t* w = static_cast<const int8_t*>(wt.data) + p * kPanel * k_total;
-  const float* s = wt.scale + p * kPanel;
-  const int32_t* c = wt.comp + p * kPanel;
-  switch (m) {
-    case 1: return panel_w8a8<1>(xq, row_scale, w, s, c, k_total, sums);
-    case 2: return panel_w8a8<2>(xq, row_scale, w, s, c, k_total, sums);
-    case 3: return panel_w8a8<3>(xq, row_scale, w, s, c, k_total, sums);
-    case 4: return panel_w8a8<4>(xq, row_scale, w, s, c, k_total, sums);
-    case 5: return panel_w8a8<5>(xq, row_scale, w, s, c, k_total, sums);
-    default: return panel_w8a8<6>(xq, row_scale, w, s, c, k_total, sums);
-  }
+  panel_w8a8_rows(static_cast<const int8_t*>(wt.data) + p * kPanel * k_total,
+                  wt.scale + p * kPanel, wt.comp + p * kPanel, xq, row_scale, m, k_total, sums);
 }
-#else
-inline void panel_w8a8_rows(const Weight&, int64_t, const uint8_t* const*, const float*, int,
-                            int64_t, float*) {
-  TORCH_CHECK(false, "w8a8 panels need AVX512-VNNI");
-}
-#endif
+
 
 template <int MR>
 void panel_quant_rows(const Weight& wt, int64_t p, const float* const* x,
