@@ -33,6 +33,7 @@ import argparse
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 
 import httpx
 
@@ -211,26 +212,8 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
         print(f"\n{label}: did not start: {exc}")
         return
     try:
-        _warm_up(peer.url, peer.model, levels[0], args.prompt_len, output_len)
-        print(f"\n{label} at {peer.url} ({peer.model}), the same load generator and streams; "
-              "CPU µs per streamed token by its process roles, evenflow's beside")
-        for level in levels:
-            before = peer.cpu_by_role()
-            load = run_client(run_load(peer.url, peer.model, make_prompts(
-                2 * level, args.prompt_len, 500, seed=level), output_len, level))
-            after = peer.cpu_by_role()
-            tokens = max(1.0, load.throughput * load.wall)
-            rps = len(load.timings) / load.wall
-            cells = "  ".join(f"{role} {1e6 * (used - before.get(role, 0.0)) / tokens:.0f}"
-                              for role, used in sorted(after.items()))
-            mine = "  ".join(f"{role} {us:.0f}" for role, us in our_cpu.get(level, {}).items()
-                             if role in ("gateway", "decode", "prefill"))
-            print(f"  {level:4d} streams: {rps:7.1f} req/s, {load.throughput:7.0f} tok/s, "
-                  f"{load.errors} failed; evenflow {ours[level] / rps if rps else 0:.2f}x "
-                  f"its req/s")
-            print(f"        CPU µs/token: {label}: {cells};  evenflow: {mine}")
-            if load.first_error:
-                print(f"    first error: {load.first_error}")
+        _peer_rows(label, peer.url, peer.model, args.prompt_len, levels, output_len, ours,
+                   peer.cpu_by_role, our_cpu)
     finally:
         peer.stop()
 
@@ -244,22 +227,40 @@ def _warm_up(url: str, model: str, level: int, prompt_len: int, output_len: int)
 
 def _peer_table(args: argparse.Namespace, levels: list[int], output_len: int,
                 ours: dict[int, float]) -> None:
-    """The same streams against the peer; evenflow's req/s (first gateway count) / the peer's."""
+    """The same streams against the peer at --peer-url."""
     base_url = args.peer_url.rstrip("/").removesuffix("/v1")
     model = args.peer_model or httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0][
         "id"]
-    _warm_up(base_url, model, levels[0], args.prompt_len, output_len)
-    print(f"\n{args.peer_name} at {base_url} ({model}), the same load generator and streams")
+    _peer_rows(args.peer_name, base_url, model, args.prompt_len, levels, output_len, ours)
+
+
+def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[int],
+               output_len: int, ours: dict[int, float],
+               cpu: Callable[[], dict[str, float]] | None = None,
+               our_cpu: dict[int, dict[str, float]] | None = None) -> None:
+    """The same streams against a peer: a row per concurrency with evenflow's req/s (first
+    gateway count) / the peer's; with `cpu` (its CPU seconds by process role so far), each
+    role's CPU µs per streamed token beside evenflow's gateway and workers."""
+    _warm_up(url, model, levels[0], prompt_len, output_len)
+    print(f"\n{name} at {url} ({model}), the same load generator and streams")
     print(f"  {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'evenflow / ' + args.peer_name:>20}")
+          f"{'TTFT p99':>9} {'evenflow / ' + name:>20}")
     for level in levels:
-        load = run_client(run_load(base_url, model, make_prompts(
-            2 * level, args.prompt_len, 500, seed=level), output_len, level))
+        before = cpu() if cpu else {}
+        load = run_client(run_load(url, model, make_prompts(
+            2 * level, prompt_len, 500, seed=level), output_len, level))
         ttft = [t.ttft * 1e3 for t in load.timings]
         rps = len(load.timings) / load.wall
         print(f"  {level:7d} {len(load.timings):5d} {load.errors:6d} {rps:8.1f} "
               f"{load.throughput:9.0f} {percentile(ttft, 50):9.1f} {percentile(ttft, 99):9.1f} "
               f"{ours[level] / rps if rps else float('nan'):19.2f}x")
+        if cpu:
+            tokens = max(1.0, load.throughput * load.wall)
+            cells = "  ".join(f"{role} {1e6 * (used - before.get(role, 0.0)) / tokens:.0f}"
+                              for role, used in sorted(cpu().items()))
+            mine = "  ".join(f"{role} {us:.0f}" for role, us in (our_cpu or {}).get(
+                level, {}).items() if role in ("gateway", "decode", "prefill"))
+            print(f"          CPU µs per streamed token: {name}: {cells};  evenflow: {mine}")
         if load.first_error:
             print(f"    first error: {load.first_error}")
 

@@ -11,6 +11,7 @@ per mesh, and the gaps after it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 
 from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request, run_client
@@ -20,10 +21,9 @@ from evenflow.bench.sse_client import SSEClient
 async def _gaps(urls: dict[str, str], model: str, vocab: int, rounds: int, out_len: int
                 ) -> dict[str, tuple[list[float], list[float]]]:
     gaps: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in urls}
-    clients = {name: SSEClient(url, timeout_s=300) for name, url in urls.items()}
-    for client in clients.values():
-        await client.__aenter__()
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(SSEClient(url, timeout_s=300))
+                   for name, url in urls.items()}
         for client in clients.values():  # warm-up
             await asyncio.gather(*(one_request(client, model, p, 2, {})
                                    for p in make_prompts(2, 128, vocab, seed=90)))
@@ -37,9 +37,6 @@ async def _gaps(urls: dict[str, str], model: str, vocab: int, rounds: int, out_l
                     if isinstance(t, RequestTiming) and len(t.itls) > 1:
                         gaps[name][0].append(t.itls[0])
                         gaps[name][1].append(statistics.fmean(t.itls[1:]))
-    finally:
-        for client in clients.values():
-            await client.__aexit__(None, None, None)
     return gaps
 
 

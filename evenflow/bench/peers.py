@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from evenflow.services.launcher import free_port
+
 
 class PeerError(RuntimeError):
     """A peer that would not start: the message says why (its log's last lines)."""
@@ -42,31 +44,36 @@ class PeerServer:
     procs: dict[str, subprocess.Popen]
     logs: list[Path] = field(default_factory=list)
     workdir: str | None = None
+    # role -> the role its process's descendants count as (vLLM: the engine core is the api
+    # server's child); other roles count their descendants as themselves
+    children_as: dict[str, str] = field(default_factory=dict)
 
     def cpu_by_role(self) -> dict[str, float]:
-        """CPU seconds so far by role (a role's process and its descendants, except vLLM's api
-        server: its engine core is its child and its own role)."""
+        """CPU seconds so far by role."""
         import psutil
+
+        def seconds(procs: list[psutil.Process]) -> float:
+            total = 0.0
+            for proc in procs:
+                try:
+                    times = proc.cpu_times()
+                except psutil.Error:  # gone
+                    continue
+                total += times.user + times.system
+            return total
 
         used: dict[str, float] = {}
         for role, proc in self.procs.items():
             try:
                 root = psutil.Process(proc.pid)
-                members = [root] + ([] if role == "api server" else root.children(recursive=True))
-                total = 0.0
-                for member in members:
-                    times = member.cpu_times()
-                    total += times.user + times.system
+                children = root.children(recursive=True)
             except psutil.Error:
                 continue
-            used[role] = total
-        if "api server" in self.procs:  # vLLM: the engine core is the api server's child
-            try:
-                children = psutil.Process(self.procs["api server"].pid).children(recursive=True)
-                used["engine core"] = sum(c.cpu_times().user + c.cpu_times().system
-                                          for c in children)
-            except psutil.Error:
-                pass
+            if role in self.children_as:
+                used[role] = seconds([root])
+                used[self.children_as[role]] = seconds(children)
+            else:
+                used[role] = seconds([root, *children])
         return used
 
     def stop(self) -> None:
@@ -81,12 +88,6 @@ class PeerServer:
                 proc.wait()
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    from evenflow.services.launcher import free_port
-
-    return free_port()
 
 
 def _wait_ready(server: PeerServer, timeout_s: float) -> None:
@@ -130,7 +131,7 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 def start_vllm(python: str, model_dir: str, threads: int, timeout_s: float = 300) -> PeerServer:
     """vLLM's OpenAI server on `model_dir` (bf16, 512 positions)."""
     workdir = tempfile.mkdtemp(prefix="evenflow-vllm-")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads))
     env.pop("PYTHONPATH", None)  # (its venv, not evenflow's tree)
@@ -140,7 +141,7 @@ def start_vllm(python: str, model_dir: str, threads: int, timeout_s: float = 300
                    str(port), "--max-model-len", "512", "--gpu-memory-utilization", "0.3"],
                   log, env)
     server = PeerServer("vLLM", f"http://127.0.0.1:{port}", "tiny-moe", {"api server": proc},
-                        [log], workdir)
+                        [log], workdir, children_as={"api server": "engine core"})
     _wait_ready(server, timeout_s)
     return server
 
@@ -149,7 +150,7 @@ def start_dynamo(python: str, model_dir: str, block_size: int, timeout_s: float 
                  ) -> PeerServer:
     """Dynamo's frontend and one mocker worker on `model_dir`'s tokenizer and config."""
     workdir = tempfile.mkdtemp(prefix="evenflow-dynamo-")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, DYN_FILE_KV=str(Path(workdir) / "kv"), DYN_LOG="warn")
     env.pop("PYTHONPATH", None)
     logs = [Path(workdir) / "frontend.log", Path(workdir) / "mocker.log"]

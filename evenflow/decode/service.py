@@ -46,6 +46,7 @@ from evenflow.services.engine_thread import (
     Rejected,
     StepDone,
     StepFailed,
+    first_token_times,
 )
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
@@ -254,9 +255,7 @@ class DecodeWorker(WorkerService):
             finish = out.finish_reason.value if out.finished and out.finish_reason else None
             queued_s = computed_s = 0.0
             if active.sent == 0:  # prefilled here: the first token's queue and compute time
-                admitted = active.admitted_ns or active.received_ns
-                queued_s = (admitted - active.received_ns) / 1e9
-                computed_s = (time.time_ns() - admitted) / 1e9
+                queued_s, computed_s = first_token_times(active.received_ns, active.admitted_ns)
             by_gateway[active.reply_subject].append(TokenDelta(
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,

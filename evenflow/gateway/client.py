@@ -98,7 +98,7 @@ class _Flight:
     admit_by: float | None = None  # waiting for room since: give up at this time.monotonic()
     waited_s: float = 0.0  # waiting for a decode worker with room (not routing time)
     no_worker_since: float = 0.0  # migrating with no decode worker live, since (monotonic)
-    index_source: str = "none"  # where the last routing decision's KV match came from
+    published_at: float = 0.0  # time.perf_counter() when its latest attempt was published
 
 
 class GatewayClient:
@@ -185,10 +185,13 @@ class GatewayClient:
             copy.forget(gone)
         for worker_id in copy.to_resync(self._live_epochs()):
             try:
-                await self.bus.publish(subjects.kv_resync(worker_id),
-                                       KVResyncRequest(worker_id=worker_id))
+                await self._ask_snapshot(worker_id)
             except Exception:  # NATS down: asked again on a later beat
                 return
+
+    async def _ask_snapshot(self, worker_id: str) -> None:
+        await self.bus.publish(subjects.kv_resync(worker_id),
+                               KVResyncRequest(worker_id=worker_id))
 
     def _on_kv_events(self, message: Message, _ctx: Context) -> None:
         if isinstance(message, KVEvents | KVSnapshot) and self.kv_copy is not None:
@@ -231,9 +234,7 @@ class GatewayClient:
                 export_worker_figures(message)
                 if self.kv_copy is not None and self.kv_copy.to_resync(
                         {message.worker_id: message.epoch}):  # new here: its snapshot now
-                    task = asyncio.ensure_future(self.bus.publish(
-                        subjects.kv_resync(message.worker_id),
-                        KVResyncRequest(worker_id=message.worker_id)))
+                    task = asyncio.ensure_future(self._ask_snapshot(message.worker_id))
                     task.add_done_callback(lambda t: t.exception())  # owned: result observed
             for role in WORKER_ROLES:
                 LIVE_WORKERS.labels(role=role).set(len(self.registry.live(role)))
@@ -278,22 +279,22 @@ class GatewayClient:
             self._profiles.pop(request_id, None)
 
     # -- routing ----------------------------------------------------------------------------
-    async def _lookup(self, hashes: list[int], flight: _Flight) -> dict[str, int] | None:
-        """worker_id -> cached leading blocks; None when the index is unusable."""
+    async def _lookup(self, hashes: list[int]) -> tuple[dict[str, int] | None, str]:
+        """(worker_id -> cached leading blocks, or None when the index is unusable; where the
+        answer came from: local, redis or none)."""
         if self.kv is None:
-            return {}
+            return {}, "none"
         started = time.perf_counter()
         try:
             if self.kv_copy is not None:
                 live = self._live_epochs()
                 if not self.kv_copy.behind(live):
                     KV_LOOKUPS.labels(source="local").inc()
-                    flight.index_source = "local"
-                    return self.kv.with_predictions(self.kv_copy.match(hashes, live), hashes)
+                    return self.kv.with_predictions(self.kv_copy.match(hashes, live),
+                                                    hashes), "local"
                 KV_INDEX_FALLBACKS.labels(reason="behind").inc()
             KV_LOOKUPS.labels(source="redis").inc()
-            flight.index_source = "redis"
-            return await self.kv.lookup(hashes, self.registry.epoch_of)
+            return await self.kv.lookup(hashes, self.registry.epoch_of), "redis"
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
 
@@ -351,8 +352,7 @@ class GatewayClient:
         with self.tracer.start_as_current_span("route") as span:
             hashes = chain_hashes(prompt, bs, self.salt)
             total = -(-len(prompt) // bs)
-            flight.index_source = "none"
-            matched = await self._lookup(hashes, flight)
+            matched, index_source = await self._lookup(hashes)
             reason = self.config.router if matched is not None else "redis_unavailable"
             matched = matched or {}
             decode = await self._wait_for_decode(total, matched, exclude, flight, deadline)
@@ -367,9 +367,9 @@ class GatewayClient:
                 local = True  # no prefill worker: the decode worker prefills
             computing = decode if local else prefill
             assert computing is not None
-            ROUTE_DECISION_SECONDS.labels(index=flight.index_source).observe(
+            ROUTE_DECISION_SECONDS.labels(index=index_source).observe(
                 time.perf_counter() - decided - flight.waited_s)
-            ROUTE_DECISION_CPU_SECONDS.labels(index=flight.index_source).observe(
+            ROUTE_DECISION_CPU_SECONDS.labels(index=index_source).observe(
                 time.thread_time() - cpu)
             hit = matched.get(computing.worker_id, 0)
             if reason == "kv":
@@ -393,6 +393,7 @@ class GatewayClient:
                     request_id=request_id, prompt_token_ids=prompt, sampling=spec,
                     reply_subject=self.inbox, decode_worker=decode.worker_id,
                     enqueued_at=time.time()))
+            flight.published_at = time.perf_counter()
 
     @staticmethod
     def _holders(matched: dict[str, int], *workers: WorkerState | None
@@ -419,7 +420,7 @@ class GatewayClient:
                        timings: FirstTokenTimings | None = None) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
         `deadline` (time.monotonic()): past it the request fails with TIMEOUT. `timings`: marked
-        when the request is published and when its first delta is taken."""
+        when its first delta is taken (with when its attempt was published)."""
         request_id = request_id or uuid.uuid4().hex
         # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
         # that still holds an earlier attempt never confuses the two.
@@ -432,8 +433,6 @@ class GatewayClient:
         finished = False
         try:
             await self._send(wire_id, flight, prompt, spec, exclude, False, deadline)
-            if timings is not None:
-                timings.published = time.perf_counter()
             last_progress = time.monotonic()
             while True:
                 held = ordering.next_held(len(emitted))
@@ -515,8 +514,6 @@ class GatewayClient:
                         resumed_output_tokens=len(emitted))  # (a grammar consumes them)
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
                                      force_local=bool(emitted), deadline=deadline)
-                    if timings is not None:
-                        timings.published = time.perf_counter()
                     continue
                 last_progress = time.monotonic()
                 flight.refused.clear()  # admitted: a later re-send waits for room afresh
@@ -525,7 +522,8 @@ class GatewayClient:
                     raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 if not emitted:
                     if timings is not None:
-                        timings.first_delta(item.queued_s, item.computed_s)
+                        timings.first_delta(flight.published_at, item.queued_s,
+                                            item.computed_s)
                     self._count_hits(flight, len(prompt), item.num_cached_tokens)
                     if flight.prefill:
                         self.registry.prefill_done(flight.prefill, flight.prefill_blocks)

@@ -42,9 +42,11 @@ class FirstTokenTimings:
     computed_s: float = 0.0
     observed: bool = False
 
-    def first_delta(self, queued_s: float, computed_s: float) -> None:
+    def first_delta(self, published: float, queued_s: float, computed_s: float) -> None:
+        """The first delta is taken now; its attempt was published at `published`."""
         if not self.first:
-            self.first, self.queued_s, self.computed_s = time.perf_counter(), queued_s, computed_s
+            self.published, self.first = published, time.perf_counter()
+            self.queued_s, self.computed_s = queued_s, computed_s
 
     def phases(self, chunk: float) -> dict[str, float]:
         """Seconds per phase (and "total") for a first chunk at `chunk`."""

@@ -41,6 +41,7 @@ from evenflow.services.engine_thread import (
     Rejected,
     StepDone,
     StepFailed,
+    first_token_times,
 )
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
@@ -204,12 +205,11 @@ class PrefillWorker(WorkerService):
         if finish is None and out.kv_follows:
             pending.awaiting_kv, pending.compute_span = True, compute
             pending.token, pending.num_cached_tokens = token, out.num_cached_tokens
-        admitted = pending.admitted_ns or pending.received_ns
+        queued_s, computed_s = first_token_times(pending.received_ns, pending.admitted_ns)
         return TokenDelta(request_id=req.request_id, token_ids=[token], finish_reason=finish,
                           num_prompt_tokens=len(req.prompt_token_ids),
                           num_cached_tokens=out.num_cached_tokens, first_index=0,
-                          queued_s=(admitted - pending.received_ns) / 1e9,
-                          computed_s=(time.time_ns() - admitted) / 1e9, **logprob_fields(out))
+                          queued_s=queued_s, computed_s=computed_s, **logprob_fields(out))
 
     def _ship_kv(self, pending: _Pending, kv: kv_handoff.KVPayload) -> None:
         req, token = pending.request, pending.token
@@ -218,8 +218,9 @@ class PrefillWorker(WorkerService):
         transfer = self.tracer.start_span("kv_transfer", context=trace.set_span_in_context(
             pending.compute_span))
         chunks = kv_handoff.split(kv, self.config.kv_chunk_bytes)
+        total_bytes = sum(len(c.data) for c in chunks)
         transfer.set_attribute("evenflow.kv.blocks", kv.num_blocks)
-        transfer.set_attribute("evenflow.kv.bytes", sum(len(c.data) for c in chunks))
+        transfer.set_attribute("evenflow.kv.bytes", total_bytes)
         tctx = trace.set_span_in_context(transfer)
         decode_subject = subjects.kv_transfer(req.decode_worker)
         inline = chunks[0] if len(chunks) == 1 and self.config.kv_inline_handoff else None
@@ -227,7 +228,6 @@ class PrefillWorker(WorkerService):
             self.send(decode_subject, KVBlockChunk(
                 request_id=req.request_id, seq=chunk.seq, first_block=chunk.first_block,
                 num_blocks=chunk.num_blocks, data=chunk.data), tctx)
-            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(chunk.data))
         self.send(decode_subject, KVTransferComplete(
             request_id=req.request_id, num_chunks=len(chunks), num_blocks=kv.num_blocks,
             dtype=kv.dtype, prompt_token_ids=req.prompt_token_ids, first_token_id=token,
@@ -236,6 +236,5 @@ class PrefillWorker(WorkerService):
             export_started_at=export_started, inline=inline is not None,
             data=inline.data if inline else b"",
             first_block=inline.first_block if inline else 0), tctx)
-        if inline is not None:
-            KV_TRANSFER_BYTES.labels(service="prefill").inc(len(inline.data))
+        KV_TRANSFER_BYTES.labels(service="prefill").inc(total_bytes)
         transfer.end()

@@ -91,6 +91,14 @@ class Admitted:
     at_ns: int
 
 
+def first_token_times(received_ns: int, admitted_ns: int) -> tuple[float, float]:
+    """A request's first token, now: (seconds from its worker receiving it to its engine
+    taking it, seconds from then to now) — TokenDelta.queued_s / computed_s. admitted_ns 0: not
+    seen taken (counted as taken on arrival)."""
+    admitted = admitted_ns or received_ns
+    return (admitted - received_ns) / 1e9, (time.time_ns() - admitted) / 1e9
+
+
 @dataclass(frozen=True)
 class Rejected:
     request_id: str
