@@ -9,7 +9,13 @@ import sys
 from typing import Any
 
 from evenflow import __version__
-from evenflow.engine.config import DTYPES, INT4_GROUP_SIZES, QUANT_METHODS, EngineConfig
+from evenflow.engine.config import (
+    DTYPES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    QUANT_METHODS,
+    EngineConfig,
+)
 from evenflow.services.config import LOG_LEVELS
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -35,7 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
             guide=guide)
         quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
-                  quantization=args.quantization, tensor_parallel_size=args.tp, **quant)
+                  quantization=args.quantization, tensor_parallel_size=args.tp,
+                  kv_cache_dtype=args.kv_cache_dtype, **quant)
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
@@ -121,6 +128,7 @@ def _up(args: argparse.Namespace) -> int:
             "host": args.host, "api_key_file": args.api_key_file, "engine": args.engine,
             "dtype": args.dtype, "threads_per_worker": args.threads,
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
             "served_model_name": args.served_model_name,
@@ -231,6 +239,13 @@ def _profile(args: argparse.Namespace) -> int:
     return int(profile_bench.main(args.rest))
 
 
+def _kv_cache_dtype_arg(parser: argparse._ActionsContainer, default: str | None) -> None:
+    parser.add_argument("--kv-cache-dtype", default=default, choices=list(KV_CACHE_DTYPES),
+                        help="the KV cache's storage: auto (the model's dtype) or int8 (per-block "
+                             "scales: twice the blocks in the same memory, half the hand-off's "
+                             "bytes); fp8_e4m3 needs a CPU with native fp8")
+
+
 def _quantization_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
                         help="quantization at load: int8 (weight-only, per output channel), "
@@ -327,6 +342,7 @@ def _mesh_arguments(up: argparse.ArgumentParser) -> None:
                              "worker of its own, with expert-parallel MoE layers (default 1)")
     engine.add_argument("--kv-cache-gb", type=float, default=None,
                         help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
+    _kv_cache_dtype_arg(engine, None)
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks per worker (overrides --kv-cache-gb)")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -366,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
     _quantization_args(gen)
+    _kv_cache_dtype_arg(gen, "auto")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
 

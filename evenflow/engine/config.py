@@ -19,6 +19,10 @@ from pathlib import Path
 from evenflow import models
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The KV cache's storage (vLLM's names): auto = the model's dtype; int8 = int8 values with a
+# float32 scale per (block, KV head) (engine/model/kv_quant.py). fp8_e4m3 is named so that a
+# vLLM command line reads, and refused: no CPU we run on computes fp8 natively.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 # engine/quant/stacks.py implements them (this module is torch-free)
 QUANT_METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -47,6 +51,8 @@ ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
     EngineSwitch("EVENFLOW_NATIVE_PREFILL_ATTENTION", "1", "causal prefill attention over the "
                  "paged cache"),
     EngineSwitch("EVENFLOW_NATIVE_KV_BLOCKS", "1", "the K/V hand-off's block copies"),
+    EngineSwitch("EVENFLOW_NATIVE_KV_INT8", "1", "the int8 KV cache's write and decode "
+                 "attention"),
     EngineSwitch("EVENFLOW_NATIVE_MOE", "1", "the fused routed-experts kernel"),
     EngineSwitch("EVENFLOW_NATIVE_LINEAR", "1", "dense linears over panel-packed weights"),
     EngineSwitch("EVENFLOW_NATIVE_ROUTING", "1", "MoE routing (softmax, top-k) in one call"),
@@ -90,6 +96,19 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, tensor_parallel_size: int = 1) -> None:
+    """ValueError naming the problem with this KV cache dtype, if any."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8_e4m3":
+        raise ValueError("kv_cache_dtype fp8_e4m3 needs native fp8 math, which this CPU lacks; "
+                         "use int8 (the same bytes per token)")
+    if kv_cache_dtype == "int8" and tensor_parallel_size > 1:
+        raise ValueError("kv_cache_dtype int8 with tensor_parallel_size > 1 is not supported "
+                         "yet")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = models.DEFAULT_MODEL
@@ -97,6 +116,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
     kv_cache_gb: float = 0.5
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, at most 8192
@@ -148,6 +168,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        check_kv_cache_dtype(self.kv_cache_dtype, self.tensor_parallel_size)
         if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
         if self.quantization is not None:

@@ -18,6 +18,7 @@ from evenflow.engine.core.sampling_params import SamplingParams, sampling_params
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.kernels import native
+from evenflow.engine.model.kv_quant import kv_block_bytes
 from evenflow.engine.placement_control import ExpertPlacementControl
 from evenflow.engine.profiling import ProfileControl, StepProfiler
 from evenflow.engine.runners.model_runner import ModelRunner
@@ -81,7 +82,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
             read_missing_experts(self.model, self.model_dir, dtype, quant_config(config))
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
-        bytes_per_block = cfg.kv_elements_per_token * config.block_size * dtype.itemsize
+        bytes_per_block = kv_block_bytes(cfg, config.block_size, dtype, config.kv_cache_dtype)
         wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
         num_blocks = config.num_kv_blocks or max(
             1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
@@ -138,7 +139,7 @@ class Engine(ExpertPlacementControl, ProfileControl):
             return TPLeaderRunner(self._tp, self.model, num_blocks, self.config.block_size,
                                   self.max_model_len, dtype)
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
-                           dtype)
+                           dtype, self.config.kv_cache_dtype)
 
     @property
     def fatal_error(self) -> str | None:

@@ -10,6 +10,11 @@ or, for multi-head latent attention (DeepSeek-V2 / -V3), one part per layer, the
 
     (num_blocks, num_layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim)
 
+or, for an int8 cache (kv_cache_dtype="int8"), each (layer, K or V) of a block is its int8
+values followed by its float32 scale per KV head, as bytes:
+
+    (num_blocks, num_layers, 2, block_size * num_kv_heads * head_dim + 4 * num_kv_heads)  int8
+
 `block_shape` is everything after num_blocks; `dtype` is torch's name without "torch."
 ("bfloat16", "float32", "float16"; "uint8" for the mock engine, whose block shape is (0,)), in
 the machine's byte order (little-endian on every platform we run). Block b occupies bytes
@@ -27,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1}
 
 
 class KVHandoffError(ValueError):

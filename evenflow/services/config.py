@@ -88,6 +88,9 @@ class MeshConfig:
     max_model_len: int = 0  # 0: the model's, at most 8192
     kv_cache_gb: float = _ENGINE.kv_cache_gb
     num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
+    # the KV cache's storage: auto (the model's dtype) or int8 (engine/model/kv_quant.py); the
+    # hand-off then carries int8 blocks with their scales
+    kv_cache_dtype: str = _ENGINE.kv_cache_dtype
     threads_per_worker: int = 1  # torch threads of each worker's engine
     # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant/stacks.py;
     # EngineConfig checks the value)

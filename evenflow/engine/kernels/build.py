@@ -22,7 +22,7 @@ HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in (
     "weight_only.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "fused_moe.cpp",
     "panel_linear.cpp", "routing.cpp", "decode_stack.cpp", "prefill_attention.cpp",
-    "kv_blocks.cpp"))
+    "kv_blocks.cpp", "kv_quant.cpp"))
 HEADERS = tuple(HERE / name for name in ("panel.h", "panel_quant.h", "panel_w8a8.h", "ops.h"))
 LIBRARY = "evenflow_kernels"
 # What a first build costs, for the line `evenflow up` prints (measured on 2 cores).

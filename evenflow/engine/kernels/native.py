@@ -168,6 +168,15 @@ def kv_blocks() -> Any | None:
 
 
 @functools.cache
+def kv_int8() -> Any | None:
+    """The int8 KV cache's kernels (kernels/kv_quant.cpp's kv_write_int8, paged_attention.cpp's
+    paged_decode_attention_int8), or None: no native kernels, or EVENFLOW_NATIVE_KV_INT8=0
+    (engine/model/kv_quant.py's torch write and dequantizing gather)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_KV_INT8") else None
+    return kernels if kernels is not None and hasattr(kernels, "kv_write_int8") else None
+
+
+@functools.cache
 def built_for_avx512() -> bool:
     """Whether the kernels were built for AVX-512 (the panel and attention loops need its 32
     registers; built for AVX2 they lose to torch's and oneDNN's paths)."""
@@ -229,6 +238,7 @@ _KERNELS = (("norm", "EVENFLOW_NATIVE_NORM", norms),
             ("decode_attention", "EVENFLOW_NATIVE_ATTENTION", decode_attention),
             ("prefill_attention", "EVENFLOW_NATIVE_PREFILL_ATTENTION", prefill_attention),
             ("kv_blocks", "EVENFLOW_NATIVE_KV_BLOCKS", kv_blocks),
+            ("kv_int8", "EVENFLOW_NATIVE_KV_INT8", kv_int8),
             ("moe", "EVENFLOW_NATIVE_MOE", fused_moe),
             ("linear", "EVENFLOW_NATIVE_LINEAR", panel_linear),
             ("routing", "EVENFLOW_NATIVE_ROUTING", route_topk))

@@ -19,10 +19,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -56,6 +58,46 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 using evenflow_panel::exp_nonpositive;  // e^x for x <= 0, 16 lanes (kernels/panel.h)
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// An int8 cache's (kv_cache_dtype="int8") per-(block, KV head) scales: slot s of KV head g
+// dequantizes by at[(s / block_size) * kv_heads + g] (the pointer is already offset by g).
+// Float caches pass none.
+struct CacheScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t block_size = 1;
+  int64_t kv_heads = 1;
+  float of(const float* at, int64_t slot) const { return at[slot / block_size * kv_heads]; }
+};
+
+// 16 values of a cache row as float32, times the row's scale (int8 caches only)
+template <typename C>
+inline f16v load_cache(const C* p, float /*scale*/) {
+  return load16(p);
+}
+
+inline f16v load_cache(const int8_t* p, float scale) {
+  i8x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, f16v) * scale;
+}
+
+inline void to_float(const int8_t* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i += kLanes) store(dst + i, load_cache(src + i, scale));
+}
+
+template <typename C>
+inline void to_float(const C* src, float* dst, int64_t n, float /*scale*/) {
+  to_float(src, dst, n);
+}
+
+template <typename C>
+inline float row_scale(const float* at, const CacheScales& scales, int64_t slot) {
+  if constexpr (std::is_same_v<C, int8_t>) return scales.of(at, slot);
+  return 1.f;
+}
 
 inline float hsum_max(f16v v) {
   float m = v[0];
@@ -109,9 +151,10 @@ inline f16v row_sums(const f16v* r) {
 // registers (G * V <= 16 accumulators): scores 16 tokens at a time (their dot products summed
 // by row_sums), the running max as a vector, V accumulated without touching memory.
 // `scores`: a (G, padded) scratch.
-template <typename T, int V, int G>
-void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* ctx,
-                  int64_t len, int64_t row, float scale, float* scores, T* out) {
+template <typename T, typename C, int V, int G>
+void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScales& scales,
+                  const float* ks, const float* vs, const int64_t* ctx, int64_t len,
+                  int64_t row, float scale, float* scores, T* out) {
   constexpr int hd = V * kLanes;
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   f16v qv[G][V], top[G];
@@ -124,9 +167,10 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
     const int n = static_cast<int>(std::min<int64_t>(kLanes, len - t0));
     f16v part[G][kLanes];
     for (int t = 0; t < n; ++t) {
-      const T* kr = k_base + ctx[t0 + t] * row;
+      const C* kr = k_base + ctx[t0 + t] * row;
+      const float kscale = row_scale<C>(ks, scales, ctx[t0 + t]);
       f16v kv[V];
-      for (int v = 0; v < V; ++v) kv[v] = load16(kr + v * kLanes);
+      for (int v = 0; v < V; ++v) kv[v] = load_cache(kr + v * kLanes, kscale);
       for (int i = 0; i < G; ++i) {
         f16v s = qv[i][0] * kv[0];
         for (int v = 1; v < V; ++v) s += qv[i][v] * kv[v];
@@ -159,9 +203,10 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
     for (int v = 0; v < V; ++v) acc[i][v] = f16v{};
   }
   for (int64_t t = 0; t < len; ++t) {  // V read once, in place
-    const T* vr = v_base + ctx[t] * row;
+    const C* vr = v_base + ctx[t] * row;
+    const float vscale = row_scale<C>(vs, scales, ctx[t]);
     f16v vv[V];
-    for (int v = 0; v < V; ++v) vv[v] = load16(vr + v * kLanes);
+    for (int v = 0; v < V; ++v) vv[v] = load_cache(vr + v * kLanes, vscale);
     for (int i = 0; i < G; ++i) {
       const f16v p = splat(scores[i * padded + t]);
       for (int v = 0; v < V; ++v) acc[i][v] += p * vv[v];
@@ -178,18 +223,18 @@ void attend_group(const T* q, const T* k_base, const T* v_base, const int64_t* c
 // the register-resident path for this head shape: a kernel for `sub` of a KV head's queries at
 // a time (each call reads that head's K and V again, from cache), or no kernel (then the
 // general loop below)
-template <typename T>
-using GroupKernel = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
-                             float, float*, T*);
+template <typename T, typename C>
+using GroupKernel = void (*)(const T*, const C*, const C*, const CacheScales&, const float*,
+                             const float*, const int64_t*, int64_t, int64_t, float, float*, T*);
 
-template <typename T>
+template <typename T, typename C>
 struct GroupPath {
-  GroupKernel<T> kernel = nullptr;
+  GroupKernel<T, C> kernel = nullptr;
   int64_t sub = 0;
 };
 
-template <typename T>
-GroupPath<T> group_path(int64_t head_dim, int64_t group) {
+template <typename T, typename C = T>
+GroupPath<T, C> group_path(int64_t head_dim, int64_t group) {
 #if !defined(__AVX512F__)
   // AVX2's 16 registers cannot hold the accumulators (an AVX2 build of this path ran 0.35-0.65x
   // torch's gathered attention from batch 8 on, under the AVX2 emulation); the loop below serves
@@ -198,26 +243,27 @@ GroupPath<T> group_path(int64_t head_dim, int64_t group) {
 #else
   if (group < 1) return {};
   if (head_dim == 64) {  // up to 4 queries x 4 vectors of accumulators
-    if (group % 4 == 0) return {attend_group<T, 4, 4>, 4};
-    if (group % 2 == 0) return {attend_group<T, 4, 2>, 2};
-    return {attend_group<T, 4, 1>, 1};
+    if (group % 4 == 0) return {attend_group<T, C, 4, 4>, 4};
+    if (group % 2 == 0) return {attend_group<T, C, 4, 2>, 2};
+    return {attend_group<T, C, 4, 1>, 1};
   }
   if (head_dim == 128) {  // up to 2 queries x 8 vectors
-    if (group % 2 == 0) return {attend_group<T, 8, 2>, 2};
-    return {attend_group<T, 8, 1>, 1};
+    if (group % 2 == 0) return {attend_group<T, C, 8, 2>, 2};
+    return {attend_group<T, C, 8, 1>, 1};
   }
   return {};
 #endif
 }
 
-template <typename T>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots,
-                      const int64_t* lens, T* out, int64_t batch, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t width, float scale) {
+template <typename T, typename C>
+void decode_attention(const T* q, const C* k_cache, const C* v_cache, const CacheScales& scales,
+                      const int64_t* slots, const int64_t* lens, T* out, int64_t batch,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t width,
+                      float scale) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // one cache slot
   const int64_t vecs = head_dim / kLanes;
-  if (const GroupPath<T> path = group_path<T>(head_dim, group); path.kernel != nullptr) {
+  if (const GroupPath<T, C> path = group_path<T, C>(head_dim, group); path.kernel != nullptr) {
     const int64_t subs = group / path.sub;  // tasks: (sequence, KV head, queries sub-group)
     at::parallel_for(0, batch * kv_heads * subs, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -226,8 +272,9 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         const int64_t first = (b * heads + g * group + task % subs * path.sub) * head_dim;
         const int64_t padded = (lens[b] + kLanes - 1) / kLanes * kLanes;
         scores.resize(path.sub * std::max<int64_t>(padded, kLanes));
-        path.kernel(q + first, k_cache + g * head_dim, v_cache + g * head_dim,
-                    slots + b * width, lens[b], row, scale, scores.data(), out + first);
+        path.kernel(q + first, k_cache + g * head_dim, v_cache + g * head_dim, scales,
+                    scales.k + g, scales.v + g, slots + b * width, lens[b], row, scale,
+                    scores.data(), out + first);
       }
     });
     return;
@@ -250,7 +297,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] *= scale;
       }
       for (int64_t t = 0; t < len; ++t) {  // scores: K read once, in place
-        to_float(k_cache + ctx[t] * row + g * head_dim, kf.data(), head_dim);
+        to_float(k_cache + ctx[t] * row + g * head_dim, kf.data(), head_dim,
+                 row_scale<C>(scales.k + g, scales, ctx[t]));
         for (int64_t i = 0; i < group; ++i) {
           const float* qi = qf.data() + i * head_dim;
           f16v s = {};
@@ -272,7 +320,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
         total[i] = hsum(sum);
       }
       for (int64_t t = 0; t < len; ++t) {  // V read once, in place
-        to_float(v_cache + ctx[t] * row + g * head_dim, kf.data(), head_dim);
+        to_float(v_cache + ctx[t] * row + g * head_dim, kf.data(), head_dim,
+                 row_scale<C>(scales.v + g, scales, ctx[t]));
         for (int64_t i = 0; i < group; ++i) {
           const f16v p = splat(scores[i * padded + t]);
           float* a = acc.data() + i * head_dim;
@@ -294,17 +343,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
 
 namespace evenflow_ops {
 
-// q (B, heads, hd); k_cache, v_cache (slots, kv_heads, hd); slots (B, L) int64, lens (B,)
-// int64 with lens[b] <= L; all contiguous, q and the caches of one dtype (float32 or bf16).
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& slots,
-                                  const at::Tensor& lens, double scale) {
+namespace {
+
+// Checks what both entry points take; returns (batch, heads, kv_heads, head_dim, width).
+std::array<int64_t, 5> check_decode_args(const at::Tensor& q, const at::Tensor& k_cache,
+                                         const at::Tensor& v_cache, const at::Tensor& slots,
+                                         const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, heads, hd) tensor");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes()
-                  && v_cache.is_contiguous(),
-              "the caches must be contiguous (slots, kv_heads, hd) tensors of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+                  && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must be contiguous (slots, kv_heads, hd) tensors of one shape and dtype");
   TORCH_CHECK(slots.dim() == 2 && slots.is_contiguous() && slots.scalar_type() == at::kLong &&
                   slots.size(0) == q.size(0),
               "slots must be a contiguous (B, L) int64 tensor");
@@ -319,21 +367,64 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= width, "lens must lie in [0, L]");
+  return {batch, heads, kv_heads, head_dim, width};
+}
+
+template <typename C>
+at::Tensor run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const CacheScales& scales, const at::Tensor& slots, const at::Tensor& lens,
+                      double scale) {
+  const auto [batch, heads, kv_heads, head_dim, width] =
+      check_decode_args(q, k_cache, v_cache, slots, lens);
   auto out = at::empty_like(q);
   const float s = static_cast<float>(scale);
+  const C* k = static_cast<const C*>(k_cache.data_ptr());
+  const C* v = static_cast<const C*>(v_cache.data_ptr());
   if (q.scalar_type() == at::kFloat) {
-    decode_attention<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(), lp,
-                            out.data_ptr<float>(), batch, heads, kv_heads, head_dim, width, s);
+    decode_attention<float, C>(q.data_ptr<float>(), k, v, scales, slots.data_ptr<int64_t>(),
+                               lens.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads,
+                               kv_heads, head_dim, width, s);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(
-        q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
-        v_cache.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(), lp,
-        out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, head_dim, width, s);
+    decode_attention<c10::BFloat16, C>(q.data_ptr<c10::BFloat16>(), k, v, scales,
+                                       slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                       out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads,
+                                       head_dim, width, s);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention takes float32 or bfloat16");
+    TORCH_CHECK(false, "paged_decode_attention takes float32 or bfloat16 queries");
   }
   return out;
+}
+
+}  // namespace
+
+// q (B, heads, hd); k_cache, v_cache (slots, kv_heads, hd); slots (B, L) int64, lens (B,)
+// int64 with lens[b] <= L; all contiguous, q and the caches of one dtype (float32 or bf16).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& slots,
+                                  const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
+  if (q.scalar_type() == at::kFloat)
+    return run_decode<float>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale);
+  return run_decode<c10::BFloat16>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale);
+}
+
+// The same over an int8 cache (kv_cache_dtype="int8"): k_scales, v_scales (blocks + 1,
+// kv_heads) float32, slot s of head g dequantizing by scales[s / block_size, g].
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& k_scales,
+                                       const at::Tensor& v_scales, const at::Tensor& slots,
+                                       const at::Tensor& lens, double scale,
+                                       int64_t block_size) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar, "the caches must be int8");
+  TORCH_CHECK(block_size >= 1 && k_cache.size(0) <= (k_scales.size(0)) * block_size,
+              "the scales must cover every block of the cache");
+  for (const at::Tensor* t : {&k_scales, &v_scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
+                    t->sizes() == k_scales.sizes() && t->size(1) == k_cache.size(1),
+                "the scales must be contiguous (blocks + 1, kv_heads) float32 tensors");
+  const CacheScales scales{k_scales.data_ptr<float>(), v_scales.data_ptr<float>(), block_size,
+                           k_cache.size(1)};
+  return run_decode<int8_t>(q, k_cache, v_cache, scales, slots, lens, scale);
 }
 
 }  // namespace evenflow_ops
@@ -341,6 +432,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor lens, float scale) -> Tensor");
+  m.def("paged_decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor k_scales, Tensor v_scales, Tensor slots, Tensor lens, float scale, "
+        "int block_size) -> Tensor");
   // whether this head shape takes the register-resident path (then the kernel beats torch's
   // gathered attention at every batch size, not only at small ones)
   m.def("paged_attention_registers", [](int64_t head_dim, int64_t group) {
@@ -350,4 +444,5 @@ TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {
   m.impl("paged_decode_attention", &evenflow_ops::paged_decode_attention);
+  m.impl("paged_decode_attention_int8", &evenflow_ops::paged_decode_attention_int8);
 }

@@ -16,6 +16,11 @@ from torch import Tensor, nn
 
 from evenflow.engine.config import ModelConfig
 from evenflow.engine.kernels import native
+from evenflow.engine.model.kv_quant import (
+    gather_dequantized,
+    paged_decode_attention_int8,
+    write_quantized,
+)
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
 from evenflow.parallel.group import ProcessGroup
@@ -30,6 +35,9 @@ from evenflow.parallel.group import ProcessGroup
 # AVX2 emulation: there torch's path serves every batch.
 PAGED_ATTENTION_MAX_BATCH = 8
 
+# A layer's cache as attention takes it: K, V, and an int8 cache's K and V scales (else None)
+KVCacheParts = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+
 
 def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
     """Whether a decode step of `batch` sequences (heads of `head_dim`, `group` queries per KV
@@ -42,16 +50,25 @@ def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
     return batch <= PAGED_ATTENTION_MAX_BATCH and native.built_for_avx512()
 
 
+def gather_cache(cache: Tensor, scales: Tensor | None, slots: Tensor, dtype: torch.dtype
+                 ) -> Tensor:
+    """The cache's values at slots (any shape) -> (*slots.shape, n_kv, hd) in dtype (an int8
+    cache's dequantized by its scales)."""
+    if scales is not None:
+        return gather_dequantized(cache, scales, slots, dtype)
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def gathered_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                              mask: Tensor | None) -> Tensor:
+                              mask: Tensor | None, k_scale: Tensor | None = None,
+                              v_scale: Tensor | None = None) -> Tensor:
     """torch's decode attention: q (B, nh, hd) over each sequence's context slots (B, L),
     gathered into a padded copy, with an additive mask over the padding -> (B, nh, hd)."""
-    (B, L), (nh, hd), n_kv = slots.shape, q.shape[1:], k_cache.shape[1]
+    B, (nh, hd), n_kv = slots.shape[0], q.shape[1:], k_cache.shape[1]
     # Queries sharing a KV head ride in the "query length" dimension: no KV expansion.
     qd = q.reshape(B, n_kv, nh // n_kv, hd)
-    flat = slots.flatten()
-    kd = k_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)  # (B, n_kv, L, hd)
-    vd = v_cache.index_select(0, flat).view(B, L, n_kv, hd).transpose(1, 2)
+    kd = gather_cache(k_cache, k_scale, slots, q.dtype).transpose(1, 2)  # (B, n_kv, L, hd)
+    vd = gather_cache(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
     return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).reshape(B, nh, hd)
 
 
@@ -119,6 +136,8 @@ class Attention(nn.Module):
         k_cache: Tensor,  # (num_slots, n_kv, hd)
         v_cache: Tensor,
         meta: AttentionMetadata,
+        k_scale: Tensor | None = None,  # an int8 cache's scales (engine/model/kv_quant.py)
+        v_scale: Tensor | None = None,
     ) -> Tensor:
         T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
@@ -127,9 +146,9 @@ class Attention(nn.Module):
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
-            out = self._windowed(q, q, q, k_cache, v_cache, meta) \
+            out = self._windowed(q, q, q, (k_cache, v_cache, None, None), meta) \
                 if self.window or self.sinks is not None else \
-                self._decode_attention(q, k_cache, v_cache, meta)
+                self._decode_attention(q, (k_cache, v_cache, None, None), meta)
             return self.o_proj(out.reshape(T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm_whole:
@@ -152,11 +171,15 @@ class Attention(nn.Module):
             rot = rot * cos + torch.roll(rot, self.rotary_dim // 2, -1) * sin
             qk = torch.cat([rot, qk[..., self.rotary_dim :]], dim=-1)
         q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        cache = (k_cache, v_cache, k_scale, v_scale)
+        if k_scale is not None and v_scale is not None:
+            write_quantized(k, k_cache, k_scale, meta.slot_mapping)
+            write_quantized(v, v_cache, v_scale, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         if self.window or self.sinks is not None:
-            return self.o_proj(self._windowed(q, k, v, k_cache, v_cache, meta).reshape(
-                T, nh * hd))
+            return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
 
         outs: list[Tensor] = []
         kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
@@ -178,29 +201,30 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # earlier context comes from the cache: causal mask offset by the cached part
                 # (1, n_kv, ctx, hd)
-                ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
-                vs = v_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
+                ks = gather_cache(k_cache, k_scale, seg.slots, q.dtype).transpose(0, 1)[None]
+                vs = gather_cache(v_cache, v_scale, seg.slots, q.dtype).transpose(0, 1)[None]
                 offset = seg.ctx_len - seg.q_len
                 q_pos = torch.arange(seg.q_len).unsqueeze(1) + offset
                 mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
         if meta.decode_slots is not None:
-            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], k_cache, v_cache,
-                                               meta))
+            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], cache, meta))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
-    def _windowed(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+    def _windowed(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCacheParts,
                   meta: AttentionMetadata) -> Tensor:
         """Every segment's and decoding sequence's attention through windowed_attention."""
+        k_cache, v_cache, k_scale, v_scale = cache
         outs: list[Tensor] = []
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             if seg.slots is None:
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = k_cache.index_select(0, seg.slots), v_cache.index_select(0, seg.slots)
+                ks = gather_cache(k_cache, k_scale, seg.slots, q.dtype)
+                vs = gather_cache(v_cache, v_scale, seg.slots, q.dtype)
             q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len).unsqueeze(0)
             o = windowed_attention(q[rows].transpose(0, 1).unsqueeze(0),
                                    ks.transpose(0, 1).unsqueeze(0),
@@ -212,11 +236,10 @@ class Attention(nn.Module):
             assert meta.decode_mask is not None, "windowed layers take torch's decode path"
             slots = meta.decode_slots
             B, L = slots.shape
-            n_kv, hd = k_cache.shape[1:]
             visible = meta.decode_mask.view(B, L) == 0
             lens = visible.sum(-1, keepdim=True)  # (B, 1): context lengths
-            kd = k_cache.index_select(0, slots.flatten()).view(B, L, n_kv, hd).transpose(1, 2)
-            vd = v_cache.index_select(0, slots.flatten()).view(B, L, n_kv, hd).transpose(1, 2)
+            kd = gather_cache(k_cache, k_scale, slots, q.dtype).transpose(1, 2)
+            vd = gather_cache(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
             o = windowed_attention(q[meta.num_prefill_tokens :].unsqueeze(2), kd, vd, lens - 1,
                                    torch.arange(L).unsqueeze(0).expand(B, L), visible,
                                    self.window, self.sinks, self.scale)
@@ -238,14 +261,19 @@ class Attention(nn.Module):
         k = self.k_norm.weight * (k32 * torch.rsqrt(k_var + eps)).to(k.dtype)
         return q, k
 
-    def _decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                          meta: AttentionMetadata) -> Tensor:
+    def _decode_attention(self, q: Tensor, cache: KVCacheParts, meta: AttentionMetadata
+                          ) -> Tensor:
         """q (B, nh, hd): each decoding sequence's one query over its context -> (B, nh, hd)."""
         assert meta.decode_slots is not None
+        k_cache, v_cache, k_scale, v_scale = cache
         if meta.decode_lens is not None:  # K and V read where they lie (paged_attention.cpp)
+            if k_scale is not None and v_scale is not None:
+                return paged_decode_attention_int8(q.contiguous(), k_cache, v_cache, k_scale,
+                                                   v_scale, meta.decode_slots,
+                                                   meta.decode_lens, self.scale)
             paged = native.decode_attention()
             assert paged is not None
             return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
                          self.scale)
         return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
-                                         meta.decode_mask)
+                                         meta.decode_mask, k_scale, v_scale)

@@ -48,7 +48,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(pending, x)
-        attn = self.self_attn(h, cos, sin, *kv, meta)  # kv: (K, V), or MLA's (latent,)
+        # kv: (K, V), an int8 cache's (K, V, K scales, V scales), or MLA's (latent,)
+        attn = self.self_attn(h, cos, sin, *kv[:2], meta, *kv[2:])
         if self.tp is not None:
             self.tp.all_reduce(attn)
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)

@@ -47,7 +47,7 @@ class ChunkInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model, self.block_size, self.dtype = model, block_size, dtype
         self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
@@ -63,12 +63,22 @@ class ModelRunner:
         # the paged decode kernel serves plain grouped-query attention only
         self.paged_attention_usable = not (cfg.mla or cfg.layer_windows or cfg.attention_sinks)
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
+        # kv_cache_dtype="int8": the parts are int8, followed by their scales, (num_blocks + 1,
+        # heads) float32 each (engine/model/kv_quant.py); the null slot's block scales by 0.
+        self.quantized_kv = kv_cache_dtype == "int8"
+        if self.quantized_kv and cfg.mla:
+            raise ValueError("kv_cache_dtype int8 does not serve multi-head latent attention "
+                             "(MLA) models yet")
         self.kv_caches: list[tuple[Tensor, ...]] = []
         for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
-            parts = tuple(torch.empty(slots + 1, heads, dims, dtype=dtype)
-                          for heads, dims in cfg.kv_parts(model.num_kv_heads))
+            shapes = cfg.kv_parts(model.num_kv_heads)
+            parts = tuple(torch.empty(slots + 1, heads, dims,
+                                      dtype=torch.int8 if self.quantized_kv else dtype)
+                          for heads, dims in shapes)
             for part in parts:
                 part[slots].zero_()
+            if self.quantized_kv:
+                parts += tuple(torch.zeros(num_blocks + 1, heads) for heads, _ in shapes)
             self.kv_caches.append(parts)
         model.init_rope(max_model_len, dtype)
         if switched_on("EVENFLOW_FAST_DECODE"):
@@ -87,14 +97,22 @@ class ModelRunner:
         return [cache for pair in self.kv_caches for cache in pair]
 
     def _kv_kernels(self) -> object | None:
-        """kernels/kv_blocks.cpp, which copies (K, V) pairs only (MLA's latent: torch)."""
+        """kernels/kv_blocks.cpp, which copies (K, V) pairs only (MLA's latent and the int8
+        cache's scaled blocks: torch)."""
         return native.kv_blocks() if len(self.kv_caches[0]) == 2 else None
 
     def read_kv(self, block_ids: list[int]) -> Tensor:
         """A contiguous copy of the blocks' cache, block-major so that any run of blocks is one
         contiguous byte range: (blocks, layers, parts, block_size, heads, dims); parts are
-        K and V (2, n_kv, hd), or MLA's latent (1, 1, kv_lora_rank + rope)."""
+        K and V (2, n_kv, hd), or MLA's latent (1, 1, kv_lora_rank + rope). An int8 cache's
+        block is (layers, 2, bytes) int8: each part's values, then its float32 scales
+        (proto/kv_handoff.py)."""
         index = torch.tensor(block_ids, dtype=torch.long)
+        if self.quantized_kv:
+            return torch.stack([torch.stack([torch.cat([
+                self._blocks_view(parts[j]).index_select(0, index).flatten(1),
+                parts[2 + j].index_select(0, index).view(torch.int8)], dim=1)
+                for j in range(2)], dim=1) for parts in self.kv_caches], dim=1)
         kernels = self._kv_kernels()
         if kernels is not None:  # one memcpy per (block, layer, K or V)
             return kernels.kv_blocks_read(  # type: ignore[attr-defined]
@@ -107,6 +125,17 @@ class ModelRunner:
         """Inverse of read_kv: kv (blocks, layers, parts, block_size, heads, dims) into these
         blocks."""
         index = torch.tensor(block_ids, dtype=torch.long)
+        if self.quantized_kv:
+            block_shape = self._blocks_view(self.kv_caches[0][0]).shape[1:]
+            values = block_shape.numel()
+            for layer, parts in enumerate(self.kv_caches):
+                for j in range(2):
+                    raw = kv[:, layer, j]  # (blocks, values + 4 * heads)
+                    self._blocks_view(parts[j]).index_copy_(
+                        0, index, raw[:, :values].reshape(-1, *block_shape))
+                    parts[2 + j].index_copy_(0, index, raw[:, values:].contiguous().view(
+                        torch.float32))
+            return
         kernels = self._kv_kernels()
         if kernels is not None and kv.is_contiguous() and kv.dtype == self.kv_caches[0][0].dtype:
             kernels.kv_blocks_write(  # type: ignore[attr-defined]
@@ -118,6 +147,10 @@ class ModelRunner:
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         parts = self.kv_caches[0]
+        if self.quantized_kv:  # values then scales, as bytes
+            heads, dims = parts[0].shape[1:]
+            return (num_blocks, len(self.kv_caches), 2,
+                    self.block_size * heads * dims + 4 * heads)
         return (num_blocks, len(self.kv_caches), len(parts), self.block_size,
                 *parts[0].shape[1:])
 
@@ -161,6 +194,7 @@ class ModelRunner:
             all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
             ctx = torch.tensor(lens)  # (B,)
             if self.paged_attention_usable and \
+                    (not self.quantized_kv or native.kv_int8() is not None) and \
                     paged_decode_attention(len(decodes), *self.attention_shape):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
                 decode_slots, decode_lens = all_slots, ctx
