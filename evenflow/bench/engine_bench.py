@@ -190,6 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker(argv[1:])
+    if "--kv-cache-dtype" in argv:  # the KV cache comparison (bench/kv_cache_bench.py)
+        at = argv.index("--kv-cache-dtype")
+        if argv[at + 1 : at + 2] != ["int8"]:
+            print("evenflow bench engine: --kv-cache-dtype takes int8 (compared with the "
+                  "model-dtype cache)", file=sys.stderr)
+            return 2
+        from evenflow.bench import kv_cache_bench
+
+        return kv_cache_bench.main(argv[:at] + argv[at + 2 :])
     ap = argparse.ArgumentParser(prog="evenflow bench engine", description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
@@ -206,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gpt_oss: written by transformers)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
+    ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
+                    help="instead: the int8 KV cache against the model-dtype cache (capacity, "
+                         "decode at long contexts alternating, quality; bench/kv_cache_bench.py)")
     args = ap.parse_args(argv)
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_family, write_random_mixtral

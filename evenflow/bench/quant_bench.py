@@ -177,9 +177,15 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
 
 
 def run_tasks(variant: str, threads: int, plan: dict) -> dict:
+    return task_accuracy(threads, plan, **VARIANTS[variant])
+
+
+def task_accuracy(threads: int, plan: dict, **engine_args: Any) -> dict:
+    """tiny-moe's checkable tasks (count, count down, reverse), plan["task_prompts"] each:
+    exact-match accuracy % per task."""
     from evenflow import LLM, SamplingParams
 
-    llm = LLM("tiny-moe", num_threads=threads, **VARIANTS[variant])
+    llm = LLM("tiny-moe", num_threads=threads, **engine_args)
     rng = random.Random(7)
     tasks: dict[str, list[tuple[str, list[str]]]] = {"count": [], "count down": [],
                                                       "reverse": []}
@@ -219,7 +225,7 @@ def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits:
                       {"EVENFLOW_BENCH_LOGITS": logits, **VARIANT_ENV.get(variant, {})})
 
 
-def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
+def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
     """(% prompts identical, mean first-divergence position, mean % positions agreeing)."""
     same, first, share = 0, [], []
     for a, b in zip(ref, other, strict=True):
@@ -314,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
           "vs fp32: agree % minus float32's (pass: >= -5)")
     print(f"{'variant':12}{'identical %':>13}{'first div.':>12}{'agree %':>10}{'cosine':>10}"
           f"{'vs fp32':>10}")
-    floor = _agreement(base["greedy"], results["float32"]["greedy"])[2]
+    floor = agreement(base["greedy"], results["float32"]["greedy"])[2]
     for v in list(VARIANTS)[1:]:
-        same, first, share = _agreement(base["greedy"], results[v]["greedy"])
+        same, first, share = agreement(base["greedy"], results[v]["greedy"])
         cos = torch.nn.functional.cosine_similarity(logits["native"], logits[v], dim=-1).mean()
         verdict = "" if v == "float32" else \
             f"{share - floor:+7.1f} {'pass' if share - floor >= -5 else 'FAIL'}"
