@@ -117,6 +117,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
     kv_cache_gb: float = 0.5
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # The KV cache's disk tier (engine/runners/disk_tier.py): blocks evicted from RAM kept in
+    # this directory, up to kv_disk_gb, promoted back on a prefix hit. "" or 0: no disk tier.
+    kv_disk_dir: str = ""
+    kv_disk_gb: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, at most 8192
@@ -169,6 +173,8 @@ class EngineConfig:
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         check_kv_cache_dtype(self.kv_cache_dtype, self.tensor_parallel_size)
+        if self.kv_disk_gb < 0 or (self.kv_disk_gb > 0) != bool(self.kv_disk_dir):
+            raise ValueError("the KV disk tier needs both kv_disk_dir and kv_disk_gb > 0")
         if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
             raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
         if self.quantization is not None:

@@ -21,6 +21,7 @@ from evenflow.engine.kernels import native
 from evenflow.engine.model.kv_quant import kv_block_bytes
 from evenflow.engine.placement_control import ExpertPlacementControl
 from evenflow.engine.profiling import ProfileControl, StepProfiler
+from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
@@ -94,6 +95,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
                             config.defer_shared_prefill),
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
+        self.tiers = KVTiers(self.runner, self.blocks, config.kv_disk_dir, config.kv_disk_gb,
+                             self.model_dir, salt) if config.kv_disk_dir else None
         self.placement_version = 0
         self._staged = None  # a placement being taken layer by layer
         self.placement_moves = PlacementMoves()
@@ -152,6 +155,9 @@ class Engine(ExpertPlacementControl, ProfileControl):
             self.guides.close()
         if self._tp is not None:
             self._tp.close()
+        tiers = getattr(self, "tiers", None)  # (not yet when loading failed)
+        if tiers is not None:
+            tiers.close()
 
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,
@@ -252,6 +258,10 @@ class Engine(ExpertPlacementControl, ProfileControl):
         """Every block hash the prefix cache holds, for a KV-index resync."""
         return self.blocks.cached_hashes()
 
+    def disk_block_hashes(self) -> list[int]:
+        """Every block hash the disk tier holds (none without one), for a KV-index resync."""
+        return self.tiers.hashes() if self.tiers is not None else []
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The cache's changes since the last call (collect_kv_events engines)."""
         events, self._kv_events = self._kv_events, []
@@ -307,6 +317,8 @@ class Engine(ExpertPlacementControl, ProfileControl):
             return self._export_kv()
         outputs, self._aborted = self._aborted, []
         chunks = self.scheduler.schedule()
+        if self.tiers is not None:
+            self.tiers.after_schedule()
         for chunk in chunks:
             seq = chunk.seq
             if seq.pending_kv is not None:  # admitted with imported K/V: write it in

@@ -40,17 +40,19 @@ def _run(dtype: str, quantization: str | None, fast: bool, **options
     return logits, [o.token_ids for o in outputs], llm.engine.take_expert_counts(), whole_step
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_fast_decode_is_bit_identical_to_the_module_path(dtype, quantization):
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [
+    (dtype, quantization, "auto") for dtype in ("float32", "bfloat16")
+    for quantization in (None, "int8", "int4")] + [("bfloat16", None, "int8")])
+def test_fast_decode_is_bit_identical_to_the_module_path(dtype, quantization, kv_cache_dtype):
     if native.fused_moe() is None or native.decode_attention() is None or \
             not panels.usable(getattr(torch, dtype), 64, 64):
         pytest.skip("the native kernels do not serve this dtype here")
     if quantization and not native.built_for_avx512():
         pytest.skip("the quantized panels are AVX-512's")
-    fast_logits, fast_tokens, fast_counts, used = _run(dtype, quantization, fast=True)
+    kv = {"kv_cache_dtype": kv_cache_dtype}
+    fast_logits, fast_tokens, fast_counts, used = _run(dtype, quantization, fast=True, **kv)
     assert used, "the fast decode step (layers and head) was not built for tiny-moe"
-    slow_logits, slow_tokens, slow_counts, _ = _run(dtype, quantization, fast=False)
+    slow_logits, slow_tokens, slow_counts, _ = _run(dtype, quantization, fast=False, **kv)
     assert fast_tokens == slow_tokens
     assert len(fast_logits) == len(slow_logits)
     for a, b in zip(fast_logits, slow_logits, strict=True):

@@ -4,12 +4,19 @@ prefix caching by chained block hashes, and LRU eviction of free cached blocks.
 A full, computed block is registered under its chained hash; when its last user frees it, it
 stays cached in the free list (least recently freed first out) until a new allocation evicts it.
 Every registration and eviction is recorded as a KV event for the caller to publish.
+
+With a lower tier (the engine's disk tier: engine/runners/disk_tier.py), an evicted cached
+block is listed to be saved there before its memory is reused (`take_saves`), and a prefix
+that continues past the RAM hits into blocks the lower tier holds is promoted: each such block
+gets a free RAM block, registered under its hash at once, listed to be filled
+(`take_promotions`) before the step's forward pass. The engine does both copies right after
+scheduling.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from evenflow.engine.core.sequence import Sequence
 from evenflow.proto.hashing import ROOT_PARENT, block_hash
@@ -30,6 +37,9 @@ class BlockManager:
         # Blocks with no user, oldest first; cached ones among them are evictable prefix hits.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.pending_events: list[KVCacheEvent] = []
+        self.lower_tier: Container[int] | None = None  # block hashes held below RAM
+        self._saves: list[tuple[int, int]] = []  # (block, hash): to copy down before reuse
+        self._promotions: dict[int, int] = {}  # block -> hash: to fill from the lower tier
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -58,10 +68,37 @@ class BlockManager:
             if (i + 1) * self.block_size > seq.num_tokens - 1:
                 break
             block = self.cached.get(h)
+            if block is None and self.lower_tier is not None and h in self.lower_tier:
+                block = self._promote(seq, i, set(hits))
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def _promote(self, seq: Sequence, i: int, taken: set[int]) -> int | None:
+        """Block i of seq from the lower tier into a free RAM block (not one of `taken`),
+        cached under its hash from now on; None when no free block is left for it."""
+        block = next((b for b in self.free if b not in taken), None)
+        if block is None:
+            return None
+        self._evict(block)
+        h = seq.block_hashes[i]
+        self.block_hash[block], self.cached[h] = h, block
+        self.free.move_to_end(block)  # the most recently freed: evicted last
+        self._promotions[block] = h
+        self._flush_run(seq, [h], i)
+        return block
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """(block, hash) of cached blocks evicted since the last call: their memory still holds
+        the block until the step runs."""
+        saves, self._saves = self._saves, []
+        return saves
+
+    def take_promotions(self) -> list[tuple[int, int]]:
+        """(block, hash) of blocks promoted since the last call, to fill before the step."""
+        promotions, self._promotions = list(self._promotions.items()), {}
+        return promotions
 
     # -- allocation -----------------------------------------------------------------------
     def can_allocate_first(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
@@ -144,6 +181,10 @@ class BlockManager:
         if h is not None:
             self._uncache(block)
             self.pending_events.append(BlockRemoved(block_hashes=[h]))
+            # never filled: the lower tier still has it; else copy it down before reuse
+            if self._promotions.pop(block, None) is None and self.lower_tier is not None and \
+                    h not in self.lower_tier:
+                self._saves.append((block, h))
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

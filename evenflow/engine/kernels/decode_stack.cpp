@@ -178,11 +178,17 @@ struct DecodeStack : torch::CustomClassHolder {
 std::tuple<at::Tensor, at::Tensor> run_layers(
     const DecodeStack& stack, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
     at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& slots, const at::Tensor& lens) {
+    const at::Tensor& slots, const at::Tensor& lens, at::TensorList k_scales,
+    at::TensorList v_scales, int64_t block_size) {
   const auto& layers = stack.layers;
   TORCH_CHECK(!layers.empty() && k_caches.size() == layers.size() &&
                   v_caches.size() == layers.size(),
               "decode_stack: one K and one V cache a layer");
+  // an int8 cache (engine/model/kv_quant.py): its scales, one K and one V tensor a layer
+  const bool quantized = !k_scales.empty();
+  TORCH_CHECK(!quantized || (k_scales.size() == layers.size() &&
+                             v_scales.size() == layers.size()),
+              "decode_stack: one K and one V scale tensor a layer, or none");
   const int64_t tokens = x.size(0);
   at::Tensor pending, h;
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -200,6 +206,25 @@ std::tuple<at::Tensor, at::Tensor> run_layers(
     const at::Tensor attn = scoped("attention", [&] {
       const at::Tensor qkv = layer.qkv(h).view(
           {tokens, layer.heads + 2 * layer.kv_heads, layer.head_dim});
+      if (quantized) {  // rotated K and V into a scratch (row t = token t), then quantized
+        const at::Tensor k = at::empty({tokens, layer.kv_heads, layer.head_dim}, qkv.options());
+        const at::Tensor v = at::empty_like(k);
+        const at::Tensor q = scoped("evenflow_kernels::rotary_kv_write", [&] {
+          return evenflow_ops::rotary_kv_write(qkv, cos, sin, k, v,
+                                               at::arange(tokens, slot_mapping.options()),
+                                               layer.heads, layer.kv_heads);
+        });
+        scoped("evenflow_kernels::kv_write_int8", [&] {
+          evenflow_ops::kv_write_int8(k, k_caches[i], k_scales[i], slot_mapping, block_size);
+          evenflow_ops::kv_write_int8(v, v_caches[i], v_scales[i], slot_mapping, block_size);
+        });
+        const at::Tensor out = scoped("evenflow_kernels::paged_decode_attention_int8", [&] {
+          return evenflow_ops::paged_decode_attention_int8(q, k_caches[i], v_caches[i],
+                                                           k_scales[i], v_scales[i], slots,
+                                                           lens, layer.scale, block_size);
+        });
+        return layer.o(out.view({tokens, layer.heads * layer.head_dim}));
+      }
       const at::Tensor q = scoped("evenflow_kernels::rotary_kv_write", [&] {
         return evenflow_ops::rotary_kv_write(qkv, cos, sin, k_caches[i], v_caches[i],
                                              slot_mapping, layer.heads, layer.kv_heads);
@@ -235,9 +260,10 @@ std::tuple<at::Tensor, at::Tensor> run_layers(
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor x, const at::Tensor& cos,
     const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& lens) {
+    const at::Tensor& slot_mapping, const at::Tensor& slots, const at::Tensor& lens,
+    at::TensorList k_scales, at::TensorList v_scales, int64_t block_size) {
   return run_layers(*stack, std::move(x), cos, sin, k_caches, v_caches, slot_mapping, slots,
-                    lens);
+                    lens, k_scales, v_scales, block_size);
 }
 
 // The whole step, as CausalLM.forward makes it when every row is sampled: input_ids and
@@ -245,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 at::Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& stack, const at::Tensor& input_ids,
                        const at::Tensor& positions, at::TensorList k_caches,
                        at::TensorList v_caches, const at::Tensor& slot_mapping,
-                       const at::Tensor& slots, const at::Tensor& lens) {
+                       const at::Tensor& slots, const at::Tensor& lens,
+                       at::TensorList k_scales, at::TensorList v_scales, int64_t block_size) {
   TORCH_CHECK(stack->head.has_value(), "decode_step: the stack has no head (set_head)");
   const Head& head = *stack->head;
   const at::Tensor x =
@@ -253,7 +280,8 @@ at::Tensor decode_step(const c10::intrusive_ptr<DecodeStack>& stack, const at::T
   const at::Tensor cos = head.cos.index_select(0, positions).unsqueeze(1);
   const at::Tensor sin = head.sin.index_select(0, positions).unsqueeze(1);
   auto [residual, pending] =
-      run_layers(*stack, x, cos, sin, k_caches, v_caches, slot_mapping, slots, lens);
+      run_layers(*stack, x, cos, sin, k_caches, v_caches, slot_mapping, slots, lens, k_scales,
+                 v_scales, block_size);
   const at::Tensor h = scoped("norm", [&] {
     return std::get<1>(scoped("evenflow_kernels::add_rms_norm", [&] {
       return evenflow_ops::add_rms_norm(pending, residual, head.norm, head.eps);

@@ -25,6 +25,13 @@ at::Tensor rotary_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const a
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& slots,
                                   const at::Tensor& lens, double scale);
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& k_scales,
+                                       const at::Tensor& v_scales, const at::Tensor& slots,
+                                       const at::Tensor& lens, double scale,
+                                       int64_t block_size);
+void kv_write_int8(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales,
+                   const at::Tensor& slot_mapping, int64_t block_size);
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t num_experts,
                                               int64_t top_k, bool renormalize,
                                               const std::optional<at::Tensor>& counts);

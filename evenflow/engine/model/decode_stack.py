@@ -26,6 +26,7 @@ from torch import Tensor
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MoE
+from evenflow.engine.model.kv_quant import block_size_of
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.panel_stack import PanelStack
@@ -176,22 +177,33 @@ class FastDecodeStack:
         """These (usable) layers take this step: decodes only, on the paged attention, one
         dtype throughout (`dtypes`: the embedding's and rotary tables'; the caches', the
         norms')."""
+        cache_ok = kv[0].dtype == self.dtype or (  # or an int8 cache, on its kernels
+            len(kv) == 4 and kv[0].dtype == torch.int8 and native.kv_int8() is not None)
         return not meta.prefills and meta.decode_lens is not None and \
-            dtypes[0] == dtypes[1] == kv[0].dtype == self.dtype
+            dtypes[0] == dtypes[1] == self.dtype and cache_ok
 
     def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, ...]],
              meta: AttentionMetadata) -> Tensor:
         """The whole decode step, every row sampled: -> (T, vocab) float32 logits."""
         return self.run_step(
             self.stack, input_ids, positions, [kv[0] for kv in kv_caches],
-            [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+            [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_slots, meta.decode_lens,
+            *_scales(kv_caches))
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[tuple[Tensor, ...]],
                  meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """-> (the residual stream, the last layer's MoE output not yet added to it)."""
         return self.run(
             self.stack, x, cos, sin, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-            meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+            meta.slot_mapping, meta.decode_slots, meta.decode_lens, *_scales(kv_caches))
+
+
+def _scales(kv_caches: list[tuple[Tensor, ...]]) -> tuple[list[Tensor], list[Tensor], int]:
+    """An int8 cache's K and V scales per layer and its block size; none for a float cache."""
+    if len(kv_caches[0]) != 4:
+        return [], [], 1
+    return ([kv[2] for kv in kv_caches], [kv[3] for kv in kv_caches],
+            block_size_of(kv_caches[0][0], kv_caches[0][2]))
 
 
 def panels_args(module: Any) -> tuple | None:
