@@ -69,7 +69,10 @@ struct CacheScales {
   const float* v = nullptr;
   int64_t block_size = 1;
   int64_t kv_heads = 1;
-  float of(const float* at, int64_t slot) const { return at[slot / block_size * kv_heads]; }
+  int shift = -1;  // log2(block_size) when a power of two: a shift, not a division per token
+  float of(const float* at, int64_t slot) const {
+    return at[(shift >= 0 ? slot >> shift : slot / block_size) * kv_heads];
+  }
 };
 
 // 16 values of a cache row as float32, times the row's scale (int8 caches only)
@@ -79,9 +82,17 @@ inline f16v load_cache(const C* p, float /*scale*/) {
 }
 
 inline f16v load_cache(const int8_t* p, float scale) {
+#if defined(__AVX512F__)  // sign-extend and convert in two instructions
+  const __m512 w = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  f16v x;
+  std::memcpy(&x, &w, sizeof x);
+#else
   i8x16 h;
   std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, f16v) * scale;
+  const f16v x = __builtin_convertvector(h, f16v);
+#endif
+  return scale == 1.f ? x : x * scale;
 }
 
 inline void to_float(const int8_t* src, float* dst, int64_t n, float scale) {
@@ -156,6 +167,8 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
                   const float* ks, const float* vs, const int64_t* ctx, int64_t len,
                   int64_t row, float scale, float* scores, T* out) {
   constexpr int hd = V * kLanes;
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+  alignas(64) float token_scale[kLanes] = {};  // int8: each of the 16 tokens' K scale
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   f16v qv[G][V], top[G];
   for (int i = 0; i < G; ++i) {
@@ -168,9 +181,10 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
     f16v part[G][kLanes];
     for (int t = 0; t < n; ++t) {
       const C* kr = k_base + ctx[t0 + t] * row;
-      const float kscale = row_scale<C>(ks, scales, ctx[t0 + t]);
+      // an int8 row's scale multiplies its score once (below), not each of its values
+      if constexpr (kInt8) token_scale[t] = scales.of(ks, ctx[t0 + t]);
       f16v kv[V];
-      for (int v = 0; v < V; ++v) kv[v] = load_cache(kr + v * kLanes, kscale);
+      for (int v = 0; v < V; ++v) kv[v] = load_cache(kr + v * kLanes, 1.f);
       for (int i = 0; i < G; ++i) {
         f16v s = qv[i][0] * kv[0];
         for (int v = 1; v < V; ++v) s += qv[i][v] * kv[v];
@@ -182,6 +196,7 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
     const f16v real = lane < static_cast<float>(n) ? splat(1.f) : splat(0.f);
     for (int i = 0; i < G; ++i) {
       f16v s = row_sums(part[i]);
+      if constexpr (kInt8) s *= load(token_scale);
       s = real > 0.f ? s : splat(-1e30f);  // padding: e^(-1e30 - max) = 0
       store(scores + i * padded + t0, s);
       top[i] = top[i] > s ? top[i] : s;
@@ -204,11 +219,11 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
   }
   for (int64_t t = 0; t < len; ++t) {  // V read once, in place
     const C* vr = v_base + ctx[t] * row;
-    const float vscale = row_scale<C>(vs, scales, ctx[t]);
+    const float vscale = row_scale<C>(vs, scales, ctx[t]);  // (1 for float caches)
     f16v vv[V];
-    for (int v = 0; v < V; ++v) vv[v] = load_cache(vr + v * kLanes, vscale);
-    for (int i = 0; i < G; ++i) {
-      const f16v p = splat(scores[i * padded + t]);
+    for (int v = 0; v < V; ++v) vv[v] = load_cache(vr + v * kLanes, 1.f);
+    for (int i = 0; i < G; ++i) {  // an int8 row's scale rides on its probability
+      const f16v p = splat(scores[i * padded + t] * vscale);
       for (int v = 0; v < V; ++v) acc[i][v] += p * vv[v];
     }
   }
@@ -422,8 +437,11 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() &&
                     t->sizes() == k_scales.sizes() && t->size(1) == k_cache.size(1),
                 "the scales must be contiguous (blocks + 1, kv_heads) float32 tensors");
+  const bool power_of_two = (block_size & (block_size - 1)) == 0;
   const CacheScales scales{k_scales.data_ptr<float>(), v_scales.data_ptr<float>(), block_size,
-                           k_cache.size(1)};
+                           k_cache.size(1),
+                           power_of_two ? __builtin_ctzll(static_cast<uint64_t>(block_size))
+                                        : -1};
   return run_decode<int8_t>(q, k_cache, v_cache, scales, slots, lens, scale);
 }
 

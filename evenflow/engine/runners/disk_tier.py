@@ -100,7 +100,7 @@ class DiskTier:
         self.free_slots.reverse()  # pop() hands out slot 0 first
 
     # -- use --------------------------------------------------------------------------------
-    def __contains__(self, block_hash: int) -> bool:
+    def __contains__(self, block_hash: object) -> bool:
         return block_hash in self.index
 
     def __len__(self) -> int:
