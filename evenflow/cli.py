@@ -216,7 +216,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 # `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
-BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep",
+BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep", "tiers",
               "sampling", "frontend", "kernels", "hosts")
 
 
