@@ -128,7 +128,8 @@ def _up(args: argparse.Namespace) -> int:
             "host": args.host, "api_key_file": args.api_key_file, "engine": args.engine,
             "dtype": args.dtype, "threads_per_worker": args.threads,
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
-            "kv_cache_dtype": args.kv_cache_dtype,
+            "kv_cache_dtype": args.kv_cache_dtype, "kv_disk_gb": args.kv_disk_gb,
+            "kv_disk_dir": args.kv_disk_dir, "kv_disk_credit": args.kv_disk_credit,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
             "served_model_name": args.served_model_name,
@@ -343,6 +344,15 @@ def _mesh_arguments(up: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-gb", type=float, default=None,
                         help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
     _kv_cache_dtype_arg(engine, None)
+    engine.add_argument("--kv-disk-gb", type=float, default=None,
+                        help="a KV disk tier per worker of this many GiB: blocks evicted from "
+                             "RAM go there and come back on a prefix hit (default 0: none)")
+    engine.add_argument("--kv-disk-dir", default=None,
+                        help="where the disk tiers live (DIR/<worker id>), kept across restarts; "
+                             "without it each worker's tier is temporary, removed on exit")
+    engine.add_argument("--kv-disk-credit", type=float, default=None,
+                        help="the router's credit for a block on a disk tier, in RAM blocks "
+                             "(default 0.9; `evenflow bench tiers` measures it)")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks per worker (overrides --kv-cache-gb)")
     engine.add_argument("--max-num-seqs", type=int, default=None,

@@ -48,7 +48,7 @@ def _turn(engine: Any, rid: str, prompt: list[int], answer: int) -> tuple[float,
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(temperature=0, ignore_eos=True,
                                                    max_tokens=answer))
-    ttft, cached, tokens = 0.0, 0, []
+    ttft, cached, tokens = 0.0, 0, list[int]()
     while engine.has_unfinished():
         for out in engine.step():
             if not tokens and out.new_token_ids:

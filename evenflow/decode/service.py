@@ -77,7 +77,7 @@ class DecodeWorker(WorkerService):
 
     async def start(self) -> None:
         self.config.apply_engine_switches()
-        engine = create_engine(self.config.engine, self.config.engine_config(),
+        engine = create_engine(self.config.engine, self.engine_config(),
                                collect_kv_events=True, ep_rank=self.config.ep_rank,
                                ep_group=self.config.ep_group,
                                mock_timing_scale=self.config.mock_timing_scale)

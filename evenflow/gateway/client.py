@@ -279,7 +279,7 @@ class GatewayClient:
             self._profiles.pop(request_id, None)
 
     # -- routing ----------------------------------------------------------------------------
-    async def _lookup(self, hashes: list[int]) -> tuple[dict[str, int] | None, str]:
+    async def _lookup(self, hashes: list[int]) -> tuple[dict[str, float] | None, str]:
         """(worker_id -> cached leading blocks, or None when the index is unusable; where the
         answer came from: local, redis or none)."""
         if self.kv is None:
@@ -290,15 +290,15 @@ class GatewayClient:
                 live = self._live_epochs()
                 if not self.kv_copy.behind(live):
                     KV_LOOKUPS.labels(source="local").inc()
-                    return self.kv.with_predictions(self.kv_copy.match(hashes, live),
-                                                    hashes), "local"
+                    matched = self.kv_copy.match(hashes, live, self.config.kv_disk_credit)
+                    return self.kv.with_predictions(matched, hashes), "local"
                 KV_INDEX_FALLBACKS.labels(reason="behind").inc()
             KV_LOOKUPS.labels(source="redis").inc()
             return await self.kv.lookup(hashes, self.registry.epoch_of), "redis"
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
 
-    async def _wait_for_decode(self, total_blocks: int, matched: dict[str, int],
+    async def _wait_for_decode(self, total_blocks: int, matched: dict[str, float],
                                exclude: set[str], flight: _Flight,
                                deadline: float | None) -> WorkerState:
         """A decode worker with room for the prompt. While every live one is full the request
@@ -371,7 +371,7 @@ class GatewayClient:
                 time.perf_counter() - decided - flight.waited_s)
             ROUTE_DECISION_CPU_SECONDS.labels(index=index_source).observe(
                 time.thread_time() - cpu)
-            hit = matched.get(computing.worker_id, 0)
+            hit = int(matched.get(computing.worker_id, 0))  # (disk blocks count in part)
             if reason == "kv":
                 reason = "kv_hit" if hit else "kv_miss"
             ROUTING_DECISIONS.labels(reason=reason).inc()
@@ -396,10 +396,10 @@ class GatewayClient:
             flight.published_at = time.perf_counter()
 
     @staticmethod
-    def _holders(matched: dict[str, int], *workers: WorkerState | None
+    def _holders(matched: dict[str, float], *workers: WorkerState | None
                  ) -> dict[str, tuple[str, int]]:
         """The workers about to hold the prompt's blocks: (epoch, blocks they already hold)."""
-        return {w.worker_id: (w.heartbeat.epoch, matched.get(w.worker_id, 0))
+        return {w.worker_id: (w.heartbeat.epoch, int(matched.get(w.worker_id, 0)))
                 for w in workers if w is not None}
 
     def _release(self, flight: _Flight) -> None:

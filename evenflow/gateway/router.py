@@ -15,6 +15,7 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from evenflow.proto.messages import Role, WorkerHeartbeat
@@ -37,7 +38,7 @@ class WorkerState:
         return self.heartbeat.worker_id
 
 
-def cost(w: float, blocks_to_prefill: int, load: float) -> float:
+def cost(w: float, blocks_to_prefill: float, load: float) -> float:
     """cost = w * blocks_to_prefill + load (lower is better)."""
     return w * blocks_to_prefill + load
 
@@ -51,7 +52,7 @@ class RouterWeights:
     temperature: float = 0.0
 
 
-def choose(candidates: list[WorkerState], total_blocks: int, matched: dict[str, int],
+def choose(candidates: list[WorkerState], total_blocks: int, matched: Mapping[str, float],
            load: dict[str, float], weights: RouterWeights, rng: random.Random) -> WorkerState:
     """The cheapest candidate (or a softmax sample when temperature > 0). Pure but for `rng`."""
     floor = min(load[c.worker_id] for c in candidates)
@@ -147,7 +148,7 @@ class WorkerRegistry:
                       key=lambda s: s.worker_id)
 
     def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,
-              matched: dict[str, int], load: dict[str, float]) -> WorkerState | None:
+              matched: Mapping[str, float], load: dict[str, float]) -> WorkerState | None:
         if not candidates:
             return None
         if self.weights.policy == "round_robin":
@@ -156,7 +157,7 @@ class WorkerRegistry:
             return min(candidates, key=lambda c: (load[c.worker_id], c.worker_id))
         return choose(candidates, total_blocks, matched, load, self.weights, self._rng)
 
-    def pick_decode(self, total_blocks: int, matched: dict[str, int],
+    def pick_decode(self, total_blocks: int, matched: Mapping[str, float],
                     exclude: set[str]) -> WorkerState | None:
         """A decode worker with KV room; with `kv`, one holding the conversation wins ties
         against load (it can prefill the rest locally)."""
@@ -167,7 +168,7 @@ class WorkerRegistry:
             for s in candidates}
         return self._pick(Role.DECODE, candidates, total_blocks, matched, load)
 
-    def pick_prefill(self, total_blocks: int, matched: dict[str, int],
+    def pick_prefill(self, total_blocks: int, matched: Mapping[str, float],
                      block_size: int) -> WorkerState | None:
         candidates = self.live(Role.PREFILL)
         load = {s.worker_id: current_load(s.heartbeat, self.own_subject, s.inflight_blocks,

@@ -49,7 +49,7 @@ class KVIndexClient:
                 for m, n in zip(flat[::2], flat[1::2], strict=True)}
 
     async def lookup(self, block_hashes: list[int],
-                     epoch_of: Callable[[str], str | None]) -> dict[str, int] | None:
+                     epoch_of: Callable[[str], str | None]) -> dict[str, float] | None:
         """worker_id -> cached leading blocks, for workers of the given current epochs, merged
         with this gateway's live predictions; None when Redis is down or slower than the
         lookup timeout (route by load alone)."""
@@ -57,15 +57,15 @@ class KVIndexClient:
             members = await asyncio.wait_for(self.match(block_hashes), self.lookup_timeout_s)
         except Exception:  # Redis down or slow: never fail the request over it
             return None
-        matched: dict[str, int] = {}
+        matched: dict[str, float] = {}
         for member, blocks in members.items():
             worker_id, epoch = store.split_member(member)
             if epoch_of(worker_id) == epoch:
                 matched[worker_id] = blocks
         return self.with_predictions(matched, block_hashes)
 
-    def with_predictions(self, matched: dict[str, int], block_hashes: list[int]
-                         ) -> dict[str, int]:
+    def with_predictions(self, matched: dict[str, float], block_hashes: list[int]
+                         ) -> dict[str, float]:
         """`matched` (from Redis or the gateway's own copy) merged with this gateway's live
         predictions."""
         for worker_id, blocks in self._local_prefix(block_hashes).items():

@@ -10,6 +10,11 @@ Members are (worker, epoch) as in Redis; a worker's new epoch replaces its old m
 the copy: the other gateways' predictions (Redis has them; this gateway's own stay merged in,
 kv_index/client.py), so with several gateways a burst sharing a new prefix sticks a little less
 across gateways than through Redis.
+
+Workers' KV disk tiers (events and snapshot parts with medium "disk") are kept here only (the
+Redis index holds RAM): a match counts a worker's RAM run in full and the disk blocks that
+extend it at `disk_credit` each (a promotion costs less than a recompute, more than a RAM hit;
+bench/tiers_bench.py measures it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from evenflow.proto.messages import (
+    DISK_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,13 +40,15 @@ class _Copy:
     last_seq: int = 0
     synced: bool = False  # a snapshot, then every event since, without a gap
     blocks: set[int] = field(default_factory=set)
+    disk: set[int] = field(default_factory=set)  # its disk tier's blocks
     asked_at: float = 0.0  # when its snapshot was last requested
 
 
 class LocalIndex:
     def __init__(self) -> None:
         self.workers: dict[str, _Copy] = {}  # worker_id -> its copy
-        self.holders: dict[int, set[str]] = {}  # block hash -> worker ids holding it
+        self.holders: dict[int, set[str]] = {}  # block hash -> worker ids holding it in RAM
+        self.disk_holders: dict[int, set[str]] = {}  # ... on their disk tier
 
     def _copy(self, worker_id: str, epoch: str) -> _Copy:
         copy = self.workers.get(worker_id)
@@ -52,12 +60,10 @@ class LocalIndex:
 
     def _drop_blocks(self, worker_id: str, copy: _Copy) -> None:
         for h in copy.blocks:
-            held = self.holders.get(h)
-            if held is not None:
-                held.discard(worker_id)
-                if not held:
-                    del self.holders[h]
-        copy.blocks = set()
+            _unhold(self.holders, h, worker_id)
+        for h in copy.disk:
+            _unhold(self.disk_holders, h, worker_id)
+        copy.blocks, copy.disk = set(), set()
 
     def apply(self, message: KVEvents | KVSnapshot) -> None:
         """One message of the KV-event stream."""
@@ -68,6 +74,8 @@ class LocalIndex:
             self._drop_blocks(message.worker_id, copy)
             for h in message.block_hashes:
                 self._add(message.worker_id, copy, h)
+            for h in message.disk_block_hashes:
+                self._add(message.worker_id, copy, h, DISK_MEDIUM)
             copy.synced, copy.last_seq = True, message.seq
             return
         if not copy.synced or message.seq <= copy.last_seq:
@@ -81,19 +89,22 @@ class LocalIndex:
                 self._drop_blocks(message.worker_id, copy)
             elif isinstance(event, BlockStored):
                 for h in event.block_hashes:
-                    self._add(message.worker_id, copy, h)
+                    self._add(message.worker_id, copy, h, event.medium)
             elif isinstance(event, BlockRemoved):
+                disk = event.medium == DISK_MEDIUM
+                blocks, holders = (copy.disk, self.disk_holders) if disk else (
+                    copy.blocks, self.holders)
                 for h in event.block_hashes:
-                    copy.blocks.discard(h)
-                    held = self.holders.get(h)
-                    if held is not None:
-                        held.discard(message.worker_id)
-                        if not held:
-                            del self.holders[h]
+                    blocks.discard(h)
+                    _unhold(holders, h, message.worker_id)
 
-    def _add(self, worker_id: str, copy: _Copy, h: int) -> None:
-        copy.blocks.add(h)
-        self.holders.setdefault(h, set()).add(worker_id)
+    def _add(self, worker_id: str, copy: _Copy, h: int, medium: str | None = None) -> None:
+        if medium == DISK_MEDIUM:
+            copy.disk.add(h)
+            self.disk_holders.setdefault(h, set()).add(worker_id)
+        else:
+            copy.blocks.add(h)
+            self.holders.setdefault(h, set()).add(worker_id)
 
     def forget(self, worker_id: str) -> None:
         """A worker that left."""
@@ -119,23 +130,42 @@ class LocalIndex:
                 due.append(w)
         return due
 
-    def match(self, block_hashes: list[int], live: dict[str, str]) -> dict[str, int]:
+    def match(self, block_hashes: list[int], live: dict[str, str], disk_credit: float = 0.0
+              ) -> dict[str, float]:
         """worker_id -> how many leading blocks of `block_hashes` it holds (live workers), as
         the Redis index answers it (store.MATCH): the workers holding the first block, each
-        by a binary search for its run's end (a worker's holdings are prefix-closed: a block
-        is cached only with its parents, and evicted before them)."""
-        first = self.holders.get(block_hashes[0]) if block_hashes else None
-        if not first:
+        by a binary search for its run's end (a worker's RAM holdings are prefix-closed: a
+        block is cached only with its parents, and evicted before them). With disk_credit > 0,
+        plus disk_credit for each block after that run which its disk tier holds (until the
+        first block held nowhere)."""
+        if not block_hashes:
             return {}
-        matched: dict[str, int] = {}
+        first = self.holders.get(block_hashes[0], set())
+        if disk_credit > 0:
+            first = first | self.disk_holders.get(block_hashes[0], set())
+        matched: dict[str, float] = {}
         for w in first & live.keys():
-            blocks = self.workers[w].blocks
-            lo, hi = 1, len(block_hashes)
+            copy = self.workers[w]
+            lo, hi = 0, len(block_hashes)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if block_hashes[mid - 1] in blocks:
+                if block_hashes[mid - 1] in copy.blocks:
                     lo = mid
                 else:
                     hi = mid - 1
-            matched[w] = lo
+            extra = 0
+            if disk_credit > 0:
+                while lo + extra < len(block_hashes) and (
+                        block_hashes[lo + extra] in copy.disk
+                        or block_hashes[lo + extra] in copy.blocks):
+                    extra += 1
+            matched[w] = lo + disk_credit * extra
         return matched
+
+
+def _unhold(holders: dict[int, set[str]], h: int, worker_id: str) -> None:
+    held = holders.get(h)
+    if held is not None:
+        held.discard(worker_id)
+        if not held:
+            del holders[h]

@@ -5,6 +5,9 @@ arrive numbered 1, 2, 3, ...; a gap, a Redis restart (the instance marker disapp
 outage makes the index ask that worker for a snapshot of its whole block set and replace the
 member's entries with it. Heartbeats renew members' leases; a member whose lease lapses is
 dropped. A worker that restarts has a new epoch: its previous member is dropped at once.
+
+Redis holds what workers hold in RAM only: events of a KV disk tier (medium "disk") are skipped
+here; each gateway's local copy (kv_index/local_copy.py) keeps them and gives them less credit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from prometheus_client import Counter
 from evenflow.kv_index import store
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
+    DISK_MEDIUM,
     WORKER_ROLES,
     AllBlocksCleared,
     BlockRemoved,
@@ -129,6 +133,8 @@ class KVIndexService(WorkerService):
             if isinstance(event, AllBlocksCleared):
                 self.pending.append(("drop", member, 0, 1))
             elif isinstance(event, BlockStored | BlockRemoved):
+                if event.medium == DISK_MEDIUM:
+                    continue  # the disk tier: gateways' local copies keep it (local_copy.py)
                 op = "add" if isinstance(event, BlockStored) else "rem"
                 self.pending.extend((op, member, h, 1) for h in event.block_hashes)
 

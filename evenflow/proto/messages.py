@@ -195,6 +195,11 @@ class ErrorMessage:
 
 
 # -- KV events (vLLM's schema) --------------------------------------------------------------
+# An event's `medium` names the tier: None for the worker's RAM cache, DISK_MEDIUM for its KV
+# disk tier (engine/runners/kv_tiers.py).
+DISK_MEDIUM = "disk"
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockStored:
     """Full blocks newly cached, in chain order; the first one's parent is `parent_block_hash`
@@ -254,15 +259,17 @@ class KVResyncRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class KVSnapshot:
-    """worker -> kv_index: every block hash the worker holds, as of event number `seq`."""
+    """worker -> kv_index: every block hash the worker holds in RAM, as of event number `seq`.
+    v2: the block hashes its KV disk tier holds (events with medium "disk" keep them current)."""
 
     TYPE: ClassVar[str] = "kv_snapshot"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: str
     role: Role
     epoch: str
     seq: int
     block_hashes: list[int]
+    disk_block_hashes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

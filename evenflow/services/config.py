@@ -52,7 +52,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
     "eplb_window_reports": (1, None, True), "balancer_metrics_port": (0, 65535, True),
     "num_prefill": (0, None, True), "num_decode": (1, None, True),
-    "num_gateways": (1, 64, True),
+    "num_gateways": (1, 64, True), "kv_disk_gb": (0, None, True), "kv_disk_credit": (0, 1, True),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
@@ -91,6 +91,17 @@ class MeshConfig:
     # the KV cache's storage: auto (the model's dtype) or int8 (engine/model/kv_quant.py); the
     # hand-off then carries int8 blocks with their scales
     kv_cache_dtype: str = _ENGINE.kv_cache_dtype
+    # A KV disk tier per worker (engine/runners/kv_tiers.py): blocks evicted from RAM go to
+    # disk, kv_disk_gb at most, and come back on a prefix hit. Without kv_disk_dir each worker's
+    # tier is a temporary directory, removed when the worker exits; with it, the tier is
+    # persistent at kv_disk_dir/<worker id> and a restarted worker finds it warm.
+    kv_disk_gb: float = 0.0
+    kv_disk_dir: str = ""
+    # The router's credit for a block a worker holds on its disk tier, in RAM blocks (a RAM hit
+    # is 1, a recompute 0): 1 - promotion time / recompute time per block, which `evenflow bench
+    # tiers` measures (0.99 on the 110M model here, the pool in the page cache; 0.9 leaves room
+    # for a tier read from the device itself. Dynamo's KVBM gives disk 0.25).
+    kv_disk_credit: float = 0.9
     threads_per_worker: int = 1  # torch threads of each worker's engine
     # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant/stacks.py;
     # EngineConfig checks the value)
@@ -287,9 +298,10 @@ class MeshConfig:
             return self.model
         return os.path.basename(self.model.rstrip("/")) or self.model
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, kv_disk_dir: str = "") -> EngineConfig:
         """The engine settings every worker runs with: the fields both configs share by name,
-        with 0 meaning "unset" where the engine takes None."""
+        with 0 meaning "unset" where the engine takes None. The KV disk tier is per worker:
+        only with its directory (services/worker.py WorkerService.engine_config)."""
         shared = {f.name for f in dataclasses.fields(EngineConfig)} & {
             f.name for f in dataclasses.fields(self)}
         values: dict[str, Any] = {name: getattr(self, name) for name in shared}
@@ -297,6 +309,8 @@ class MeshConfig:
         values["max_model_len"] = self.max_model_len or None
         values["num_threads"] = self.threads_per_worker
         values["quantization"] = self.quantization or None
+        values["kv_disk_dir"] = kv_disk_dir
+        values["kv_disk_gb"] = self.kv_disk_gb if kv_disk_dir else 0.0
         return EngineConfig(**values)
 
     def to_env(self) -> dict[str, str]:

@@ -126,6 +126,7 @@ class KVEventsTaken:
 @dataclass(frozen=True)
 class KVSnapshotTaken:
     block_hashes: list[int]
+    disk_block_hashes: list[int]
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,8 @@ class EngineThread:
                                            engine.take_rank_timing(), engine.ep_topology()))
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
-                self._emit(KVSnapshotTaken(engine.cached_block_hashes()))
+                self._emit(KVSnapshotTaken(engine.cached_block_hashes(),
+                                               engine.disk_block_hashes()))
             case Profile(request_id, _, timeout_s, trace_file):
                 if self._profile is not None:
                     self._emit(ProfileTaken(request_id, 0, [], trace_file,

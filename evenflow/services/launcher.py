@@ -224,6 +224,7 @@ class LocalMesh:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     _supervisor: Supervisor | None = None
     _secrets: str | None = None  # a private directory: API key file, NATS credentials
+    _kv_disk: str | None = None  # the workers' temporary KV disk tiers (--kv-disk-gb alone)
     credentials: dict[tuple[str, str], str] = field(default_factory=dict)  # creds files
     admin_nats_url: str | None = None  # for operators, benchmarks and tests (full access)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker id -> /metrics port
@@ -252,6 +253,11 @@ class LocalMesh:
             if cfg.port == 0:
                 cfg = replace(cfg, port=free_port())
             cfg = self._keys_to_file(cfg)
+            if cfg.kv_disk_gb > 0 and not cfg.kv_disk_dir:
+                # the workers' disk tiers live under one temporary directory, removed on stop
+                # (a supervised restart finds its tier warm meanwhile)
+                self._kv_disk = tempfile.mkdtemp(prefix="evenflow-kv-disk-")
+                cfg = replace(cfg, kv_disk_dir=self._kv_disk)
             self.config = cfg
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("EVENFLOW_")}
             self.child_env = child_env | (env or {}) | cfg.to_env()
@@ -408,5 +414,6 @@ class LocalMesh:
             server.stop()
         self.procs.clear()
         self.servers.clear()
-        if self._secrets:
-            shutil.rmtree(self._secrets, ignore_errors=True)
+        for private in (self._secrets, self._kv_disk):
+            if private:
+                shutil.rmtree(private, ignore_errors=True)

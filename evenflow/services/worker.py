@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 import uuid
 
@@ -20,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import start_http_server
 
+from evenflow.engine.config import EngineConfig
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
     ExpertLoad,
@@ -79,6 +82,7 @@ class WorkerService:
         self.kv_seq = 0  # KVEvents published so far in this epoch
         self._engine: ServingEngine | None = None
         self._thread: EngineThread | None = None
+        self._temporary_kv_disk: str | None = None  # this worker's own KV disk tier, if made
         self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
         # for the periodic stats line: since the last one
         self._stat_tokens = self._stat_prompt_tokens = self._stat_cached = 0
@@ -147,6 +151,17 @@ class WorkerService:
     def engine_thread(self) -> EngineThread:
         assert self._thread is not None, "serve_engine first"
         return self._thread
+
+    def engine_config(self) -> EngineConfig:
+        """The mesh's engine settings for this worker, with its KV disk tier's directory:
+        kv_disk_dir/<worker id> (persistent), or a temporary one removed when it exits."""
+        if self.config.kv_disk_gb <= 0:
+            return self.config.engine_config()
+        if self.config.kv_disk_dir:
+            return self.config.engine_config(os.path.join(self.config.kv_disk_dir,
+                                                          self.worker_id))
+        self._temporary_kv_disk = tempfile.mkdtemp(prefix=f"evenflow-kv-disk-{self.worker_id}-")
+        return self.config.engine_config(self._temporary_kv_disk)
 
     async def serve_engine(self, engine: ServingEngine) -> None:
         """Run `engine` on its own thread, drain its events, answer the KV index's resync
@@ -223,10 +238,10 @@ class WorkerService:
                 self.send(subjects.KV_EVENTS, KVEvents(
                     worker_id=self.worker_id, role=self.role, epoch=self.epoch,
                     seq=self.kv_seq, events=events))
-            case KVSnapshotTaken(hashes):
+            case KVSnapshotTaken(hashes, disk_hashes):
                 self.send(subjects.KV_EVENTS, KVSnapshot(
                     worker_id=self.worker_id, role=self.role, epoch=self.epoch,
-                    seq=self.kv_seq, block_hashes=hashes))
+                    seq=self.kv_seq, block_hashes=hashes, disk_block_hashes=disk_hashes))
             case ExpertLoadTaken(version, layers, slots, counts, timing, topology):
                 steps, step_s, compute_s, wait_s, rows = timing or (0, 0.0, 0.0, 0.0, 0)
                 ep_rank, ep_size, host = topology or (-1, 0, "")
@@ -407,6 +422,8 @@ class WorkerService:
         await asyncio.gather(*self._owned_tasks, return_exceptions=True)
         if self._thread is not None:
             self._thread.stop()
+        if self._temporary_kv_disk is not None:
+            shutil.rmtree(self._temporary_kv_disk, ignore_errors=True)
         await self.bus.close()
 
 

@@ -30,10 +30,14 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
     """... with an engine switch set in its environment, which the workers honour (their
-    ready line says which kernels they run)."""
-    env = {**os.environ, "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"}
+    ready line says which kernels they run), and a temporary KV disk tier per worker, removed
+    with everything else `up` made in the temp directory."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0", "TMPDIR": str(scratch)}
     log = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0",
+                             "--kv-disk-gb", "0.01"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         url = None
@@ -56,12 +60,16 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         assert len(ready) == 2, ready  # the prefill and the decode worker
         for line in ready:
             assert "prefill_attention (EVENFLOW_NATIVE_PREFILL_ATTENTION=0)" in line, line
+        tiers = {p.parent.name for p in scratch.glob("evenflow-kv-disk-*/*/pool.bin")}
+        assert tiers == {"p0", "d0"}
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
         log.close()
     time.sleep(0.5)
     assert not [pid for pid in kids if alive(pid)]
+    # disk tiers, NATS and Redis directories, secrets: all gone (torch's own caches may stay)
+    assert not list(scratch.glob("evenflow-*"))
 
 
 def test_up_says_what_is_wrong_in_one_line():

@@ -90,3 +90,23 @@ def test_this_gateways_predictions_give_each_worker_its_leading_run_of_blocks():
     assert client._local_prefix([2, 3]) == {"a": 2, "b": 1}
     assert client._local_prefix([7, 1]) == {} and client._local_prefix([]) == {}
     assert client.with_predictions({"b": 3, "d": 1}, [1, 2, 3, 4]) == {"b": 3, "d": 1, "a": 4}
+
+
+def test_disk_tier_blocks_count_at_their_credit_and_only_beyond_the_ram_run():
+    """A worker's disk tier (events with medium "disk", the snapshot's disk part) extends its
+    RAM run at disk_credit a block; without credit the copy answers as Redis does (RAM)."""
+    index = LocalIndex()
+    live = {"d0": "e1", "d1": "e1"}
+    index.apply(KVSnapshot(worker_id="d0", role="decode", epoch="e1", seq=0,
+                           block_hashes=[1, 2], disk_block_hashes=[3]))
+    index.apply(snapshot("d1", 0, []))
+    index.apply(events("d0", 1, BlockStored(block_hashes=[4], parent_block_hash=3, token_ids=[],
+                                            block_size=16, medium="disk")))
+    index.apply(events("d1", 1, BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None,
+                                            token_ids=[], block_size=16, medium="disk")))
+    assert index.match([1, 2, 3, 4, 5], live) == {"d0": 2}
+    assert index.match([1, 2, 3, 4, 5], live, disk_credit=0.5) == {"d0": 3.0, "d1": 1.5}
+    index.apply(events("d0", 2, BlockRemoved(block_hashes=[3], medium="disk")))
+    assert index.match([1, 2, 3, 4], live, disk_credit=0.5)["d0"] == 2  # the run ends at 3
+    index.apply(events("d0", 3, AllBlocksCleared()))
+    assert "d0" not in index.match([1, 2, 3, 4], live, disk_credit=0.5)

@@ -13,9 +13,8 @@ import torch
 from evenflow.engine.core.block_manager import BlockManager
 from evenflow.engine.runners.disk_tier import DiskTier, model_fingerprint
 from evenflow.engine.runners.model_runner import ModelRunner
+from evenflow.proto.messages import DISK_MEDIUM as DISK
 from evenflow.proto.messages import BlockRemoved, BlockStored
-
-DISK = "disk"  # the medium of the disk tier's KV events
 
 
 class KVTiers:
