@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -416,11 +417,16 @@ class GatewayClient:
 
     # -- one request ------------------------------------------------------------------------
     async def generate(self, prompt: list[int], spec: SamplingSpec,
-                       request_id: str | None = None, deadline: float | None = None,
+                       request_id: str | None = None,
+                       deadline: float | Callable[[], float] | None = None,
                        timings: FirstTokenTimings | None = None) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
-        `deadline` (time.monotonic()): past it the request fails with TIMEOUT. `timings`: marked
-        when its first delta is taken (with when its attempt was published)."""
+        `deadline` (time.monotonic()), or a function giving it (read at every delta: a
+        gateway's drain moves it closer): past it the request fails with TIMEOUT, also while
+        deltas keep coming. `timings`: marked when its first delta is taken (with when its
+        attempt was published)."""
+        deadline_of = deadline if callable(deadline) else (lambda: math.inf) \
+            if deadline is None else (lambda: deadline)
         request_id = request_id or uuid.uuid4().hex
         # Each attempt has its own id on the wire ("{id}", then "{id}.1", ...), so a worker
         # that still holds an earlier attempt never confuses the two.
@@ -432,9 +438,11 @@ class GatewayClient:
         retries = self.config.decode_retries
         finished = False
         try:
-            await self._send(wire_id, flight, prompt, spec, exclude, False, deadline)
+            await self._send(wire_id, flight, prompt, spec, exclude, False, _finite(deadline_of()))
             last_progress = time.monotonic()
             while True:
+                if time.monotonic() > deadline_of():
+                    raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 held = ordering.next_held(len(emitted))
                 item: TokenDelta | ErrorMessage
                 try:
@@ -447,8 +455,7 @@ class GatewayClient:
                     elif not flight.queue.empty():
                         item = flight.queue.get_nowait()
                     else:
-                        wait = 0.25 if deadline is None else max(
-                            0.0, min(0.25, deadline - time.monotonic()))
+                        wait = max(0.0, min(0.25, deadline_of() - time.monotonic()))
                         async with asyncio.timeout(wait):  # (wait_for would start a task)
                             item = await flight.queue.get()
                 except TimeoutError:
@@ -470,9 +477,6 @@ class GatewayClient:
                     elif time.monotonic() - last_progress > self.config.stall_timeout_s:
                         raise RequestFailed(errors.TIMEOUT, "the request made no progress for "
                                             f"{self.config.stall_timeout_s:g} s") from None
-                    elif deadline is not None and time.monotonic() > deadline:
-                        raise RequestFailed(errors.TIMEOUT, "the request's deadline passed"
-                                            ) from None
                     else:
                         continue
                 if isinstance(item, TokenDelta) and item.first_index >= 0 and item is not held:
@@ -513,13 +517,12 @@ class GatewayClient:
                         min_tokens=max(0, spec.min_tokens - len(emitted)),
                         resumed_output_tokens=len(emitted))  # (a grammar consumes them)
                     await self._send(wire_id, flight, prompt + emitted, remaining, exclude,
-                                     force_local=bool(emitted), deadline=deadline)
+                                     force_local=bool(emitted),
+                                     deadline=_finite(deadline_of()))
                     continue
                 last_progress = time.monotonic()
                 flight.refused.clear()  # admitted: a later re-send waits for room afresh
                 flight.admit_by = None
-                if deadline is not None and last_progress > deadline:
-                    raise RequestFailed(errors.TIMEOUT, "the request's deadline passed")
                 if not emitted:
                     if timings is not None:
                         timings.first_delta(flight.published_at, item.queued_s,
@@ -546,3 +549,8 @@ class GatewayClient:
                 [subjects.decode_worker(flight.decode)] if flight.decode else []):
             task = asyncio.ensure_future(self.bus.publish(subject, Cancel(request_id=request_id)))
             task.add_done_callback(lambda t: t.exception())  # owned: result observed
+
+
+def _finite(deadline: float) -> float | None:
+    """A deadline as _send takes it: None for none."""
+    return None if math.isinf(deadline) else deadline

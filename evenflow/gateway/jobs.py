@@ -273,7 +273,8 @@ class Gateway:
         itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
-                                                    min(job.deadline, self.drain_deadline),
+                                                    lambda: min(job.deadline,
+                                                                self.drain_deadline),
                                                     job.timings):
                 now = time.monotonic()
                 if first and delta.prompt_logprobs:
@@ -319,7 +320,10 @@ def error_from_failure(exc: RequestFailed) -> APIError:
     if exc.code == errors.TIMEOUT:
         return APIError(504, f"The request timed out: {exc.description}", "timeout_error",
                         code="timeout")
-    if exc.code in (errors.NO_CAPACITY, errors.DRAINING):
+    if exc.code == errors.DRAINING:
+        return APIError(503, f"The server is shutting down: {exc.description}",
+                        "overloaded_error", code="draining", headers={"Retry-After": "1"})
+    if exc.code == errors.NO_CAPACITY:
         return APIError(503, f"The server is overloaded: {exc.description}", "overloaded_error",
                         code="overloaded", headers={"Retry-After": "1"})
     if exc.code == errors.BAD_REQUEST:
