@@ -247,6 +247,23 @@ def kv_per_token_line(model: str, itemsize: int, transfer_bytes: float, prompt_l
             f"{gqa / exact:.2f}x this model's")
 
 
+def int8_wire_line(model: str, itemsize: int, transfer_bytes: float, prompt_len: int,
+                   block_size: int) -> str:
+    """The int8 cache's hand-off bytes per token (measured) against the model dtype's layout."""
+    import torch
+
+    from evenflow.engine.families import load_config
+    from evenflow.engine.model.kv_quant import kv_block_bytes
+
+    cfg = load_config(model)
+    int8 = kv_block_bytes(cfg, block_size, torch.int8, "int8") / block_size
+    full = cfg.kv_elements_per_token * itemsize
+    measured = transfer_bytes / prompt_len
+    return (f"{'KV per token, int8 cache (bytes)':34} {measured:10.0f} {int8:10.0f}   "
+            f"(measured hand-off / layout, scales included); the {itemsize}-byte layout: "
+            f"{full} bytes, {full / measured:.2f}x the measured int8 hand-off")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="evenflow bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-prompt-len", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="the mesh's KV cache (int8: the hand-off's bytes per token are printed "
+                         "against the model dtype's layout)")
     ap.add_argument("--no-handoff-table", action="store_true",
                     help="skip the last table (the one-message K/V hand-off, two meshes)")
     ap.add_argument("--base-url", default=None,
@@ -300,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(offline_engine.engine.kv_dtype_name, 1))
     # No expert placement: the offline engine runs without it, and this measures the mesh.
     config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
-                        kv_cache_gb=0.5, num_ep_ranks=0)
+                        kv_cache_gb=0.5, num_ep_ranks=0, kv_cache_dtype=args.kv_cache_dtype)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)
     try:
@@ -343,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{per_transfer / 1e6:.2f} MB per request)"
           + ("; no raw figure: a raw transfer timed out" if not raw else ""))
     print(kv_per_token_line(model, offline_itemsize, per_transfer, args.kv_prompt_len))
+    if args.kv_cache_dtype == "int8":
+        print(int8_wire_line(model, offline_itemsize, per_transfer, args.kv_prompt_len,
+                             config.block_size))
     idle, busy, spinners = neighbours
     print(f"{'TPOT p50, batch 16, CPUs busy (ms)':34} {idle * ms:10.2f} {busy * ms:10.2f} "
           f"{(busy - idle) * ms:15.2f} {busy / idle:6.2f}x   (the engine alone, the other "
