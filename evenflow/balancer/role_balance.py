@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import torch
@@ -18,6 +19,45 @@ from evenflow.balancer.topology import HostLoads, host_routing, topology_aware
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement
 
 log = logging.getLogger(__name__)
+
+REPORTS_DROPPED = Counter("evenflow_eplb_reports_dropped_total",
+                          "Expert-load reports dropped as malformed", ["reason"])
+MAX_LAYERS_X_SLOTS = 1 << 20  # no model has a million (layer, slot) pairs
+
+
+def load_report_problem(m: ExpertLoad) -> str | None:
+    """Why a load report cannot be used (dropped and counted, as the bus does with malformed
+    messages): "shape" (counts do not fill num_layers x num_slots), "negative" or "non_finite"
+    (a count or a timing), else None."""
+    if not (0 < m.num_layers and 0 < m.num_slots
+            and m.num_layers * m.num_slots <= MAX_LAYERS_X_SLOTS
+            and len(m.counts) == m.num_layers * m.num_slots):
+        return "shape"
+    timings = (m.step_s, m.moe_compute_s, m.moe_wait_s, m.steps, m.moe_rows)
+    values = (*m.counts, *timings)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return "shape"
+    if not all(math.isfinite(v) for v in values):
+        return "non_finite"
+    if any(v < 0 for v in values):
+        return "negative"
+    return None
+
+
+_told: set[tuple[str, str]] = set()  # (worker, problem) already logged
+
+
+def malformed(m: ExpertLoad) -> bool:
+    """True for a report to drop: counted, and logged once per worker and problem."""
+    problem = load_report_problem(m)
+    if problem is None:
+        return False
+    REPORTS_DROPPED.labels(reason=problem).inc()
+    if (m.worker_id, problem) not in _told:
+        _told.add((m.worker_id, problem))
+        log.warning("dropping load reports from %s: %s (counted in %s)", m.worker_id, problem,
+                    "evenflow_eplb_reports_dropped_total")
+    return True
 
 VERSION = Gauge("evenflow_eplb_placement_version", "Placement version in force", ["role"])
 BALANCEDNESS = Gauge("evenflow_eplb_balancedness", "Rank balancedness on the load window",
@@ -70,7 +110,10 @@ class RoleBalance:
                                shares=self.shares.flatten().tolist(), role=self.role)
 
     def observe(self, message: ExpertLoad) -> ExpertPlacement | None:
-        """Take one worker's load report; a new placement when the window calls for one."""
+        """Take one worker's load report; a new placement when the window calls for one. A
+        malformed report (load_report_problem) is dropped and counted."""
+        if malformed(message):
+            return None
         L, P = message.num_layers, message.num_slots
         if self.phy2log is None:  # the workers' initial placement: slot s holds s mod E
             self.phy2log = (torch.arange(P) % self.num_experts).repeat(L, 1)

@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 from evenflow import models
 from evenflow.balancer.policy import TriggerConfig
 from evenflow.balancer.rank_stats import RankStats
-from evenflow.balancer.role_balance import RoleBalance
+from evenflow.balancer.role_balance import RoleBalance, malformed
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement, Message, Role
 from evenflow.proto.messages import decode as decode_message
@@ -93,6 +93,8 @@ class BalancerService(WorkerService):
 
     def _on_load(self, message: Message, _ctx: object) -> None:
         if not isinstance(message, ExpertLoad) or message.num_slots == 0:
+            return
+        if malformed(message):
             return
         self.rank_stats.observe(message)
         state = self.roles.get(message.role if self.config.eplb_per_role else "")

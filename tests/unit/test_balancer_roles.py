@@ -55,3 +55,31 @@ def test_a_v1_load_report_still_decodes_and_v2_round_trips():
     assert isinstance(old, ExpertLoad) and old.role == "" and old.steps == 0
     v2 = load("d0", "decode", hot=0, steps=3, moe_wait_s=0.5)
     assert decode(encode(v2)) == v2
+
+
+def test_malformed_load_reports_are_dropped_and_counted():
+    """Negative, non-finite or wrongly shaped counts never reach the placement (a report with a
+    huge negative count on one slot would otherwise look like imbalance and move experts)."""
+    trigger = TriggerConfig(threshold=0.9, min_interval=1, window=2)
+    role = RoleBalance("decode", EXPERTS, RANKS, trigger)
+
+    def dropped(reason):
+        return REGISTRY.get_sample_value("evenflow_eplb_reports_dropped_total",
+                                         {"reason": reason}) or 0.0
+
+    before = {r: dropped(r) for r in ("negative", "non_finite", "shape")}
+    negative = [10] * SLOTS * LAYERS
+    negative[3] = -10**9
+    bad = [ExpertLoad(worker_id="d0", version=0, num_layers=LAYERS, num_slots=SLOTS,
+                      counts=negative, role="decode"),
+           ExpertLoad(worker_id="d0", version=0, num_layers=LAYERS, num_slots=SLOTS,
+                      counts=[float("nan")] + [10] * (SLOTS * LAYERS - 1), role="decode"),
+           ExpertLoad(worker_id="d0", version=0, num_layers=LAYERS, num_slots=SLOTS,
+                      counts=[10] * (SLOTS * LAYERS - 1), role="decode"),
+           load("d0", "decode", hot=1, step_s=-1.0)]
+    for _ in range(3):
+        assert all(role.observe(report) is None for report in bad)
+    assert role.version == 0 and role.phy2log is None  # nothing taken from them
+    assert dropped("negative") - before["negative"] == 6
+    assert dropped("non_finite") - before["non_finite"] == 3
+    assert dropped("shape") - before["shape"] == 3
