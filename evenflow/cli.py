@@ -72,6 +72,8 @@ def _preflight(config: Any) -> str | None:
                 f"({models.DEFAULT_MODEL}) nor a checkpoint directory with a config.json")
     if config.port:
         with socket.socket() as sock:
+            # as the servers bind it: a port left in TIME_WAIT by a previous mesh is free
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((config.host, config.port))
             except OSError as exc:

@@ -88,3 +88,27 @@ def test_up_says_what_is_wrong_in_one_line():
         in_use = up("--port", str(taken.getsockname()[1]))
     assert in_use.returncode == 2 and "Traceback" not in in_use.stderr
     assert "in use" in in_use.stderr and in_use.stderr.strip().count("\n") == 0
+
+
+def test_a_port_left_in_time_wait_does_not_stop_up():
+    """A previous mesh's connections linger in TIME_WAIT on its port; `up`'s check binds as
+    the servers do (SO_REUSEADDR) and lets it start."""
+    import socket
+
+    from evenflow.cli import _preflight
+    from evenflow.services.config import MeshConfig
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server side closes first: its end of the port goes to TIME_WAIT
+    client.close()
+    listener.close()
+    with socket.socket() as plain:  # what the check did before: refused
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert _preflight(MeshConfig(port=port)) is None
