@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -39,9 +41,12 @@ from evenflow.gateway.responses import AdmittedStream, _json, complete, stream
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.messages import WORKER_ROLES
+from evenflow.services.bus import EXIT_NATS_AUTH, NatsAuthError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import render, watch_loop_lag
 from evenflow.services.tracing import shutdown_tracing
+
+log = logging.getLogger(__name__)
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -207,7 +212,12 @@ def create_app(config: MeshConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gateway = Gateway(config)
-        await gateway.client.start()
+        try:
+            await gateway.client.start()
+        except NatsAuthError as exc:  # said once; no traceback, no retry: it would be refused
+            log.error("%s", exc)
+            logging.shutdown()
+            os._exit(EXIT_NATS_AUTH)
         app.state.gateway = gateway
         # What start-up built (the tokenizer, the app, the modules) lives as long as the
         # process: out of the collector's sight, a full collection during a request scans only

@@ -50,7 +50,7 @@ from evenflow.proto.messages import (
     TokenDeltas,
     WorkerHeartbeat,
 )
-from evenflow.services.bus import Bus, MessageBus
+from evenflow.services.bus import Bus, MessageBus, NatsAuthError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
     CACHED_TOKENS,
@@ -133,6 +133,8 @@ class GatewayClient:
         assert self.config.nats_url, "nats_url is required"
         try:
             await asyncio.wait_for(self._connect(), timeout=3.0)
+        except NatsAuthError:
+            raise  # refused credentials: the gateway cannot serve, and says so (app.py)
         except Exception as exc:  # nats-py retries a first connect forever: stop waiting
             log.warning("NATS unreachable at start (%s); still trying",
                         exc or type(exc).__name__)

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import nats
 from nats.aio.client import Client as NATS
 from opentelemetry.context import Context
 
@@ -30,6 +29,21 @@ from evenflow.services.reassembly import Reassembly, ReassemblyBudget
 from evenflow.services.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
+
+# A service NATS refuses to authenticate exits with this code (EX_CONFIG): a restart would
+# not help, and the launcher stops the mesh instead of respawning it.
+EXIT_NATS_AUTH = 78
+_AUTH_ERRORS = ("authorization violation", "authentication", "user authentication expired")
+
+
+class NatsAuthError(ConnectionError):
+    """The NATS server refused this service's credentials (a wrong password, an unknown
+    user, a revoked token): retrying would not help."""
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(marker in text for marker in _AUTH_ERRORS)
 
 Handler = Callable[[Message, Context], Awaitable[None] | None]
 
@@ -125,18 +139,44 @@ class Bus:
     async def connect(self, url: str, timeout_s: float = 5.0,
                       security: NatsSecurity | None = None) -> None:
         """Connect (and keep reconnecting). With `security`, as its user and over TLS when it
-        names certificates; never anonymously then."""
+        names certificates; never anonymously then. Raises NatsAuthError at once when the
+        server refuses the credentials (nats-py alone would retry them forever)."""
         kwargs: dict[str, Any] = {}
         if security is not None:
             kwargs = security.connect_kwargs()
         # several servers (a NATS cluster, one per host): "nats://a:4222,nats://b:4222";
         # nats-py picks one and fails over to the others
         servers = [u.strip() for u in url.split(",") if u.strip()]
-        self.nc = await nats.connect(
-            servers, name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, **kwargs,
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reasons: list[Exception] = []
+        nc = NATS()
+
+        async def on_error(exc: Exception) -> None:
+            if not nc.is_connected and is_auth_error(exc):
+                if not refused.done():  # said once, by the caller
+                    reasons.append(exc)
+                    refused.set_result(None)
+                return
+            await self._on_error(exc)
+
+        options: dict[str, Any] = dict(
+            name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25,
             max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=3,
-            allow_reconnect=True, error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-            reconnected_cb=self._on_reconnect)
+            allow_reconnect=True, error_cb=on_error, disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect, **kwargs)
+        connecting = asyncio.ensure_future(nc.connect(servers, **options))
+        try:
+            await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not connecting.done():  # (refused, or this call was cancelled)
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                await asyncio.gather(nc.close(), return_exceptions=True)
+        if refused.done() and not nc.is_connected:
+            raise NatsAuthError(f"NATS refused {self.name}'s credentials ({reasons[0]}); "
+                                "check the user and password or credentials file")
+        connecting.result()  # (raises what the connect raised)
+        self.nc = nc
 
     # One line per event, at most one error line per few seconds: an outage must not fill
     # the log with nats-py's tracebacks (it retries every 0.25 s).

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from evenflow.services import nats_auth
+from evenflow.services.bus import EXIT_NATS_AUTH
 from evenflow.services.config import MeshConfig
 from evenflow.services.supervisor import Child, RestartPolicy, Supervisor
 
@@ -368,7 +369,9 @@ class LocalMesh:
         def check_children() -> None:
             dead = [p for p in self.procs if p.poll() is not None]
             if dead:
-                raise LaunchError(f"{_command(dead[0])} exited with {dead[0].returncode}")
+                why = ": NATS refused its credentials" if dead[0].returncode == EXIT_NATS_AUTH \
+                    else ""
+                raise LaunchError(f"{_command(dead[0])} exited with {dead[0].returncode}{why}")
 
         ep = self.config.expert_parallel_size
         wait_for_health(self.url, timeout_s, check_children,

@@ -35,7 +35,7 @@ from evenflow.proto.messages import (
     Role,
     WorkerHeartbeat,
 )
-from evenflow.services.bus import Bus, MessageBus
+from evenflow.services.bus import EXIT_NATS_AUTH, Bus, MessageBus, NatsAuthError
 from evenflow.services.config import MeshConfig
 from evenflow.services.engine_api import ServingEngine
 from evenflow.services.engine_thread import (
@@ -433,6 +433,11 @@ def run_worker(service: WorkerService) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(service.run())
+        runner = asyncio.run
     else:
-        uvloop.run(service.run())
+        runner = uvloop.run
+    try:
+        runner(service.run())
+    except NatsAuthError as exc:  # said once, and no restart: it would be refused again
+        log.error("%s", exc)
+        raise SystemExit(EXIT_NATS_AUTH) from None

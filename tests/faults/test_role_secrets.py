@@ -120,3 +120,22 @@ def test_evenflow_up_ray_starts_a_secured_nats_and_hands_each_role_its_file():
             import shutil
 
             shutil.rmtree(secrets_dir, ignore_errors=True)
+
+
+def test_up_with_a_wrong_nats_password_says_so_and_exits_clean(secured, tmp_path):
+    """A service NATS refuses says so once and exits; `up` stops what it started (its Redis
+    included) and removes its temporary files, without a signal from anyone."""
+    import subprocess
+    import sys
+
+    server, _ = secured
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "evenflow.cli", "up", "--port", "0",
+         "--nats-url", f"nats://nobody:wrong@127.0.0.1:{server.port}"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "NATS refused" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not list(scratch.glob("evenflow-*"))
