@@ -271,12 +271,17 @@ class Gateway:
                       started: float) -> AsyncGenerator[Piece]:
         first, previous, last = True, job.prompt_ids[-1], started
         itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
+        vocab = self.tokenizer.vocab_size
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     lambda: min(job.deadline,
                                                                 self.drain_deadline),
                                                     job.timings):
                 now = time.monotonic()
+                if delta.token_ids and not 0 <= min(delta.token_ids) <= max(
+                        delta.token_ids) < vocab:  # a broken or forged worker: not our 500
+                    raise RequestFailed(errors.WORKER_ERROR, "a worker sent a token id outside "
+                                        f"the vocabulary [0, {vocab})")
                 if first and delta.prompt_logprobs:
                     ids = job.prompt_ids
                     job.prompt_logprobs = [
@@ -327,7 +332,17 @@ def error_from_failure(exc: RequestFailed) -> APIError:
         return APIError(503, f"The server is overloaded: {exc.description}", "overloaded_error",
                         code="overloaded", headers={"Retry-After": "1"})
     if exc.code == errors.BAD_REQUEST:
-        return APIError(400, exc.description)
-    return APIError(500, f"Internal error: {exc.description}", "internal_error", code=exc.code)
+        return APIError(400, _clipped(exc.description))
+    # Anything else came from a worker (whose answer the gateway only relays, and which a
+    # holder of that worker's credentials can forge: README "Security"): a bad gateway, never
+    # this gateway's own 500.
+    return APIError(502, f"A worker failed the request: {_clipped(exc.description)}",
+                    "upstream_error", code=_clipped(exc.code, 64))
+
+
+def _clipped(text: str, limit: int = 1000) -> str:
+    """A worker's words in an error body, at most `limit` characters."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -8,6 +8,7 @@ import asyncio
 
 import httpx
 import nats
+import orjson
 import pytest
 from meshutil import API_KEY
 
@@ -123,3 +124,71 @@ def test_a_heartbeat_naming_another_worker_is_dropped(mesh):
                       json={"model": "tiny-moe", "prompt": "count from 5 :", "max_tokens": 2},
                       timeout=30)
     assert resp.status_code == 200
+
+
+def forge_replies(mesh, body: dict, forged) -> httpx.Response | list[bytes]:
+    """Send `body` to the gateway while a client holding decode worker d0's credentials (its
+    own rights: read d0's requests, answer gateways) replies first with forged(request) ->
+    messages. The non-streamed response, or a stream's data lines."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from evenflow.proto.messages import DecodeRequest, decode
+
+    async def forger() -> None:
+        nc = await connect_as(mesh, "decode", "d0", [])
+        sub = await nc.subscribe(subjects.decode_worker("d0"))
+        while True:
+            request = decode((await sub.next_msg(timeout=30)).data)
+            if isinstance(request, DecodeRequest):
+                for message in forged(request):
+                    await nc.publish(request.reply_subject, encode(message))
+                await nc.flush()
+                await nc.close()
+                return
+
+    def call():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        if body.get("stream"):
+            with httpx.stream("POST", mesh.url + "/v1/completions", json=body, headers=headers,
+                              timeout=60) as resp:
+                return [line.encode() for line in resp.iter_lines() if line.startswith("data:")]
+        return httpx.post(mesh.url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+    with ThreadPoolExecutor(1) as pool:
+        loop = asyncio.new_event_loop()
+        listening = loop.create_task(forger())
+        loop.run_until_complete(asyncio.sleep(0.3))  # subscribed before the request goes out
+        answer = pool.submit(call)
+        loop.run_until_complete(listening)
+        loop.close()
+        return answer.result()
+
+
+LONG_BODY = {"model": "tiny-moe", "prompt": "count from 5 :", "max_tokens": 300,
+             "ignore_eos": True}
+
+
+def forged_error(request):
+    from evenflow.proto.messages import ErrorMessage
+
+    return [ErrorMessage(request_id=request.request_id, code="made_up", retryable=False,
+                         description="forged " + "x" * 5000, worker_id="d0")]
+
+
+def forged_token(request):
+    return [TokenDeltas(worker_id="d0", deltas=[TokenDelta(
+        request_id=request.request_id, token_ids=[10**9])])]  # (unordered: taken at once)
+
+
+@pytest.mark.parametrize("forged", [forged_error, forged_token])
+def test_a_forged_reply_is_a_502_or_an_error_event_never_a_500(mesh, forged):
+    """The README's security section: a worker's credentials reach that worker's own streams.
+    What it sends is checked like any upstream answer: an error becomes a 502 (an error event
+    when streaming), a token outside the vocabulary ends the request the same way."""
+    resp = forge_replies(mesh, LONG_BODY, forged)
+    assert resp.status_code == 502, (resp.status_code, resp.text[:300])
+    assert resp.json()["error"]["type"] == "upstream_error"
+    assert len(resp.json()["error"]["message"]) < 1200  # a forged essay is cut short
+    events = forge_replies(mesh, {**LONG_BODY, "stream": True}, forged)
+    assert events[-1] == b"data: [DONE]"
+    assert "error" in orjson.loads(events[-2].removeprefix(b"data: "))
