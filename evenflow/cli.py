@@ -42,7 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
         quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
                   quantization=args.quantization, tensor_parallel_size=args.tp,
-                  kv_cache_dtype=args.kv_cache_dtype, **quant)
+                  kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+                  **quant)
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
@@ -132,6 +133,7 @@ def _up(args: argparse.Namespace) -> int:
             "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_disk_gb": args.kv_disk_gb,
             "kv_disk_dir": args.kv_disk_dir, "kv_disk_credit": args.kv_disk_credit,
+            "deterministic": args.deterministic,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "router": args.router, "log_level": args.log_level,
             "served_model_name": args.served_model_name,
@@ -346,6 +348,10 @@ def _mesh_arguments(up: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-gb", type=float, default=None,
                         help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
     _kv_cache_dtype_arg(engine, None)
+    engine.add_argument("--deterministic", action="store_true", default=None,
+                        help="batch-invariant engines: a position's K/V and logits do not depend "
+                             "on how it was scheduled, so a migrated stream continues "
+                             "text-identically (prefill costs more)")
     engine.add_argument("--kv-disk-gb", type=float, default=None,
                         help="a KV disk tier per worker of this many GiB: blocks evicted from "
                              "RAM go there and come back on a prefix hit (default 0: none)")
@@ -395,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
     _quantization_args(gen)
     _kv_cache_dtype_arg(gen, "auto")
+    gen.add_argument("--deterministic", action="store_true",
+                     help="batch-invariant: the output does not depend on batching or chunking")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
 

@@ -159,6 +159,13 @@ class EngineConfig:
     # Reorder float weights once into oneDNN's blocked layout (engine/weights/prepack.py): decode's
     # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
     prepack_weights: bool = True
+    # Deterministic (batch-invariant) mode: every position's K/V and logits come from the same
+    # kernels in the same reduction order, whether it was prefilled, chunk-prefilled, decoded or
+    # re-prefilled after a migration, and whatever else is in the batch (prompt tokens run as
+    # decoded tokens do: engine/runners/model_runner.py one_token_rows). A migrated stream then
+    # continues text-identically in bf16. Costs prefill speed (`evenflow bench engine
+    # --deterministic`); refused with quantization or tensor parallelism.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -183,6 +190,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
             raise ValueError("tensor and expert parallelism together are not supported yet")
+        if self.deterministic and (self.quantization or self.tensor_parallel_size > 1):
+            raise ValueError("deterministic mode does not serve quantization (its kernels are "
+                             "chosen by row count) or tensor parallelism (its all-reduce order)")
 
 
 def check_quantization(method: str, group_size: int) -> None:

@@ -90,11 +90,17 @@ class Engine(ExpertPlacementControl, ProfileControl):
         salt = namespace_salt(os.path.basename(str(self.model_dir)))
         self.blocks = BlockManager(num_blocks, config.block_size, salt,
                                    config.enable_prefix_caching)
+        max_seqs, max_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        if config.deterministic and not native.built_for_avx512():
+            # AVX2 builds hand float32 linears of 64 rows and more to BLAS, whose reduction
+            # order depends on the row count: a step stays below that
+            max_seqs, max_tokens = min(max_seqs, 63), min(max_tokens, 63)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.defer_shared_prefill),
+            SchedulerConfig(max_seqs, max_tokens, self.max_model_len, config.defer_shared_prefill),
             self.blocks)
         self.runner = self._make_runner(num_blocks, dtype)
+        if config.deterministic:
+            self._make_deterministic(cfg)
         self.tiers = KVTiers(self.runner, self.blocks, config.kv_disk_dir, config.kv_disk_gb,
                              self.model_dir, salt) if config.kv_disk_dir else None
         self.placement_version = 0
@@ -143,6 +149,19 @@ class Engine(ExpertPlacementControl, ProfileControl):
                                   self.max_model_len, dtype)
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
                            dtype, self.config.kv_cache_dtype)
+
+    def _make_deterministic(self, cfg: ModelConfig) -> None:
+        """Deterministic mode needs every attention on the paged decode kernel (each row on its
+        own; torch's gathered attention pads rows to the batch's longest context)."""
+        runner = self.runner
+        serves = (runner.paged_attention_usable and native.decode_attention() is not None
+                  and native.decode_attention_serves(cfg.head_dim)
+                  and (not runner.quantized_kv or native.kv_int8() is not None))
+        if not serves:
+            raise ValueError("deterministic mode needs the native paged decode attention for "
+                             "this model (plain grouped-query attention, head_dim a multiple of "
+                             "16, native kernels built and switched on)")
+        runner.deterministic = True
 
     @property
     def fatal_error(self) -> str | None:

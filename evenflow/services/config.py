@@ -103,6 +103,9 @@ class MeshConfig:
     # for a tier read from the device itself. Dynamo's KVBM gives disk 0.25).
     kv_disk_credit: float = 0.9
     threads_per_worker: int = 1  # torch threads of each worker's engine
+    # Deterministic (batch-invariant) engines (EngineConfig.deterministic): a stream migrated
+    # to another worker continues text-identically, in bf16 too; prefill costs more
+    deterministic: bool = _ENGINE.deterministic
     # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant/stacks.py;
     # EngineConfig checks the value)
     quantization: str = ""

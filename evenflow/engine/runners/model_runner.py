@@ -45,6 +45,23 @@ class ChunkInput:
         return len(self.token_ids) if self.every_row else int(self.samples)
 
 
+def one_token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
+    """Deterministic mode: each chunk's tokens as one-token chunks, each attending to its own
+    prefix as a decoded token does (the step writes every row's K/V before any row attends),
+    with the same logit rows in the same order. A position's K/V and logits then come from the
+    same kernels with the same reduction order whether it was prefilled, chunk-prefilled,
+    decoded or re-prefilled after a migration: the row kernels compute each row on its own."""
+    if all(len(c.token_ids) == 1 for c in chunks):
+        return chunks
+    rows: list[ChunkInput] = []
+    for c in chunks:
+        last = len(c.token_ids) - 1
+        rows.extend(ChunkInput([t], c.start + i, c.block_table,
+                               c.every_row or (i == last and c.samples))
+                    for i, t in enumerate(c.token_ids))
+    return rows
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
                  dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
@@ -63,6 +80,9 @@ class ModelRunner:
         # the paged decode kernel serves plain grouped-query attention only
         self.paged_attention_usable = not (cfg.mla or cfg.layer_windows or cfg.attention_sinks)
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
+        # Deterministic mode (EngineConfig.deterministic): every prompt token is computed as a
+        # decoded token is, so its K/V and logits do not depend on how it was scheduled
+        self.deterministic = False
         # kv_cache_dtype="int8": the parts are int8, followed by their scales, (num_blocks + 1,
         # heads) float32 each (engine/model/kv_quant.py); the null slot's block scales by 0.
         self.quantized_kv = kv_cache_dtype == "int8"
@@ -195,7 +215,8 @@ class ModelRunner:
             ctx = torch.tensor(lens)  # (B,)
             if self.paged_attention_usable and \
                     (not self.quantized_kv or native.kv_int8() is not None) and \
-                    paged_decode_attention(len(decodes), *self.attention_shape):
+                    (self.deterministic or
+                     paged_decode_attention(len(decodes), *self.attention_shape)):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
                 decode_slots, decode_lens = all_slots, ctx
             else:
@@ -250,6 +271,8 @@ class ModelRunner:
     def forward(self, chunks: list[ChunkInput]) -> Tensor:
         """(sampled chunks, vocab) float32 logits."""
         self.forward_calls += 1
+        if self.deterministic:
+            chunks = one_token_rows(chunks)
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
 
