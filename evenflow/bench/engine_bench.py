@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker(argv[1:])
+    if "--deterministic" in argv:  # deterministic mode's cost (bench/deterministic_bench.py)
+        from evenflow.bench import deterministic_bench
+
+        return deterministic_bench.main([a for a in argv if a != "--deterministic"])
     if "--kv-cache-dtype" in argv:  # the KV cache comparison (bench/kv_cache_bench.py)
         at = argv.index("--kv-cache-dtype")
         if argv[at + 1 : at + 2] != ["int8"]:
@@ -215,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gpt_oss: written by transformers)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="what deterministic mode costs instead (decode and prefill, "
+                         "alternating; bench/deterministic_bench.py)")
     ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
                     help="instead: the int8 KV cache against the model-dtype cache (capacity, "
                          "decode at long contexts alternating, quality; bench/kv_cache_bench.py)")
