@@ -74,6 +74,9 @@ def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> di
             burst = [shared + s for s in random_prompts(8, 64, vocab, 80 + r)]
             times.append(sum(run(burst, 1)))
         result[f"burst_ms_{'defer' if defer else 'each'}"] = statistics.median(times) * 1e3
+    from evenflow.bench.bandwidth import step_bytes
+
+    result["step_bytes"] = step_bytes(engine, plan["prompt"] + plan["output"] // 2)
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
 
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))
     print(f"checkpoint: {ckpt} (random {args.arch}-style MoE), the engines compute in {dtype}")
+    from evenflow.bench.bandwidth import stream_bandwidth
+
+    bandwidth = stream_bandwidth(args.threads)
     stages = 1 + (args.tp > 1) + (not args.no_reference) + bool(args.vllm_python)
     with Progress("bench engine: engines measured", stages, on_terminal()) as progress:
         ours = _spawn("evenflow", ckpt, args.threads, plan, dtype)
@@ -271,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                 others["vLLM-CPU"] = vllm
             progress.update()
     print(_table(ours, others, plan))
+    if "step_bytes" in ours:
+        from evenflow.bench.quant_bench import print_limit
+
+        print_limit(bandwidth, {f"evenflow {dtype}": (ours["decode_ms"]["1"],
+                                                      *ours["step_bytes"])})
     return 0
 
 

@@ -172,8 +172,12 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
         for v, engine in engines.items():
             prefill[v].append(sum(steps(engine, _random_prompts(1, plan["prefill"], vocab,
                                                                  700 + r), 1)))
+    from evenflow.bench.bandwidth import step_bytes
+
+    context = plan["prompt"] + plan["output"] // 2  # a batch-1 step's mean context
     return {v: {"decode_ms": {b: [x * 1e3 for x in t] for b, t in decode[v].items()},
-                "prefill_ms": [x * 1e3 for x in prefill[v]]} for v in engines}
+                "prefill_ms": [x * 1e3 for x in prefill[v]],
+                "step_bytes": step_bytes(engines[v], context)} for v in engines}
 
 
 def run_tasks(variant: str, threads: int, plan: dict) -> dict:
@@ -236,6 +240,19 @@ def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, floa
     return 100.0 * same / len(ref), statistics.mean(first), 100.0 * statistics.mean(share)
 
 
+def print_limit(bandwidth: dict[str, float], rows: dict[str, tuple[float, int, int]]) -> None:
+    """The batch-1 step against this machine's memory bandwidth (bench/bandwidth.py), per
+    variant: (ms/step, weight bytes, K/V bytes)."""
+    from evenflow.bench.bandwidth import LIMIT_HEADER, limit_line
+
+    print(f"\nbatch-1 decode against the memory bandwidth (STREAM-style, same threads: copy "
+          f"{bandwidth['copy']:.1f}, triad {bandwidth['triad']:.1f}, read "
+          f"{bandwidth['read']:.1f} GB/s); a step reads its weights (top-k experts) and K/V")
+    print(LIMIT_HEADER)
+    for name, (ms, weights, kv) in rows.items():
+        print(limit_line(name, ms, weights, kv, bandwidth["read"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
@@ -263,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
                                     QUICK_MODEL if args.quick else None))
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE); activations in {dtype}")
+    from evenflow.bench.bandwidth import stream_bandwidth
+
+    bandwidth = stream_bandwidth(args.threads)
     results, logits = {}, {}
     tasks = {}
     with tempfile.TemporaryDirectory() as tmp, Progress(
@@ -303,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                             {v: alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED})
         alternating_row(f"prefill {plan['prefill']} tokens (ms)",
                         {v: alternating[v]["prefill_ms"] for v in INTERLEAVED})
+        print_limit(bandwidth, {v: (statistics.median(alternating[v]["decode_ms"]["1"]),
+                                    *alternating[v]["step_bytes"]) for v in INTERLEAVED})
     print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "
           "unquantized / quantized)")
     print(f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS))
