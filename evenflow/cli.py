@@ -67,7 +67,10 @@ def _preflight(config: Any) -> str | None:
     from evenflow import models
     from evenflow.services.launcher import LaunchError, find_binary
 
-    model_dir = models.resolve_model(config.model)
+    try:
+        model_dir = models.resolve_model(config.model)
+    except ValueError as exc:  # a GGUF file that cannot be served
+        return str(exc)
     if model_dir is None or not (model_dir / "config.json").is_file():
         return (f"model {config.model!r} is neither a built-in model "
                 f"({models.DEFAULT_MODEL}) nor a checkpoint directory with a config.json")

@@ -20,7 +20,8 @@ HF_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.mode
 
 
 def resolve_model(model: str) -> Path | None:
-    """A built-in model's name (`tiny-moe`), a checkpoint directory or a Hugging Face id;
+    """A built-in model's name (`tiny-moe`), a checkpoint directory, a GGUF file (its converted
+    directory: models/gguf_import.py; GGUFError when it cannot be served) or a Hugging Face id;
     None if none of these."""
     builtin = BUILTIN_MODELS_DIR / model
     if "/" not in model and (builtin / "config.json").is_file():
@@ -28,6 +29,10 @@ def resolve_model(model: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.is_file() and path.suffix == ".gguf":  # llama.cpp's format: converted once
+        from evenflow.models.gguf_import import converted_dir
+
+        return converted_dir(path)
     return from_hub(model) if is_hub_id(model) else None
 
 
