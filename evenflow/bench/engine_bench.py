@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gpt_oss: written by transformers)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
+    ap.add_argument("--llamacpp", default=None, metavar="DIR",
+                    help="a llama.cpp build: adds llama.cpp on the same weights (GGUF), "
+                         "alternating with evenflow (bench/llamacpp.py)")
     ap.add_argument("--deterministic", action="store_true",
                     help="what deterministic mode costs instead (decode and prefill, "
                          "alternating; bench/deterministic_bench.py)")
@@ -282,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print_limit(bandwidth, {f"evenflow {dtype}": (ours["decode_ms"]["1"],
                                                       *ours["step_bytes"])})
+    if args.llamacpp:
+        from evenflow.bench.llamacpp import compare
+
+        compare(Path(ckpt), args.llamacpp, args.threads, {
+            dtype: ({"dtype": dtype}, "bf16" if dtype == "bfloat16" else "f32")}, args.quick)
     return 0
 
 

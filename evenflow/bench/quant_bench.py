@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model and sizes (smoke test)")
     ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--llamacpp", default=None, metavar="DIR",
+                    help="a llama.cpp build: bf16 / int8 / int4 against BF16 / Q8_0 / Q4_0 on "
+                         "the same weights, alternating (bench/llamacpp.py)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="the Python of a venv with vLLM's CPU build: W8A8 against vLLM's on "
                          "the same compressed-tensors files (README: Benchmarks)")
@@ -283,6 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.bandwidth import stream_bandwidth
 
     bandwidth = stream_bandwidth(args.threads)
+    if args.llamacpp:  # llama.cpp beside the variants, on the same weights (bench/llamacpp.py)
+        from evenflow.bench.llamacpp import compare as beside_llamacpp
+
+        beside_llamacpp(Path(ckpt), args.llamacpp, args.threads, {
+            "bf16" if dtype == "bfloat16" else "fp32": ({}, "bf16" if dtype == "bfloat16"
+                                                       else "f32"),
+            "int8": ({"quantization": "int8"}, "q8_0"),
+            "int4-g32": ({"quantization": "int4", "quant_group_size": 32}, "q4_0")},
+            args.quick)
     results, logits = {}, {}
     tasks = {}
     with tempfile.TemporaryDirectory() as tmp, Progress(
