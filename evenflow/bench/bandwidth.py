@@ -8,6 +8,10 @@ print beside their timings.
 - What a batch-1 step reads: every weight tensor of the model once, except the routed experts,
   of which only top_k of each MoE layer's slots are read, and the embedding, of which one row
   is read (unless lm_head shares it); plus the sequence's K/V at its context length.
+On a small model part of that stays in the last-level cache between steps (the experts change
+from token to token, attention and lm_head do not), so a step can read faster than memory
+does. The host's bandwidth moves from run to run on a shared VM (45-94 GB/s read here): only
+figures of one run compare.
 """
 
 from __future__ import annotations

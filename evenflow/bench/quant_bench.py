@@ -247,7 +247,9 @@ def print_limit(bandwidth: dict[str, float], rows: dict[str, tuple[float, int, i
 
     print(f"\nbatch-1 decode against the memory bandwidth (STREAM-style, same threads: copy "
           f"{bandwidth['copy']:.1f}, triad {bandwidth['triad']:.1f}, read "
-          f"{bandwidth['read']:.1f} GB/s); a step reads its weights (top-k experts) and K/V")
+          f"{bandwidth['read']:.1f} GB/s); a step reads its weights (top-k experts) and K/V. "
+          "Weights that fit the last-level cache (attention, lm_head) may stay there between "
+          "steps: a share past 100% says so")
     print(LIMIT_HEADER)
     for name, (ms, weights, kv) in rows.items():
         print(limit_line(name, ms, weights, kv, bandwidth["read"]))
