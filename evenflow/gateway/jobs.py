@@ -13,6 +13,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import orjson
+
 from evenflow import models
 from evenflow.gateway.client import GatewayClient, RequestFailed
 from evenflow.gateway.edge import Admission
@@ -130,6 +132,11 @@ class Gateway:
         if model_dir is None:
             raise ValueError(f"model {config.model!r} is neither built in nor a directory")
         self.tokenizer = Tokenizer(model_dir)
+        # token ids a worker may send: the model's embedding rows (often a few more than the
+        # tokenizer has: padding rows)
+        spec = orjson.loads((model_dir / "config.json").read_bytes())
+        spec = spec.get("text_config") or spec
+        self.output_vocab = max(self.tokenizer.vocab_size, int(spec.get("vocab_size") or 0))
         eos = self.tokenizer.eos_token_id
         self.guides = GuideCompiler(model_dir, [] if eos is None else [eos])
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
@@ -271,7 +278,7 @@ class Gateway:
                       started: float) -> AsyncGenerator[Piece]:
         first, previous, last = True, job.prompt_ids[-1], started
         itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
-        vocab = self.tokenizer.vocab_size
+        vocab = self.output_vocab
         with self.tracer.start_as_current_span("stream") as span:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     lambda: min(job.deadline,

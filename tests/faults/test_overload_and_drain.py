@@ -51,7 +51,8 @@ def test_past_the_queue_requests_get_429_with_retry_after(small_mesh):
         time.sleep(0.3)  # it holds the one queue place
         refused = [httpx.post(url + "/v1/completions", json=LONG, timeout=10)
                    for _ in range(3)]
-        assert all(r.status_code == 429 for r in refused), [r.status_code for r in refused]
+        assert all(r.status_code == 429 for r in refused), [
+            (r.status_code, r.text[:300]) for r in refused]
         assert all(r.headers.get("retry-after") == "1" for r in refused)
         assert refused[0].json()["error"]["type"] == "rate_limit_error"
         assert running.result()[0] == 200 and queued.result()[0] == 200
