@@ -120,3 +120,16 @@ def run_with_arrivals(engine, prompts: list[list[int]], params, arrivals: list[i
         for out in engine.step():
             produced[out.request_id].extend(out.new_token_ids)
     return [produced[str(i)] for i in range(len(prompts))]
+
+
+def run_all(engine) -> tuple[dict[str, list[int]], dict]:
+    """Step an engine until its requests finish: (tokens by request, K/V by request for those
+    that handed theirs off)."""
+    tokens: dict[str, list[int]] = {}
+    kvs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.kv is not None:
+                kvs[out.request_id] = out.kv
+    return tokens, kvs

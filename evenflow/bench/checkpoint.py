@@ -152,3 +152,21 @@ def write_family(path: Path, arch: str, quick: bool = False, seed: int = 0,
                          fields["eos_token_id"])
     (path / "bench-stamp.json").write_text(stamp)
     return path
+
+
+def benchmark_checkpoint(quick: bool, checkpoint_dir: str | None, threads: int
+                         ) -> tuple[str, str]:
+    """What the offline benchmarks share: the machine line printed (with the dtype this CPU
+    computes natively), and the random 110M Mixtral (the small one with `quick`) written once
+    under checkpoint_dir (default: the temp dir's evenflow-bench/). -> (its path, the dtype)."""
+    import tempfile
+
+    from evenflow.bench.machine import machine_line
+    from evenflow.engine.config import cpu_has_bf16
+
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    print(machine_line(dtype, threads))
+    root = Path(checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    ckpt = write_random_mixtral(root / ("mixtral-quick" if quick else "mixtral-110m"),
+                                QUICK_MODEL if quick else None)
+    return str(ckpt), dtype

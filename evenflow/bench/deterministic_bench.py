@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 FULL: dict[str, Any] = dict(batches=[1, 32], context=512, prefills=[512, 2048], rounds=5,
@@ -34,38 +32,21 @@ def _engine(ckpt: str, threads: int, mode: str, blocks: int) -> Any:
 
 
 def run(ckpt: str, threads: int, plan: dict) -> dict:
-    from evenflow.bench.stepping import random_prompts
+    from evenflow.bench.stepping import alternating_decode, decode_blocks, random_prompts
     from evenflow.engine.core.sampling_params import SamplingParams
 
     ids = iter(range(10**9))
     result: dict[str, Any] = {"decode": {}, "prefill": {}}
     for b in plan["batches"]:
-        blocks = b * (-(-(plan["context"] + plan["rounds"] * plan["steps"] + 8) // 16)) + 4
+        blocks = decode_blocks(b, plan["context"], plan["rounds"] * plan["steps"]) + 4
         engines = {m: _engine(ckpt, threads, m, blocks) for m in MODES}
-        params = SamplingParams(temperature=0, ignore_eos=True,
-                                max_tokens=plan["rounds"] * plan["steps"] + 4)
-        for engine in engines.values():  # the same prompts, prefilled untimed
-            for p in random_prompts(b, plan["context"], engine.model_config.vocab_size, b):
-                engine.add_request(str(next(ids)), p, params)
-            while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                            for s in engine.scheduler.running):
-                engine.step()
-            engine.step()
-        rounds: dict[str, list[float]] = {m: [] for m in MODES}
-        for _ in range(plan["rounds"]):
-            for mode, engine in engines.items():
-                times = []
-                for _ in range(plan["steps"]):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t0)
-                rounds[mode].append(statistics.median(times) * 1e3)
-        result["decode"][b] = rounds
+        result["decode"][b] = alternating_decode(engines, b, plan["context"], plan["rounds"],
+                                                 plan["steps"], ids)
         del engines
     for length in plan["prefills"]:
         engines = {m: _engine(ckpt, threads, m, length // 16 + 8) for m in MODES}
         vocab = engines["default"].model_config.vocab_size
-        rounds = {m: [] for m in MODES}
+        rounds: dict[str, list[float]] = {m: [] for m in MODES}
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
         for r in range(plan["rounds"] + 1):
             prompt = random_prompts(1, length, vocab, 100 + r)[0]
@@ -99,17 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
-    from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.bench.checkpoint import benchmark_checkpoint
 
     torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
-    dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    print(machine_line(dtype, args.threads))
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
-    ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
-                                    QUICK_MODEL if args.quick else None))
+    ckpt, dtype = benchmark_checkpoint(args.quick, args.checkpoint_dir, args.threads)
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE), in {dtype}")
     r = run(ckpt, args.threads, plan)
     print(f"\nms (medians of {plan['rounds']} alternating rounds; ratio = deterministic / "

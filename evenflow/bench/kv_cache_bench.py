@@ -17,13 +17,10 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 from evenflow.bench.machine import run_worker
-from evenflow.bench.stepping import random_prompts
+from evenflow.bench.stepping import alternating_decode, decode_blocks, random_prompts
 
 FULL: dict[str, Any] = dict(batches=[1, 32], context=2048, rounds=5, steps=8, kv_cache_gb=1.0,
                             quality_prompts=48, quality_prompt_len=512, quality_tokens=64,
@@ -44,35 +41,16 @@ def _engine(ckpt: str, threads: int, kv_cache_dtype: str, **more: Any) -> Any:
 
 def run_speed(ckpt: str, threads: int, plan: dict) -> dict:
     """Blocks per kv_cache_gb, and each batch's alternating decode rounds (ms/step each)."""
-    from evenflow.engine.core.sampling_params import SamplingParams
-
     result: dict[str, Any] = {"blocks": {}, "decode_ms": {}}
     for cache in CACHES:
         result["blocks"][cache] = _engine(ckpt, threads, cache, max_num_seqs=4096,
                                           kv_cache_gb=plan["kv_cache_gb"]).num_kv_blocks
     ids = iter(range(10**9))
     for b in plan["batches"]:
-        blocks = b * (-(-(plan["context"] + plan["rounds"] * plan["steps"] + 8) // 16))
+        blocks = decode_blocks(b, plan["context"], plan["rounds"] * plan["steps"])
         engines = {c: _engine(ckpt, threads, c, num_kv_blocks=blocks) for c in CACHES}
-        params = SamplingParams(temperature=0, ignore_eos=True,
-                                max_tokens=plan["rounds"] * plan["steps"] + 4)
-        for engine in engines.values():  # prefill every sequence (untimed), the same prompts
-            for p in random_prompts(b, plan["context"], engine.model_config.vocab_size, b):
-                engine.add_request(str(next(ids)), p, params)
-            while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                            for s in engine.scheduler.running):
-                engine.step()
-            engine.step()  # the first decode step (its warm-up)
-        rounds: dict[str, list[float]] = {c: [] for c in CACHES}
-        for _ in range(plan["rounds"]):
-            for cache, engine in engines.items():
-                times = []
-                for _ in range(plan["steps"]):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t0)
-                rounds[cache].append(statistics.median(times) * 1e3)
-        result["decode_ms"][b] = rounds
+        result["decode_ms"][b] = alternating_decode(engines, b, plan["context"],
+                                                    plan["rounds"], plan["steps"], ids)
         del engines
     return result
 
@@ -134,19 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="decode context (default 2048)")
     args = ap.parse_args(argv)
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
-    from evenflow.bench.machine import machine_line
+    from evenflow.bench.checkpoint import benchmark_checkpoint
     from evenflow.bench.quant_bench import agreement
-    from evenflow.engine.config import cpu_has_bf16
 
     plan = dict(QUICK if args.quick else FULL)
     if args.context:
         plan["context"] = args.context
-    dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    print(machine_line(dtype, args.threads))
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
-    ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
-                                    QUICK_MODEL if args.quick else None))
+    ckpt, dtype = benchmark_checkpoint(args.quick, args.checkpoint_dir, args.threads)
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE); the model computes in {dtype}; "
           f"'auto' is the KV cache in {dtype}")
     speed = _spawn("speed", ckpt, args.threads, plan)

@@ -273,17 +273,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
-    from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.bench.checkpoint import benchmark_checkpoint
     from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL
-    dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    print(machine_line(dtype, args.threads))
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
-    ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
-                                    QUICK_MODEL if args.quick else None))
+    ckpt, dtype = benchmark_checkpoint(args.quick, args.checkpoint_dir, args.threads)
     print(f"checkpoint: {ckpt} (random Mixtral-style MoE); activations in {dtype}")
     from evenflow.bench.bandwidth import stream_bandwidth
 
@@ -374,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         from evenflow.bench.checkpoint import write_family
         from evenflow.bench.quant_vllm import compare
 
-        dense = write_family(root / ("llama-quick" if args.quick else "llama-110m"), "llama",
-                             args.quick)
+        dense = write_family(Path(ckpt).parent / ("llama-quick" if args.quick else "llama-110m"),
+                             "llama", args.quick)
         compare(args.vllm_python, {"random 110M Mixtral (MoE)": Path(ckpt),
                                    "random 110M Llama (dense)": dense}, args.threads,
                 plan["batches"], plan["rounds"], dtype)

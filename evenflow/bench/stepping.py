@@ -31,3 +31,37 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: int, ids: Iterator[
         engine.step()
         steps.append(time.perf_counter() - t0)
     return steps
+
+
+def decode_blocks(batch: int, context: int, steps: int, block_size: int = 16) -> int:
+    """KV blocks for `batch` sequences of `context` tokens decoding `steps` more."""
+    return batch * -(-(context + steps + 8) // block_size)
+
+
+def alternating_decode(engines: dict[str, Any], batch: int, context: int, rounds: int,
+                       steps: int, ids: Iterator[int]) -> dict[str, list[float]]:
+    """Each engine gets the same `batch` prompts of `context` tokens, prefilled untimed (and
+    one warm-up decode step); then `rounds` rounds in which each engine in turn decodes
+    `steps` steps: per engine, each round's median ms/step."""
+    import statistics
+
+    from evenflow.engine.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=rounds * steps + 4)
+    for engine in engines.values():
+        for p in random_prompts(batch, context, engine.model_config.vocab_size, batch):
+            engine.add_request(str(next(ids)), p, params)
+        while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                        for s in engine.scheduler.running):
+            engine.step()
+        engine.step()
+    result: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            result[name].append(statistics.median(times) * 1e3)
+    return result

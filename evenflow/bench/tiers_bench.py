@@ -20,7 +20,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 FULL: dict[str, Any] = dict(conversations=16, history=512, turns=4, user=32, answer=16)
@@ -132,17 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
-    from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.bench.checkpoint import benchmark_checkpoint
 
     torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else FULL
-    dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    print(machine_line(dtype, args.threads))
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
-    ckpt = str(write_random_mixtral(root / ("mixtral-quick" if args.quick else "mixtral-110m"),
-                                    QUICK_MODEL if args.quick else None))
+    ckpt, dtype = benchmark_checkpoint(args.quick, args.checkpoint_dir, args.threads)
     r = run(ckpt, args.threads, plan, args.ram_share)
     print(f"checkpoint: {ckpt}; {plan['conversations']} conversations x {plan['turns']} turns "
           f"({plan['history']}-token history, +{plan['user']} user, {plan['answer']} answer "

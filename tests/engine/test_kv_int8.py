@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, run_all
 
 from evenflow import SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
@@ -20,17 +20,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
     make_checkpoint("qwen3_moe", path)
     return path
-
-
-def run_all(engine):
-    tokens: dict[str, list[int]] = {}
-    kvs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.kv is not None:
-                kvs[out.request_id] = out.kv
-    return tokens, kvs
 
 
 def fill(write, block_size=16, kv_heads=4, head_dim=64, blocks=10):

@@ -4,7 +4,7 @@ gives the same tokens as one engine doing both, greedy and seeded."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, run_all
 
 from evenflow import SamplingParams
 from evenflow.engine.engine import Engine, EngineConfig
@@ -15,17 +15,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
     make_checkpoint("qwen3_moe", path)
     return path
-
-
-def run_all(engine):
-    tokens: dict[str, list[int]] = {}
-    kvs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.kv is not None:
-                kvs[out.request_id] = out.kv
-    return tokens, kvs
 
 
 @pytest.mark.parametrize("params", [
