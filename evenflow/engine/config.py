@@ -164,7 +164,7 @@ class EngineConfig:
     # re-prefilled after a migration, and whatever else is in the batch (prompt tokens run as
     # decoded tokens do: engine/runners/model_runner.py one_token_rows). A migrated stream then
     # continues text-identically in bf16. Costs prefill speed (`evenflow bench engine
-    # --deterministic`); refused with quantization or tensor parallelism.
+    # --deterministic`); refused with quantization, tensor or expert parallelism.
     deterministic: bool = False
 
     def __post_init__(self) -> None:
@@ -190,9 +190,11 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
             raise ValueError("tensor and expert parallelism together are not supported yet")
-        if self.deterministic and (self.quantization or self.tensor_parallel_size > 1):
+        if self.deterministic and (self.quantization or self.tensor_parallel_size > 1
+                                   or self.expert_parallel_size > 1):
             raise ValueError("deterministic mode does not serve quantization (its kernels are "
-                             "chosen by row count) or tensor parallelism (its all-reduce order)")
+                             "chosen by row count), tensor parallelism (its all-reduce order) "
+                             "or expert parallelism across ranks (not checked)")
 
 
 def check_quantization(method: str, group_size: int) -> None:
