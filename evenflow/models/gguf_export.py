@@ -3,8 +3,9 @@ gguf package: for `bench engine --llamacpp` / `bench quant --llamacpp` (llama.cp
 weights) and for the GGUF loading tests (models/gguf_import.py reads it back). Torch-free.
 
 Served: Llama-style dense and Mixtral-style MoE checkpoints (llama.cpp's `llama` architecture;
-Q and K rows in its interleaved rotary layout). Tensor types: bf16, f16, f32, q8_0, q4_0 for
-the weight matrices (experts stacked per layer), float32 for norms and the router. The
+Q and K rows in its interleaved rotary layout), Qwen2 (with its q/k/v biases), Qwen3 (with its
+q/k norms) and Qwen3-MoE (`qwen2`, `qwen3`, `qwen3moe`). Tensor types: bf16, f16, f32, q8_0,
+q4_0 for the weight matrices (experts stacked per layer), float32 for norms and the router. The
 tokenizer goes in twice: as llama.cpp's `gpt2` vocabulary (its tokens, merges for a BPE model)
 and whole as `tokenizer.huggingface.json`.
 """
@@ -19,7 +20,9 @@ from typing import Any
 import numpy as np
 
 TYPES = ("bf16", "f16", "f32", "q8_0", "q4_0")
-FAMILIES = ("llama", "mixtral", "mistral")
+# model_type -> llama.cpp's architecture (Q and K reordered for its rotary only for `llama`)
+FAMILIES = {"llama": "llama", "mixtral": "llama", "mistral": "llama", "qwen2": "qwen2",
+            "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
 def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
@@ -60,14 +63,15 @@ def export_gguf(model_dir: Path, out: Path, kind: str = "bf16") -> Path:
     if cfg.get("model_type") not in FAMILIES:
         raise ValueError(f"GGUF export serves {', '.join(FAMILIES)} checkpoints, not "
                          f"{cfg.get('model_type')!r}")
+    arch = FAMILIES[cfg["model_type"]]
     weights = read_safetensors(model_dir)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads",
                                                            cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    experts = int(cfg.get("num_local_experts") or 0)
-    writer = GGUFWriter(str(out), "llama")
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    writer = GGUFWriter(str(out), arch)
     writer.add_name(model_dir.name)
     writer.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     writer.add_embedding_length(cfg["hidden_size"])
@@ -84,12 +88,16 @@ def export_gguf(model_dir: Path, out: Path, kind: str = "bf16") -> Path:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if cfg.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
     _add_tokenizer(writer, model_dir, cfg)
     qtype = {"bf16": GGMLQuantizationType.BF16, "f16": GGMLQuantizationType.F16,
              "f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0,
              "q4_0": GGMLQuantizationType.Q4_0}[kind]
 
     def add(name: str, value: np.ndarray, matrix: bool = True) -> None:
+        if kind in ("q8_0", "q4_0") and value.shape[-1] % 32:
+            matrix = False  # rows not in whole blocks of 32: float32, as llama-quantize does
         if not matrix or kind == "f32":
             writer.add_tensor(name, value.astype(np.float32))
         elif kind == "f16":
@@ -106,15 +114,26 @@ def export_gguf(model_dir: Path, out: Path, kind: str = "bf16") -> Path:
         p, b = f"model.layers.{i}.", f"blk.{i}."
         add(b + "attn_norm.weight", weights[p + "input_layernorm.weight"], matrix=False)
         add(b + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"], matrix=False)
-        add(b + "attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
-        add(b + "attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
+        q, k = weights[p + "self_attn.q_proj.weight"], weights[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _permute(q, heads), _permute(k, kv_heads)
+        add(b + "attn_q.weight", q)
+        add(b + "attn_k.weight", k)
         add(b + "attn_v.weight", weights[p + "self_attn.v_proj.weight"])
         add(b + "attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        for part in ("q", "k", "v"):  # Qwen2's biases, Qwen3's q/k norms
+            if f"{p}self_attn.{part}_proj.bias" in weights:
+                add(f"{b}attn_{part}.bias", weights[f"{p}self_attn.{part}_proj.bias"], False)
+            if f"{p}self_attn.{part}_norm.weight" in weights:
+                add(f"{b}attn_{part}_norm.weight", weights[f"{p}self_attn.{part}_norm.weight"],
+                    False)
         if experts:
-            moe = p + "block_sparse_moe."
+            moe = p + ("block_sparse_moe." if arch == "llama" else "mlp.")
+            roles = ("w1", "w2", "w3") if arch == "llama" else ("gate_proj", "down_proj",
+                                                                 "up_proj")
             add(b + "ffn_gate_inp.weight", weights[moe + "gate.weight"], matrix=False)
-            for gguf_name, hf in (("ffn_gate_exps", "w1"), ("ffn_down_exps", "w2"),
-                                  ("ffn_up_exps", "w3")):
+            for gguf_name, hf in zip(("ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"), roles,
+                                     strict=True):
                 add(f"{b}{gguf_name}.weight", np.stack([
                     weights[f"{moe}experts.{e}.{hf}.weight"] for e in range(experts)]))
         else:

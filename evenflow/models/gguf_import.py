@@ -3,15 +3,16 @@ once into a checkpoint directory (config.json, model.safetensors, tokenizer.json
 ~/.cache/evenflow/gguf/, which the engine then loads as any other; the gateway and the balancer
 read the same directory. Torch-free (numpy and the gguf package), as everything in models/.
 
-Served: llama.cpp's `llama` architecture, which holds Llama-style dense models and Mixtral-style
-MoE models (experts stacked per layer). Tensors: F32, F16 and BF16 (kept exactly: BF16 and F32
-as float32, F16 as float16), and Q8_0 / Q4_0, dequantized here and quantized again at load into
-evenflow's own formats. Q4_0 linears are written as GPTQ int4 (groups of 32, zero point 8,
-fp16 scales: exactly Q4_0's values), which the engine loads as its int4. Q8_0 is dequantized
-and quantized again per output channel as evenflow's int8 (Q8_0's blocks of 32 have no exact
+Served: llama.cpp's `llama` architecture (Llama-style dense and Mixtral-style MoE models,
+experts stacked per layer), `qwen2`, `qwen3` and `qwen3moe`. Tensors: F32, F16 and BF16, kept
+exactly (BF16 and F32 as float32, F16 as float16), and Q8_0 / Q4_0. Q4_0 linears are written
+as GPTQ int4 (groups of 32, zero point 8, fp16 scales: exactly Q4_0's values), which the
+engine loads as its int4; where a layer's q/k/v or experts mix Q4_0 with other types, that
+group is dequantized instead (the engine fuses them). Q8_0 is dequantized and quantized again
+at load, per output channel, as evenflow's int8 (Q8_0's blocks of 32 have no exact
 counterpart there); `evenflow_gguf.json` says so, and the engine applies it unless a
-quantization was asked for. Q and K come back from llama.cpp's interleaved
-rotary layout to Hugging Face's. The tokenizer is the file's `tokenizer.huggingface.json` when
+quantization was asked for. Q and K come back from llama.cpp's interleaved rotary layout to
+Hugging Face's (`llama` only). The tokenizer is the file's `tokenizer.huggingface.json` when
 it has one (evenflow's exporter writes it), a tokenizer.json beside the file, or a byte-level
 BPE built from the file's `gpt2` vocabulary and merges.
 """
@@ -27,11 +28,25 @@ from typing import Any
 
 import numpy as np
 
-ARCHITECTURES = ("llama",)
+# llama.cpp's architectures served: (HF class, model_type) dense and MoE, whether llama.cpp
+# stored Q and K in its interleaved rotary order, and the HF prefix of a layer's experts
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": dict(dense=("LlamaForCausalLM", "llama"), moe=("MixtralForCausalLM", "mixtral"),
+                  permuted=True, experts="block_sparse_moe"),
+    "qwen2": dict(dense=("Qwen2ForCausalLM", "qwen2"), moe=None, permuted=False, experts=""),
+    "qwen3": dict(dense=("Qwen3ForCausalLM", "qwen3"), moe=None, permuted=False, experts=""),
+    "qwen3moe": dict(dense=None, moe=("Qwen3MoeForCausalLM", "qwen3_moe"), permuted=False,
+                     experts="mlp"),
+}
+# expert stacks: GGUF name -> HF projection, by the experts' HF naming
+EXPERT_ROLES = {"block_sparse_moe": {"ffn_gate_exps.weight": "w1", "ffn_down_exps.weight": "w2",
+                                     "ffn_up_exps.weight": "w3"},
+                "mlp": {"ffn_gate_exps.weight": "gate_proj", "ffn_down_exps.weight": "down_proj",
+                        "ffn_up_exps.weight": "up_proj"}}
 HINT_FILE = "evenflow_gguf.json"  # the quantization the file's tensors ask for
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30  # GGMLQuantizationType values
 QUANTIZATION_OF = {Q8_0: ("int8", 0)}  # requantized at load (Q4_0 is GPTQ in the directory)
-GPTQ_NAMES = ("self_attn.", "mlp.", "block_sparse_moe.experts.")  # linears GPTQ may hold
+GPTQ_NAMES = ("_proj.", "block_sparse_moe.experts.")  # linears GPTQ may hold (not routers)
 Q4_0_BLOCK = 32
 
 
@@ -117,15 +132,21 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
         raise GGUFError(f"{path.name}: GGUF architecture {arch!r} is not served (served: "
                         f"{', '.join(ARCHITECTURES)})")
     config = _config(reader, arch)
+    family = ARCHITECTURES[arch]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if not family["permuted"]:
+        heads = kv_heads = 0  # (no rotary reordering)
     tensors: dict[str, np.ndarray] = {}
     kinds: dict[int, int] = {}
+    mixed = {_fused_group(t.name) for t in reader.tensors if int(t.tensor_type) != Q4_0}
+    mixed.discard(None)
     for tensor in reader.tensors:
         name, kind = tensor.name, int(tensor.tensor_type)
-        if kind == Q4_0 and not dequantize_all:  # codes and scales, rows permuted as the values
+        # Q4_0: its codes and scales (rows permuted as the values), unless its group is mixed
+        if kind == Q4_0 and not dequantize_all and _fused_group(name) not in mixed:
             q, d = _q4_0_codes(tensor)
-            codes = {hf: c for hf, c in _hf_tensors(name, q, heads, kv_heads)}
-            for hf, scale in _hf_tensors(name, d, heads, kv_heads):
+            codes = {hf: c for hf, c in _hf_tensors(name, q, heads, kv_heads, family)}
+            for hf, scale in _hf_tensors(name, d, heads, kv_heads, family):
                 if hf.startswith("model.layers.") and any(p in hf for p in GPTQ_NAMES):
                     tensors.update(_gptq(hf.removesuffix(".weight"), codes[hf], scale))
                 else:  # embedding, lm_head: plain
@@ -135,7 +156,7 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
         values = _array(tensor)
         if values.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
             kinds[kind] = kinds.get(kind, 0) + 1
-        for hf_name, value in _hf_tensors(name, values, heads, kv_heads):
+        for hf_name, value in _hf_tensors(name, values, heads, kv_heads, family):
             tensors[hf_name] = np.ascontiguousarray(value)
     if "lm_head.weight" not in tensors:
         config["tie_word_embeddings"] = True
@@ -152,6 +173,19 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
         "source": str(path), "quantization": method, "group_size": group,
         "tensor_types": {str(k): v for k, v in kinds.items()}}))
     _write_tokenizer(reader, path, out, config)
+
+
+def _fused_group(name: str) -> tuple[str, str] | None:
+    """The tensors the engine fuses, which GPTQ must hold all or none of: a layer's q/k/v,
+    and its expert stacks."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "blk":
+        return None
+    if parts[2] in ("attn_q", "attn_k", "attn_v") and parts[-1] == "weight":
+        return parts[1], "qkv"
+    if parts[2].endswith("_exps"):
+        return parts[1], "experts"
+    return None
 
 
 def _q4_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -211,12 +245,17 @@ def _config(reader: Any, arch: str) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    family = ARCHITECTURES[arch]
+    kind = family["moe"] if experts else family["dense"]
+    if kind is None:
+        raise GGUFError(f"a {arch} GGUF {'with' if experts else 'without'} experts is not served")
+    config.update(architectures=[kind[0]], model_type=kind[1])
     if experts:
-        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
-                      num_local_experts=experts,
-                      num_experts_per_tok=int(get("expert_used_count")))
-    else:
-        config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        used = int(get("expert_used_count"))
+        config.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=used)
+    if arch == "qwen3moe":
+        config.update(moe_intermediate_size=int(get("expert_feed_forward_length")),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return config
 
 
@@ -226,15 +265,16 @@ _LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_EXPERT_NAMES = {"ffn_gate_exps.weight": "w1", "ffn_down_exps.weight": "w2",
-                 "ffn_up_exps.weight": "w3"}
 
 
-def _hf_tensors(name: str, value: np.ndarray, heads: int, kv_heads: int
-                ) -> list[tuple[str, np.ndarray]]:
-    """The Hugging Face tensors of one GGUF tensor (an expert stack is one per expert)."""
+def _hf_tensors(name: str, value: np.ndarray, heads: int, kv_heads: int,
+                family: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors of one GGUF tensor (an expert stack is one per expert); heads
+    and kv_heads 0: Q and K as stored (no rotary reordering)."""
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
            "model.norm.weight", "output.weight": "lm_head.weight"}
     if name in top:
@@ -244,13 +284,19 @@ def _hf_tensors(name: str, value: np.ndarray, heads: int, kv_heads: int
     _, index, rest = name.split(".", 2)
     prefix = f"model.layers.{index}."
     if rest == "attn_q.weight":
-        return [(prefix + "self_attn.q_proj.weight", _unpermute(value, heads))]
+        return [(prefix + "self_attn.q_proj.weight",
+                 _unpermute(value, heads) if heads else value)]
     if rest == "attn_k.weight":
-        return [(prefix + "self_attn.k_proj.weight", _unpermute(value, kv_heads))]
+        return [(prefix + "self_attn.k_proj.weight",
+                 _unpermute(value, kv_heads) if kv_heads else value)]
     if rest in _LAYER_NAMES:
         return [(prefix + _LAYER_NAMES[rest], value)]
-    if rest in _EXPERT_NAMES:
-        return [(f"{prefix}block_sparse_moe.experts.{e}.{_EXPERT_NAMES[rest]}.weight", value[e])
+    experts = family["experts"]
+    if rest == "ffn_gate_inp.weight" and experts:
+        return [(f"{prefix}{experts}.gate.weight", value)]
+    if experts and rest in EXPERT_ROLES[experts]:
+        role = EXPERT_ROLES[experts][rest]
+        return [(f"{prefix}{experts}.experts.{e}.{role}.weight", value[e])
                 for e in range(value.shape[0])]
     raise GGUFError(f"tensor {name} has no place in a llama-architecture model")
 

@@ -1,9 +1,9 @@
 """GGUF checkpoints (`--model file.gguf`, models/gguf_import.py), written from tiny random
-checkpoints of each family served (Llama-style dense, Mixtral-style MoE) by our exporter
-(models/gguf_export.py, llama.cpp's layout): float files load to the same model as the
-safetensors, Q4_0 to exactly its own values (GPTQ int4 groups of 32), Q8_0 to evenflow's int8
-within that requantization's rounding; the tokenizer comes along; what cannot be served is
-said plainly."""
+checkpoints of each family served (Llama-style dense, Mixtral-style MoE, Qwen2, Qwen3,
+Qwen3-MoE) by our exporter (models/gguf_export.py, llama.cpp's layout): float files load to the
+same model as the safetensors, Q4_0 to exactly its own values (GPTQ int4 groups of 32), Q8_0 to
+evenflow's int8 within that requantization's rounding; the tokenizer comes along; what cannot
+be served is said plainly."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "llama"])
+@pytest.fixture(scope="module", params=["mixtral", "llama", "qwen2", "qwen3", "qwen3_moe"])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     make_checkpoint(request.param, path)
