@@ -27,6 +27,11 @@ PLAN: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefills=
 QUICK_PLAN: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefills=[64], rounds=2)
 
 
+def native_variant(dtype: str) -> tuple[str, tuple[dict, str]]:
+    """The unquantized row: evenflow in `dtype` against the GGUF of the same width."""
+    return dtype, ({"dtype": dtype}, "bf16" if dtype == "bfloat16" else "f32")
+
+
 def tool(directory: str, name: str) -> Path:
     for sub in ("", "bin", "build/bin"):
         path = Path(directory) / sub / name
@@ -35,19 +40,29 @@ def tool(directory: str, name: str) -> Path:
     raise FileNotFoundError(f"no {name} under {directory} (nor its bin/ or build/bin/)")
 
 
+def _batched_rows(command: list[str], wanted: int, tries: int = 3) -> list[dict]:
+    """llama-batched-bench's JSON rows. Its rows go through llama.cpp's asynchronous logger,
+    which now and then exits before writing them all (seen in ~1 run of 12 into a file, more
+    into a pipe): a run short of rows is repeated."""
+    for _ in range(tries):
+        with tempfile.TemporaryFile("w+") as out:
+            subprocess.run(command, stdout=out, stderr=subprocess.DEVNULL, check=True)
+            out.seek(0)
+            rows = [json.loads(line) for line in out if line.startswith("{")]
+        if len(rows) == wanted:
+            return rows
+    raise RuntimeError(f"llama-batched-bench gave {len(rows)} of {wanted} rows {tries} times")
+
+
 def llamacpp_round(directory: str, gguf: Path, threads: int, plan: dict) -> dict:
     """One round of llama.cpp: decode ms/step per batch, prefill ms per length."""
-    batched = subprocess.run(
+    rows = _batched_rows(
         [str(tool(directory, "llama-batched-bench")), "-m", str(gguf), "-t", str(threads),
          "-npp", str(plan["prompt"]), "-ntg", str(plan["output"]),
          "-npl", ",".join(map(str, plan["batches"])),
          "-c", str(max(4096, 2 * max(plan["batches"]) * (plan["prompt"] + plan["output"]))),
-         "--output-format", "jsonl"], capture_output=True, text=True, check=True)
-    decode = {}
-    for line in batched.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            decode[int(row["pl"])] = row["t_tg"] / plan["output"] * 1e3
+         "--output-format", "jsonl"], len(plan["batches"]))
+    decode = {int(row["pl"]): row["t_tg"] / plan["output"] * 1e3 for row in rows}
     bench = subprocess.run(
         [str(tool(directory, "llama-bench")), "-m", str(gguf), "-t", str(threads), "-p",
          ",".join(map(str, plan["prefills"])), "-n", "0", "-r", "1", "-o", "json"],
