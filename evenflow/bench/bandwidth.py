@@ -114,3 +114,16 @@ def limit_line(label: str, ms: float, weights: int, kv: int, read_gbs: float) ->
 
 LIMIT_HEADER = (f"{'':14}{'weights MB':>10}{'KV MB':>8}{'ms/step':>10}{'GB/s':>9}"
                 f"{'of read':>10}")
+
+
+def print_limit(bandwidth: dict[str, float], rows: dict[str, tuple[float, int, int]]) -> None:
+    """The batch-1 step against this machine's memory bandwidth (stream_bandwidth), per
+    variant: (ms/step, weight bytes, K/V bytes)."""
+    print(f"\nbatch-1 decode against the memory bandwidth (STREAM-style, same threads: copy "
+          f"{bandwidth['copy']:.1f}, triad {bandwidth['triad']:.1f}, read "
+          f"{bandwidth['read']:.1f} GB/s); a step reads its weights (top-k experts) and K/V. "
+          "Weights that fit the last-level cache (attention, lm_head) may stay there between "
+          "steps: a share past 100% says so")
+    print(LIMIT_HEADER)
+    for name, (ms, weights, kv) in rows.items():
+        print(limit_line(name, ms, weights, kv, bandwidth["read"]))

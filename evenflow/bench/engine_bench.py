@@ -281,15 +281,15 @@ def main(argv: list[str] | None = None) -> int:
             progress.update()
     print(_table(ours, others, plan))
     if "step_bytes" in ours:
-        from evenflow.bench.quant_bench import print_limit
+        from evenflow.bench.bandwidth import print_limit
 
         print_limit(bandwidth, {f"evenflow {dtype}": (ours["decode_ms"]["1"],
                                                       *ours["step_bytes"])})
     if args.llamacpp:
-        from evenflow.bench.llamacpp import compare
+        from evenflow.bench.llamacpp import compare, native_variant
 
-        compare(Path(ckpt), args.llamacpp, args.threads, {
-            dtype: ({"dtype": dtype}, "bf16" if dtype == "bfloat16" else "f32")}, args.quick)
+        compare(Path(ckpt), args.llamacpp, args.threads, dict([native_variant(dtype)]),
+                args.quick)
     return 0
 
 

@@ -240,21 +240,6 @@ def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, floa
     return 100.0 * same / len(ref), statistics.mean(first), 100.0 * statistics.mean(share)
 
 
-def print_limit(bandwidth: dict[str, float], rows: dict[str, tuple[float, int, int]]) -> None:
-    """The batch-1 step against this machine's memory bandwidth (bench/bandwidth.py), per
-    variant: (ms/step, weight bytes, K/V bytes)."""
-    from evenflow.bench.bandwidth import LIMIT_HEADER, limit_line
-
-    print(f"\nbatch-1 decode against the memory bandwidth (STREAM-style, same threads: copy "
-          f"{bandwidth['copy']:.1f}, triad {bandwidth['triad']:.1f}, read "
-          f"{bandwidth['read']:.1f} GB/s); a step reads its weights (top-k experts) and K/V. "
-          "Weights that fit the last-level cache (attention, lm_head) may stay there between "
-          "steps: a share past 100% says so")
-    print(LIMIT_HEADER)
-    for name, (ms, weights, kv) in rows.items():
-        print(limit_line(name, ms, weights, kv, bandwidth["read"]))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
@@ -284,11 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = stream_bandwidth(args.threads)
     if args.llamacpp:  # llama.cpp beside the variants, on the same weights (bench/llamacpp.py)
         from evenflow.bench.llamacpp import compare as beside_llamacpp
+        from evenflow.bench.llamacpp import native_variant
 
         beside_llamacpp(Path(ckpt), args.llamacpp, args.threads, {
-            "bf16" if dtype == "bfloat16" else "fp32": ({}, "bf16" if dtype == "bfloat16"
-                                                       else "f32"),
-            "int8": ({"quantization": "int8"}, "q8_0"),
+            **dict([native_variant(dtype)]), "int8": ({"quantization": "int8"}, "q8_0"),
             "int4-g32": ({"quantization": "int4", "quant_group_size": 32}, "q4_0")},
             args.quick)
     results, logits = {}, {}
@@ -331,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                             {v: alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED})
         alternating_row(f"prefill {plan['prefill']} tokens (ms)",
                         {v: alternating[v]["prefill_ms"] for v in INTERLEAVED})
+        from evenflow.bench.bandwidth import print_limit
+
         print_limit(bandwidth, {v: (statistics.median(alternating[v]["decode_ms"]["1"]),
                                     *alternating[v]["step_bytes"]) for v in INTERLEAVED})
     print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "

@@ -13,8 +13,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import orjson
-
 from evenflow import models
 from evenflow.gateway.client import GatewayClient, RequestFailed
 from evenflow.gateway.edge import Admission
@@ -132,11 +130,8 @@ class Gateway:
         if model_dir is None:
             raise ValueError(f"model {config.model!r} is neither built in nor a directory")
         self.tokenizer = Tokenizer(model_dir)
-        # token ids a worker may send: the model's embedding rows (often a few more than the
-        # tokenizer has: padding rows)
-        spec = orjson.loads((model_dir / "config.json").read_bytes())
-        spec = spec.get("text_config") or spec
-        self.output_vocab = max(self.tokenizer.vocab_size, int(spec.get("vocab_size") or 0))
+        # token ids a worker may send
+        self.output_vocab = max(self.tokenizer.vocab_size, models.output_vocab_size(model_dir))
         eos = self.tokenizer.eos_token_id
         self.guides = GuideCompiler(model_dir, [] if eos is None else [eos])
         self.logprob_renderer = LogprobRenderer(self.tokenizer)

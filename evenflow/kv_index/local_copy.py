@@ -140,6 +140,7 @@ class LocalIndex:
         first block held nowhere)."""
         if not block_hashes:
             return {}
+        disk_credit = disk_credit if self.disk_holders else 0.0  # (no disk tier anywhere)
         first = self.holders.get(block_hashes[0], set())
         if disk_credit > 0:
             first = first | self.disk_holders.get(block_hashes[0], set())
@@ -154,7 +155,7 @@ class LocalIndex:
                 else:
                     hi = mid - 1
             extra = 0
-            if disk_credit > 0:
+            if disk_credit > 0 and copy.disk:
                 while lo + extra < len(block_hashes) and (
                         block_hashes[lo + extra] in copy.disk
                         or block_hashes[lo + extra] in copy.blocks):

@@ -53,6 +53,13 @@ def from_hub(repo_id: str) -> Path | None:
         return None
 
 
+def output_vocab_size(model_dir: Path) -> int:
+    """The model's embedding rows: the token ids it can produce (often a few more than its
+    tokenizer has: padding rows)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    return int((raw.get("text_config") or raw).get("vocab_size") or 0)
+
+
 def default_max_model_len(model_dir: Path, requested: int | None = None) -> int:
     """The context limit the engine serves: the model's, capped."""
     raw = json.loads((model_dir / "config.json").read_text())

@@ -210,18 +210,13 @@ def _gptq(base: str, q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
     """One Q4_0 linear (N, K) as GPTQ v2 tensors (engine/weights/gptq.py's layout): codes
     packed 8 to an int32 along K, fp16 scales (K / 32, N), zero points 8 packed along N."""
     n, k = q.shape
-    # Q4_0's scale is negative where a block's largest magnitude is negative; evenflow's int4
-    # keeps scales positive: d * (q - 8) = (-d) * ((15 - q) - 7)
-    negative = np.repeat(d < 0, Q4_0_BLOCK, axis=1)  # (N, K)
-    q = np.where(negative, 15 - q, q).astype(np.uint32)
-    zero = np.where(d < 0, 7, 8).astype(np.uint32)  # (N, K / 32)
     shifts = np.arange(8, dtype=np.uint32) * 4
-    packed = (q.T.reshape(k // 8, 8, n) << shifts[None, :, None]).sum(axis=1, dtype=np.uint32)
-    zeros = (zero.T.reshape(k // Q4_0_BLOCK, n // 8, 8) << shifts[None, None, :]).sum(
-        axis=2, dtype=np.uint32)
+    packed = (q.T.astype(np.uint32).reshape(k // 8, 8, n) << shifts[None, :, None]).sum(
+        axis=1, dtype=np.uint32)
+    zeros = np.full((k // Q4_0_BLOCK, n // 8), 0x88888888, dtype=np.uint32)
     return {f"{base}.qweight": np.ascontiguousarray(packed).view(np.int32),
-            f"{base}.scales": np.ascontiguousarray(np.abs(d).T),
-            f"{base}.qzeros": np.ascontiguousarray(zeros).view(np.int32)}
+            f"{base}.scales": np.ascontiguousarray(d.T),
+            f"{base}.qzeros": zeros.view(np.int32)}
 
 
 def _config(reader: Any, arch: str) -> dict[str, Any]:
