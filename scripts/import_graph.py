@@ -28,7 +28,7 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("model",),
     ("weights",),
     ("runners",),
-    ("placement_control", "profiling"),
+    ("placement_control", "prefix_transfer", "profiling"),
     ("engine",),
     ("dep",),
     ("mock", "llm", ""),  # "": the package's own __init__ (create_engine)

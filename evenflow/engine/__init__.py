@@ -15,7 +15,8 @@ circles (tests/unit/test_import_rules.py; `python scripts/import_graph.py` print
  6. weights/            safetensors, HF names, loading, GPTQ, prepacking, TP shards, expert store
  7. runners/            the model runner (KV cache, forward, sample), tensor-parallel ranks and
                         the typed commands between ranks
- 8. placement_control.py, profiling.py   the Engine's expert-placement and profiling parts
+ 8. placement_control.py, prefix_transfer.py, profiling.py   the Engine's expert-placement,
+    KV-pull and profiling parts
  9. engine.py           Engine: add / abort / step, KV export and import, KV events
 10. dep/                expert parallelism with data-parallel attention: several Engines in
                         lockstep (above engine.py because each rank is one)

@@ -21,6 +21,7 @@ from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.kernels import native
 from evenflow.engine.model.kv_quant import kv_block_bytes
 from evenflow.engine.placement_control import ExpertPlacementControl
+from evenflow.engine.prefix_transfer import PrefixTransfer
 from evenflow.engine.profiling import ProfileControl, StepProfiler
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
@@ -55,7 +56,7 @@ class StepOutput:
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
-class Engine(ExpertPlacementControl, ProfileControl):
+class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
     """The real engine; it implements services/engine_api.py's ServingEngine (what services may
     ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
 

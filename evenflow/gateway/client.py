@@ -392,11 +392,29 @@ class GatewayClient:
                     request_id=request_id, prompt_token_ids=prompt, sampling=spec,
                     reply_subject=self.inbox, enqueued_at=time.time()))
             else:
+                source, source_blocks = self._kv_source(matched, prefill.worker_id, hit)
                 await self.bus.publish(subjects.prefill_worker(prefill.worker_id), PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=spec,
                     reply_subject=self.inbox, decode_worker=decode.worker_id,
-                    enqueued_at=time.time()))
+                    enqueued_at=time.time(), kv_source=source, kv_source_blocks=source_blocks))
             flight.published_at = time.perf_counter()
+
+    def _kv_source(self, matched: dict[str, float], prefill_id: str, prefill_hit: int
+                   ) -> tuple[str, int]:
+        """The live worker holding the most of the prompt's leading blocks in RAM beyond what
+        the prefill worker holds, when that is at least kv_pull_min_tokens: the prefill worker
+        may pull them from it (services/kv_pull.py). ("", 0): none."""
+        min_tokens = self.config.kv_pull_min_tokens
+        if min_tokens <= 0:
+            return "", 0
+        best, best_blocks = "", prefill_hit
+        for worker_id, blocks in matched.items():
+            if worker_id != prefill_id and int(blocks) > best_blocks and \
+                    self.registry.is_live(worker_id):
+                best, best_blocks = worker_id, int(blocks)
+        if not best or (best_blocks - prefill_hit) * self.config.block_size < min_tokens:
+            return "", 0
+        return best, best_blocks
 
     @staticmethod
     def _holders(matched: dict[str, float], *workers: WorkerState | None

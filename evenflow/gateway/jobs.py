@@ -25,6 +25,7 @@ from evenflow.gateway.protocol import (
 from evenflow.gateway.render import (
     LogprobRenderer,
     Piece,
+    TokenIdRenderer,
     TokenLogprob,
     Usage,
 )
@@ -69,6 +70,7 @@ class Job:
     deadline: float  # time.monotonic() by which the request must be done
     n: int = 1
     logprobs: int | None = None  # top logprobs per token wanted (0: the chosen's only)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
     include_stop: bool = False
     continuous_usage: bool = False
     usage: Usage = field(init=False)
@@ -135,6 +137,7 @@ class Gateway:
         eos = self.tokenizer.eos_token_id
         self.guides = GuideCompiler(model_dir, [] if eos is None else [eos])
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
+        self.token_id_renderer = TokenIdRenderer(self.tokenizer)
         self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
             model_dir, config.max_model_len or None)
         self.tracer = setup_tracing("evenflow-gateway")
@@ -231,6 +234,7 @@ class Gateway:
         job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
                   req.stop_strings, req.stream, bool(options and options.include_usage),
                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
+                  tokens_as_ids=req.return_tokens_as_token_ids,
                   include_stop=req.include_stop_str_in_output,
                   continuous_usage=bool(options and options.continuous_usage_stats))
         if isinstance(req, CompletionRequest) and req.echo:

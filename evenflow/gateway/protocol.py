@@ -83,7 +83,7 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "metadata": _empty, "logits_processors": _empty, "bad_words": _empty,
     "continue_final_message": _one_of(False), "chat_template": _none,
     "chat_template_kwargs": _empty, "documents": _empty, "truncate_prompt_tokens": _none,
-    "return_tokens_as_token_ids": _one_of(False), "skip_special_tokens": _one_of(True),
+    "skip_special_tokens": _one_of(True),
     "spaces_between_special_tokens": _one_of(True), "priority": _one_of(0),
     "service_tier": _one_of("auto", "default"), "mm_processor_kwargs": _empty,
 }
@@ -109,6 +109,8 @@ class _Common(BaseModel):
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)  # = n (no ranking)
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
+    # vLLM's: logprobs name each token "token_id:<id>" instead of its text
+    return_tokens_as_token_ids: StrictBool = False
     min_p: Number = Field(default=0.0, ge=0, le=1)
     presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)

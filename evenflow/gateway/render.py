@@ -101,6 +101,14 @@ class LogprobRenderer:
                 "text_offset": offsets}
 
 
+class TokenIdRenderer(LogprobRenderer):
+    """Logprobs with each token named "token_id:<id>" (vLLM's return_tokens_as_token_ids):
+    exact ids for a client that builds the next prompt from them."""
+
+    def token(self, token_id: int, previous_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def _first_token_entry(text: str) -> dict[str, Any]:
     return {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
             "text_offset": [0]}

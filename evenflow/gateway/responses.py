@@ -21,6 +21,7 @@ from evenflow.gateway.client import RequestFailed
 from evenflow.gateway.fanout import merged
 from evenflow.gateway.jobs import Gateway, Job, error_from_failure
 from evenflow.gateway.render import (
+    LogprobRenderer,
     Piece,
     TokenLogprob,
     choice_body,
@@ -48,11 +49,15 @@ def _runs(gateway: Gateway, choices: list[Job]) -> list[Callable[[], AsyncIterat
     return [functools.partial(gateway.run, c) for c in choices]
 
 
+def _renderer(gateway: Gateway, job: Job) -> LogprobRenderer:
+    return gateway.token_id_renderer if job.tokens_as_ids else gateway.logprob_renderer
+
+
 def _rendered_logprobs(gateway: Gateway, job: Job, piece: Piece,
                        offset: int) -> dict[str, Any] | None:
     if job.logprobs is None:
         return None
-    render = gateway.logprob_renderer
+    render = _renderer(gateway, job)
     return (render.chat(piece.logprobs) if job.kind == "chat"
             else render.completion(piece.logprobs, offset))
 
@@ -93,7 +98,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
                      if job.tools is not None and finishes[i] != "length" else None)
             body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered, calls))
             continue
-        rendered = None if job.logprobs is None else gateway.logprob_renderer.echoed(
+        rendered = None if job.logprobs is None else _renderer(gateway, job).echoed(
             job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
         body.append(choice_body(job.kind, i, job.echo_text + texts[i], finishes[i], rendered))
     return _json(completion_body(job.kind, job.request_id, job.model, body,

@@ -10,7 +10,9 @@ K/V copy.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,13 +40,18 @@ from evenflow.services.engine_thread import (
     Abort,
     AddRequest,
     Admitted,
+    ImportPrefix,
+    PrefixImported,
     Rejected,
     StepDone,
     StepFailed,
     first_token_times,
 )
+from evenflow.services.kv_pull import KV_PULLED_BLOCKS, KVPuller
 from evenflow.services.metrics import KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,7 +77,11 @@ class PrefillWorker(WorkerService):
                                ep_group=self.config.ep_group,
                                mock_timing_scale=self.config.mock_timing_scale)
         self.pending: dict[str, _Pending] = {}
+        self.puller = KVPuller(self.send, self.worker_id, lambda: self.engine.kv_block_shape,
+                               self.config.kv_pull_timeout_s)
+        self._pull_tasks: set[asyncio.Task] = set()
         await self.serve_engine(engine)
+        await self.bus.subscribe(subjects.kv_pulled(self.worker_id), self.puller.on_message)
         await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
 
     def _queued_by_gateway(self) -> dict[str, int]:
@@ -104,6 +115,7 @@ class PrefillWorker(WorkerService):
         if isinstance(message, PrefillRequest):
             self._on_request(message, ctx)
         elif isinstance(message, Cancel):
+            self.puller.cancel(message.request_id)
             if self.pending.pop(message.request_id, None) is not None:
                 self.engine_thread.submit(Abort(message.request_id))
         elif isinstance(message, ProfileRequest):
@@ -113,6 +125,7 @@ class PrefillWorker(WorkerService):
         orphans = [r for r, p in self.pending.items()
                    if p.request.reply_subject in reply_subjects]
         for request_id in orphans:
+            self.puller.cancel(request_id)
             self.pending.pop(request_id).queue_span.end()
             self.engine_thread.submit(Abort(request_id))
         return len(orphans)
@@ -126,10 +139,58 @@ class PrefillWorker(WorkerService):
             "gen_ai.request.id": req.request_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
         self.pending[req.request_id] = _Pending(req, span, ctx)
+        first_block, last_block = self._pull_plan(req)
+        if first_block < last_block:
+            task = asyncio.create_task(self._pull_then_add(req, first_block, last_block, span))
+            self._pull_tasks.add(task)
+            task.add_done_callback(self._pull_tasks.discard)
+        else:
+            self._add(req)
+
+    def _add(self, req: PrefillRequest) -> None:
         first_token_only = dataclasses.replace(req.sampling, max_tokens=1,
                                                min_tokens=min(req.sampling.min_tokens, 1))
         self.engine_thread.submit(AddRequest(req.request_id, req.prompt_token_ids,
                                              first_token_only, export_kv=True))
+
+    def _pull_plan(self, req: PrefillRequest) -> tuple[int, int]:
+        """The prompt's blocks [first, last) to pull from req.kv_source: those past what this
+        cache holds, when they are at least kv_pull_min_tokens (empty: recompute)."""
+        min_tokens = self.config.kv_pull_min_tokens
+        if not req.kv_source or req.kv_source == self.worker_id or min_tokens <= 0:
+            return 0, 0
+        bs = self.engine.block_size
+        last = min(req.kv_source_blocks, (len(req.prompt_token_ids) - 1) // bs)
+        first = self.engine.cached_prefix_blocks(req.prompt_token_ids)
+        return (first, last) if (last - first) * bs >= min_tokens else (0, 0)
+
+    async def _pull_then_add(self, req: PrefillRequest, first_block: int, last_block: int,
+                             queue_span: trace.Span) -> None:
+        """Pull the blocks, put them into the prefix cache, then add the request (in that
+        order on the engine thread); on any failure of the pull, add it as it is."""
+        pull_span = self.tracer.start_span(
+            "prefill.kv_pull", context=trace.set_span_in_context(queue_span),
+            attributes={"evenflow.kv_pull.source": req.kv_source,
+                        "evenflow.kv_pull.first_block": first_block,
+                        "evenflow.kv_pull.blocks_wanted": last_block - first_block})
+        bs = self.engine.block_size
+        try:
+            kv = await self.puller.pull(req.request_id, req.kv_source,
+                                        req.prompt_token_ids[: last_block * bs], first_block)
+            pull_span.set_attribute("evenflow.kv_pull.blocks", kv.num_blocks if kv else 0)
+        finally:
+            pull_span.end()
+        if req.request_id not in self.pending:  # cancelled meanwhile
+            return
+        if kv is not None:
+            self.engine_thread.submit(ImportPrefix(req.request_id, req.prompt_token_ids,
+                                                   first_block, kv))
+        self._add(req)
+
+    def on_prefix_imported(self, event: PrefixImported) -> None:
+        KV_PULLED_BLOCKS.inc(event.num_blocks)
+        if event.error:
+            log.warning("pulled K/V for %s not imported: %s", event.request_id, event.error)
 
     def on_admitted(self, event: Admitted) -> None:
         pending = self.pending.get(event.request_id)

@@ -6,6 +6,7 @@ Who sends what (subjects in `subjects.py`):
   gateway -> prefill worker   PrefillRequest, Cancel
   gateway -> decode worker    DecodeRequest (local prefill), Cancel
   prefill -> decode worker    KVBlockChunk..., KVTransferComplete (layout: proto/kv_handoff.py)
+  prefill -> holding worker   KVPullRequest;  holder -> prefill  KVBlockChunk..., KVPullDone
   prefill / decode -> gateway TokenDeltas (one message per step per gateway), ErrorMessage
   every service -> all        WorkerHeartbeat
   every worker -> kv_index    KVEvents, KVSnapshot;  kv_index -> worker  KVResyncRequest
@@ -81,6 +82,11 @@ class PrefillRequest:
     reply_subject: str  # where TokenDeltas for this request go (the gateway's inbox)
     decode_worker: str  # the decode worker that continues the request
     enqueued_at: float  # gateway clock, seconds
+    # appended later. Another worker the KV index says holds more of the prompt's leading
+    # blocks than this one ("": none): the prefill worker may pull them (KVPullRequest)
+    # instead of recomputing them, and how many blocks the index credits it with.
+    kv_source: str = ""
+    kv_source_blocks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +140,39 @@ class KVTransferComplete:
     inline: bool = False  # the only chunk's K/V is here, not sent as a chunk:
     data: bytes | memoryview = b""
     first_block: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVPullRequest:
+    """A prefill worker asks a worker holding a prompt's leading blocks for blocks
+    [first_block, len(prompt_token_ids) / block size) of them (the prompt is cut to whole
+    blocks). The holder answers on `reply_subject` with KVBlockChunks (blocks numbered from 0
+    = first_block), then KVPullDone; it sends only the run of blocks its cache holds from
+    first_block on, possibly none."""
+
+    TYPE: ClassVar[str] = "kv_pull"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    reply_subject: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVPullDone:
+    """The holder's answer to a KVPullRequest: `num_chunks` chunks carrying `num_blocks`
+    blocks from `first_block` on in the hand-off layout (proto/kv_handoff.py); `error` says
+    why none were sent, when so."""
+
+    TYPE: ClassVar[str] = "kv_pull_done"
+    VERSION: ClassVar[int] = 1
+    request_id: str
+    num_chunks: int
+    num_blocks: int
+    first_block: int
+    dtype: str
+    worker_id: str
+    error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,11 +424,13 @@ class ProfileResult:
 
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
            | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
-           | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult)
+           | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult | KVPullRequest
+           | KVPullDone)
 
 CODEC = Codec((PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas,
                Cancel, ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot,
-               ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult))
+               ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult, KVPullRequest,
+               KVPullDone))
 REGISTRY = CODEC.registry
 
 

@@ -38,6 +38,16 @@ def kv_transfer(worker_id: str) -> str:
     return f"{PREFIX}.kvx.{worker_id}"
 
 
+def kv_pull(worker_id: str) -> str:
+    """KVPullRequest for one worker holding KV (from prefill workers)."""
+    return f"{PREFIX}.kvpull.{worker_id}"
+
+
+def kv_pulled(worker_id: str) -> str:
+    """KVBlockChunk and KVPullDone answering one prefill worker's pulls (from holders)."""
+    return f"{PREFIX}.kvpulled.{worker_id}"
+
+
 def gateway_inbox(gateway_id: str) -> str:
     """TokenDeltas and ErrorMessage for one gateway."""
     return f"{PREFIX}.gateway.{gateway_id}"

@@ -41,6 +41,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "prediction_ttl_ms": (0, None, True), "kv_lookup_timeout_s": (0, None, False),
     "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
     "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
+    "kv_pull_min_tokens": (0, None, True), "kv_pull_timeout_s": (0, None, False),
     "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
     "orphan_ttl_s": (0, None, False), "queue_timeout_s": (0, None, True),
     "migration_wait_s": (0, None, True),
@@ -171,6 +172,14 @@ class MeshConfig:
     # Workers drop the requests of a gateway silent this long (its clients are gone with it).
     orphan_ttl_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
+    # KV pulls (services/kv_pull.py): a prefill worker lacking at least this many of a prompt's
+    # leading tokens which another live worker holds (the decode worker holding a chat's
+    # history) pulls their blocks from it over NATS instead of recomputing them; below it,
+    # recomputing is faster. `evenflow bench serve` measures the crossover (pull time against
+    # recompute time per token). 0: never pull. A pull that takes longer than
+    # kv_pull_timeout_s is given up, and the prompt recomputed.
+    kv_pull_min_tokens: int = 64
+    kv_pull_timeout_s: float = 1.0
     kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
     # Incomplete framed bus messages a process holds, per sending peer and in total
     bus_peer_reassembly_mb: int = 64

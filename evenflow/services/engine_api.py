@@ -6,7 +6,7 @@ enforces that services name no other engine member).
 Threading: every method but the read-only counters runs on the engine thread
 (services/engine_thread.py), between steps. The counters (num_running, num_waiting,
 num_free_kv_blocks) may be read from the event loop for heartbeats: they are plain ints, a
-step's worth stale at most.
+step's worth stale at most; so may cached_prefix_blocks (dict lookups).
 """
 
 from __future__ import annotations
@@ -108,6 +108,14 @@ class ServingEngine(Protocol):
     def take_kv_events(self) -> list[KVCacheEvent]: ...
     def cached_block_hashes(self) -> list[int]: ...
     def disk_block_hashes(self) -> list[int]: ...
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many of the prompt's leading blocks the RAM cache holds: a read the event loop
+        may make too (a step stale at most)."""
+    def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
+        """The prompt's blocks from first_block on, as far as the cache holds them (KV pull)."""
+    def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
+        """Pulled blocks into the prefix cache; how many were written. KVHandoffError (a
+        ValueError) when they do not fit."""
 
     # -- operator profiles (engine thread) -----------------------------------------------------
     def start_profile(self) -> None:

@@ -77,8 +77,28 @@ class Profile:
     trace_file: str
 
 
+@dataclass(frozen=True)
+class ExportPrefix:
+    """A KV pull to answer (services/kv_pull.py): the prompt's cached blocks from first_block."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    reply_subject: str
+
+
+@dataclass(frozen=True)
+class ImportPrefix:
+    """Pulled blocks into the prefix cache, before the request that wanted them is added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    kv: KVPayload
+
+
 EngineCommand = (AddRequest | AddPrefilled | Abort | ApplyPlacement | TakeExpertLoad
-                 | SnapshotKV | Profile)
+                 | SnapshotKV | Profile | ExportPrefix | ImportPrefix)
 
 
 # -- events: engine thread -> event loop --------------------------------------------------------
@@ -155,8 +175,25 @@ class ProfileTaken:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class PrefixExported:
+    request_id: str
+    reply_subject: str
+    first_block: int
+    kv: KVPayload | None  # None: it failed (error says why)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PrefixImported:
+    request_id: str
+    num_blocks: int  # blocks written into the cache
+    error: str = ""  # why none were
+
+
 EngineEvent = (Admitted | Rejected | StepDone | StepFailed | KVEventsTaken | KVSnapshotTaken
-               | ExpertLoadTaken | PlacementApplied | ProfileTaken)
+               | ExpertLoadTaken | PlacementApplied | ProfileTaken | PrefixExported
+               | PrefixImported)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine reports itself unhealthy
 EXIT_ENGINE_LOST = 70  # the worker's exit status when its engine can never step again
@@ -254,6 +291,21 @@ class EngineThread:
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.cached_block_hashes(),
                                                engine.disk_block_hashes()))
+            case ExportPrefix(request_id, prompt, first_block, reply_subject):
+                try:
+                    kv = engine.export_prefix(prompt, first_block)
+                except Exception as exc:  # a bad request must not stop the engine
+                    self._emit(PrefixExported(request_id, reply_subject, first_block, None,
+                                              _reason(exc)))
+                else:
+                    self._emit(PrefixExported(request_id, reply_subject, first_block, kv))
+            case ImportPrefix(request_id, prompt, first_block, kv):
+                try:
+                    written = engine.import_prefix(prompt, first_block, kv)
+                except Exception as exc:
+                    self._emit(PrefixImported(request_id, 0, _reason(exc)))
+                else:
+                    self._emit(PrefixImported(request_id, written))
             case Profile(request_id, _, timeout_s, trace_file):
                 if self._profile is not None:
                     self._emit(ProfileTaken(request_id, 0, [], trace_file,

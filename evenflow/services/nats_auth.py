@@ -54,15 +54,18 @@ class NatsUser:
 def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(publish, subscribe) subject patterns for one service."""
     own_heartbeat = subjects.heartbeat(role, worker_id)
+    # every worker answers KV pulls from the blocks it holds (prefill workers ask)
     worker_in = (subjects.kv_resync(worker_id), subjects.EXPERT_PLACEMENT,
-                 subjects.heartbeat("gateway", "*"))
-    worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat)
+                 subjects.heartbeat("gateway", "*"), subjects.kv_pull(worker_id))
+    worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat,
+                  subjects.kv_pulled("*"))
     table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "gateway": ((f"{P}.prefill.*", f"{P}.decode.*", subjects.kv_resync("*"),
                      subjects.heartbeat("gateway", "*")),
                     (f"{P}.gateway.*", subjects.HEARTBEATS, subjects.KV_EVENTS)),
-        "prefill": ((*worker_out, subjects.kv_transfer("*")),
-                    (subjects.prefill_worker(worker_id), *worker_in)),
+        "prefill": ((*worker_out, subjects.kv_transfer("*"), subjects.kv_pull("*")),
+                    (subjects.prefill_worker(worker_id), subjects.kv_pulled(worker_id),
+                     *worker_in)),
         "decode": (worker_out,
                    (subjects.decode_worker(worker_id), subjects.kv_transfer(worker_id),
                     *worker_in)),

@@ -47,6 +47,8 @@ from evenflow.services.engine_thread import (
     KVEventsTaken,
     KVSnapshotTaken,
     PlacementApplied,
+    PrefixExported,
+    PrefixImported,
     Profile,
     ProfileTaken,
     Rejected,
@@ -55,6 +57,7 @@ from evenflow.services.engine_thread import (
     StepFailed,
     TakeExpertLoad,
 )
+from evenflow.services.kv_pull import PullServer
 from evenflow.services.metrics import (
     VLLM_KV_USAGE,
     VLLM_RUNNING,
@@ -141,6 +144,9 @@ class WorkerService:
     def on_step_failed(self, event: StepFailed) -> None:
         """A step raised and the engine dropped these requests."""
 
+    def on_prefix_imported(self, event: PrefixImported) -> None:
+        """Pulled K/V went into the prefix cache (prefill workers)."""
+
     # -- the engine -------------------------------------------------------------------------
     @property
     def engine(self) -> ServingEngine:
@@ -173,6 +179,9 @@ class WorkerService:
         self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
                                                      name="engine events"))
         await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
+        self.pull_server = PullServer(self.send, self._thread.submit, self.worker_id,
+                                      self.config.kv_chunk_bytes)
+        await self.bus.subscribe(subjects.kv_pull(self.worker_id), self.pull_server.on_request)
         await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
                                  self._on_gateway_heartbeat)
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
@@ -259,6 +268,10 @@ class WorkerService:
                     self.send(reply, ProfileResult(
                         request_id=request_id, worker_id=self.worker_id, steps=steps,
                         lines=lines, trace_file=trace_file, error=error))
+            case PrefixExported():
+                self.pull_server.on_exported(event)
+            case PrefixImported():
+                self.on_prefix_imported(event)
             case PlacementApplied(version, seconds, error):
                 if error is None:
                     log.info("placement %d applied in %.1f ms", version, seconds * 1e3)

@@ -87,3 +87,47 @@ def test_native_block_copies_equal_torch(ckpt, monkeypatch):
     assert torch.equal(runner.read_kv(blocks), native_read)
     assert torch.equal(runner.read_kv([11, 5, 40, 6]), native_written)
     assert torch.equal(native_written, payload)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_pulled_prefix_is_a_prefix_hit_with_identical_output(ckpt, kv_cache_dtype):
+    """A holder's cached blocks of a conversation, pulled into another engine's prefix cache:
+    the next turn there computes only the rest and samples what the holder samples."""
+    cfg = EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
+                       kv_cache_dtype=kv_cache_dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    holder, puller = Engine(cfg), Engine(cfg)
+    history = list(range(3, 30))
+    holder.add_request("turn1", history, greedy)
+    answer, _ = run_all(holder)
+    puller.add_request("own", history[:9], SamplingParams(max_tokens=1))  # 2 blocks of its own
+    run_all(puller)
+    turn2 = history + answer["turn1"] + [7, 8, 9]
+    own = puller.cached_prefix_blocks(turn2)
+    assert own == 2 and holder.cached_prefix_blocks(turn2) == (len(turn2) - 1) // 4 - 1
+    kv = holder.export_prefix(turn2, own)
+    assert kv.num_blocks == holder.cached_prefix_blocks(turn2) - own
+    assert puller.import_prefix(turn2, own, kv) == kv.num_blocks
+    assert puller.cached_prefix_blocks(turn2) == own + kv.num_blocks
+    events = puller.take_kv_events() if puller.collect_kv_events else puller.blocks.take_events()
+    assert any(getattr(e, "block_hashes", None) for e in events)  # the index hears of them
+    holder.add_request("turn2", turn2, greedy)
+    puller.add_request("turn2", turn2, greedy)
+    expected, _ = run_all(holder)
+    [first] = puller.step()
+    assert first.num_cached_tokens == (own + kv.num_blocks) * 4  # computed only the rest
+    got, _ = run_all(puller)
+    assert first.new_token_ids + got["turn2"] == expected["turn2"]
+    assert holder.export_prefix(turn2, 10**6).num_blocks == 0  # past the end: nothing
+
+
+def test_pulled_kv_of_another_layout_is_refused(ckpt):
+    a = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4))
+    b = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
+                            kv_cache_dtype="int8"))
+    prompt = list(range(3, 20))
+    a.add_request("x", prompt, SamplingParams(max_tokens=1))
+    run_all(a)
+    with pytest.raises(ValueError, match="does not match"):
+        b.import_prefix(prompt, 0, a.export_prefix(prompt, 0))
+    assert b.cached_prefix_blocks(prompt) == 0

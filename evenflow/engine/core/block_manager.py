@@ -89,6 +89,56 @@ class BlockManager:
         self._flush_run(seq, [h], i)
         return block
 
+    def cached_run(self, hashes: list[int], first: int) -> list[int]:
+        """The RAM blocks cached under hashes[first], hashes[first + 1], ... up to the first
+        one not cached."""
+        run: list[int] = []
+        for h in hashes[first:]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            run.append(block)
+        return run
+
+    def insert_cached(self, token_ids: list[int], hashes: list[int], first: int) -> list[int]:
+        """Blocks first, first + 1, ... of `token_ids` (hashes: their chained hashes, one per
+        full block), brought in from elsewhere: each not cached yet gets a free RAM block,
+        registered under its hash as a cached block with no user (the most recently freed:
+        evicted last); free blocks holding the first `first` blocks are not taken for them.
+        Returns the RAM block of each, in order, -1 where a block was already cached or no
+        free block was left (the caller writes K/V only into the others). A KV event tells the
+        index."""
+        if not self.enable_prefix_caching:
+            return [-1] * (len(hashes) - first)
+        keep = set(hashes[:first])  # the prefix the caller already holds stays
+        spare = iter([b for b in self.free if self.block_hash[b] not in keep])
+        placed: list[int] = []
+        run: list[int] = []
+        run_start = first
+        for i in range(first, len(hashes)):
+            h = hashes[i]
+            block = next(spare, None) if h not in self.cached else None
+            if block is None:
+                self._flush_tokens(token_ids, hashes, run, run_start)
+                run, run_start = [], i + 1
+                placed.append(-1)
+                continue
+            self._evict(block)
+            self.block_hash[block], self.cached[h] = h, block
+            self.free.move_to_end(block)
+            run.append(h)
+            placed.append(block)
+        self._flush_tokens(token_ids, hashes, run, run_start)
+        return placed
+
+    def _flush_tokens(self, token_ids: list[int], hashes: list[int], run: list[int],
+                      start: int) -> None:
+        if run:
+            bs = self.block_size
+            self.pending_events.append(BlockStored(
+                block_hashes=run, parent_block_hash=hashes[start - 1] if start else None,
+                block_size=bs, token_ids=token_ids[start * bs : (start + len(run)) * bs]))
+
     def take_saves(self) -> list[tuple[int, int]]:
         """(block, hash) of cached blocks evicted since the last call: their memory still holds
         the block until the step runs."""
@@ -152,12 +202,7 @@ class BlockManager:
 
     def _flush_run(self, seq: Sequence, run: list[int], start: int) -> None:
         """A BlockStored event (vLLM's schema) for blocks [start, start + len(run))."""
-        if run:
-            bs = self.block_size
-            parent = seq.block_hashes[start - 1] if start else None
-            self.pending_events.append(BlockStored(
-                block_hashes=run, parent_block_hash=parent, block_size=bs,
-                token_ids=seq.token_ids[start * bs : (start + len(run)) * bs]))
+        self._flush_tokens(seq.token_ids, seq.block_hashes, run, start)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; its tail blocks become the first to be evicted."""

@@ -1,0 +1,75 @@
+"""The engine's side of KV pulls (a mixin of Engine): a prompt's leading blocks that this cache
+holds, read out in the hand-off layout for another worker (`export_prefix`), and blocks pulled
+from another worker put into this prefix cache (`import_prefix`), so the request that follows
+finds them as prefix hits and computes only the rest. Both run on the engine thread, between
+steps; `cached_prefix_blocks` is a read the event loop may make (a step stale at most)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from evenflow.engine.core.block_manager import BlockManager
+from evenflow.engine.runners.kv_tiers import KVTiers
+from evenflow.proto.hashing import chain_hashes
+from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
+
+
+class PrefixTransfer:
+    blocks: BlockManager
+    runner: Any  # the model runner, a TP leader or the mock's: read_kv, write_kv, kv_shape
+    tiers: KVTiers | None
+
+    if TYPE_CHECKING:
+        @property
+        def kv_dtype(self) -> torch.dtype: ...
+        @property
+        def kv_dtype_name(self) -> str: ...
+
+    def _prefix_hashes(self, token_ids: list[int]) -> list[int]:
+        """Chained hashes of the prompt's full blocks that a prefill may take from a cache
+        (the last token is always computed: a block holding it never counts)."""
+        bs = self.blocks.block_size
+        usable = max(0, len(token_ids) - 1) // bs * bs
+        return chain_hashes(token_ids[:usable], bs, self.blocks.salt)
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many of the prompt's leading blocks this RAM cache holds (loop-safe read)."""
+        return len(self.blocks.cached_run(self._prefix_hashes(token_ids), 0))
+
+    def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
+        """The K/V of the prompt's blocks first_block, first_block + 1, ... as far as this RAM
+        cache holds them without a gap (possibly none), in the hand-off layout."""
+        hashes = self._prefix_hashes(token_ids)
+        run = self.blocks.cached_run(hashes, first_block) if first_block < len(hashes) else []
+        shape = tuple(self.runner.kv_shape(1)[1:])
+        if not run:
+            return KVPayload(b"", self.kv_dtype_name, 0, shape)
+        kv = self.runner.read_kv(run).contiguous()
+        raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
+        return KVPayload(raw, self.kv_dtype_name, len(run), shape)
+
+    def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
+        """Blocks first_block .. first_block + kv.num_blocks - 1 of the prompt, pulled from
+        another worker, into the prefix cache (cached, no user); how many were written. Raises
+        KVHandoffError when the K/V does not fit this engine's layout."""
+        shape = tuple(self.runner.kv_shape(kv.num_blocks))
+        if kv.shape != shape or kv.dtype != self.kv_dtype_name:
+            raise KVHandoffError(f"pulled K/V {kv.dtype} {kv.shape} does not match this "
+                                 f"engine's {self.kv_dtype_name} {shape}")
+        hashes = self._prefix_hashes(token_ids)[: first_block + kv.num_blocks]
+        if len(hashes) < first_block + kv.num_blocks:
+            raise KVHandoffError(f"{kv.num_blocks} pulled blocks from block {first_block} "
+                                 f"go past the prompt's {len(hashes)} full blocks")
+        placed = self.blocks.insert_cached(token_ids, hashes, first_block)
+        if self.tiers is not None:  # blocks evicted for these go down to disk first
+            self.tiers.after_schedule()
+        rows = [i for i, block in enumerate(placed) if block >= 0]
+        if rows:
+            data = torch.frombuffer(kv.data, dtype=torch.uint8) if not isinstance(
+                kv.data, bytes) else torch.frombuffer(bytearray(kv.data), dtype=torch.uint8)
+            tensor = data.view(self.kv_dtype).view(shape)
+            self.runner.write_kv([placed[i] for i in rows],
+                                 tensor[rows] if len(rows) < len(placed) else tensor)
+        return len(rows)
