@@ -5,14 +5,19 @@ answers; a pull from a holder that died falls back to recomputing and the reques
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import signal
 import time
 
 import httpx
 import pytest
+import redis
 from meshutil import running_mesh
 
 from evenflow import LLM, SamplingParams
+from evenflow.kv_index import store
+from evenflow.proto.hashing import chain_hashes, namespace_salt
 from evenflow.services.config import MeshConfig
 
 pytestmark = pytest.mark.slow  # meshes of their own: ~30 s
@@ -64,3 +69,32 @@ def test_next_turn_pulls_the_history_and_answers_as_recomputing_does():
     [expected] = LLM(MODEL, dtype="float32", num_threads=1).generate(
         [turn2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert token_ids(body) == expected.token_ids
+
+
+def holder_of(mesh, block_hash: int) -> str:
+    """The decode worker the index says holds this block."""
+    keys = store.Keys(mesh.config.redis_prefix)
+    members = redis.Redis.from_url(mesh.config.redis_url).smembers(keys.block_key(block_hash))
+    [worker] = [m.decode().split("@")[0] for m in members if m.decode().startswith("d")]
+    return worker
+
+
+def test_a_holder_killed_during_the_pull_costs_a_recompute_not_the_request():
+    cfg = config(num_decode=2, worker_timeout_s=1.5, kv_pull_timeout_s=1.0)
+    with running_mesh(cfg) as mesh:
+        answer = token_ids(complete(mesh, HISTORY, 80))
+        turn2 = HISTORY + answer + [11, 12, 13, 14, 15, 16, 17, 18]
+        time.sleep(1.0)  # the answer's blocks reach the index
+        holder = holder_of(mesh, chain_hashes(turn2, 16, namespace_salt(MODEL))[5])
+        proc = next(p for p in mesh.procs if p.args[-1] == holder)
+        proc.send_signal(signal.SIGSTOP)  # frozen: the pull waits on it
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            turn = pool.submit(complete, mesh, turn2, 12)
+            time.sleep(0.4)
+            proc.send_signal(signal.SIGKILL)  # dies with the pull in flight
+            body = turn.result(timeout=60)
+        assert time.monotonic() - started < 30
+        assert len(token_ids(body)) == 12
+        assert worker_metric(mesh, "p0", "evenflow_kv_pulls_total", outcome="timeout") == 1
+        assert worker_metric(mesh, "p0", "evenflow_kv_pulled_blocks_total") == 0
