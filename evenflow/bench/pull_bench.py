@@ -7,10 +7,11 @@ threshold at 0 (every prompt goes to the prefill worker): one pulls whatever it 
 answered with H tokens (greedy: the answer's blocks live on the decode worker only), then the
 next turn: the whole history plus a new 32-token message, its TTFT measured. The meshes
 alternate conversation by conversation. Printed: TTFT p50 per history length on each mesh, and
-the crossover: straight lines fitted to both (TTFT = fixed + per token x H) meet at
-H* = (fixed pull - fixed recompute) / (per token recompute - per token pull), the history
-below which recomputing is the faster (kv_pull_min_tokens' default comes from it;
-services/config.py).
+the crossover: straight lines fitted to both (TTFT = fixed + per token x H) over the histories
+up to FIT_MAX tokens that were pulled (beyond, recompute's attention makes its time grow
+faster than a line) meet at H* = (fixed pull - fixed recompute) / (per token recompute - per
+token pull), the history below which recomputing is the faster (kv_pull_min_tokens' default
+comes from it; services/config.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request, run
 from evenflow.bench.sse_client import SSEClient
 
 USER = 32  # tokens of each user message
+FIT_MAX = 256  # the crossover's lines are fitted over histories up to this
 
 
 async def _answer(http: httpx.AsyncClient, model: str, prompt: list[int], length: int
@@ -99,14 +101,18 @@ def pull_table(model: str, vocab: int, histories: list[int], rounds: int) -> flo
     for h in histories:
         row = {n: statistics.median(t.ttft for t in timings[n][h]) * 1e3 for n in timings}
         cached = {n: statistics.median(t.cached_tokens for t in timings[n][h]) for n in timings}
-        for n in timings:
-            medians[n].append((h, row[n]))
+        if h <= FIT_MAX and cached["pull"] > cached["recompute"]:
+            for n in timings:
+                medians[n].append((h, row[n]))
         print(f"{h:10d} {row['pull']:9.2f} {row['recompute']:10.2f} "
               f"{row['recompute'] / row['pull']:14.2f}x {cached['pull']:14.0f} "
               f"{cached['recompute']:19.0f}")
+    if len(medians["pull"]) < 2:
+        print(f"crossover: not measured (fewer than 2 pulled histories up to {FIT_MAX})")
+        return None
     (a_pull, b_pull), (a_rec, b_rec) = _fit(medians["pull"]), _fit(medians["recompute"])
-    print(f"fitted: pull {a_pull:.2f} ms + {b_pull * 1e3:.2f} us/token, recompute "
-          f"{a_rec:.2f} ms + {b_rec * 1e3:.2f} us/token")
+    print(f"fitted over the pulled histories up to {FIT_MAX} tokens: pull {a_pull:.2f} ms + "
+          f"{b_pull * 1e3:.2f} us/token, recompute {a_rec:.2f} ms + {b_rec * 1e3:.2f} us/token")
     if b_rec <= b_pull:
         print("crossover: none (recomputing a token is no dearer than pulling it here)")
         return None

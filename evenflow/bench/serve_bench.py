@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pull_table:
         from evenflow.bench.pull_bench import pull_table
 
-        histories = [16, 64, 256] if args.quick else [16, 64, 256, 1024, 2048]
+        histories = [32, 64, 128] if args.quick else [32, 64, 128, 256, 1024, 2048]
         pull_table(model, vocab, histories, 2 if args.quick else 3)
     return 0
 
