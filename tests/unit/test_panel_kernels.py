@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quant_reference import seen_rows
+
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.quant.panel_stack import PanelStack
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
@@ -34,14 +36,19 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
     assert (actual.float() - expected).abs().max().item() <= tol * expected.abs().max().item()
 
 
-def moe_reference(x, ids, route, gate_up, down):
-    """Per token, per chosen expert: down(silu(gate) * up), weighted and summed, in float32."""
+def moe_reference(x, ids, route, gate_up, down, rows=None):
+    """Per token, per chosen expert: down(silu(gate) * up), weighted and summed, in float32.
+    rows(r, e, which): a row as the quantized stacks' kernels see it (which: 0 gate_up, 1 down;
+    e: the expert, whose row count decides)."""
     out = torch.zeros(x.shape[0], down[0].shape[0])
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gate, up = (x[t].float() @ gate_up[e].T).chunk(2)
-            out[t] += (F.silu(gate) * up) @ down[e].T * route[t, j]
+            xt = rows(x[t], e, 0) if rows is not None else x[t].float()
+            gate, up = (xt @ gate_up[e].T).chunk(2)
+            act = (F.silu(gate) * up).to(x.dtype)  # (the kernel keeps it in x's dtype)
+            act = rows(act, e, 1) if rows is not None else act.float()
+            out[t] += act @ down[e].T * route[t, j]
     return out
 
 
@@ -99,15 +106,23 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     down = PanelStack.build(downs)
     # direct reads (few rows: 1 to 4 a register block; int4 on bf16 rows stays direct up to
     # 15) and dequantized panels (many)
+    # (int4 where VNNI is: few rows meet it quantized per group, W4A8: quant_reference.py)
     for rows in (1, 3, 5, 11, 40):
         x = torch.randn(rows, H, generator=g).to(dtype)
-        close(linear.linear(x), x.float() @ values[0].dequantize().T, dtype)
-        close(gate_up.linear(x, 2), x.float() @ values[2].dequantize().T, dtype)  # plain order
+        close(linear.linear(x), seen_rows(linear, x) @ values[0].dequantize().T, dtype)
+        close(gate_up.linear(x, 2), seen_rows(gate_up, x) @ values[2].dequantize().T,
+              dtype)  # plain order
         ids, route = routing(rows, EXPERTS, g)
         (w13, s13, o13), (w2, s2, o2) = gate_up.experts(), down.experts()
         got = panels.run_experts(x, ids, route, w13, w2, s13, s2, o13, o2, gate_up.group_size)
+        per_expert = torch.bincount(ids.flatten(), minlength=EXPERTS)
+
+        def seen(r, e, which):  # a row as expert e's kernel sees it (its row count decides)
+            many = r.expand(int(per_expert[e]), -1)
+            return seen_rows((gate_up, down)[which], many)[0]
+
         expected = moe_reference(x, ids, route, [v.dequantize() for v in values],
-                                 [v.dequantize() for v in downs])
+                                 [v.dequantize() for v in downs], seen)
         close(got, expected, dtype)
 
 

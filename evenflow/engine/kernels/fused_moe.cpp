@@ -93,14 +93,18 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   const int64_t n_active = static_cast<int64_t>(active.size());
 
   const bool w8a8 = w13[0].format == Format::kW8A8;
+  // int4 in the VNNI layout: rows in groups of int8 for experts with few of them (W4A8)
+  const bool w4a8 = w13[0].format == Format::kInt4Vnni;
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
-  const float* xf = quantized && !w8a8 ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
-  QuantRows xq, actq;  // w8a8: the tokens and the activations, quantized per row
+  const float* xf =
+      quantized && !w8a8 && !w4a8 ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  QuantRows xq, actq;  // w8a8 / w4a8: the tokens and the activations, quantized
   if (w8a8) quantize_rows(xp, tokens, hidden, xq);
+  if (w4a8) quantize_rows_grouped(xp, tokens, hidden, w13[0].group, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::unique_ptr<float[]> act_f(quantized && !w8a8 && !std::is_same_v<T, float>
+  std::unique_ptr<float[]> act_f(quantized && !w8a8 && !w4a8 && !std::is_same_v<T, float>
                                      ? new float[pairs * inter]
                                      : nullptr);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();
@@ -116,10 +120,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           w13[e], p, hidden, start[e + 1] - first,
           [&](int64_t i) { return xp + (order[first + i] / top_k) * hidden; },
           [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; },
-          [&](int64_t i) {
-            const int64_t token = order[first + i] / top_k;
-            return std::make_pair(xq.row(token), w8a8 ? xq.scale[token] : 0.f);
-          },
+          [&](int64_t i) { return xq.at(order[first + i] / top_k); },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               for (int v = 0; v < 2; ++v) {
@@ -136,6 +137,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   });
 
   if (w8a8) quantize_rows(act.get(), pairs, inter, actq);
+  if (w4a8) quantize_rows_grouped(act.get(), pairs, inter, w2[0].group, actq);
 
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
@@ -147,9 +149,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           w2[e], p, inter, start[e + 1] - first,
           [&](int64_t i) { return act.get() + (first + i) * inter; },
           [&](int64_t i) { return actf + (first + i) * inter; },
-          [&](int64_t i) {
-            return std::make_pair(actq.row(first + i), w8a8 ? actq.scale[first + i] : 0.f);
-          },
+          [&](int64_t i) { return actq.at(first + i); },
           [&](int64_t r0, int mm, const float* sums) {
             for (int r = 0; r < mm; ++r) {
               const f16v scale = splat(route[order[first + r0 + r]]);
@@ -207,6 +207,8 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
                       offsets[e].numel() == n * per_channel,
                   "slot ", e, ": int4 needs a group dividing K and float32 offsets");
     }
+    TORCH_CHECK(data.dim() != 4 || (kHasVnni && group % 8 == 0),
+                "slot ", e, ": int4 in the VNNI layout needs AVX512-VNNI and groups of 8k");
     return weight_of(data, &scales[e], int4 ? &offsets[e] : nullptr, group);
   }
   TORCH_CHECK(type == act && data.numel() == n * k,

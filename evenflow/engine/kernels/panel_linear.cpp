@@ -41,9 +41,7 @@ void linear_impl(const T* x, const float* xf, const QuantRows* xq, int64_t rows,
           wt, p, k_total, std::min(rows, first + kRowBlock) - first,
           [&](int64_t i) { return x + (first + i) * k_total; },
           [&](int64_t i) { return xf + (first + i) * k_total; },
-          [&](int64_t i) {
-            return std::make_pair(xq->row(first + i), xq->scale[first + i]);
-          },
+          [&](int64_t i) { return xq->at(first + i); },
           [&](int64_t r0, int mm, float* sums) {
             for (int r = 0; r < mm; ++r) {
               float* row = sums + r * kPanel;
@@ -63,7 +61,8 @@ namespace evenflow_ops {
 
 // x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
 // f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), (N/64, K/2, 64) uint8 int4 nibbles
-// with scale and offset (N/64, K/group, 64), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
+// (or (N/64, K/8, 64, 4): their VNNI layout, panel_quant.h) with scale and offset
+// (N/64, K/group, 64), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
 // and its int32 comp (N,) as `offset`; bias: (N,) float32 or none.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
@@ -83,8 +82,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     layout = w.dim() == 4 && w.size(1) * 4 == k_total && w.size(2) == kPanel && w.size(3) == 4;
   } else if (type == at::kChar) {
     layout = w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel;
-  } else if (type == at::kByte) {
-    layout = w.dim() == 3 && w.size(1) * 2 == k_total && w.size(2) == kPanel;
+  } else if (type == at::kByte) {  // int4 nibbles, or their VNNI layout (N/64, K/8, 64, 4)
+    layout = (w.dim() == 3 && w.size(1) * 2 == k_total && w.size(2) == kPanel) ||
+             (w.dim() == 4 && w.size(1) * 8 == k_total && w.size(2) == kPanel && w.size(3) == 4);
   } else {
     TORCH_CHECK(type == x.scalar_type(), "a plain packed weight must be in x's dtype");
     layout = bf16 ? (w.dim() == 4 && w.size(1) * 2 == k_total && w.size(2) == kPanel &&
@@ -107,6 +107,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                       offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
                       offset->numel() == scale->numel(),
                   "int4 needs a group dividing K and a float32 offset shaped like the scale");
+      TORCH_CHECK(w.dim() != 4 || (kHasVnni && group % 8 == 0),
+                  "int4 in the VNNI layout needs AVX512-VNNI and groups of 8k");
     }
   }
   const Weight wt = weight_of(w, scale.has_value() ? &*scale : nullptr,
@@ -130,12 +132,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     const float* xf = nullptr;
     if (w8a8)
       quantize_rows(xb, x.size(0), k_total, xq);
+    else if (wt.format == Format::kInt4Vnni)
+      quantize_rows_grouped(xb, x.size(0), k_total, wt.group, xq);
     else if (wt.format != Format::kPlain)
       xf = float_rows(xb, x.numel(), copy);
     linear_impl(xb, xf, &xq, x.size(0), k_total, wt, n_total, bias_p,
                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
     if (w8a8) quantize_rows(x.data_ptr<float>(), x.size(0), k_total, xq);
+    if (wt.format == Format::kInt4Vnni)
+      quantize_rows_grouped(x.data_ptr<float>(), x.size(0), k_total, wt.group, xq);
     linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), &xq, x.size(0), k_total, wt, n_total,
                 bias_p, out.data_ptr<float>());
   }

@@ -6,6 +6,10 @@
 //   int4: (N/64, K/2, 64) uint8, byte (kp, c) holds k = 2kp in its low nibble and 2kp + 1 in
 //         its high one; w = q * scale + offset with float32 (N/64, G, 64) scale and offset per
 //         (group of `group` inputs, channel).
+//   int4 for int8 rows (kInt4Vnni, where VNNI is): (N/64, K/8, 64, 4) uint8, the dword of
+//         (block j, channel c) holding k = 8j + i in byte i's low nibble and 8j + 4 + i in its
+//         high one; scale and offset as int4's. Few rows are quantized per group and meet it
+//         on vpdpbusd (panel_w8a8.h's panel_w4a8), more rows a dequantized panel.
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
 //         rows are quantized too (per row, dynamic), so the sums are integer: panel_w8a8.h.
@@ -29,14 +33,14 @@ namespace evenflow_panel {
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-enum class Format { kPlain, kInt8, kInt4, kW8A8 };
+enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kW8A8 };
 
 // One weight (a dense layer's, or one expert's gate_up or down) as stored.
 struct Weight {
   Format format = Format::kPlain;
   const void* data = nullptr;
   const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64)
-  const float* offset = nullptr;  // int4 only
+  const float* offset = nullptr;  // int4 only (both layouts)
   const int32_t* comp = nullptr;  // w8a8 only
   int64_t group = 0;              // int4 only
 };
@@ -52,6 +56,8 @@ constexpr int64_t kDequantRows = 8;  // from this many rows on, dequantize the p
 // dequantizing the panel up to 8 rows (1.5x) and lost from 16 (0.9x)
 constexpr int64_t kDequantRowsInt4Dot = 16;
 constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream
+// int4 against grouped int8 rows (W4A8) up to this many rows; from there a dequantized panel
+constexpr int64_t kDequantRowsW4A8 = 16;
 
 // 16 int8 / uint8 values as float32 (intrinsics where AVX-512 has them: GCC's generic
 // conversion of byte vectors goes lane by lane)
@@ -263,13 +269,30 @@ inline __m512i interleave_halves() {
 
 // Panel p of a quantized weight as a plain panel of T (panel.h's layout). int8 stays unscaled
 // (q is exact in bf16; the scale goes on the sums, as on the direct path).
+// the weights of k = 8j + i (i in 0..7) of 16 channels of a kInt4Vnni panel from its dwords
+inline f16v vnni_nibbles(const uint8_t* dwords, int i) {
+  u16v d;
+  std::memcpy(&d, dwords, sizeof d);
+  const u16v q = (d >> static_cast<uint32_t>(8 * (i % 4) + 4 * (i / 4))) & 0xFu;
+  return __builtin_convertvector(q, f16v);
+}
+
 template <typename T>
 void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
-  const int64_t groups = wt.format == Format::kInt4 ? k_total / wt.group : 1;
+  const int64_t groups =
+      wt.format == Format::kInt4 || wt.format == Format::kInt4Vnni ? k_total / wt.group : 1;
   for (int64_t kp = 0; kp < k_total / 2; ++kp) {
     for (int v = 0; v < 4; ++v) {
       f16v low, high;
-      if (wt.format == Format::kInt8) {
+      if (wt.format == Format::kInt4Vnni) {
+        const int64_t j = kp / 4, g = 8 * j / wt.group, at = (p * groups + g) * kPanel + v * kLanes;
+        const uint8_t* dwords = static_cast<const uint8_t*>(wt.data) +
+                                (p * k_total / 8 + j) * 4 * kPanel + v * 4 * kLanes;
+        const int i = 2 * static_cast<int>(kp % 4);
+        const f16v s = load(wt.scale + at), o = load(wt.offset + at);
+        low = vnni_nibbles(dwords, i) * s + o;
+        high = vnni_nibbles(dwords, i + 1) * s + o;
+      } else if (wt.format == Format::kInt8) {
         const int8_t* q = static_cast<const int8_t*>(wt.data) + p * kPanel * k_total;
         low = widen(q + 2 * kp * kPanel + v * kLanes);
         high = widen(q + (2 * kp + 1) * kPanel + v * kLanes);
@@ -317,7 +340,7 @@ T* panel_scratch(size_t n) {
 // sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows) at a time; epilogue(r0,
 // mm, sums) gets each block's mm x 64 sums (int8's scale applied). row_t(i) / row_f(i): row i
 // in T / in float32 (the latter read only for quantized weights with few rows); row_q(i): row
-// i quantized (a w8a8 weight's rows: QuantRows), as {bytes, scale}.
+// i quantized (a w8a8 weight's rows, or a kInt4Vnni weight's in groups: QuantRows::at).
 template <typename T, typename RowT, typename RowF, typename RowQ, typename Epilogue>
 void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const RowT& row_t,
                const RowF& row_f, const RowQ& row_q, const Epilogue& epilogue) {
@@ -328,11 +351,24 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
       const uint8_t* rows[kW8A8Rows];
       float scales[kW8A8Rows];
       for (int r = 0; r < mm; ++r) {
-        const std::pair<const uint8_t*, float> row = row_q(r0 + r);
-        rows[r] = row.first;
-        scales[r] = row.second;
+        const QuantRow row = row_q(r0 + r);
+        rows[r] = row.q;
+        scales[r] = row.scale;
       }
       panel_w8a8_rows(wt, p, rows, scales, mm, k_total, sums);
+      epilogue(r0, mm, sums);
+    }
+    return;
+  }
+  if (wt.format == Format::kInt4Vnni && m < kDequantRowsW4A8 && row_q(0).gscale != nullptr) {
+    const int64_t groups = k_total / wt.group;
+    for (int64_t r0 = 0; r0 < m; r0 += kW4A8Rows) {
+      const int mm = static_cast<int>(std::min<int64_t>(kW4A8Rows, m - r0));
+      QuantRow rows[kW4A8Rows];
+      for (int r = 0; r < mm; ++r) rows[r] = row_q(r0 + r);
+      panel_w4a8_rows(static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total / 2,
+                      wt.scale + p * groups * kPanel, wt.offset + p * groups * kPanel, rows, mm,
+                      k_total, wt.group, sums);
       epilogue(r0, mm, sums);
     }
     return;
@@ -340,7 +376,8 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   const T* plain = nullptr;
   if (wt.format == Format::kPlain) {
     plain = static_cast<const T*>(wt.data) + p * kPanel * k_total;
-  } else if (m >= (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot
+  } else if (wt.format == Format::kInt4Vnni ||  // (its few rows were served above)
+             m >= (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot
                        ? kDequantRowsInt4Dot
                        : kDequantRows)) {
     T* scratch = panel_scratch<T>(static_cast<size_t>(kPanel * k_total));
@@ -391,8 +428,8 @@ const float* float_rows(const T* x, int64_t n, std::vector<float>& copy) {
   }
 }
 
-// A weight from its tensors: plain in x's dtype, int8 (kChar), int4 nibbles (kByte), or w8a8
-// (kChar with an int32 `offset`: its comp).
+// A weight from its tensors: plain in x's dtype, int8 (kChar), int4 nibbles (kByte; 4-D: the
+// VNNI layout), or w8a8 (kChar with an int32 `offset`: its comp).
 inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const at::Tensor* offset,
                         int64_t group) {
   Weight wt;
@@ -406,7 +443,7 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const a
     wt.format = Format::kInt8;
     wt.scale = scale->data_ptr<float>();
   } else if (data.scalar_type() == at::kByte) {
-    wt.format = Format::kInt4;
+    wt.format = data.dim() == 4 ? Format::kInt4Vnni : Format::kInt4;
     wt.scale = scale->data_ptr<float>();
     wt.offset = offset->data_ptr<float>();
     wt.group = group;

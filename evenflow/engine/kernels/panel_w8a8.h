@@ -35,12 +35,31 @@ constexpr int kPrefetchW8A8 = 2048;  // bytes ahead in a w8a8 weight stream
 // a = max |x|, x ~ s * (q - 128) where s = a / 127 and q = round(x * 127 / a) + 128 in
 // [1, 255] (unsigned: vpdpbusd multiplies unsigned bytes by signed ones; the weights' comp
 // takes the 128 back out). A zero row is all 128 with s = 0.
+//
+// Or, for int4 weights on vpdpbusd (W4A8, as llama.cpp runs Q4_0 against Q8_0 activations:
+// `quantize_rows_grouped`), per row and group of `group` inputs: s = max |x| / 127 over the
+// group and q = round(x / s), signed, with the group's sum of x as s * sum(q) (the weights'
+// offsets meet it).
+struct QuantRow {
+  const uint8_t* q;      // the row's bytes (grouped rows: signed)
+  float scale;           // per-row quantization's scale
+  const float* gscale;   // grouped: each group's scale
+  const float* gsum;     // grouped: each group's s * sum(q)
+};
+
 struct QuantRows {
   std::unique_ptr<uint8_t[]> q;
   std::unique_ptr<float[]> scale;
-  int64_t k = 0;
+  std::unique_ptr<float[]> gscale, gsum;  // grouped rows only: (m, k / group)
+  int64_t k = 0, groups = 0;
 
+  bool empty() const { return q == nullptr; }
   const uint8_t* row(int64_t i) const { return q.get() + i * k; }
+  QuantRow at(int64_t i) const {
+    if (q == nullptr) return {nullptr, 0.f, nullptr, nullptr};
+    if (groups > 0) return {row(i), 0.f, gscale.get() + i * groups, gsum.get() + i * groups};
+    return {row(i), scale[i], nullptr, nullptr};
+  }
 };
 
 inline float load1(float v) { return v; }
@@ -97,6 +116,60 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantRows& out) {
       out.scale[i] = quantize_row(x + i * k, k, out.q.get() + i * k);
   });
 }
+// One row in groups of `group` (a multiple of 16 on AVX-512) as signed bytes, each group's
+// scale and s * sum(q).
+template <typename T>
+void quantize_row_grouped(const T* src, int64_t k, int64_t group, int8_t* dst, float* gscale,
+                          float* gsum) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    const T* x = src + g * group;
+    int8_t* q = dst + g * group;
+    float peak = 0.f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_setzero_ps();
+    for (; j + kLanes <= group; j += kLanes)
+      top = _mm512_max_ps(top, _mm512_abs_ps(load16_ps(x + j)));
+    peak = _mm512_reduce_max_ps(top);
+#endif
+    for (; j < group; ++j) peak = std::max(peak, std::fabs(load1(x[j])));
+    const float inv = peak > 0.f ? 127.f / peak : 0.f;
+    int32_t total = 0;
+    j = 0;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (; j + kLanes <= group; j += kLanes) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16_ps(x + j), scale));
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(v));
+    }
+    total = _mm512_reduce_add_epi32(sum);
+#endif
+    for (; j < group; ++j) {
+      const int v = static_cast<int>(std::nearbyint(load1(x[j]) * inv));
+      q[j] = static_cast<int8_t>(v);
+      total += v;
+    }
+    gscale[g] = peak / 127.f;
+    gsum[g] = gscale[g] * static_cast<float>(total);
+  }
+}
+
+template <typename T>
+void quantize_rows_grouped(const T* x, int64_t m, int64_t k, int64_t group, QuantRows& out) {
+  out.q.reset(new uint8_t[static_cast<size_t>(m * k)]);
+  out.groups = k / group;
+  out.gscale.reset(new float[static_cast<size_t>(m * out.groups)]);
+  out.gsum.reset(new float[static_cast<size_t>(m * out.groups)]);
+  out.k = k;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_row_grouped(x + i * k, k, group, reinterpret_cast<int8_t*>(out.q.get() + i * k),
+                           out.gscale.get() + i * out.groups, out.gsum.get() + i * out.groups);
+  });
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // MR quantized rows against one w8a8 panel on vpdpbusd (64 multiply-adds an instruction, int32
 // sums: exact), then sums = (acc - comp) * row scale * channel scale.
@@ -155,11 +228,78 @@ inline void panel_w8a8_rows(const int8_t* w, const float* s, const int32_t* c,
     default: return panel_w8a8<6>(xq, row_scale, w, s, c, k_total, sums);
   }
 }
+
+// int4 weights against grouped int8 rows (W4A8). The panel's layout (N/64, K/8, 64, 4): the
+// dword of (block j, channel c) holds inputs 8j .. 8j + 3 in its bytes' low nibbles and
+// 8j + 4 .. 8j + 7 in their high ones, so one 64-byte load gives 16 channels x 8 inputs, two
+// masks give vpdpbusd's operands (weights unsigned 0..15, rows signed). Per group:
+// sum(w x) = s_w * s_x * sum(q_w q_x) + o_w * s_x * sum(q_x).
+template <int MR>
+void panel_w4a8(const QuantRow* rows, const uint8_t* w, const float* scale, const float* offset,
+                int64_t k_total, int64_t group, float* sums) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // the totals live in `sums` (updated once a group): registers hold the group's int32 sums
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v)
+      _mm512_storeu_ps(sums + r * kPanel + v * kLanes, _mm512_setzero_ps());
+  for (int64_t g = 0; g < k_total / group; ++g) {
+    __m512i acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int64_t j = g * group / 8; j < (g + 1) * group / 8; ++j) {
+      const uint8_t* wp = w + j * 4 * kPanel;
+      for (int line = 0; line < 4; ++line) __builtin_prefetch(wp + kPrefetchW8A8 + 64 * line);
+      __m512i xlo[MR], xhi[MR];
+      for (int r = 0; r < MR; ++r) {
+        int32_t lo, hi;
+        std::memcpy(&lo, rows[r].q + 8 * j, sizeof lo);
+        std::memcpy(&hi, rows[r].q + 8 * j + 4, sizeof hi);
+        xlo[r] = _mm512_set1_epi32(lo);
+        xhi[r] = _mm512_set1_epi32(hi);
+      }
+      for (int v = 0; v < 4; ++v) {
+        const __m512i b = _mm512_loadu_si512(wp + v * 64);
+        const __m512i low = _mm512_and_si512(b, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][v] = dpbusd(acc[r][v], low, xlo[r]);
+          acc[r][v] = dpbusd(acc[r][v], high, xhi[r]);
+        }
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m512 s = _mm512_loadu_ps(scale + g * kPanel + v * kLanes);
+      const __m512 o = _mm512_loadu_ps(offset + g * kPanel + v * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        float* total = sums + r * kPanel + v * kLanes;
+        _mm512_storeu_ps(total, _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(acc[r][v]), _mm512_mul_ps(s, _mm512_set1_ps(rows[r].gscale[g])),
+            _mm512_fmadd_ps(o, _mm512_set1_ps(rows[r].gsum[g]), _mm512_loadu_ps(total))));
+      }
+    }
+  }
+}
+
+inline void panel_w4a8_rows(const uint8_t* w, const float* s, const float* o,
+                            const QuantRow* rows, int m, int64_t k_total, int64_t group,
+                            float* sums) {
+  switch (m) {
+    case 1: return panel_w4a8<1>(rows, w, s, o, k_total, group, sums);
+    case 2: return panel_w4a8<2>(rows, w, s, o, k_total, group, sums);
+    case 3: return panel_w4a8<3>(rows, w, s, o, k_total, group, sums);
+    default: return panel_w4a8<4>(rows, w, s, o, k_total, group, sums);
+  }
+}
 #else
 inline void panel_w8a8_rows(const int8_t*, const float*, const int32_t*, const uint8_t* const*,
                             const float*, int, int64_t, float*) {
   TORCH_CHECK(false, "w8a8 panels need AVX512-VNNI");
 }
+inline void panel_w4a8_rows(const uint8_t*, const float*, const float*, const QuantRow*, int,
+                            int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "int4 panels for int8 rows need AVX512-VNNI");
+}
 #endif
+constexpr int kW4A8Rows = 4;  // rows per register block over a W4A8 panel (16 accumulators)
 
 }  // namespace evenflow_panel

@@ -5,7 +5,10 @@ A `PanelStack` holds E weights (N, K), each as its own tensors (so an expert pla
 slots by reference, without copies):
 - int8: (N/64, K, 64) int8 and a float32 scale per output channel (N,);
 - int4: (N/64, K/2, 64) uint8 (byte (kp, c): k = 2kp in the low nibble, 2kp + 1 in the high),
-  with float32 scale and offset (N/64, G, 64): w = q * scale + offset;
+  with float32 scale and offset (N/64, G, 64): w = q * scale + offset; where VNNI is (and
+  EVENFLOW_NATIVE_W4A8 is on), (N/64, K/8, 64, 4) instead: the dword of (block j, channel c)
+  holds k = 8j + i in byte i's low nibble and 8j + 4 + i in its high one, for the W4A8 kernel
+  (rows quantized to int8 per group meet it on vpdpbusd: panel_w8a8.h);
 - w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side: VNNI's
   vpdpbusd), a float32 scale per output channel (N,) and, in the offset's place, an int32
   comp (N,) = 128 * sum_k q[n, k] (the kernel's activations are unsigned, offset by 128).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from evenflow.engine.config import switched_on
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.quant.stacks import QuantStack, QuantValues
 
@@ -39,6 +43,12 @@ def usable(values: list[QuantValues], dtype: torch.dtype, gate_up: bool = False)
     if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
         return False
     return panels.usable(dtype, PANEL, PANEL) and panels.linear_usable(dtype, n, k)
+
+
+def w4a8_layout(group_size: int, k: int) -> bool:
+    """int4 goes into the VNNI layout (the W4A8 kernel for few rows) here."""
+    return group_size % 8 == 0 and k % 8 == 0 and native.w8a8_supported() and \
+        switched_on("EVENFLOW_NATIVE_W4A8")
 
 
 def _interleave(t: Tensor) -> Tensor:
@@ -61,9 +71,14 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
     if v.bits == 8:
         return q.view(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous(), \
             scale[:, 0].contiguous(), None
-    pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
-    nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
     groups = scale.shape[1]
+    if w4a8_layout(v.group_size, k):
+        eights = q.view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, c, j, half, i]
+        nibbles = (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+        nibbles = nibbles.contiguous()  # (N/64, K/8, 64, 4)
+    else:
+        pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
+        nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
     def by_panel(t: Tensor) -> Tensor:
         return t.view(n // PANEL, PANEL, groups).permute(0, 2, 1).contiguous()

@@ -1,0 +1,30 @@
+"""What the W4A8 kernel does to its rows, in torch: each group of `group` inputs quantized to
+int8 by its own scale (max |x| / 127, round to nearest even) and back, so a test can hold the
+kernel to the dequantized weight times these rows at the dtype's own tolerance."""
+
+from __future__ import annotations
+
+import torch
+
+from evenflow.engine.quant.panel_stack import PanelStack, w4a8_layout
+
+W4A8_MAX_ROWS = 16  # kernels/panel_quant.h kDequantRowsW4A8: from here a dequantized panel
+
+
+def w4a8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x (..., K) as the W4A8 kernel sees it, in float32."""
+    xf = x.float()
+    grouped = xf.reshape(*xf.shape[:-1], -1, group)
+    peak = grouped.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    q = torch.round(grouped * inv)
+    return (q * (peak / 127.0)).reshape(xf.shape)
+
+
+def seen_rows(stack: object, x: torch.Tensor) -> torch.Tensor:
+    """The rows as a panel stack's kernel multiplies them: W4A8-quantized when the stack is
+    int4 in the VNNI layout and x has few rows, else x in float32."""
+    if isinstance(stack, PanelStack) and stack.bits == 4 and x.shape[0] < W4A8_MAX_ROWS and \
+            w4a8_layout(stack.group_size, stack.in_features):
+        return w4a8_rows(x, stack.group_size)
+    return x.float()
