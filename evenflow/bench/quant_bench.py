@@ -2,7 +2,8 @@
 activations) against the unquantized model in the machine's native dtype, all in one run.
 
 Speed, the headline: on the random Mixtral-style 110M checkpoint, the unquantized engine and
-the int8, int4-g64 and w8a8 engines in one process, their runs alternating batch size by batch
+the int8, int4-g64, int4-g64-a16 (int4's kernel before W4A8: EVENFLOW_NATIVE_W4A8=0) and w8a8
+engines in one process, their runs alternating batch size by batch
 size (native, int8, int4, w8a8, native, ...; 5 rounds): decode ms/step at batch 1, 8 and 32
 (128-token prompts) and prefill of 512 tokens, as medians; each ratio (unquantized time /
 quantized time) is the median of the rounds' ratios, with their spread (min-max). On a shared
@@ -46,13 +47,17 @@ from evenflow.bench.machine import run_worker
 VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
     "int4-g64": {"quantization": "int4", "quant_group_size": 64},
+    # int4 as it ran before the W4A8 kernel: the decode rows in bf16 / float32, not int8
+    # (EVENFLOW_NATIVE_W4A8=0); the same as int4-g64 where the CPU has no VNNI
+    "int4-g64-a16": {"quantization": "int4", "quant_group_size": 64},
     "w8a8": {"quantization": "w8a8"},
     # the noise floor of the quality table: the same unquantized model computed in float32
     "float32": {"dtype": "float32"},
     # the same quantized models on torch's kernels alone (without ours: engine/kernels/native.py)
     "int8-torch": {"quantization": "int8"},
     "int4-torch": {"quantization": "int4", "quant_group_size": 64}}
-VARIANT_ENV = {"int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
+VARIANT_ENV = {"int4-g64-a16": {"EVENFLOW_NATIVE_W4A8": "0"},
+               "int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
                "int4-torch": {"EVENFLOW_NATIVE_KERNELS": "0"}}
 TASK_VARIANTS = ("native", "int8", "int4-g64", "w8a8", "float32")
 FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512, rounds=5,
@@ -139,7 +144,7 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     return result
 
 
-INTERLEAVED = ("native", "int8", "int4-g64", "w8a8")
+INTERLEAVED = ("native", "int8", "int4-g64", "int4-g64-a16", "w8a8")
 
 
 def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
@@ -148,9 +153,20 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
     from evenflow.bench.stepping import drive
     from evenflow.engine.engine import Engine, EngineConfig
 
-    engines = {v: Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
-                                      max_num_batched_tokens=4096, num_kv_blocks=2048,
-                                      **VARIANTS[v])) for v in INTERLEAVED}
+    engines = {}
+    for v in INTERLEAVED:  # (a variant's switches hold while its weights are packed)
+        saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(v, {})}
+        os.environ.update(VARIANT_ENV.get(v, {}))
+        try:
+            engines[v] = Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
+                                             max_num_batched_tokens=4096, num_kv_blocks=2048,
+                                             **VARIANTS[v]))
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = old
     vocab = engines["native"].model_config.vocab_size
     ids = iter(range(10**9))
 
