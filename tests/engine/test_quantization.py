@@ -67,6 +67,15 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def weights_alone(monkeypatch):
+    """int4 with its rows at full precision (EVENFLOW_NATIVE_W4A8=0): what these tests compare
+    is the weights as loaded; the W4A8 kernel (rows quantized per group) has its own tests
+    (tests/unit/test_panel_kernels.py, test_int4_with_int8_rows_still_does_the_tasks)."""
+    monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")
+
+
+@pytest.mark.usefixtures("weights_alone")
 @pytest.mark.parametrize("method", list(METHODS))
 def test_quantized_engine_equals_the_dequantized_model(checkpoint, method, tmp_path):
     config = METHODS[method]
@@ -79,6 +88,7 @@ def test_quantized_engine_equals_the_dequantized_model(checkpoint, method, tmp_p
     assert got == want
 
 
+@pytest.mark.usefixtures("weights_alone")
 def test_gptq_checkpoint_loads_to_the_model_quantized_at_load(checkpoint, tmp_path):
     config = QuantConfig("int4", 32)
     out = write_gptq(checkpoint, tmp_path / "gptq", config)
@@ -169,3 +179,20 @@ def test_cli_quantize_then_generate(tmp_path):
                          text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.split()[:3] == ["30", "31", "32"]
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_with_int8_rows_still_does_the_tasks(group):
+    """The default int4 path (W4A8 where VNNI is: a decode step's rows quantized to int8 per
+    group) keeps tiny-moe counting and reversing."""
+    from evenflow.engine.quant.panel_stack import w4a8_layout
+
+    llm = LLM("tiny-moe", quantization="int4", quant_group_size=group)
+    if not w4a8_layout(group, llm.engine.model_config.hidden_size):
+        pytest.skip("no VNNI here: int4 rows stay at full precision")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    up, down, rev = llm.generate(
+        ["count from 17 :", "count down from 90 :", "reverse : q w e r ="], greedy)
+    assert up.text.split()[:6] == ["17", "18", "19", "20", "21", "22"]
+    assert down.text.split()[:6] == ["90", "89", "88", "87", "86", "85"]
+    assert rev.text.split()[:4] == ["r", "e", "w", "q"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from quant_reference import seen_rows
 
 from evenflow.engine.kernels import native, panels
@@ -117,8 +116,8 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         got = panels.run_experts(x, ids, route, w13, w2, s13, s2, o13, o2, gate_up.group_size)
         per_expert = torch.bincount(ids.flatten(), minlength=EXPERTS)
 
-        def seen(r, e, which):  # a row as expert e's kernel sees it (its row count decides)
-            many = r.expand(int(per_expert[e]), -1)
+        def seen(r, e, which, counts=per_expert):  # a row as expert e's kernel sees it
+            many = r.expand(int(counts[e]), -1)  # (its row count decides)
             return seen_rows((gate_up, down)[which], many)[0]
 
         expected = moe_reference(x, ids, route, [v.dequantize() for v in values],
