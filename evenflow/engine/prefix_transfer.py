@@ -41,6 +41,8 @@ class PrefixTransfer:
     def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
         """The K/V of the prompt's blocks first_block, first_block + 1, ... as far as this RAM
         cache holds them without a gap (possibly none), in the hand-off layout."""
+        if first_block < 0:
+            raise ValueError(f"first block {first_block} is negative")
         hashes = self._prefix_hashes(token_ids)
         run = self.blocks.cached_run(hashes, first_block) if first_block < len(hashes) else []
         shape = tuple(self.runner.kv_shape(1)[1:])
@@ -54,6 +56,8 @@ class PrefixTransfer:
         """Blocks first_block .. first_block + kv.num_blocks - 1 of the prompt, pulled from
         another worker, into the prefix cache (cached, no user); how many were written. Raises
         KVHandoffError when the K/V does not fit this engine's layout."""
+        if first_block < 0:
+            raise KVHandoffError(f"first block {first_block} is negative")
         shape = tuple(self.runner.kv_shape(kv.num_blocks))
         if kv.shape != shape or kv.dtype != self.kv_dtype_name:
             raise KVHandoffError(f"pulled K/V {kv.dtype} {kv.shape} does not match this "

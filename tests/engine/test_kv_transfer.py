@@ -131,3 +131,5 @@ def test_pulled_kv_of_another_layout_is_refused(ckpt):
     with pytest.raises(ValueError, match="does not match"):
         b.import_prefix(prompt, 0, a.export_prefix(prompt, 0))
     assert b.cached_prefix_blocks(prompt) == 0
+    with pytest.raises(ValueError, match="negative"):  # never blocks counted from the end
+        a.export_prefix(prompt, -2)
