@@ -1,5 +1,6 @@
-"""The engine's side of KV pulls (a mixin of Engine): a prompt's leading blocks that this cache
-holds, read out in the hand-off layout for another worker (`export_prefix`), and blocks pulled
+"""The engine's side of KV pulls (a mixin of Engine): a prompt's leading blocks that this engine
+holds (in RAM or on its disk tier), read out in the hand-off layout for another worker
+(`export_prefix`), and blocks pulled
 from another worker put into this prefix cache (`import_prefix`), so the request that follows
 finds them as prefix hits and computes only the rest. Both run on the engine thread, between
 steps; `cached_prefix_blocks` is a read the event loop may make (a step stale at most)."""
@@ -39,18 +40,39 @@ class PrefixTransfer:
         return len(self.blocks.cached_run(self._prefix_hashes(token_ids), 0))
 
     def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
-        """The K/V of the prompt's blocks first_block, first_block + 1, ... as far as this RAM
-        cache holds them without a gap (possibly none), in the hand-off layout."""
+        """The K/V of the prompt's blocks first_block, first_block + 1, ... as far as this
+        engine holds them without a gap, in RAM or on its disk tier (possibly none), in the
+        hand-off layout."""
         if first_block < 0:
             raise ValueError(f"first block {first_block} is negative")
-        hashes = self._prefix_hashes(token_ids)
-        run = self.blocks.cached_run(hashes, first_block) if first_block < len(hashes) else []
+        hashes = self._prefix_hashes(token_ids)[first_block:]
+        disk = self.tiers.disk if self.tiers is not None else None
+        held: list[tuple[int, int]] = []  # (RAM block or -1 for the disk tier, hash)
+        for h in hashes:
+            block = self.blocks.cached.get(h, -1)
+            if block < 0 and (disk is None or h not in disk):
+                break
+            held.append((block, h))
         shape = tuple(self.runner.kv_shape(1)[1:])
-        if not run:
+        if not held:
             return KVPayload(b"", self.kv_dtype_name, 0, shape)
-        kv = self.runner.read_kv(run).contiguous()
-        raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
-        return KVPayload(raw, self.kv_dtype_name, len(run), shape)
+        in_ram = [b for b, _ in held if b >= 0]
+        if len(in_ram) == len(held):  # (the usual case: one read, no copy)
+            kv = self.runner.read_kv(in_ram).contiguous()
+            raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
+            return KVPayload(raw, self.kv_dtype_name, len(held), shape)
+        from_ram = self.runner.read_kv(in_ram).contiguous().view(torch.uint8).view(
+            len(in_ram), -1).numpy() if in_ram else None
+        parts, next_ram = [], 0
+        for block, h in held:
+            if block >= 0:
+                assert from_ram is not None
+                parts.append(from_ram[next_ram].tobytes())
+                next_ram += 1
+            else:
+                assert disk is not None
+                parts.append(disk.get(h))
+        return KVPayload(b"".join(parts), self.kv_dtype_name, len(held), shape)
 
     def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
         """Blocks first_block .. first_block + kv.num_blocks - 1 of the prompt, pulled from

@@ -154,15 +154,18 @@ class PrefillWorker(WorkerService):
                                              first_token_only, export_kv=True))
 
     def _pull_plan(self, req: PrefillRequest) -> tuple[int, int]:
-        """The prompt's blocks [first, last) to pull from req.kv_source: those past what this
-        cache holds, when they are at least kv_pull_min_tokens (empty: recompute)."""
+        """The prompt's blocks [first, last) to ask req.kv_source for: those past what this
+        cache holds, up to the last the prompt can take from a cache (the holder sends what it
+        has of them), when the index credits the holder with at least kv_pull_min_tokens of
+        them (empty: recompute)."""
         min_tokens = self.config.kv_pull_min_tokens
         if not req.kv_source or req.kv_source == self.worker_id or min_tokens <= 0:
             return 0, 0
         bs = self.engine.block_size
-        last = min(req.kv_source_blocks, (len(req.prompt_token_ids) - 1) // bs)
+        last = (len(req.prompt_token_ids) - 1) // bs
         first = self.engine.cached_prefix_blocks(req.prompt_token_ids)
-        return (first, last) if (last - first) * bs >= min_tokens else (0, 0)
+        credited = min(req.kv_source_blocks, last) - first
+        return (first, last) if credited * bs >= min_tokens else (0, 0)
 
     async def _pull_then_add(self, req: PrefillRequest, first_block: int, last_block: int,
                              queue_span: trace.Span) -> None:

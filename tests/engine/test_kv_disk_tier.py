@@ -79,3 +79,26 @@ def test_restart_keeps_the_tier_warm_and_a_mismatch_wipes_it(ckpt, tmp_path):
     other = engine(ckpt, tier, kv_cache_dtype="int8")
     assert other.tiers.disk.warm_blocks == 0 and "differs" in other.tiers.disk.wiped_reason
     other.close()
+
+
+def test_a_pull_reads_blocks_from_the_disk_tier_too(ckpt, tmp_path):
+    """A holder whose blocks went down to disk still answers a KV pull with them: a puller
+    without a tier continues with the holder's own greedy output."""
+    holder = engine(ckpt, tmp_path / "tier")
+    first, _ = generate(holder, "a", PROMPT)
+    fill_ram(holder)
+    assert holder.cached_prefix_blocks(PROMPT) == 0  # RAM no longer has them
+    kv = holder.export_prefix(PROMPT, 0)
+    assert kv.num_blocks == 9  # 39 tokens usable: 9 full blocks, all from disk
+    puller = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
+                                 num_kv_blocks=24))
+    assert puller.import_prefix(PROMPT, 0, kv) == 9
+    again, cached = generate(puller, "b", PROMPT)
+    assert cached == 36 and again == first
+    generate(holder, "c", PROMPT[:20])  # blocks 0-3 promoted to RAM, block 4 recomputed
+    assert holder.cached_prefix_blocks(PROMPT) == 5
+    mixed = holder.export_prefix(PROMPT, 0)  # 5 from RAM, 4 from disk, in order
+    per_block = len(kv.data) // 9
+    assert mixed.num_blocks == 9 and bytes(mixed.data)[: 4 * per_block] == \
+        bytes(kv.data)[: 4 * per_block] and bytes(mixed.data)[5 * per_block:] == \
+        bytes(kv.data)[5 * per_block:]
