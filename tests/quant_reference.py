@@ -28,3 +28,17 @@ def seen_rows(stack: object, x: torch.Tensor) -> torch.Tensor:
             w4a8_layout(stack.group_size, stack.in_features):
         return w4a8_rows(x, stack.group_size)
     return x.float()
+
+
+def seen_weight(stack: object, values) -> torch.Tensor:
+    """The weight as a panel stack's kernel holds it (float32): int4 in the VNNI layout keeps
+    its scale and offset (-zero * scale) in float16."""
+    if not (isinstance(stack, PanelStack) and stack.bits == 4 and
+            w4a8_layout(stack.group_size, stack.in_features)):
+        return values.dequantize()
+    g = values.group_size
+    q = values.q.float().view(values.q.shape[0], -1, g)
+    zero = values.zero if values.zero is not None else torch.full_like(values.scale, 8.0)
+    scale = values.scale.float()
+    s, o = scale.half().float(), (-zero * scale).half().float()
+    return (q * s.unsqueeze(-1) + o.unsqueeze(-1)).view(values.q.shape)

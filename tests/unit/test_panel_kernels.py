@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quant_reference import seen_rows
+from quant_reference import seen_rows, seen_weight
 
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.quant.panel_stack import PanelStack
@@ -108,8 +108,8 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     # (int4 where VNNI is: few rows meet it quantized per group, W4A8: quant_reference.py)
     for rows in (1, 3, 5, 11, 40):
         x = torch.randn(rows, H, generator=g).to(dtype)
-        close(linear.linear(x), seen_rows(linear, x) @ values[0].dequantize().T, dtype)
-        close(gate_up.linear(x, 2), seen_rows(gate_up, x) @ values[2].dequantize().T,
+        close(linear.linear(x), seen_rows(linear, x) @ seen_weight(linear, values[0]).T, dtype)
+        close(gate_up.linear(x, 2), seen_rows(gate_up, x) @ seen_weight(gate_up, values[2]).T,
               dtype)  # plain order
         ids, route = routing(rows, EXPERTS, g)
         (w13, s13, o13), (w2, s2, o2) = gate_up.experts(), down.experts()
@@ -120,8 +120,8 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
             many = r.expand(int(counts[e]), -1)  # (its row count decides)
             return seen_rows((gate_up, down)[which], many)[0]
 
-        expected = moe_reference(x, ids, route, [v.dequantize() for v in values],
-                                 [v.dequantize() for v in downs], seen)
+        expected = moe_reference(x, ids, route, [seen_weight(gate_up, v) for v in values],
+                                 [seen_weight(down, v) for v in downs], seen)
         close(got, expected, dtype)
 
 

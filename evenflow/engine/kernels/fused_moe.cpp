@@ -198,14 +198,17 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
     TORCH_CHECK(data.numel() == (int4 ? n * k / 2 : n * k) && e < scales.size(),
                 "slot ", e, ": quantized weights of the wrong size, or no scales");
     const int64_t per_channel = int4 ? k / group : 1;
-    TORCH_CHECK(scales[e].scalar_type() == at::kFloat && scales[e].is_contiguous() &&
+    // int4 in the VNNI layout keeps its scales and offsets in float16
+    const auto scale_type = int4 && data.dim() == 4 ? at::kHalf : at::kFloat;
+    TORCH_CHECK(scales[e].scalar_type() == scale_type && scales[e].is_contiguous() &&
                     scales[e].numel() == n * per_channel,
-                "slot ", e, ": scales must be contiguous float32, ", n * per_channel, " values");
+                "slot ", e, ": scales must be contiguous ", scale_type, ", ", n * per_channel,
+                " values");
     if (int4) {
       TORCH_CHECK(group > 0 && group % 2 == 0 && k % group == 0 && e < offsets.size() &&
-                      offsets[e].scalar_type() == at::kFloat && offsets[e].is_contiguous() &&
+                      offsets[e].scalar_type() == scale_type && offsets[e].is_contiguous() &&
                       offsets[e].numel() == n * per_channel,
-                  "slot ", e, ": int4 needs a group dividing K and float32 offsets");
+                  "slot ", e, ": int4 needs a group dividing K and offsets like its scales");
     }
     TORCH_CHECK(data.dim() != 4 || (kHasVnni && group % 8 == 0),
                 "slot ", e, ": int4 in the VNNI layout needs AVX512-VNNI and groups of 8k");

@@ -95,18 +95,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t n_total = w.size(0) * kPanel;
   if (type == at::kChar || type == at::kByte) {
     const int64_t per_channel = type == at::kByte ? k_total / std::max<int64_t>(group, 1) : 1;
-    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
+    // int4 in the VNNI layout keeps its scale and offset in float16
+    const auto scale_type = type == at::kByte && w.dim() == 4 ? at::kHalf : at::kFloat;
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == scale_type &&
                     scale->is_contiguous() && scale->numel() == n_total * per_channel,
-                "a quantized weight needs a contiguous float32 scale of ", n_total * per_channel,
-                " values");
+                "a quantized weight needs a contiguous ", scale_type, " scale of ",
+                n_total * per_channel, " values");
     if (w8a8) {
       TORCH_CHECK(offset->is_contiguous() && offset->numel() == n_total,
                   "w8a8 needs a contiguous int32 comp of ", n_total, " values");
     } else if (type == at::kByte) {
       TORCH_CHECK(group > 0 && group % 2 == 0 && k_total % group == 0 && offset.has_value() &&
-                      offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
-                      offset->numel() == scale->numel(),
-                  "int4 needs a group dividing K and a float32 offset shaped like the scale");
+                      offset->scalar_type() == scale->scalar_type() &&
+                      offset->is_contiguous() && offset->numel() == scale->numel(),
+                  "int4 needs a group dividing K and an offset shaped and typed like the scale");
       TORCH_CHECK(w.dim() != 4 || (kHasVnni && group % 8 == 0),
                   "int4 in the VNNI layout needs AVX512-VNNI and groups of 8k");
     }

@@ -8,7 +8,7 @@
 //         (group of `group` inputs, channel).
 //   int4 for int8 rows (kInt4Vnni, where VNNI is): (N/64, K/8, 64, 4) uint8, the dword of
 //         (block j, channel c) holding k = 8j + i in byte i's low nibble and 8j + 4 + i in its
-//         high one; scale and offset as int4's. Few rows are quantized per group and meet it
+//         high one; scale and offset shaped as int4's, in float16. Few rows are quantized per group and meet it
 //         on vpdpbusd (panel_w8a8.h's panel_w4a8), more rows a dequantized panel.
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
@@ -40,7 +40,11 @@ struct Weight {
   Format format = Format::kPlain;
   const void* data = nullptr;
   const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64)
-  const float* offset = nullptr;  // int4 only (both layouts)
+  const float* offset = nullptr;  // int4 only
+  // kInt4Vnni: scale and offset (N/64, G, 64) in float16 (half the bytes of float32, where a
+  // batch-1 step reads them all)
+  const uint16_t* scale_h = nullptr;
+  const uint16_t* offset_h = nullptr;
   const int32_t* comp = nullptr;  // w8a8 only
   int64_t group = 0;              // int4 only
 };
@@ -269,6 +273,33 @@ inline __m512i interleave_halves() {
 
 // Panel p of a quantized weight as a plain panel of T (panel.h's layout). int8 stays unscaled
 // (q is exact in bf16; the scale goes on the sums, as on the direct path).
+// 16 float16 values as float32
+inline f16v load_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  f16v v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else  // (kInt4Vnni needs AVX-512; this only keeps other builds compiling)
+  f16v v;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu,
+                   man = h & 0x3FFu;
+    float f;
+    if (exp == 0) {
+      f = std::ldexp(static_cast<float>(man), -24);
+    } else if (exp == 31) {
+      f = man ? NAN : INFINITY;
+    } else {
+      const uint32_t bits = ((exp + 112) << 23) | (man << 13);
+      std::memcpy(&f, &bits, sizeof f);
+    }
+    v[i] = sign ? -f : f;
+  }
+  return v;
+#endif
+}
+
 // the weights of k = 8j + i (i in 0..7) of 16 channels of a kInt4Vnni panel from its dwords
 inline f16v vnni_nibbles(const uint8_t* dwords, int i) {
   u16v d;
@@ -289,7 +320,7 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
         const uint8_t* dwords = static_cast<const uint8_t*>(wt.data) +
                                 (p * k_total / 8 + j) * 4 * kPanel + v * 4 * kLanes;
         const int i = 2 * static_cast<int>(kp % 4);
-        const f16v s = load(wt.scale + at), o = load(wt.offset + at);
+        const f16v s = load_half(wt.scale_h + at), o = load_half(wt.offset_h + at);
         low = vnni_nibbles(dwords, i) * s + o;
         high = vnni_nibbles(dwords, i + 1) * s + o;
       } else if (wt.format == Format::kInt8) {
@@ -367,8 +398,8 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
       QuantRow rows[kW4A8Rows];
       for (int r = 0; r < mm; ++r) rows[r] = row_q(r0 + r);
       panel_w4a8_rows(static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total / 2,
-                      wt.scale + p * groups * kPanel, wt.offset + p * groups * kPanel, rows, mm,
-                      k_total, wt.group, sums);
+                      wt.scale_h + p * groups * kPanel, wt.offset_h + p * groups * kPanel, rows,
+                      mm, k_total, wt.group, sums);
       epilogue(r0, mm, sums);
     }
     return;
@@ -429,7 +460,8 @@ const float* float_rows(const T* x, int64_t n, std::vector<float>& copy) {
 }
 
 // A weight from its tensors: plain in x's dtype, int8 (kChar), int4 nibbles (kByte; 4-D: the
-// VNNI layout), or w8a8 (kChar with an int32 `offset`: its comp).
+// VNNI layout, with float16 scale and offset), or w8a8 (kChar with an int32 `offset`: its
+// comp).
 inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const at::Tensor* offset,
                         int64_t group) {
   Weight wt;
@@ -442,8 +474,13 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const a
   } else if (data.scalar_type() == at::kChar) {
     wt.format = Format::kInt8;
     wt.scale = scale->data_ptr<float>();
+  } else if (data.scalar_type() == at::kByte && data.dim() == 4) {
+    wt.format = Format::kInt4Vnni;
+    wt.scale_h = reinterpret_cast<const uint16_t*>(scale->data_ptr());
+    wt.offset_h = reinterpret_cast<const uint16_t*>(offset->data_ptr());
+    wt.group = group;
   } else if (data.scalar_type() == at::kByte) {
-    wt.format = data.dim() == 4 ? Format::kInt4Vnni : Format::kInt4;
+    wt.format = Format::kInt4;
     wt.scale = scale->data_ptr<float>();
     wt.offset = offset->data_ptr<float>();
     wt.group = group;

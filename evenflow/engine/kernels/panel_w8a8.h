@@ -229,14 +229,15 @@ inline void panel_w8a8_rows(const int8_t* w, const float* s, const int32_t* c,
   }
 }
 
-// int4 weights against grouped int8 rows (W4A8). The panel's layout (N/64, K/8, 64, 4): the
+// int4 weights against grouped int8 rows (W4A8), float16 scale and offset per (group,
+// channel). The panel's layout (N/64, K/8, 64, 4): the
 // dword of (block j, channel c) holds inputs 8j .. 8j + 3 in its bytes' low nibbles and
 // 8j + 4 .. 8j + 7 in their high ones, so one 64-byte load gives 16 channels x 8 inputs, two
 // masks give vpdpbusd's operands (weights unsigned 0..15, rows signed). Per group:
 // sum(w x) = s_w * s_x * sum(q_w q_x) + o_w * s_x * sum(q_x).
 template <int MR>
-void panel_w4a8(const QuantRow* rows, const uint8_t* w, const float* scale, const float* offset,
-                int64_t k_total, int64_t group, float* sums) {
+void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
+                const uint16_t* offset, int64_t k_total, int64_t group, float* sums) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // the totals live in `sums` (updated once a group): registers hold the group's int32 sums
   for (int r = 0; r < MR; ++r)
@@ -268,8 +269,10 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const float* scale, cons
       }
     }
     for (int v = 0; v < 4; ++v) {
-      const __m512 s = _mm512_loadu_ps(scale + g * kPanel + v * kLanes);
-      const __m512 o = _mm512_loadu_ps(offset + g * kPanel + v * kLanes);
+      const __m512 s = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kPanel + v * kLanes)));
+      const __m512 o = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + g * kPanel + v * kLanes)));
       for (int r = 0; r < MR; ++r) {
         float* total = sums + r * kPanel + v * kLanes;
         _mm512_storeu_ps(total, _mm512_fmadd_ps(
@@ -280,7 +283,7 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const float* scale, cons
   }
 }
 
-inline void panel_w4a8_rows(const uint8_t* w, const float* s, const float* o,
+inline void panel_w4a8_rows(const uint8_t* w, const uint16_t* s, const uint16_t* o,
                             const QuantRow* rows, int m, int64_t k_total, int64_t group,
                             float* sums) {
   switch (m) {
@@ -295,8 +298,8 @@ inline void panel_w8a8_rows(const int8_t*, const float*, const int32_t*, const u
                             const float*, int, int64_t, float*) {
   TORCH_CHECK(false, "w8a8 panels need AVX512-VNNI");
 }
-inline void panel_w4a8_rows(const uint8_t*, const float*, const float*, const QuantRow*, int,
-                            int64_t, int64_t, float*) {
+inline void panel_w4a8_rows(const uint8_t*, const uint16_t*, const uint16_t*, const QuantRow*,
+                            int, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "int4 panels for int8 rows need AVX512-VNNI");
 }
 #endif

@@ -8,7 +8,8 @@ slots by reference, without copies):
   with float32 scale and offset (N/64, G, 64): w = q * scale + offset; where VNNI is (and
   EVENFLOW_NATIVE_W4A8 is on), (N/64, K/8, 64, 4) instead: the dword of (block j, channel c)
   holds k = 8j + i in byte i's low nibble and 8j + 4 + i in its high one, for the W4A8 kernel
-  (rows quantized to int8 per group meet it on vpdpbusd: panel_w8a8.h);
+  (rows quantized to int8 per group meet it on vpdpbusd: panel_w8a8.h), with the scale and
+  offset in float16;
 - w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side: VNNI's
   vpdpbusd), a float32 scale per output channel (N,) and, in the offset's place, an int32
   comp (N,) = 128 * sum_k q[n, k] (the kernel's activations are unsigned, offset by 128).
@@ -72,7 +73,8 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
         return q.view(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous(), \
             scale[:, 0].contiguous(), None
     groups = scale.shape[1]
-    if w4a8_layout(v.group_size, k):
+    w4a8 = w4a8_layout(v.group_size, k)
+    if w4a8:
         eights = q.view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, c, j, half, i]
         nibbles = (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
         nibbles = nibbles.contiguous()  # (N/64, K/8, 64, 4)
@@ -80,8 +82,9 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
         pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
         nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
-    def by_panel(t: Tensor) -> Tensor:
-        return t.view(n // PANEL, PANEL, groups).permute(0, 2, 1).contiguous()
+    def by_panel(t: Tensor) -> Tensor:  # (the W4A8 layout's in float16: half the bytes)
+        panel_order = t.view(n // PANEL, PANEL, groups).permute(0, 2, 1)
+        return (panel_order.half() if w4a8 else panel_order).contiguous()
 
     return nibbles, by_panel(scale), by_panel(-zero * scale)
 
