@@ -133,3 +133,15 @@ def run_all(engine) -> tuple[dict[str, list[int]], dict]:
             if out.kv is not None:
                 kvs[out.request_id] = out.kv
     return tokens, kvs
+
+
+def assert_counts_and_reverses(llm) -> None:
+    """tiny-moe's tasks, greedy: counting up, counting down, reversing (what its README says)."""
+    from evenflow import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    up, down, rev = llm.generate(
+        ["count from 17 :", "count down from 90 :", "reverse : q w e r ="], greedy)
+    assert up.text.split()[:6] == ["17", "18", "19", "20", "21", "22"]
+    assert down.text.split()[:6] == ["90", "89", "88", "87", "86", "85"]
+    assert rev.text.split()[:4] == ["r", "e", "w", "q"]

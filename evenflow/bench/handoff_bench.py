@@ -13,9 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request, run_client
 from evenflow.bench.sse_client import SSEClient
+
+T = TypeVar("T")
 
 
 async def _gaps(urls: dict[str, str], model: str, vocab: int, rounds: int, out_len: int
@@ -40,26 +44,40 @@ async def _gaps(urls: dict[str, str], model: str, vocab: int, rounds: int, out_l
     return gaps
 
 
-def handoff_table(model: str, vocab: int, rounds: int, out_len: int) -> None:
-    """Print the table (starts and stops both meshes)."""
+def side_by_side(model: str, variants: dict[str, dict[str, Any]],
+                 drive: Callable[[dict[str, str], str], Coroutine[Any, Any, T]]) -> T:
+    """Start a local mesh per variant (1 prefill and 1 decode worker, every prompt
+    disaggregated, one thread each, plus the variant's settings), run `drive(urls by variant,
+    served model name)` against them and stop them all, also when something fails."""
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    meshes = {}
+    meshes: dict[str, LocalMesh] = {}
     try:
-        for name, inline in (("one message", True), ("chunk + completion", False)):
-            mesh = LocalMesh(MeshConfig(model=model, port=0, local_prefill_threshold=0,
-                                        threads_per_worker=1, kv_cache_gb=0.5, num_ep_ranks=0,
-                                        kv_inline_handoff=inline))
+        for name, settings in variants.items():
+            mesh = LocalMesh(MeshConfig(**{
+                "model": model, "port": 0, "num_prefill": 1, "num_decode": 1,
+                "local_prefill_threshold": 0, "threads_per_worker": 1, "kv_cache_gb": 0.5,
+                "num_ep_ranks": 0, **settings}))
             meshes[name] = mesh
             mesh.start(health_timeout_s=300)
         first = next(iter(meshes.values()))
-        gaps = run_client(_gaps({name: m.url for name, m in meshes.items()},
-                                first.config.model_name, vocab, rounds, out_len))
+        return run_client(drive({name: m.url for name, m in meshes.items()},
+                                first.config.model_name))
     finally:
         for mesh in meshes.values():
             mesh.stop()
-    print(f"\nthe K/V hand-off in one message (K/V that fits one {first.config.kv_chunk_bytes} "
+
+
+def handoff_table(model: str, vocab: int, rounds: int, out_len: int) -> None:
+    """Print the table (starts and stops both meshes)."""
+    from evenflow.services.config import MeshConfig
+
+    gaps = side_by_side(model, {"one message": {"kv_inline_handoff": True},
+                                "chunk + completion": {"kv_inline_handoff": False}},
+                        lambda urls, name: _gaps(urls, name, vocab, rounds, out_len))
+    chunk_bytes = MeshConfig().kv_chunk_bytes
+    print(f"\nthe K/V hand-off in one message (K/V that fits one {chunk_bytes} "
           f"B chunk inside the completion) against a chunk and a completion: batch 16, "
           f"128-token prompts, {rounds} alternating rounds, p50 (ms)")
     print(f"{'hand-off':22} {'first gap':>10} {'gaps after':>11} {'streams':>8}")

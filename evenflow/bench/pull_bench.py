@@ -22,7 +22,8 @@ import statistics
 
 import httpx
 
-from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request, run_client
+from evenflow.bench.handoff_bench import side_by_side
+from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request
 from evenflow.bench.sse_client import SSEClient
 
 USER = 32  # tokens of each user message
@@ -73,24 +74,9 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 def pull_table(model: str, vocab: int, histories: list[int], rounds: int) -> float | None:
     """Print the table (starts and stops both meshes); the crossover in tokens (None: pulling
     never won or never lost in the fitted range)."""
-    from evenflow.services.config import MeshConfig
-    from evenflow.services.launcher import LocalMesh
-
-    meshes: dict[str, LocalMesh] = {}
-    try:
-        for name, min_tokens in (("pull", 1), ("recompute", 0)):
-            mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=1, num_decode=1,
-                                        local_prefill_threshold=0, threads_per_worker=1,
-                                        kv_cache_gb=0.5, num_ep_ranks=0,
-                                        kv_pull_min_tokens=min_tokens))
-            meshes[name] = mesh
-            mesh.start(health_timeout_s=300)
-        first = next(iter(meshes.values()))
-        timings = run_client(_ttfts({n: m.url for n, m in meshes.items()},
-                                    first.config.model_name, vocab, histories, rounds))
-    finally:
-        for mesh in meshes.values():
-            mesh.stop()
+    timings = side_by_side(model, {"pull": {"kv_pull_min_tokens": 1},
+                                   "recompute": {"kv_pull_min_tokens": 0}},
+                           lambda urls, name: _ttfts(urls, name, vocab, histories, rounds))
     print(f"\na chat's next turn, the history on the decode worker only ({USER}-token messages, "
           f"the answer H tokens; `up --prefill 1 --decode 1`, local-prefill threshold 0; the "
           f"two meshes alternate, {rounds} rounds): TTFT p50 (ms), the history pulled from "
