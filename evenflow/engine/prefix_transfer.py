@@ -40,12 +40,15 @@ class PrefixTransfer:
         return len(self.blocks.cached_run(self._prefix_hashes(token_ids), 0))
 
     def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
-        """The K/V of the prompt's blocks first_block, first_block + 1, ... as far as this
-        engine holds them without a gap, in RAM or on its disk tier (possibly none), in the
-        hand-off layout."""
+        """The K/V of the full blocks of `token_ids` from first_block on, as far as this engine
+        holds them without a gap, in RAM or on its disk tier (possibly none), in the hand-off
+        layout."""
         if first_block < 0:
             raise ValueError(f"first block {first_block} is negative")
-        hashes = self._prefix_hashes(token_ids)[first_block:]
+        # (every full block of what the asker sent: it cut the prompt to the blocks it wants)
+        bs = self.blocks.block_size
+        whole = token_ids[: len(token_ids) // bs * bs]
+        hashes = chain_hashes(whole, bs, self.blocks.salt)[first_block:]
         disk = self.tiers.disk if self.tiers is not None else None
         held: list[tuple[int, int]] = []  # (RAM block or -1 for the disk tier, hash)
         for h in hashes:

@@ -105,7 +105,8 @@ def test_pulled_prefix_is_a_prefix_hit_with_identical_output(ckpt, kv_cache_dtyp
     turn2 = history + answer["turn1"] + [7, 8, 9]
     own = puller.cached_prefix_blocks(turn2)
     assert own == 2 and holder.cached_prefix_blocks(turn2) == (len(turn2) - 1) // 4 - 1
-    kv = holder.export_prefix(turn2, own)
+    usable = (len(turn2) - 1) // 4  # blocks the prompt can take from a cache
+    kv = holder.export_prefix(turn2[: usable * 4], own)  # as a puller asks
     assert kv.num_blocks == holder.cached_prefix_blocks(turn2) - own
     assert puller.import_prefix(turn2, own, kv) == kv.num_blocks
     assert puller.cached_prefix_blocks(turn2) == own + kv.num_blocks
@@ -119,6 +120,7 @@ def test_pulled_prefix_is_a_prefix_hit_with_identical_output(ckpt, kv_cache_dtyp
     got, _ = run_all(puller)
     assert first.new_token_ids + got["turn2"] == expected["turn2"]
     assert holder.export_prefix(turn2, 10**6).num_blocks == 0  # past the end: nothing
+    assert holder.export_prefix(history[:24], 0).num_blocks == 6  # every block asked for
 
 
 def test_pulled_kv_of_another_layout_is_refused(ckpt):
