@@ -176,8 +176,8 @@ class MeshConfig:
     # leading tokens which another live worker holds (the decode worker holding a chat's
     # history) pulls their blocks from it over NATS instead of recomputing them; below it,
     # recomputing is faster. `evenflow bench serve` measures the crossover (pull time against
-    # recompute time per token): 25 tokens on the 110M model here (a pull's fixed cost ~4 ms,
-    # then 10 us a token against recompute's 171), so 32: two blocks of 16. 0: never pull.
+    # recompute time per token): 26 tokens on the 110M model here (a pull's fixed cost ~4 ms,
+    # then 10 us a token against recompute's 173), so 32: two blocks of 16. 0: never pull.
     # A pull that takes longer than kv_pull_timeout_s is given up, and the prompt recomputed.
     kv_pull_min_tokens: int = 32
     kv_pull_timeout_s: float = 1.0
