@@ -12,13 +12,13 @@ __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from evenflow.engine.api.llm import LLM
     from evenflow.engine.core.sampling_params import SamplingParams
-    from evenflow.engine.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from evenflow.engine.llm import LLM
+        from evenflow.engine.api.llm import LLM
 
         return LLM
     if name == "SamplingParams":

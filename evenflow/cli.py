@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from evenflow import __version__
-from evenflow.engine.config import (
+from evenflow.engine.config.settings import (
     DTYPES,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
@@ -23,7 +23,7 @@ _ENGINE_DEFAULTS = EngineConfig()
 
 def _generate(args: argparse.Namespace) -> int:
     from evenflow import LLM, SamplingParams
-    from evenflow.engine.config import ModelLoadError
+    from evenflow.engine.config.settings import ModelLoadError
     from evenflow.proto.grammar import guide_grammar
     from evenflow.proto.tokenizer import TokenizerError
 
@@ -99,7 +99,7 @@ def _build_kernels_once() -> None:
     import subprocess
     import time
 
-    from evenflow.engine.config import switched_on
+    from evenflow.engine.config.settings import switched_on
     from evenflow.engine.kernels import build
 
     if not switched_on("EVENFLOW_NATIVE_KERNELS") or build.is_built():
@@ -266,7 +266,7 @@ def _quantization_args(parser: argparse._ActionsContainer) -> None:
 
 def _quantize(args: argparse.Namespace) -> int:
     from evenflow import models
-    from evenflow.engine.config import ModelLoadError
+    from evenflow.engine.config.settings import ModelLoadError
     from evenflow.engine.quant.stacks import QuantConfig
     from evenflow.engine.weights.compressed_tensors import write_compressed_tensors
     from evenflow.engine.weights.gptq import write_gptq

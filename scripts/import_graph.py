@@ -20,7 +20,7 @@ PACKAGE = ROOT / "evenflow"
 # (evenflow/engine/__init__.py states the same). Keys are module names under evenflow.engine;
 # a sub-package stands for every module in it.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
-    ("config", "families"),
+    ("config",),
     ("core",),
     ("kernels",),
     ("sample",),
@@ -28,10 +28,9 @@ ENGINE_FLOORS: list[tuple[str, ...]] = [
     ("model",),
     ("weights",),
     ("runners",),
-    ("placement_control", "prefix_transfer", "profiling"),
-    ("engine",),
+    ("serving",),
     ("dep",),
-    ("mock", "llm", ""),  # "": the package's own __init__ (create_engine)
+    ("api", ""),  # "": the package's own __init__ (naming create_engine)
 ]
 
 

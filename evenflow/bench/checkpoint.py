@@ -162,7 +162,7 @@ def benchmark_checkpoint(quick: bool, checkpoint_dir: str | None, threads: int
     import tempfile
 
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, threads))

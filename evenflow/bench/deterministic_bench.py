@@ -23,7 +23,7 @@ MODES = ("default", "deterministic")
 
 
 def _engine(ckpt: str, threads: int, mode: str, blocks: int) -> Any:
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=ckpt, num_threads=threads, num_kv_blocks=blocks,
                                max_num_seqs=64, max_num_batched_tokens=4096,

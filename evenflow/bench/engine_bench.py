@@ -38,7 +38,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> dict:
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=ckpt, dtype=dtype, num_threads=max(1, threads // tp),
                                  max_num_batched_tokens=max(4096, plan["prefix"] + 64),
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_family, write_random_mixtral
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
     from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL

@@ -66,7 +66,7 @@ def run_ep(ckpt: str, plan: dict) -> dict:
 
     from evenflow.balancer.eplb import rebalance_experts, replica_shares
     from evenflow.engine.dep.offline import DEPEngine
-    from evenflow.engine.engine import EngineConfig
+    from evenflow.engine.serving.engine import EngineConfig
 
     engine = DEPEngine(EngineConfig(model=ckpt, num_threads=1, expert_parallel_size=plan["ranks"],
                                     num_redundant_experts=REDUNDANT, max_num_seqs=64))
@@ -139,7 +139,7 @@ def time_weight(load, pairs_per_step: int, read_rows: float):
 
 
 def run_single(ckpt: str, plan: dict) -> dict:
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=ckpt, num_threads=2, max_num_seqs=64,
                                  max_num_batched_tokens=plan["ranks"] * plan["prefill"]))
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
     from evenflow.progress import Progress, on_terminal
 
     plan = QUICK if args.quick else FULL

@@ -38,7 +38,7 @@ def ep_rank_main(rank: int, world: int, address: str, model_dir: str, quick: boo
 
     from evenflow.balancer.eplb import rebalance_from
     from evenflow.balancer.topology import host_routing, topology_aware
-    from evenflow.engine.config import EngineConfig
+    from evenflow.engine.config.settings import EngineConfig
     from evenflow.engine.model.placement import SlotPlacement
     from evenflow.engine.weights.loader import load_weights, torch_dtype
     from evenflow.parallel.hierarchical import spanning_group

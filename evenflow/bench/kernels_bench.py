@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
     from evenflow.engine.kernels import native
 
     torch.set_num_threads(args.threads)

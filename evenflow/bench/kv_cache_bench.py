@@ -32,7 +32,7 @@ CACHES = ("auto", "int8")
 
 
 def _engine(ckpt: str, threads: int, kv_cache_dtype: str, **more: Any) -> Any:
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     settings: dict[str, Any] = {"max_num_batched_tokens": 4096, "max_num_seqs": 64, **more}
     return Engine(EngineConfig(model=ckpt, num_threads=threads, kv_cache_dtype=kv_cache_dtype,

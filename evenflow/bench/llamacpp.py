@@ -75,7 +75,7 @@ def llamacpp_round(directory: str, gguf: Path, threads: int, plan: dict) -> dict
 def evenflow_round(ckpt: str, threads: int, engine_args: dict, plan: dict) -> dict:
     """One round of evenflow in this process, the same shapes."""
     from evenflow.bench.stepping import drive, random_prompts
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
                                  max_num_batched_tokens=max(4096, max(plan["prefills"])),

@@ -8,7 +8,7 @@ the same batch, and prints for each phase:
 - the share of time in copies and layout changes (index_select, cat, copy_, contiguous, ...),
   the fusion candidates.
 `--trace FILE` also writes a Chrome / Perfetto trace of the decode steps. (The table and the
-ranges: engine/profiling.py, which a mesh worker uses too: POST /admin/profile.)
+ranges: engine/serving/profiling.py, which a mesh worker uses too: POST /admin/profile.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from evenflow.engine.config import QUANT_METHODS
+from evenflow.engine.config.settings import QUANT_METHODS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
     from evenflow.engine.core.sampling_params import SamplingParams
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     while engine.has_unfinished():
         engine.step()
     add("p")
-    engine.start_profile()  # component ranges, the sampler's included (engine/profiling.py)
+    engine.start_profile()  # component ranges, the sampler's included (engine/serving/profiling.py)
     engine.step()
     prefill = engine.stop_profile(1, phase="prefill", top=args.top)
     engine.start_profile()

@@ -80,7 +80,7 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     import torch
 
     from evenflow.engine.core.sampling_params import SamplingParams
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.engine.weights.loader import (
         load_model,
         quant_config,
@@ -151,7 +151,7 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
     """Decode ms/step per batch and prefill ms of INTERLEAVED's engines in this one process,
     in alternating rounds: every round's figure (ms)."""
     from evenflow.bench.stepping import drive
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engines = {}
     for v in INTERLEAVED:  # (a variant's switches hold while its weights are packed)

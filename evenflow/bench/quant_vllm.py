@@ -44,7 +44,7 @@ def run_ours(files: dict[str, str], threads: int, batches: list[int], rounds: in
     """Decode ms/step by batch size of each file's engine (its own quantization, as loaded),
     in this one process, alternating."""
     from evenflow.bench.stepping import drive, random_prompts
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engines = {name: Engine(EngineConfig(model=path, num_threads=threads, max_num_seqs=64,
                                          max_num_batched_tokens=4096, num_kv_blocks=2048))

@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
-    from evenflow.engine.config import cpu_has_bf16
+    from evenflow.engine.config.settings import cpu_has_bf16
     from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.core.sequence import Sequence
-    from evenflow.engine.engine import Engine, EngineConfig
     from evenflow.engine.sample.logits_processing import process, record_logprobs
+    from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.proto.grammar import guide_grammar
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"

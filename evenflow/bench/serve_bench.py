@@ -56,7 +56,7 @@ class OfflineEngine:
     is: TTFT from adding a request to its first token, TPOT as the median step after it."""
 
     def __init__(self, model: str) -> None:
-        from evenflow.engine.engine import Engine, EngineConfig
+        from evenflow.engine.serving.engine import Engine, EngineConfig
 
         self.engine = Engine(EngineConfig(model=model, num_threads=1, kv_cache_gb=0.5))
         self.vocab = self.engine.model_config.vocab_size
@@ -235,7 +235,7 @@ def kv_per_token_line(model: str, itemsize: int, transfer_bytes: float, prompt_l
     tokens, the last block's unused slots included; and the cache layout's exact figure), next
     to a grouped-query model of the same width: the same layers and query heads with a quarter
     of them as KV heads (the benchmark Mixtral's 8 / 2), K and V as wide as this model's."""
-    from evenflow.engine.families import load_config
+    from evenflow.engine.config.families import load_config
 
     cfg = load_config(model)
     exact = cfg.kv_elements_per_token * itemsize
@@ -255,7 +255,7 @@ def int8_wire_line(model: str, itemsize: int, transfer_bytes: float, prompt_len:
     """The int8 cache's hand-off bytes per token (measured) against the model dtype's layout."""
     import torch
 
-    from evenflow.engine.families import load_config
+    from evenflow.engine.config.families import load_config
     from evenflow.engine.model.kv_quant import kv_block_bytes
 
     cfg = load_config(model)

@@ -33,7 +33,7 @@ def _final_blocks(plan: dict) -> int:
 
 
 def _engine(ckpt: str, threads: int, ram_blocks: int, tier: str | None, disk_gb: float) -> Any:
-    from evenflow.engine.engine import Engine, EngineConfig
+    from evenflow.engine.serving.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=ckpt, num_threads=threads, block_size=BLOCK,
                                num_kv_blocks=ram_blocks, max_num_batched_tokens=8192,

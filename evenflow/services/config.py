@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evenflow import models
-from evenflow.engine.config import ENGINE_SWITCHES, EngineConfig, check_engine_switch
+from evenflow.engine.config.settings import ENGINE_SWITCHES, EngineConfig, check_engine_switch
 from evenflow.services import logs
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
@@ -224,8 +224,9 @@ class MeshConfig:
     # K nodes (N / K on each) through a placement group, meeting through a rendezvous store
     # its replica serves (evenflow/rayserve/app.py).
     ep_nodes: int = 1
-    # The engine's process-wide switches (engine/config.py ENGINE_SWITCHES: EVENFLOW_NATIVE_*,
-    # EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every worker gets them.
+    # The engine's process-wide switches (engine/config/settings.py ENGINE_SWITCHES:
+    # EVENFLOW_NATIVE_*, EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every
+    # worker gets them.
     engine_switches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -266,8 +267,8 @@ class MeshConfig:
 
     def apply_engine_switches(self) -> None:
         """Hand the switches to this process's engine (which reads them from the environment:
-        engine/config.py engine_switch), before it is built: a worker whose config came from
-        arguments rather than its environment (a Ray Serve replica) gets them too."""
+        engine/config/settings.py engine_switch), before it is built: a worker whose config came
+        from arguments rather than its environment (a Ray Serve replica) gets them too."""
         os.environ.update(self.switch_values())
 
     @property

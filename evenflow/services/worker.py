@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import start_http_server
 
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config.settings import EngineConfig
 from evenflow.proto import subjects
 from evenflow.proto.messages import (
     ExpertLoad,

@@ -8,7 +8,7 @@ import pytest
 from checkpoints import make_checkpoint
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.config import ModelLoadError
+from evenflow.engine.config.settings import ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from evenflow import SamplingParams
-from evenflow.engine.config import cpu_has_bf16
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.config.settings import cpu_has_bf16
+from evenflow.engine.serving.engine import Engine, EngineConfig
 
 DTYPE = "bfloat16" if cpu_has_bf16() else "float32"
 PROMPT = list(range(5, 40))

@@ -7,7 +7,7 @@ import pytest
 from checkpoints import make_checkpoint
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.proto.messages import BlockRemoved, BlockStored
 
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.proto.grammar import guide_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -8,7 +8,7 @@ import pytest
 from checkpoints import make_checkpoint
 
 from evenflow import SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.proto.messages import BlockStored
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -9,10 +9,10 @@ import torch
 from checkpoints import make_checkpoint, run_all
 
 from evenflow import SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
 from evenflow.engine.kernels import native
 from evenflow.engine.model import kv_quant
 from evenflow.engine.model.attention import gathered_decode_attention
+from evenflow.engine.serving.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from checkpoints import make_checkpoint, run_all
 
 from evenflow import SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")

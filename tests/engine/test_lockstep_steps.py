@@ -9,7 +9,7 @@ import uuid
 
 import torch
 
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config.settings import EngineConfig
 from evenflow.engine.dep.lockstep import LockstepEngine
 from evenflow.proto.messages import SamplingSpec
 from evenflow.services.engine_thread import AddRequest, ApplyPlacement, EngineThread, StepDone

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from checkpoints import VOCAB, hf_greedy, make_checkpoint, run_with_arrivals
 
 from evenflow import SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
 from evenflow.engine.kernels import native
+from evenflow.engine.serving.engine import Engine, EngineConfig
 
 
 def reference(q, k_cache, v_cache, slots):

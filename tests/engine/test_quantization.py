@@ -17,7 +17,7 @@ from checkpoints import ARCHS, VOCAB, assert_counts_and_reverses, make_checkpoin
 from safetensors.torch import load_file, save_file
 
 from evenflow import LLM, SamplingParams, models
-from evenflow.engine.config import ModelLoadError
+from evenflow.engine.config.settings import ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, quantize
 from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.engine.weights.compressed_tensors import write_compressed_tensors

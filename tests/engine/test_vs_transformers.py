@@ -10,7 +10,7 @@ import torch
 from checkpoints import ARCHS, VOCAB, hf_greedy, make_checkpoint, run_with_arrivals
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -17,7 +17,7 @@ import pytest
 from meshutil import supervised_mesh, wait_for
 from test_tp_rank_death import stream
 
-from evenflow.engine.families import load_config
+from evenflow.engine.config.families import load_config
 from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.shm import SHM_DIR
 from evenflow.proto import subjects

@@ -19,7 +19,7 @@ import pytest
 from mesh_client import complete, health, until_served
 
 from evenflow.dev.hosts import HostProcesses
-from evenflow.engine.llm import LLM, SamplingParams
+from evenflow.engine.api.llm import LLM, SamplingParams
 from evenflow.services.launcher import find_binary
 
 pytestmark = pytest.mark.slow  # 4 rank processes on 2 hosts: ~60 s

@@ -36,8 +36,8 @@ def prompts(lengths, seed=1):
 def rank_logits(rank: int, world: int, path: str, name: str, batch: list) -> list:
     """Rank r prefills batch[r] (its own sequence: attention is data-parallel) and decodes one
     token; returns both steps' last-position logits."""
-    from evenflow.engine.engine import Engine, EngineConfig
     from evenflow.engine.runners.model_runner import ChunkInput
+    from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.parallel.shm import ShmGroup
 
     torch.set_num_threads(1)

@@ -14,8 +14,8 @@ import torch
 from checkpoints import VOCAB, make_checkpoint
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.engine import Engine, EngineConfig
 from evenflow.engine.runners.tp import TensorParallelLost
+from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.parallel.launch import run_ranks
 from evenflow.parallel.shm import SHM_DIR
 

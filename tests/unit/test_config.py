@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from evenflow.cli import build_parser
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config.settings import EngineConfig
 from evenflow.services.config import ConfigError, MeshConfig, load_config
 
 
@@ -103,7 +103,7 @@ def test_a_bad_engine_switch_is_refused(env, message):
 
 def test_help_env_lists_the_mesh_settings_and_the_engine_switches(capsys):
     from evenflow.cli import main
-    from evenflow.engine.config import ENGINE_SWITCHES
+    from evenflow.engine.config.settings import ENGINE_SWITCHES
 
     assert main(["up", "--help-env"]) == 0
     out = capsys.readouterr().out

@@ -8,13 +8,14 @@ import ast
 import inspect
 from pathlib import Path
 
-from evenflow.engine.engine import Engine, StepOutput
-from evenflow.engine.mock import MockEngine
+from evenflow.engine.api.mock import MockEngine
+from evenflow.engine.serving.engine import Engine, StepOutput
 from evenflow.services.engine_api import EngineOutput, ServingEngine
 
 PACKAGE = Path(__file__).resolve().parents[2] / "evenflow"
 SERVICE_DIRS = ["services", "prefill", "decode", "kv_index", "balancer", "gateway"]
-# the constructor, the config and the registry of its process-wide switches (engine/config.py)
+# the constructor, the config and the registry of its process-wide switches
+# (engine/config/settings.py)
 ENGINE_CONSTRUCTION = {"create_engine", "EngineConfig", "ENGINE_SWITCHES", "check_engine_switch"}
 
 

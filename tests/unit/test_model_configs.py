@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from evenflow.engine.config import ModelLoadError
-from evenflow.engine.families import parse_config
+from evenflow.engine.config.families import parse_config
+from evenflow.engine.config.settings import ModelLoadError
 
 BASE = dict(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)

@@ -42,10 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from evenflow.engine.config import EngineConfig, ModelLoadError
+from evenflow.engine.config.families import load_config
+from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.block_manager import KVEventListener
-from evenflow.engine.engine import Engine, StepOutput
-from evenflow.engine.families import load_config
 from evenflow.engine.model.ffn import EPTimer
 from evenflow.engine.model.placement import check_slots
 from evenflow.engine.runners.rank_wire import (
@@ -55,6 +54,7 @@ from evenflow.engine.runners.rank_wire import (
     encode,
     gather_meetings,
 )
+from evenflow.engine.serving.engine import Engine, StepOutput
 from evenflow.engine.weights.loader import resolve_model
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.hierarchical import HierarchicalGroup, spanning_group

@@ -32,12 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-from evenflow.engine.config import EngineConfig, ModelLoadError
+from evenflow.engine.config.families import load_config
+from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.sampling_params import SamplingParams, spec_of
 from evenflow.engine.core.sequence import FinishReason
 from evenflow.engine.dep.lockstep import LockstepEngine
-from evenflow.engine.engine import StepOutput
-from evenflow.engine.families import load_config
 from evenflow.engine.runners.rank_wire import (
     Meeting,
     Placement,
@@ -47,6 +46,7 @@ from evenflow.engine.runners.rank_wire import (
     TokenLogprobs,
     stop_ranks,
 )
+from evenflow.engine.serving.engine import StepOutput
 from evenflow.engine.weights.loader import resolve_model
 
 MOE_TIMES_KEPT = 100_000

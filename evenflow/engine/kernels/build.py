@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from evenflow.engine.config import cpu_description, engine_switch
+from evenflow.engine.config.settings import cpu_description, engine_switch
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in (

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from evenflow.engine.config import switched_on
+from evenflow.engine.config.settings import switched_on
 from evenflow.engine.kernels.build import (
     LIBRARY,
     SOURCES,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import cpu_description
+from evenflow.engine.config.settings import cpu_description
 from evenflow.engine.kernels import native
 
 PACKED, DENSE, NATIVE = 0, 1, 2  # kernel ids in a plan

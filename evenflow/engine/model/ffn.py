@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.kernels import panels
 from evenflow.engine.model.experts import (
     ExpertLinear,

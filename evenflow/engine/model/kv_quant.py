@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.kernels import native
 
 QMAX = 127

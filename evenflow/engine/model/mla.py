@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
 

@@ -1,6 +1,6 @@
 """Rotary position embeddings: the cos / sin tables attention multiplies q and k by, with the
-frequency scalings checkpoints use (engine/config.py RopeScaling: linear, llama3, yarn), computed
-as transformers computes them."""
+frequency scalings checkpoints use (engine/config/settings.py RopeScaling: linear, llama3,
+yarn), computed as transformers computes them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import RopeScaling
+from evenflow.engine.config.settings import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:

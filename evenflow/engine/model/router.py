@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.kernels import native
 from evenflow.engine.kernels.panels import PanelLinear
 

@@ -1,4 +1,4 @@
-"""The decoder wired from a ModelConfig: one model for every family engine/families.py reads
+"""The decoder wired from a ModelConfig: one model for every family engine/config/families.py reads
 (their differences are config switches: attention is grouped-query or latent (MLA), the
 feed-forward dense or routed experts).
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.metadata import AttentionMetadata

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import switched_on
+from evenflow.engine.config.settings import switched_on
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.quant.stacks import QuantStack, QuantValues
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from evenflow.engine.config import check_quantization
+from evenflow.engine.config.settings import check_quantization
 from evenflow.engine.kernels.plan import (
     DENSE,
     NATIVE,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import switched_on
+from evenflow.engine.config.settings import switched_on
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
 from evenflow.engine.model.attention import paged_decode_attention

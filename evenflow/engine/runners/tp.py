@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import EngineConfig, ModelConfig, ModelLoadError
+from evenflow.engine.config.settings import EngineConfig, ModelConfig, ModelLoadError
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.runners.model_runner import ChunkInput, ModelRunner

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import ModelLoadError
+from evenflow.engine.config.settings import ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights.quantized_copy import write_quantized_copy
 

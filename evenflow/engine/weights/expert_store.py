@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant.build import build_stack
 from evenflow.engine.quant.stacks import QuantConfig, quantize

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from evenflow.engine.config import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
+from evenflow.engine.config.settings import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE
 from evenflow.engine.weights.quantized_copy import write_quantized_copy

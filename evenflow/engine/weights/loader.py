@@ -20,13 +20,13 @@ from safetensors import safe_open
 from torch import Tensor
 
 from evenflow import models
-from evenflow.engine.config import (
+from evenflow.engine.config.families import load_config
+from evenflow.engine.config.settings import (
     EngineConfig,
     ModelConfig,
     ModelLoadError,
     cpu_has_bf16,
 )
-from evenflow.engine.families import load_config
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights import compressed_tensors, gptq, mxfp4, safetensors_io

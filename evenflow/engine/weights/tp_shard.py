@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from evenflow.engine.config import ModelConfig, ModelLoadError
+from evenflow.engine.config.settings import ModelConfig, ModelLoadError
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.mla import LatentAttention, LatentUpProjection

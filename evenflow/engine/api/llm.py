@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.dep.offline import DEPEngine
-from evenflow.engine.engine import Engine, EngineConfig
+from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.progress import on_terminal
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from evenflow.engine.config import ModelConfig
+from evenflow.engine.config.families import load_config
+from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.core.scheduler import ScheduledChunk
-from evenflow.engine.engine import Engine
-from evenflow.engine.families import load_config
+from evenflow.engine.serving.engine import Engine
 
 
 @dataclass(frozen=True)

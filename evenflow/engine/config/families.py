@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from evenflow.engine.config import ModelConfig, ModelLoadError, RopeScaling
+from evenflow.engine.config.settings import ModelConfig, ModelLoadError, RopeScaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from evenflow.engine.config import EngineConfig
+from evenflow.engine.config.settings import EngineConfig
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.weights.expert_store import PlacementMoves, StagedPlacement
 

@@ -13,20 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from evenflow import models
-from evenflow.engine.config import EngineConfig, ModelConfig
+from evenflow.engine.config.settings import EngineConfig, ModelConfig
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener
 from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.kernels import native
 from evenflow.engine.model.kv_quant import kv_block_bytes
-from evenflow.engine.placement_control import ExpertPlacementControl
-from evenflow.engine.prefix_transfer import PrefixTransfer
-from evenflow.engine.profiling import ProfileControl, StepProfiler
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
+from evenflow.engine.serving.placement_control import ExpertPlacementControl
+from evenflow.engine.serving.prefix_transfer import PrefixTransfer
+from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
 from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
 from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard

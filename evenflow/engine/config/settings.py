@@ -2,7 +2,7 @@
 
 EngineConfig: how one engine runs (dtype, cache size, batching); the mesh's defaults for these
 settings are this class's defaults (services/config.py reads them from here). ModelConfig: a
-model's shape and switches (engine/families.py maps each family's config.json onto it): one
+model's shape and switches (engine/config/families.py maps each family's config.json onto it): one
 frozen dataclass for every family, whose differences are switches (q/k norm per head or over
 the projection, biases, clip_qkv, MLA, sliding windows and sinks, shared experts, routing,
 expert activation, which layers are sparse, rope scaling), so the model files have no
@@ -233,7 +233,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One model's shape and switches (engine/families.py maps each family's config.json onto
+    """One model's shape and switches (engine/config/families.py maps each family's config.json onto
     it). Attention is grouped-query attention, or multi-head latent attention (MLA, DeepSeek
     V2/V3) where kv_lora_rank > 0; feed-forward layers are dense MLPs or routed experts."""
 
