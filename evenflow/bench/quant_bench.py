@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from evenflow.bench.machine import run_worker
 
@@ -155,18 +156,10 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
 
     engines = {}
     for v in INTERLEAVED:  # (a variant's switches hold while its weights are packed)
-        saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(v, {})}
-        os.environ.update(VARIANT_ENV.get(v, {}))
-        try:
+        with mock.patch.dict(os.environ, VARIANT_ENV.get(v, {})):
             engines[v] = Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
                                              max_num_batched_tokens=4096, num_kv_blocks=2048,
                                              **VARIANTS[v]))
-        finally:
-            for k, old in saved.items():
-                if old is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = old
     vocab = engines["native"].model_config.vocab_size
     ids = iter(range(10**9))
 

@@ -47,8 +47,8 @@ from evenflow.services.engine_thread import (
     StepFailed,
     first_token_times,
 )
-from evenflow.services.kv_pull import KV_PULLED_BLOCKS, KVPuller
-from evenflow.services.metrics import KV_TRANSFER_BYTES
+from evenflow.services.kv_pull import KVPuller
+from evenflow.services.metrics import KV_PULLED_BLOCKS, KV_TRANSFER_BYTES
 from evenflow.services.worker import WorkerService
 
 log = logging.getLogger(__name__)

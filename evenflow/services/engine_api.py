@@ -112,7 +112,8 @@ class ServingEngine(Protocol):
         """How many of the prompt's leading blocks the RAM cache holds: a read the event loop
         may make too (a step stale at most)."""
     def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
-        """The prompt's blocks from first_block on, as far as the cache holds them (KV pull)."""
+        """The full blocks of token_ids from first_block on, as far as this engine holds them
+        in RAM or on its disk tier (a KV pull's holder side)."""
     def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
         """Pulled blocks into the prefix cache; how many were written. KVHandoffError (a
         ValueError) when they do not fit."""

@@ -19,25 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
-from prometheus_client import Counter, Histogram
 
 from evenflow.proto import kv_handoff, subjects
 from evenflow.proto.messages import KVBlockChunk, KVPullDone, KVPullRequest, Message
 from evenflow.services.engine_thread import EngineCommand, ExportPrefix, PrefixExported
+from evenflow.services.metrics import KV_PULL_SECONDS, KV_PULLS, KV_PULLS_SERVED
 
 log = logging.getLogger(__name__)
-
-KV_PULLS = Counter("evenflow_kv_pulls_total", "KV pulls a prefill worker made, by outcome "
-                   "(pulled, empty: the holder had none of them, timeout, refused, broken)",
-                   ["outcome"])
-KV_PULLED_BLOCKS = Counter("evenflow_kv_pulled_blocks_total",
-                           "KV blocks pulled from other workers into this prefix cache")
-KV_PULLS_SERVED = Counter("evenflow_kv_pulls_served_total",
-                          "KV pulls this worker answered, and the blocks it sent", ["what"])
-KV_PULL_SECONDS = Histogram("evenflow_kv_pull_seconds",
-                            "A successful KV pull, request to the last byte",
-                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                     2.5))
 
 Send = Callable[[str, Message, Context | None], None]
 

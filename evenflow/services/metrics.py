@@ -90,6 +90,18 @@ RETRIES = Counter("evenflow_request_retries_total",
                   "Requests re-sent elsewhere by the gateway, by the error that caused it",
                   ["code"])
 KV_TRANSFER_BYTES = Counter("evenflow_kv_transfer_bytes_total", "KV bytes shipped", ["service"])
+# KV pulls (services/kv_pull.py): a prefill worker fetching a prefix another worker holds
+KV_PULLS = Counter("evenflow_kv_pulls_total", "KV pulls a prefill worker made, by outcome "
+                   "(pulled, empty: the holder had none of them, timeout, refused, broken)",
+                   ["outcome"])
+KV_PULLED_BLOCKS = Counter("evenflow_kv_pulled_blocks_total",
+                           "KV blocks pulled from other workers into this prefix cache")
+KV_PULLS_SERVED = Counter("evenflow_kv_pulls_served_total",
+                          "KV pulls this worker answered, and the blocks it sent", ["what"])
+KV_PULL_SECONDS = Histogram("evenflow_kv_pull_seconds",
+                            "A successful KV pull, request to the last byte",
+                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                     2.5))
 LOOP_LAG = Histogram("evenflow_event_loop_lag_seconds",
                      "How late a 50 ms timer fires on this process's event loop",
                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -92,19 +92,19 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   }
   const int64_t n_active = static_cast<int64_t>(active.size());
 
-  const bool w8a8 = w13[0].format == Format::kW8A8;
-  // int4 in the VNNI layout: rows in groups of int8 for experts with few of them (W4A8)
-  const bool w4a8 = w13[0].format == Format::kInt4Vnni;
+  // an expert with few rows takes them quantized from int4 in the VNNI layout (W4A8)
+  const bool few = std::any_of(active.begin(), active.end(), [&](int64_t e) {
+    return start[e + 1] - start[e] < kDequantRowsW4A8;
+  });
+  const bool float_rows_read = reads_float_rows(w13[0]);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
-  const float* xf =
-      quantized && !w8a8 && !w4a8 ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  const float* xf = float_rows_read ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
   QuantRows xq, actq;  // w8a8 / w4a8: the tokens and the activations, quantized
-  if (w8a8) quantize_rows(xp, tokens, hidden, xq);
-  if (w4a8) quantize_rows_grouped(xp, tokens, hidden, w13[0].group, xq);
+  quantize_rows_for(w13[0], xp, tokens, hidden, few, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::unique_ptr<float[]> act_f(quantized && !w8a8 && !w4a8 && !std::is_same_v<T, float>
+  std::unique_ptr<float[]> act_f(float_rows_read && !std::is_same_v<T, float>
                                      ? new float[pairs * inter]
                                      : nullptr);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();
@@ -136,8 +136,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
     }
   });
 
-  if (w8a8) quantize_rows(act.get(), pairs, inter, actq);
-  if (w4a8) quantize_rows_grouped(act.get(), pairs, inter, w2[0].group, actq);
+  quantize_rows_for(w2[0], act.get(), pairs, inter, few, actq);
 
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;

@@ -128,23 +128,19 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   }
   at::Tensor out = at::empty({x.size(0), n_total}, x.options());
   QuantRows xq;
+  const int64_t rows = x.size(0);
+  // a task's block of rows: kRowBlock each, the last one the rest (W4A8 serves one under 16)
+  const bool few = (rows - 1) % kRowBlock + 1 < kDequantRowsW4A8;
   if (bf16) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     std::vector<float> copy;
-    const float* xf = nullptr;
-    if (w8a8)
-      quantize_rows(xb, x.size(0), k_total, xq);
-    else if (wt.format == Format::kInt4Vnni)
-      quantize_rows_grouped(xb, x.size(0), k_total, wt.group, xq);
-    else if (wt.format != Format::kPlain)
-      xf = float_rows(xb, x.numel(), copy);
-    linear_impl(xb, xf, &xq, x.size(0), k_total, wt, n_total, bias_p,
+    quantize_rows_for(wt, xb, rows, k_total, few, xq);
+    const float* xf = reads_float_rows(wt) ? float_rows(xb, x.numel(), copy) : nullptr;
+    linear_impl(xb, xf, &xq, rows, k_total, wt, n_total, bias_p,
                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
-    if (w8a8) quantize_rows(x.data_ptr<float>(), x.size(0), k_total, xq);
-    if (wt.format == Format::kInt4Vnni)
-      quantize_rows_grouped(x.data_ptr<float>(), x.size(0), k_total, wt.group, xq);
-    linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), &xq, x.size(0), k_total, wt, n_total,
+    quantize_rows_for(wt, x.data_ptr<float>(), rows, k_total, few, xq);
+    linear_impl(x.data_ptr<float>(), x.data_ptr<float>(), &xq, rows, k_total, wt, n_total,
                 bias_p, out.data_ptr<float>());
   }
   return out;

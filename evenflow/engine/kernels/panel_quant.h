@@ -443,6 +443,25 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   }
 }
 
+// The rows as `wt`'s kernel takes them quantized (QuantRows), when it does: w8a8 always, per
+// row; int4 in the VNNI layout per group, and only when some panel meets fewer than
+// kDequantRowsW4A8 of them at once (`few`: more rows dequantize the panel and read x as it is).
+// Otherwise `out` stays empty.
+template <typename T>
+void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool few,
+                       QuantRows& out) {
+  if (wt.format == Format::kW8A8)
+    quantize_rows(x, m, k, out);
+  else if (wt.format == Format::kInt4Vnni && few)
+    quantize_rows_grouped(x, m, k, wt.group, out);
+}
+
+// Whether `wt`'s few-row path reads the rows in float32 (int8 and int4 nibble panels; w8a8 and
+// the VNNI int4 layout read quantized rows)
+inline bool reads_float_rows(const Weight& wt) {
+  return wt.format == Format::kInt8 || wt.format == Format::kInt4;
+}
+
 // x's rows as float32 (a copy for bf16; x itself for float32): the quantized panels' direct path
 // reads float rows.
 template <typename T>

@@ -78,20 +78,27 @@ inline __m512 load16_ps(const uint16_t* p) {
 }
 #endif
 
-// One row: its scale, and its k values as unsigned bytes (vectorized where AVX-512 is: the
-// rounding is the same, to nearest even, both ways).
+// max |x| over n values
 template <typename T>
-float quantize_row(const T* src, int64_t k, uint8_t* dst) {
+float peak_of(const T* src, int64_t n) {
   float peak = 0.f;
   int64_t j = 0;
 #if defined(__AVX512F__)
   __m512 top = _mm512_setzero_ps();
-  for (; j + kLanes <= k; j += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load16_ps(src + j)));
+  for (; j + kLanes <= n; j += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load16_ps(src + j)));
   peak = _mm512_reduce_max_ps(top);
 #endif
-  for (; j < k; ++j) peak = std::max(peak, std::fabs(load1(src[j])));
+  for (; j < n; ++j) peak = std::max(peak, std::fabs(load1(src[j])));
+  return peak;
+}
+
+// One row: its scale, and its k values as unsigned bytes (vectorized where AVX-512 is: the
+// rounding is the same, to nearest even, both ways).
+template <typename T>
+float quantize_row(const T* src, int64_t k, uint8_t* dst) {
+  const float peak = peak_of(src, k);
   const float inv = peak > 0.f ? 127.f / peak : 0.f;
-  j = 0;
+  int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 scale = _mm512_set1_ps(inv);
   const __m512i offset = _mm512_set1_epi32(128);
@@ -124,18 +131,10 @@ void quantize_row_grouped(const T* src, int64_t k, int64_t group, int8_t* dst, f
   for (int64_t g = 0; g < k / group; ++g) {
     const T* x = src + g * group;
     int8_t* q = dst + g * group;
-    float peak = 0.f;
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    __m512 top = _mm512_setzero_ps();
-    for (; j + kLanes <= group; j += kLanes)
-      top = _mm512_max_ps(top, _mm512_abs_ps(load16_ps(x + j)));
-    peak = _mm512_reduce_max_ps(top);
-#endif
-    for (; j < group; ++j) peak = std::max(peak, std::fabs(load1(x[j])));
+    const float peak = peak_of(x, group);
     const float inv = peak > 0.f ? 127.f / peak : 0.f;
     int32_t total = 0;
-    j = 0;
+    int64_t j = 0;
 #if defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(inv);
     __m512i sum = _mm512_setzero_si512();
