@@ -192,6 +192,14 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
                 "slot ", e, ": w8a8 needs (n, k) int8 weights, n float32 scales, n int32 comps");
     return weight_of(data, &scales[e], &offsets[e], group);
   }
+  if (type == at::kByte && data.dim() == 4 && e < scales.size() &&
+      scales[e].scalar_type() == at::kByte) {  // MXFP4 codes and their E8M0 exponents
+    TORCH_CHECK(kHasVnni && group == 32 && k % group == 0 && data.numel() == n * k / 2 &&
+                    scales[e].is_contiguous() && scales[e].numel() == n * k / group,
+                "slot ", e, ": MXFP4 needs AVX512-VNNI, groups of 32 and one exponent a "
+                "(group, channel)");
+    return weight_of(data, &scales[e], nullptr, group);
+  }
   if (type == at::kChar || type == at::kByte) {
     const bool int4 = type == at::kByte;
     TORCH_CHECK(data.numel() == (int4 ? n * k / 2 : n * k) && e < scales.size(),

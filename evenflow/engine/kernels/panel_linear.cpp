@@ -62,7 +62,8 @@ namespace evenflow_ops {
 // x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
 // f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), (N/64, K/2, 64) uint8 int4 nibbles
 // (or (N/64, K/8, 64, 4): their VNNI layout, panel_quant.h) with scale and offset
-// (N/64, K/group, 64), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
+// (N/64, K/group, 64), MXFP4 codes in that VNNI layout with their E8M0 exponents (N/64, K/32,
+// 64) uint8 as `scale` and no offset (group 32), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
 // and its int32 comp (N,) as `offset`; bias: (N,) float32 or none.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
@@ -93,7 +94,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   }
   TORCH_CHECK(layout, "the weight is not in a panel layout for ", k_total, " inputs");
   const int64_t n_total = w.size(0) * kPanel;
-  if (type == at::kChar || type == at::kByte) {
+  const bool mxfp4 = type == at::kByte && w.dim() == 4 && scale.has_value() &&
+                     scale->scalar_type() == at::kByte;
+  if (mxfp4) {
+    TORCH_CHECK(kHasVnni && group == 32 && k_total % group == 0 && !offset.has_value() &&
+                    scale->is_contiguous() && scale->numel() == n_total * k_total / group,
+                "MXFP4 panels need AVX512-VNNI, groups of 32, no offset and one exponent a "
+                "(group, channel)");
+  } else if (type == at::kChar || type == at::kByte) {
     const int64_t per_channel = type == at::kByte ? k_total / std::max<int64_t>(group, 1) : 1;
     // int4 in the VNNI layout keeps its scale and offset in float16
     const auto scale_type = type == at::kByte && w.dim() == 4 ? at::kHalf : at::kFloat;

@@ -10,6 +10,10 @@
 //         (block j, channel c) holding k = 8j + i in byte i's low nibble and 8j + 4 + i in its
 //         high one; scale and offset shaped as int4's, in float16. Few rows are quantized per group and meet it
 //         on vpdpbusd (panel_w8a8.h's panel_w4a8), more rows a dequantized panel.
+//   mxfp4 (kMxfp4, where VNNI is): MXFP4's E2M1 codes in kInt4Vnni's layout, groups of 32,
+//         with each (group, channel)'s E8M0 exponent byte (N/64, G, 64) uint8 and no offset:
+//         4.25 bits a weight, as checkpoints ship them. Few rows meet it on vpdpbusd through a
+//         code lookup (panel_w8a8.h), more rows a dequantized panel.
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
 //         rows are quantized too (per row, dynamic), so the sums are integer: panel_w8a8.h.
@@ -33,7 +37,7 @@ namespace evenflow_panel {
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kW8A8 };
+enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kMxfp4, kW8A8 };
 
 // One weight (a dense layer's, or one expert's gate_up or down) as stored.
 struct Weight {
@@ -46,7 +50,8 @@ struct Weight {
   const uint16_t* scale_h = nullptr;
   const uint16_t* offset_h = nullptr;
   const int32_t* comp = nullptr;  // w8a8 only
-  int64_t group = 0;              // int4 only
+  const uint8_t* exps = nullptr;  // kMxfp4 only: E8M0 exponents (N/64, G, 64)
+  int64_t group = 0;              // int4 and mxfp4
 };
 
 
@@ -308,14 +313,60 @@ inline f16v vnni_nibbles(const uint8_t* dwords, int i) {
   return __builtin_convertvector(q, f16v);
 }
 
+// the E2M1 values (not yet scaled) of k = 8j + i (i in 0..7) of 16 channels of a kMxfp4 panel
+inline f16v mx_values(const uint8_t* dwords, int i) {
+  u16v d;
+  std::memcpy(&d, dwords, sizeof d);
+  const u16v q = (d >> static_cast<uint32_t>(8 * (i % 4) + 4 * (i / 4))) & 0xFu;
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f,
+                                      -1.5f, -2.f, -3.f, -4.f, -6.f);
+  __m512i idx;
+  std::memcpy(&idx, &q, sizeof idx);
+  const __m512 f = _mm512_permutexvar_ps(idx, table);
+  f16v v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else  // (kMxfp4 needs AVX-512; this only keeps other builds compiling)
+  static const float table[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  f16v v;
+  for (int l = 0; l < kLanes; ++l) v[l] = table[q[l]];
+  return v;
+#endif
+}
+
+// 16 E8M0 exponents as the floats 2^(e - 127) (e = 0, 2^-127, reads as 2^-126: below any
+// weight's precision)
+inline f16v mx_scale(const uint8_t* exps) {
+  u8x16 b;
+  std::memcpy(&b, exps, sizeof b);
+  i16v e = __builtin_convertvector(b, i16v);
+  e = e < 1 ? 1 : e;
+  const i16v bits = e << 23;
+  f16v v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 template <typename T>
 void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
-  const int64_t groups =
-      wt.format == Format::kInt4 || wt.format == Format::kInt4Vnni ? k_total / wt.group : 1;
+  const int64_t groups = wt.format == Format::kInt4 || wt.format == Format::kInt4Vnni ||
+                                 wt.format == Format::kMxfp4
+                             ? k_total / wt.group
+                             : 1;
   for (int64_t kp = 0; kp < k_total / 2; ++kp) {
     for (int v = 0; v < 4; ++v) {
       f16v low, high;
-      if (wt.format == Format::kInt4Vnni) {
+      if (wt.format == Format::kMxfp4) {
+        const int64_t j = kp / 4, g = 8 * j / wt.group, at = (p * groups + g) * kPanel + v * kLanes;
+        const uint8_t* dwords = static_cast<const uint8_t*>(wt.data) +
+                                (p * k_total / 8 + j) * 4 * kPanel + v * 4 * kLanes;
+        const int i = 2 * static_cast<int>(kp % 4);
+        const f16v s = mx_scale(wt.exps + at);
+        low = mx_values(dwords, i) * s;
+        high = mx_values(dwords, i + 1) * s;
+      } else if (wt.format == Format::kInt4Vnni) {
         const int64_t j = kp / 4, g = 8 * j / wt.group, at = (p * groups + g) * kPanel + v * kLanes;
         const uint8_t* dwords = static_cast<const uint8_t*>(wt.data) +
                                 (p * k_total / 8 + j) * 4 * kPanel + v * 4 * kLanes;
@@ -391,15 +442,17 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     }
     return;
   }
-  if (wt.format == Format::kInt4Vnni && m < kDequantRowsW4A8 && row_q(0).gscale != nullptr) {
+  const bool vnni4 = wt.format == Format::kInt4Vnni || wt.format == Format::kMxfp4;
+  if (vnni4 && m < kDequantRowsW4A8 && row_q(0).gscale != nullptr) {
     const int64_t groups = k_total / wt.group;
     for (int64_t r0 = 0; r0 < m; r0 += kW4A8Rows) {
       const int mm = static_cast<int>(std::min<int64_t>(kW4A8Rows, m - r0));
       QuantRow rows[kW4A8Rows];
       for (int r = 0; r < mm; ++r) rows[r] = row_q(r0 + r);
       panel_w4a8_rows(static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total / 2,
-                      wt.scale_h + p * groups * kPanel, wt.offset_h + p * groups * kPanel, rows,
-                      mm, k_total, wt.group, sums);
+                      wt.scale_h + p * groups * kPanel, wt.offset_h + p * groups * kPanel,
+                      wt.exps != nullptr ? wt.exps + p * groups * kPanel : nullptr, rows, mm,
+                      k_total, wt.group, sums);
       epilogue(r0, mm, sums);
     }
     return;
@@ -407,7 +460,7 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   const T* plain = nullptr;
   if (wt.format == Format::kPlain) {
     plain = static_cast<const T*>(wt.data) + p * kPanel * k_total;
-  } else if (wt.format == Format::kInt4Vnni ||  // (its few rows were served above)
+  } else if (vnni4 ||  // (its few rows were served above)
              m >= (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot
                        ? kDequantRowsInt4Dot
                        : kDequantRows)) {
@@ -452,7 +505,7 @@ void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool 
                        QuantRows& out) {
   if (wt.format == Format::kW8A8)
     quantize_rows(x, m, k, out);
-  else if (wt.format == Format::kInt4Vnni && few)
+  else if ((wt.format == Format::kInt4Vnni || wt.format == Format::kMxfp4) && few)
     quantize_rows_grouped(x, m, k, wt.group, out);
 }
 
@@ -479,8 +532,8 @@ const float* float_rows(const T* x, int64_t n, std::vector<float>& copy) {
 }
 
 // A weight from its tensors: plain in x's dtype, int8 (kChar), int4 nibbles (kByte; 4-D: the
-// VNNI layout, with float16 scale and offset), or w8a8 (kChar with an int32 `offset`: its
-// comp).
+// VNNI layout, with float16 scale and offset; with a uint8 scale and no offset: MXFP4 codes and
+// exponents), or w8a8 (kChar with an int32 `offset`: its comp).
 inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const at::Tensor* offset,
                         int64_t group) {
   Weight wt;
@@ -493,6 +546,11 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const a
   } else if (data.scalar_type() == at::kChar) {
     wt.format = Format::kInt8;
     wt.scale = scale->data_ptr<float>();
+  } else if (data.scalar_type() == at::kByte && data.dim() == 4 && scale != nullptr &&
+             scale->scalar_type() == at::kByte) {
+    wt.format = Format::kMxfp4;
+    wt.exps = scale->data_ptr<uint8_t>();
+    wt.group = group;
   } else if (data.scalar_type() == at::kByte && data.dim() == 4) {
     wt.format = Format::kInt4Vnni;
     wt.scale_h = reinterpret_cast<const uint16_t*>(scale->data_ptr());

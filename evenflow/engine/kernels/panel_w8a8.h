@@ -234,10 +234,29 @@ inline void panel_w8a8_rows(const int8_t* w, const float* s, const int32_t* c,
 // 8j + 4 .. 8j + 7 in their high ones, so one 64-byte load gives 16 channels x 8 inputs, two
 // masks give vpdpbusd's operands (weights unsigned 0..15, rows signed). Per group:
 // sum(w x) = s_w * s_x * sum(q_w q_x) + o_w * s_x * sum(q_x).
-template <int MR>
+//
+// kMx: the nibbles are MXFP4's E2M1 codes (same layout, groups of 32) and `exps` holds each
+// (group, channel)'s E8M0 exponent byte (N/64, G, 64): 4.25 bits a weight, as checkpoints
+// ship them. One vpshufb per nibble vector looks each code up as u = 2 * e2m1 + 12 (0..24,
+// unsigned for vpdpbusd), so w = (u - 12) * 2^(e - 128): s_w = 2^(e - 128), o_w = -12 s_w.
+inline __m512i mx_codes_table() {  // vpshufb's table, per 128-bit lane: code -> 2 * e2m1 + 12
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                              12, 11, 10, 9, 8, 6, 4, 0));
+}
+
+// 16 channels' E8M0 exponents as the float 2^(e - 128) (e = 0, 2^-127, reads as 0)
+inline __m512 mx_scales(const uint8_t* exps) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(exps)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
+}
+
+template <int MR, bool kMx>
 void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
-                const uint16_t* offset, int64_t k_total, int64_t group, float* sums) {
+                const uint16_t* offset, const uint8_t* exps, int64_t k_total, int64_t group,
+                float* sums) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i table = mx_codes_table();
   // the totals live in `sums` (updated once a group): registers hold the group's int32 sums
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < 4; ++v)
@@ -259,8 +278,12 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
       }
       for (int v = 0; v < 4; ++v) {
         const __m512i b = _mm512_loadu_si512(wp + v * 64);
-        const __m512i low = _mm512_and_si512(b, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+        __m512i low = _mm512_and_si512(b, nibble);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+        if constexpr (kMx) {
+          low = _mm512_shuffle_epi8(table, low);
+          high = _mm512_shuffle_epi8(table, high);
+        }
         for (int r = 0; r < MR; ++r) {
           acc[r][v] = dpbusd(acc[r][v], low, xlo[r]);
           acc[r][v] = dpbusd(acc[r][v], high, xhi[r]);
@@ -268,10 +291,16 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
       }
     }
     for (int v = 0; v < 4; ++v) {
-      const __m512 s = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kPanel + v * kLanes)));
-      const __m512 o = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + g * kPanel + v * kLanes)));
+      __m512 s, o;
+      if constexpr (kMx) {
+        s = mx_scales(exps + g * kPanel + v * kLanes);
+        o = _mm512_mul_ps(s, _mm512_set1_ps(-12.f));
+      } else {
+        s = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kPanel + v * kLanes)));
+        o = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(offset + g * kPanel + v * kLanes)));
+      }
       for (int r = 0; r < MR; ++r) {
         float* total = sums + r * kPanel + v * kLanes;
         _mm512_storeu_ps(total, _mm512_fmadd_ps(
@@ -282,14 +311,24 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
   }
 }
 
+// m (1..kW4A8Rows) grouped rows against one int4 panel (scale `s`, offset `o`), or an MXFP4
+// panel (`exps` set: its exponents; s and o unused)
 inline void panel_w4a8_rows(const uint8_t* w, const uint16_t* s, const uint16_t* o,
-                            const QuantRow* rows, int m, int64_t k_total, int64_t group,
-                            float* sums) {
+                            const uint8_t* exps, const QuantRow* rows, int m, int64_t k_total,
+                            int64_t group, float* sums) {
+  if (exps != nullptr) {
+    switch (m) {
+      case 1: return panel_w4a8<1, true>(rows, w, s, o, exps, k_total, group, sums);
+      case 2: return panel_w4a8<2, true>(rows, w, s, o, exps, k_total, group, sums);
+      case 3: return panel_w4a8<3, true>(rows, w, s, o, exps, k_total, group, sums);
+      default: return panel_w4a8<4, true>(rows, w, s, o, exps, k_total, group, sums);
+    }
+  }
   switch (m) {
-    case 1: return panel_w4a8<1>(rows, w, s, o, k_total, group, sums);
-    case 2: return panel_w4a8<2>(rows, w, s, o, k_total, group, sums);
-    case 3: return panel_w4a8<3>(rows, w, s, o, k_total, group, sums);
-    default: return panel_w4a8<4>(rows, w, s, o, k_total, group, sums);
+    case 1: return panel_w4a8<1, false>(rows, w, s, o, exps, k_total, group, sums);
+    case 2: return panel_w4a8<2, false>(rows, w, s, o, exps, k_total, group, sums);
+    case 3: return panel_w4a8<3, false>(rows, w, s, o, exps, k_total, group, sums);
+    default: return panel_w4a8<4, false>(rows, w, s, o, exps, k_total, group, sums);
   }
 }
 #else
@@ -297,8 +336,8 @@ inline void panel_w8a8_rows(const int8_t*, const float*, const int32_t*, const u
                             const float*, int, int64_t, float*) {
   TORCH_CHECK(false, "w8a8 panels need AVX512-VNNI");
 }
-inline void panel_w4a8_rows(const uint8_t*, const uint16_t*, const uint16_t*, const QuantRow*,
-                            int, int64_t, int64_t, float*) {
+inline void panel_w4a8_rows(const uint8_t*, const uint16_t*, const uint16_t*, const uint8_t*,
+                            const QuantRow*, int, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "int4 panels for int8 rows need AVX512-VNNI");
 }
 #endif

@@ -10,6 +10,9 @@ slots by reference, without copies):
   holds k = 8j + i in byte i's low nibble and 8j + 4 + i in its high one, for the W4A8 kernel
   (rows quantized to int8 per group meet it on vpdpbusd: panel_w8a8.h), with the scale and
   offset in float16;
+- mxfp4 (engine/quant/mxfp4.py; where VNNI is and EVENFLOW_NATIVE_W4A8 is on): the E2M1 codes
+  in int4's VNNI layout, with each (group of 32, channel)'s E8M0 exponent byte (N/64, G, 64)
+  uint8 in the scale's place and no offset: 4.25 bits a weight, as the checkpoint ships it;
 - w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side: VNNI's
   vpdpbusd), a float32 scale per output channel (N,) and, in the offset's place, an int32
   comp (N,) = 128 * sum_k q[n, k] (the kernel's activations are unsigned, offset by 128).
@@ -28,16 +31,22 @@ from torch import Tensor
 
 from evenflow.engine.config.settings import switched_on
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantStack, QuantValues
+
+Values = QuantValues | Mxfp4Values
 
 PANEL = panels.PANEL
 
 
-def usable(values: list[QuantValues], dtype: torch.dtype, gate_up: bool = False) -> bool:
+def usable(values: list[Values], dtype: torch.dtype, gate_up: bool = False) -> bool:
     """The panel kernels take these weights and activations here (a gate_up stack: gate and
     up each a whole number of panels)."""
-    n, k = values[0].q.shape
+    first = values[0]
+    n, k = first.shape if isinstance(first, Mxfp4Values) else first.q.shape
     if not native.built_for_avx512():  # (the quantized panels' loops are AVX-512's)
+        return False
+    if isinstance(first, Mxfp4Values) and not w4a8_layout(first.group_size, k):
         return False
     if values[0].int8_activations and (k % 4 or not native.w8a8_supported()):
         return False
@@ -59,7 +68,26 @@ def _interleave(t: Tensor) -> Tensor:
     return torch.stack([gate, up], dim=1).reshape(t.shape)
 
 
-def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _vnni_nibbles(q: Tensor) -> Tensor:
+    """(N, K) values 0..15 -> (N/64, K/8, 64, 4) uint8: the dword of (block j, channel c) holds
+    k = 8j + i in byte i's low nibble and 8j + 4 + i in its high one."""
+    n, k = q.shape
+    eights = q.view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, c, j, half, i]
+    return (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+
+
+def _pack_mxfp4(v: Mxfp4Values, gate_up: bool) -> tuple[Tensor, Tensor, None]:
+    codes, exponents = v.codes(), v.scales
+    if gate_up:
+        codes, exponents = _interleave(codes), _interleave(exponents)
+    n, groups = exponents.shape
+    by_panel = exponents.view(n // PANEL, PANEL, groups).permute(0, 2, 1).contiguous()
+    return _vnni_nibbles(codes), by_panel, None
+
+
+def _pack(v: Values, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    if isinstance(v, Mxfp4Values):
+        return _pack_mxfp4(v, gate_up)
     q, scale = v.q, v.scale.float()
     n, k = q.shape
     zero = v.zero if v.zero is not None else torch.full_like(scale, 0.0 if v.bits == 8 else 8.0)
@@ -75,9 +103,7 @@ def _pack(v: QuantValues, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]
     groups = scale.shape[1]
     w4a8 = w4a8_layout(v.group_size, k)
     if w4a8:
-        eights = q.view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, c, j, half, i]
-        nibbles = (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
-        nibbles = nibbles.contiguous()  # (N/64, K/8, 64, 4)
+        nibbles = _vnni_nibbles(q)
     else:
         pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
         nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
@@ -98,11 +124,12 @@ class PanelStack(QuantStack):
         self.data, self.scale, self.offset = data, scale, offset
 
     @classmethod
-    def build(cls, values: list[QuantValues], gate_up: bool = False,
+    def build(cls, values: list[Values], gate_up: bool = False,
               consume: bool = False) -> PanelStack:
         """`consume`: empty `values` as each is packed (a load then never holds a layer's
         unpacked values next to its packed ones)."""
-        n, k = values[0].q.shape
+        first = values[0]
+        n, k = first.shape if isinstance(first, Mxfp4Values) else first.q.shape
         bits, group_size = values[0].bits, values[0].group_size if values[0].bits == 4 else 0
         if consume:
             packed = []

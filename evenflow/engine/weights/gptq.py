@@ -39,7 +39,7 @@ def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
     if not spec:
         return None
     method = spec.get("quant_method")
-    if method == "mxfp4":  # GPT-OSS's experts: dequantized as read (engine/weights/mxfp4.py)
+    if method == "mxfp4":  # GPT-OSS's experts: kept as stored (engine/quant/mxfp4.py)
         return None
     if method != "gptq":
         raise ModelLoadError(f"checkpoint quantization {method!r} is not supported (GPTQ and "

@@ -3,7 +3,9 @@ index) into a CausalLM, stacking per-expert weights into the model's grouped lay
 
 Loading goes one decoder layer at a time: read the layer's tensors, fill the layer, quantize it
 when asked (a QuantConfig, or a GPTQ checkpoint), drop what was read; so peak memory stays near
-the (quantized) model's size plus one layer.
+the (quantized) model's size plus one layer. GPT-OSS's MXFP4 experts stay MXFP4 (engine/quant/
+mxfp4.py): handed to the layer as stored, never expanded (only a tensor-parallel shard, which
+cuts the experts' rows, dequantizes them first).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from evenflow.engine.config.settings import (
     cpu_has_bf16,
 )
 from evenflow.engine.model.transformer import CausalLM
+from evenflow.engine.quant import mxfp4
+from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights import compressed_tensors, gptq, mxfp4, safetensors_io
+from evenflow.engine.weights import compressed_tensors, gptq, safetensors_io
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
@@ -39,7 +43,7 @@ from evenflow.progress import Progress
 # Already-stacked experts (transformers' in-memory layout, found in some exports; GPT-OSS's
 # checkpoints, transposed and with biases).
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-# GPT-OSS's MXFP4 experts (engine/weights/mxfp4.py): (E, out, in / 32, 16) nibbles and scales
+# GPT-OSS's MXFP4 experts (engine/quant/mxfp4.py): (E, out, in / 32, 16) nibbles and scales
 _MXFP4 = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))"
                     r"_(blocks|scales)$")
 
@@ -156,6 +160,33 @@ def _dequantized_mxfp4(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def take_mxfp4_experts(tensors: dict[str, Tensor], layer: int
+                       ) -> dict[str, list[Mxfp4Values]]:
+    """Pop one layer's MXFP4 expert stacks out of `tensors`, as the model's per-expert
+    weights (N, K) in MXFP4: gate_up's rows, stored gate and up interleaved, become
+    [gate | up] (w13); down as stored (w2). Empty where the layer's experts are not MXFP4."""
+    base = f"model.layers.{layer}.mlp.experts."
+    given: dict[str, list[Mxfp4Values]] = {}
+    for stored, ours in (("gate_up_proj", "mlp.w13"), ("down_proj", "mlp.w2")):
+        blocks = tensors.pop(f"{base}{stored}_blocks", None)
+        scales = tensors.pop(f"{base}{stored}_scales", None)
+        if blocks is None and scales is None:
+            continue
+        if blocks is None or scales is None:
+            raise ModelLoadError(f"MXFP4 checkpoint has only one of {base}{stored}"
+                                 f"_blocks / _scales")
+        if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or \
+                blocks.shape[-1] != mxfp4.GROUP // 2:
+            raise ModelLoadError(f"{base}{stored}: MXFP4 blocks {tuple(blocks.shape)} do not "
+                                 f"match scales {tuple(scales.shape)}")
+        if stored == "gate_up_proj":  # (rows 2i: gate i, 2i + 1: up i)
+            blocks = torch.cat([blocks[:, 0::2], blocks[:, 1::2]], dim=1)
+            scales = torch.cat([scales[:, 0::2], scales[:, 1::2]], dim=1)
+        given[ours] = [Mxfp4Values(b.contiguous(), s.contiguous())
+                       for b, s in zip(blocks.unbind(0), scales.unbind(0), strict=True)]
+    return given
+
+
 def _untransposed(t: Tensor, gate_up: bool) -> Tensor:
     """GPT-OSS's stacked experts in the model's layout: gate_up (E, H, 2I) with gate and up
     interleaved column by column -> (E, 2I, H) [gate | up]; down (E, I, H) -> (E, H, I); their
@@ -244,7 +275,9 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
             and cfg.sparse_layers[layer]) else None
         tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None))
         given_hf = take_quantized(tensors, spec) if spec else {}
-        given = gptq.to_model_values(cfg, layer, given_hf)
+        given: dict[str, list] = dict(gptq.to_model_values(cfg, layer, given_hf))
+        if shard is None:  # (a TP shard cuts plain rows: MXFP4 is dequantized for it)
+            given.update(take_mxfp4_experts(tensors, layer))
         if experts is not None:
             assert quantization is not None
             given.update(_quantize_experts_as_read(cfg, experts, quantization))
@@ -261,7 +294,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         _drop_covered(module, covered, prefix, dtype)
         if shard is not None:
             shard.shard_layer(module, cfg)  # type: ignore[arg-type]
-        if quantization is not None:
+        if quantization is not None or given:
             quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
         del tensors, state, given, given_hf
         _return_freed_memory()

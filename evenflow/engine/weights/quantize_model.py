@@ -50,10 +50,11 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _LATENT = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
-def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
+def quantize_layer(layer: DecoderLayer, config: QuantConfig | None, dtype: torch.dtype,
                    given: dict[str, list[QuantValues]] | None = None) -> None:
     """Replace this layer's quantizable weights (in place). `given`: pre-quantized values by
-    name relative to the layer (`self_attn.qkv_proj`, `mlp.w13` as one entry per expert)."""
+    name relative to the layer (`self_attn.qkv_proj`, `mlp.w13` as one entry per expert; MXFP4
+    experts as Mxfp4Values). config None: only `given` is used (the rest stays as loaded)."""
     given = given or {}
     attn = layer.self_attn
     names = list(_ATTENTION) if isinstance(attn, Attention) else [
@@ -68,7 +69,8 @@ def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
         parent = layer.get_submodule(parent_name)
         linear = getattr(parent, attr)
         values = given.get(name)
-        if values is None and isinstance(linear, nn.Linear) and config.fits(linear.weight.shape):
+        if values is None and config is not None and isinstance(linear, nn.Linear) and \
+                config.fits(linear.weight.shape):
             values = [quantize(linear.weight.data, config)]
         if values is not None:
             setattr(parent, attr, QuantLinear(build_stack(values, dtype), linear.bias))
@@ -76,11 +78,12 @@ def quantize_layer(layer: DecoderLayer, config: QuantConfig, dtype: torch.dtype,
         _quantize_experts(mlp, config, dtype, given)
 
 
-def _quantize_experts(moe: MoE, config: QuantConfig, dtype: torch.dtype,
+def _quantize_experts(moe: MoE, config: QuantConfig | None, dtype: torch.dtype,
                       given: dict[str, list[QuantValues]]) -> None:
     w13 = given.get("mlp.w13")
     w2 = given.get("mlp.w2")
-    if w13 is None and config.fits(moe.w13.shape) and config.fits(moe.w2.shape):
+    if w13 is None and config is not None and config.fits(moe.w13.shape) and \
+            config.fits(moe.w2.shape):
         w13 = [quantize(w, config) for w in moe.w13.data]
         w2 = [quantize(w, config) for w in moe.w2.data]
     if w13 is None or w2 is None:
