@@ -33,7 +33,7 @@ def seen_rows(stack: object, x: torch.Tensor) -> torch.Tensor:
 def seen_weight(stack: object, values) -> torch.Tensor:
     """The weight as a panel stack's kernel holds it (float32): int4 in the VNNI layout keeps
     its scale and offset (-zero * scale) in float16; MXFP4 is exact either way."""
-    if not hasattr(values, "q"):  # MXFP4 (engine/quant/mxfp4.py)
+    if not hasattr(values, "zero"):  # MXFP4, FP8 (engine/quant/mxfp4.py, fp8.py)
         return values.dequantize()
     if not (isinstance(stack, PanelStack) and stack.bits == 4 and
             w4a8_layout(stack.group_size, stack.in_features)):

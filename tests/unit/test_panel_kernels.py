@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from quant_reference import seen_rows, seen_weight
 
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.quant.fp8 import Fp8Values
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.panel_stack import PanelStack, usable
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
@@ -100,10 +101,16 @@ def random_mxfp4(n: int, k: int, g: torch.Generator) -> Mxfp4Values:
                        torch.randint(119, 124, (n, k // 32), generator=g, dtype=torch.uint8))
 
 
+def random_fp8(n: int, k: int, g: torch.Generator) -> Fp8Values:
+    """e4m3 values of either sign across its range, scales of 1e-4 a block of 128."""
+    q = (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+    return Fp8Values(q, torch.rand(n, -(-k // 128), generator=g) * 2e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 64),
-                                    QuantConfig("int4", 32, symmetric=True), "mxfp4"],
-                         ids=["int8", "int4-g64", "int4-g32-sym", "mxfp4"])
+                                    QuantConfig("int4", 32, symmetric=True), "mxfp4", "fp8"],
+                         ids=["int8", "int4-g64", "int4-g32-sym", "mxfp4", "fp8"])
 def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     served(dtype)
     g = torch.Generator().manual_seed(1)
@@ -112,6 +119,9 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         downs = [random_mxfp4(H, INTER, g) for _ in range(EXPERTS)]
         if not usable(values, dtype, gate_up=True):
             pytest.skip("MXFP4 panels need AVX-512 VNNI (and EVENFLOW_NATIVE_W4A8 on)")
+    elif config == "fp8":  # (K = 192: a block of 128 and a partial one)
+        values = [random_fp8(2 * INTER, H, g) for _ in range(EXPERTS)]
+        downs = [random_fp8(H, INTER, g) for _ in range(EXPERTS)]
     else:
         values = [quantize(torch.randn(2 * INTER, H, generator=g) * 0.05, config)
                   for _ in range(EXPERTS)]

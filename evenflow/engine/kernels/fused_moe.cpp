@@ -192,6 +192,13 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
                 "slot ", e, ": w8a8 needs (n, k) int8 weights, n float32 scales, n int32 comps");
     return weight_of(data, &scales[e], &offsets[e], group);
   }
+  if (type == at::kFloat8_e4m3fn) {  // fp8 with a scale per (block of 128 inputs, channel)
+    TORCH_CHECK(group == kFp8Block && data.numel() == n * k && e < scales.size() &&
+                    scales[e].scalar_type() == at::kFloat && scales[e].is_contiguous() &&
+                    scales[e].numel() == n * ((k + kFp8Block - 1) / kFp8Block),
+                "slot ", e, ": fp8 needs group 128 and a float32 scale per (block, channel)");
+    return weight_of(data, &scales[e], nullptr, group);
+  }
   if (type == at::kByte && data.dim() == 4 && e < scales.size() &&
       scales[e].scalar_type() == at::kByte) {  // MXFP4 codes and their E8M0 exponents
     TORCH_CHECK(kHasVnni && group == 32 && k % group == 0 && data.numel() == n * k / 2 &&

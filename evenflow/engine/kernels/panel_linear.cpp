@@ -63,7 +63,8 @@ namespace evenflow_ops {
 // f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), (N/64, K/2, 64) uint8 int4 nibbles
 // (or (N/64, K/8, 64, 4): their VNNI layout, panel_quant.h) with scale and offset
 // (N/64, K/group, 64), MXFP4 codes in that VNNI layout with their E8M0 exponents (N/64, K/32,
-// 64) uint8 as `scale` and no offset (group 32), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
+// 64) uint8 as `scale` and no offset (group 32), fp8: (N/64, K, 64) float8_e4m3fn with scale
+// (N/64, ceil(K/128), 64) float32 (group 128), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
 // and its int32 comp (N,) as `offset`; bias: (N,) float32 or none.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
@@ -78,7 +79,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const auto type = w.scalar_type();
   bool layout;
   const bool w8a8 = type == at::kChar && offset.has_value() && offset->scalar_type() == at::kInt;
-  if (w8a8) {
+  const bool fp8 = type == at::kFloat8_e4m3fn;
+  if (fp8) {
+    layout = w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel;
+  } else if (w8a8) {
     TORCH_CHECK(kHasVnni, "w8a8 panels need AVX512-VNNI");
     layout = w.dim() == 4 && w.size(1) * 4 == k_total && w.size(2) == kPanel && w.size(3) == 4;
   } else if (type == at::kChar) {
@@ -96,7 +100,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   const int64_t n_total = w.size(0) * kPanel;
   const bool mxfp4 = type == at::kByte && w.dim() == 4 && scale.has_value() &&
                      scale->scalar_type() == at::kByte;
-  if (mxfp4) {
+  if (fp8) {
+    TORCH_CHECK(group == kFp8Block && scale.has_value() && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous() &&
+                    scale->numel() == n_total * ((k_total + kFp8Block - 1) / kFp8Block),
+                "fp8 panels need group 128 and a float32 scale per (block of 128, channel)");
+  } else if (mxfp4) {
     TORCH_CHECK(kHasVnni && group == 32 && k_total % group == 0 && !offset.has_value() &&
                     scale->is_contiguous() && scale->numel() == n_total * k_total / group,
                 "MXFP4 panels need AVX512-VNNI, groups of 32, no offset and one exponent a "

@@ -14,6 +14,9 @@
 //         with each (group, channel)'s E8M0 exponent byte (N/64, G, 64) uint8 and no offset:
 //         4.25 bits a weight, as checkpoints ship them. Few rows meet it on vpdpbusd through a
 //         code lookup (panel_w8a8.h), more rows a dequantized panel.
+//   fp8 (kFp8): (N/64, K, 64) float8_e4m3fn, as int8's layout, with a float32 scale per (block
+//         of 128 inputs, channel) (N/64, ceil(K/128), 64): FP8 block-wise checkpoints' bytes as
+//         shipped. Each byte widens to float32 in registers (no fp8 arithmetic needed).
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
 //         rows are quantized too (per row, dynamic), so the sums are integer: panel_w8a8.h.
@@ -37,13 +40,13 @@ namespace evenflow_panel {
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kMxfp4, kW8A8 };
+enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kMxfp4, kFp8, kW8A8 };
 
 // One weight (a dense layer's, or one expert's gate_up or down) as stored.
 struct Weight {
   Format format = Format::kPlain;
   const void* data = nullptr;
-  const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64)
+  const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64); fp8: (N/64, B, 64)
   const float* offset = nullptr;  // int4 only
   // kInt4Vnni: scale and offset (N/64, G, 64) in float16 (half the bytes of float32, where a
   // batch-1 step reads them all)
@@ -97,6 +100,67 @@ inline f16v widen_nibbles(u8x16 b) {
   const i16v wide = __builtin_convertvector(b, i16v);
   return __builtin_convertvector(wide, f16v);
 #endif
+}
+
+// 16 float8_e4m3fn bytes as float32: the magnitude's 7 bits go to the top of a float32's
+// exponent and mantissa (2^(e - 127) (1 + m / 8), or a float denormal for e = 0) and 2^120
+// rebiases the exponent to e4m3's 7; the sign bit moves to bit 31. (NaN, 0x7F, never occurs in
+// weights.)
+inline f16v widen_fp8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
+  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i bits = _mm512_or_si512(_mm512_castps_si512(f), sign);
+  f16v v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#else  // (fp8 panels need AVX-512; this only keeps other builds compiling)
+  f16v v;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t mag = static_cast<uint32_t>(p[i] & 0x7F) << 20;
+    float f;
+    std::memcpy(&f, &mag, sizeof f);
+    v[i] = (p[i] & 0x80) ? -f * 0x1p120f : f * 0x1p120f;
+  }
+  return v;
+#endif
+}
+
+constexpr int64_t kFp8Block = 128;  // inputs a scale covers
+
+// MR float rows against an fp8 panel: per block of 128 inputs, sum w x in registers, then add
+// it times the block's scales into `sums`
+template <int MR>
+void panel_fp8(const float* const* x, const uint8_t* w, const float* scale, int64_t k_total,
+               float* sums) {
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, f16v{});
+  for (int64_t b = 0; b * kFp8Block < k_total; ++b) {
+    f16v acc[MR][4] = {};
+    const int64_t end = std::min(k_total, (b + 1) * kFp8Block);
+    for (int64_t k = b * kFp8Block; k < end; ++k) {
+      const uint8_t* wp = w + k * kPanel;
+      __builtin_prefetch(wp + kPrefetch);
+      const f16v w0 = widen_fp8(wp), w1 = widen_fp8(wp + 16), w2 = widen_fp8(wp + 32),
+                 w3 = widen_fp8(wp + 48);
+      for (int r = 0; r < MR; ++r) {
+        const f16v xv = splat(x[r][k]);
+        acc[r][0] += xv * w0;
+        acc[r][1] += xv * w1;
+        acc[r][2] += xv * w2;
+        acc[r][3] += xv * w3;
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      const f16v s = load(scale + b * kPanel + v * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        float* total = sums + r * kPanel + v * kLanes;
+        store(total, load(total) + acc[r][v] * s);
+      }
+    }
+  }
 }
 
 template <int MR>
@@ -229,7 +293,11 @@ template <int MR>
 void panel_quant_rows(const Weight& wt, int64_t p, const float* const* x,
                       const uint16_t* const* xb, int64_t k_total, float* sums) {
   (void)xb;
-  if (wt.format == Format::kInt8) {
+  if (wt.format == Format::kFp8) {
+    const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
+    panel_fp8<MR>(x, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
+                  wt.scale + p * blocks * kPanel, k_total, sums);
+  } else if (wt.format == Format::kInt8) {
     panel_int8<MR>(x, static_cast<const int8_t*>(wt.data) + p * kPanel * k_total, k_total, sums);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   } else if (xb != nullptr && wt.group % kLanes == 0) {
@@ -374,6 +442,12 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
         const f16v s = load_half(wt.scale_h + at), o = load_half(wt.offset_h + at);
         low = vnni_nibbles(dwords, i) * s + o;
         high = vnni_nibbles(dwords, i + 1) * s + o;
+      } else if (wt.format == Format::kFp8) {  // (2kp and 2kp + 1 share a block of 128)
+        const uint8_t* q = static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total;
+        const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
+        const f16v s = load(wt.scale + (p * blocks + 2 * kp / kFp8Block) * kPanel + v * kLanes);
+        low = widen_fp8(q + 2 * kp * kPanel + v * kLanes) * s;
+        high = widen_fp8(q + (2 * kp + 1) * kPanel + v * kLanes) * s;
       } else if (wt.format == Format::kInt8) {
         const int8_t* q = static_cast<const int8_t*>(wt.data) + p * kPanel * k_total;
         low = widen(q + 2 * kp * kPanel + v * kLanes);
@@ -512,7 +586,7 @@ void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool 
 // Whether `wt`'s few-row path reads the rows in float32 (int8 and int4 nibble panels; w8a8 and
 // the VNNI int4 layout read quantized rows)
 inline bool reads_float_rows(const Weight& wt) {
-  return wt.format == Format::kInt8 || wt.format == Format::kInt4;
+  return wt.format == Format::kInt8 || wt.format == Format::kInt4 || wt.format == Format::kFp8;
 }
 
 // x's rows as float32 (a copy for bf16; x itself for float32): the quantized panels' direct path
@@ -538,6 +612,12 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const a
                         int64_t group) {
   Weight wt;
   wt.data = data.data_ptr();
+  if (data.scalar_type() == at::kFloat8_e4m3fn) {
+    wt.format = Format::kFp8;
+    wt.scale = scale->data_ptr<float>();
+    wt.group = group;
+    return wt;
+  }
   if (data.scalar_type() == at::kChar && offset != nullptr &&
       offset->scalar_type() == at::kInt) {
     wt.format = Format::kW8A8;

@@ -1,11 +1,12 @@
 """The choice of a quantized weight's stored form: the panel form where the native panel
 kernels serve it, else int8 / int4 stacks with their measured kernels, w8a8 on torch's
-integer matmul, or MXFP4 as stored (dequantized per call)."""
+integer matmul, or MXFP4 / FP8 as stored (dequantized per call)."""
 
 from __future__ import annotations
 
 import torch
 
+from evenflow.engine.quant.fp8 import Fp8Stack, Fp8Values
 from evenflow.engine.quant.mxfp4 import Mxfp4Stack, Mxfp4Values
 from evenflow.engine.quant.panel_stack import PanelStack, usable
 from evenflow.engine.quant.stacks import (
@@ -17,7 +18,7 @@ from evenflow.engine.quant.stacks import (
 )
 
 
-def build_stack(values: list[QuantValues] | list[Mxfp4Values], dtype: torch.dtype,
+def build_stack(values: list[QuantValues] | list[Mxfp4Values] | list[Fp8Values], dtype: torch.dtype,
                 gate_up: bool = False, consume: bool = False) -> QuantStack:
     """The stored form for these weights (all of one shape and method): panels for the native
     panel kernels where they serve (panel_stack.py; `gate_up`: a MoE layer's gate and
@@ -28,6 +29,8 @@ def build_stack(values: list[QuantValues] | list[Mxfp4Values], dtype: torch.dtyp
         return PanelStack.build(values, gate_up, consume)  # type: ignore[arg-type]
     if isinstance(values[0], Mxfp4Values):
         return Mxfp4Stack.build(values)  # type: ignore[arg-type]
+    if isinstance(values[0], Fp8Values):
+        return Fp8Stack.build(values)  # type: ignore[arg-type]
     if values[0].int8_activations:
         return W8A8Stack.build(values)
     if values[0].bits == 8:

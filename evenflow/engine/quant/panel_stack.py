@@ -13,6 +13,8 @@ slots by reference, without copies):
 - mxfp4 (engine/quant/mxfp4.py; where VNNI is and EVENFLOW_NATIVE_W4A8 is on): the E2M1 codes
   in int4's VNNI layout, with each (group of 32, channel)'s E8M0 exponent byte (N/64, G, 64)
   uint8 in the scale's place and no offset: 4.25 bits a weight, as the checkpoint ships it;
+- fp8 (engine/quant/fp8.py): (N/64, K, 64) float8_e4m3fn as stored, with a float32 scale per
+  (block of 128 inputs, channel) (N/64, ceil(K/128), 64);
 - w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side: VNNI's
   vpdpbusd), a float32 scale per output channel (N,) and, in the offset's place, an int32
   comp (N,) = 128 * sum_k q[n, k] (the kernel's activations are unsigned, offset by 128).
@@ -31,10 +33,11 @@ from torch import Tensor
 
 from evenflow.engine.config.settings import switched_on
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.quant.fp8 import Fp8Values
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantStack, QuantValues
 
-Values = QuantValues | Mxfp4Values
+Values = QuantValues | Mxfp4Values | Fp8Values
 
 PANEL = panels.PANEL
 
@@ -47,6 +50,8 @@ def usable(values: list[Values], dtype: torch.dtype, gate_up: bool = False) -> b
     if not native.built_for_avx512():  # (the quantized panels' loops are AVX-512's)
         return False
     if isinstance(first, Mxfp4Values) and not w4a8_layout(first.group_size, k):
+        return False
+    if isinstance(first, Fp8Values) and gate_up and n % (2 * PANEL):
         return False
     if values[0].int8_activations and (k % 4 or not native.w8a8_supported()):
         return False
@@ -85,9 +90,22 @@ def _pack_mxfp4(v: Mxfp4Values, gate_up: bool) -> tuple[Tensor, Tensor, None]:
     return _vnni_nibbles(codes), by_panel, None
 
 
+def _pack_fp8(v: Fp8Values, gate_up: bool) -> tuple[Tensor, Tensor, None]:
+    q, scale = v.q.view(torch.uint8), v.scale.float()
+    if gate_up:
+        q, scale = _interleave(q), _interleave(scale)
+    n, k = q.shape
+    blocks = scale.shape[1]
+    data = q.view(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+    return data.view(torch.float8_e4m3fn), \
+        scale.view(n // PANEL, PANEL, blocks).permute(0, 2, 1).contiguous(), None
+
+
 def _pack(v: Values, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     if isinstance(v, Mxfp4Values):
         return _pack_mxfp4(v, gate_up)
+    if isinstance(v, Fp8Values):
+        return _pack_fp8(v, gate_up)
     q, scale = v.q, v.scale.float()
     n, k = q.shape
     zero = v.zero if v.zero is not None else torch.full_like(scale, 0.0 if v.bits == 8 else 8.0)
@@ -130,7 +148,8 @@ class PanelStack(QuantStack):
         unpacked values next to its packed ones)."""
         first = values[0]
         n, k = first.shape if isinstance(first, Mxfp4Values) else first.q.shape
-        bits, group_size = values[0].bits, values[0].group_size if values[0].bits == 4 else 0
+        bits = first.bits
+        group_size = first.group_size if bits == 4 or isinstance(first, Fp8Values) else 0
         if consume:
             packed = []
             while values:

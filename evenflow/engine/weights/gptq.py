@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from evenflow.engine.config.settings import INT4_GROUP_SIZES, ModelConfig, ModelLoadError
+from evenflow.engine.quant.fp8 import Fp8Values
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE
 from evenflow.engine.weights.quantized_copy import write_quantized_copy
@@ -120,6 +121,8 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict[str, Any]
 
 def _concat(parts: list[QuantValues]) -> QuantValues:
     """Stack weights along N (fused q/k/v, gate/up)."""
+    if isinstance(parts[0], Fp8Values):  # (FP8 block-wise checkpoints share this mapping)
+        return Fp8Values.concat(parts)  # type: ignore[arg-type,return-value]
     zeros = [p.zero for p in parts]
     zero = None if any(z is None for z in zeros) else torch.cat(zeros)  # type: ignore[arg-type]
     if zero is None and any(z is not None for z in zeros):

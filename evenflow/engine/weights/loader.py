@@ -33,7 +33,7 @@ from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant import mxfp4
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights import compressed_tensors, gptq, safetensors_io
+from evenflow.engine.weights import compressed_tensors, fp8_blockwise, gptq, safetensors_io
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
@@ -217,10 +217,13 @@ def _checked(state: dict[str, Tensor], expected: dict[str, Tensor], dtype: torch
 
 def read_quant_spec(config: dict) -> dict | None:
     """The checkpoint's quantization as we load it (GPTQ or compressed-tensors int8, with its
-    `method`), None if unquantized; ModelLoadError for what we cannot load."""
+    `method`; FP8 block-wise, kept as stored), None if unquantized (or MXFP4, whose experts the
+    loader finds by name); ModelLoadError for what we cannot load."""
     spec = config.get("quantization_config") or {}
     if spec.get("quant_method") == compressed_tensors.FORMAT:
         return compressed_tensors.read_quant_config(spec)
+    if spec.get("quant_method") == fp8_blockwise.FORMAT:
+        return fp8_blockwise.read_quant_config(spec)
     return gptq.read_quant_config(config)
 
 
@@ -228,6 +231,8 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict) -> dict[str, QuantVal
     """Pop the pre-quantized layers out of one read of `tensors`, by HF layer name."""
     if spec.get("format") == compressed_tensors.FORMAT:
         return compressed_tensors.take_quantized(tensors, spec)
+    if spec.get("format") == fp8_blockwise.FORMAT:
+        return fp8_blockwise.take_quantized(tensors, spec)  # type: ignore[return-value]
     return gptq.take_quantized(tensors, spec)
 
 
@@ -262,7 +267,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                    dtype: torch.dtype, spec: dict | None, quantization: QuantConfig | None,
                    shard: TPShard | None, progress: Progress) -> None:
     cfg = model.config
-    if quantization is None and spec is not None:  # quantized as it says, the rest as is
+    if quantization is None and spec is not None and spec.get("method"):
+        # quantized as it says, the rest as is
         quantization = QuantConfig(spec["method"], max(32, spec.get("group_size", 64)),
                                    bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
@@ -309,7 +315,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
     if shard is not None:
         shard.shard_vocab(model)
-    if quantization is not None:
+    if quantization is not None or given_head is not None:
         quantize_head(model, quantization, dtype, given_head)
     progress.update()
     on_meta = [name for name, p in model.named_parameters() if p.is_meta]

@@ -93,12 +93,13 @@ def _quantize_experts(moe: MoE, config: QuantConfig | None, dtype: torch.dtype,
                                build_stack(w2, dtype, consume=True)))
 
 
-def quantize_head(model: CausalLM, config: QuantConfig, dtype: torch.dtype,
+def quantize_head(model: CausalLM, config: QuantConfig | None, dtype: torch.dtype,
                   given: QuantValues | None = None) -> None:
     """lm_head, only when asked (or pre-quantized): it decides every token."""
     head = model.lm_head
-    if given is None and config.quantize_lm_head and isinstance(head, nn.Linear) and \
-            not model.config.tie_word_embeddings and config.fits(head.weight.shape):
+    if given is None and config is not None and config.quantize_lm_head and \
+            isinstance(head, nn.Linear) and not model.config.tie_word_embeddings and \
+            config.fits(head.weight.shape):
         given = quantize(head.weight.data, config)
     if given is not None:
         model.lm_head = QuantLinear(build_stack([given], dtype), None)  # type: ignore[assignment]
