@@ -5,9 +5,12 @@ weights) and for the GGUF loading tests (models/gguf_import.py reads it back). T
 Served: Llama-style dense and Mixtral-style MoE checkpoints (llama.cpp's `llama` architecture;
 Q and K rows in its interleaved rotary layout), Qwen2 (with its q/k/v biases), Qwen3 (with its
 q/k norms) and Qwen3-MoE (`qwen2`, `qwen3`, `qwen3moe`). Tensor types: bf16, f16, f32, q8_0,
-q4_0 for the weight matrices (experts stacked per layer), float32 for norms and the router. The
-tokenizer goes in twice: as llama.cpp's `gpt2` vocabulary (its tokens, merges for a BPE model)
-and whole as `tokenizer.huggingface.json`.
+q4_0, the K-quants q4_k, q5_k and q6_k (models/gguf_kquants.py), and llama-quantize's mixes
+q4_k_m and q5_k_m for the weight matrices (experts stacked per layer), float32 for norms and the
+router. As llama-quantize does, a matrix whose rows are not whole blocks falls back (K-quants
+need rows of 256: q4_k to q4_0, q5_k and q6_k to q8_0; then float32). The tokenizer goes in
+twice: as llama.cpp's `gpt2` vocabulary (its tokens, merges for a BPE model) and whole as
+`tokenizer.huggingface.json`; the chat template as `tokenizer.chat_template`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any
 
 import numpy as np
 
-TYPES = ("bf16", "f16", "f32", "q8_0", "q4_0")
+from evenflow.models import gguf_blocks, gguf_kquants
+
+TYPES = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+_FALLBACK = {"q4_k": "q4_0", "q5_k": "q8_0", "q6_k": "q8_0", "q8_0": "f32", "q4_0": "f32"}
 # model_type -> llama.cpp's architecture (Q and K reordered for its rotary only for `llama`)
 FAMILIES = {"llama": "llama", "mixtral": "llama", "mistral": "llama", "qwen2": "qwen2",
             "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
@@ -43,6 +49,11 @@ def read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
                 data = (data.astype(np.uint32) << 16).view(np.float32)
             tensors[name] = data.astype(np.float32).reshape(info["shape"])
     return tensors
+
+
+# general.file_type (llama.cpp's LLAMA_FTYPE): what tools show as the file's type
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15, "q5_k": 17, "q6_k": 18,
+               "q4_k_m": 15, "q5_k_m": 17, "bf16": 32}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -73,6 +84,7 @@ def export_gguf(model_dir: Path, out: Path, kind: str = "bf16") -> Path:
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     writer = GGUFWriter(str(out), arch)
     writer.add_name(model_dir.name)
+    writer.add_file_type(_FILE_TYPES.get(kind, 0))
     writer.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -91,18 +103,24 @@ def export_gguf(model_dir: Path, out: Path, kind: str = "bf16") -> Path:
     if cfg.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
     _add_tokenizer(writer, model_dir, cfg)
-    qtype = {"bf16": GGMLQuantizationType.BF16, "f16": GGMLQuantizationType.F16,
-             "f32": GGMLQuantizationType.F32, "q8_0": GGMLQuantizationType.Q8_0,
-             "q4_0": GGMLQuantizationType.Q4_0}[kind]
+    layers = int(cfg["num_hidden_layers"])
 
     def add(name: str, value: np.ndarray, matrix: bool = True) -> None:
-        if kind in ("q8_0", "q4_0") and value.shape[-1] % 32:
-            matrix = False  # rows not in whole blocks of 32: float32, as llama-quantize does
-        if not matrix or kind == "f32":
+        chosen = gguf_kquants.mix_type(kind, name, layers) if kind.endswith("_m") else kind
+        while chosen in _FALLBACK and value.shape[-1] % (
+                gguf_blocks.QK_K if chosen.endswith("_k") else 32):
+            chosen = _FALLBACK[chosen]  # rows not in whole blocks, as llama-quantize does
+        if not matrix or chosen == "f32":
             writer.add_tensor(name, value.astype(np.float32))
-        elif kind == "f16":
+        elif chosen == "f16":
             writer.add_tensor(name, value.astype(np.float16))
+        elif chosen.endswith("_k"):
+            qtype = GGMLQuantizationType[chosen.upper()]
+            rows = value.reshape(-1, value.shape[-1])
+            data = gguf_kquants.encode(int(qtype), rows).reshape(*value.shape[:-1], -1)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
         else:
+            qtype = GGMLQuantizationType[chosen.upper()]
             data = quantize(value.astype(np.float32), qtype)
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
@@ -173,3 +191,10 @@ def _add_tokenizer(writer: Any, model_dir: Path, cfg: dict[str, Any]) -> None:
         if value is not None:
             add(int(value))
     writer.add_string("tokenizer.huggingface.json", text)
+    settings = model_dir / "tokenizer_config.json"
+    template = json.loads(settings.read_text()).get("chat_template") if settings.is_file() \
+        else None
+    if not template and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if isinstance(template, str) and template:
+        writer.add_chat_template(template)

@@ -5,16 +5,17 @@ read the same directory. Torch-free (numpy and the gguf package), as everything 
 
 Served: llama.cpp's `llama` architecture (Llama-style dense and Mixtral-style MoE models,
 experts stacked per layer), `qwen2`, `qwen3` and `qwen3moe`. Tensors: F32, F16 and BF16, kept
-exactly (BF16 and F32 as float32, F16 as float16), and Q8_0 / Q4_0. Q4_0 linears are written
-as GPTQ int4 (groups of 32, zero point 8, fp16 scales: exactly Q4_0's values), which the
-engine loads as its int4; where a layer's q/k/v or experts mix Q4_0 with other types, that
-group is dequantized instead (the engine fuses them). Q8_0 is dequantized and quantized again
-at load, per output channel, as evenflow's int8 (Q8_0's blocks of 32 have no exact
-counterpart there); `evenflow_gguf.json` says so, and the engine applies it unless a
-quantization was asked for. Q and K come back from llama.cpp's interleaved rotary layout to
-Hugging Face's (`llama` only). The tokenizer is the file's `tokenizer.huggingface.json` when
-it has one (evenflow's exporter writes it), a tokenizer.json beside the file, or a byte-level
-BPE built from the file's `gpt2` vocabulary and merges.
+exactly (BF16 and F32 as float32, F16 as float16), and the quantized Q4_0, Q8_0, Q4_K, Q5_K and
+Q6_K (so the K-quant mixes llama-quantize writes, Q4_K_M and Q5_K_M, too). A quantized linear
+of a layer (and lm_head) goes into the directory as its raw blocks, `<name>.gguf_<type>` uint8
+(rows, bytes a row), under `quantization_config: {"quant_method": "gguf"}`: the directory is
+no larger than the file, and the engine decodes the blocks as it loads each layer
+(engine/weights/gguf_weights.py says into which of its forms). A quantized embedding is
+dequantized into float32 (exact; the engine holds it in its dtype). Q and K come back from llama.cpp's interleaved rotary layout to
+Hugging Face's (`llama` only; block rows are permuted like value rows). The tokenizer is the
+file's `tokenizer.huggingface.json` when it has one (evenflow's exporter writes it), a
+tokenizer.json beside the file, or a byte-level BPE built from the file's `gpt2` vocabulary and
+merges.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from evenflow.models import gguf_blocks
 
 # llama.cpp's architectures served: (HF class, model_type) dense and MoE, whether llama.cpp
 # stored Q and K in its interleaved rotary order, and the HF prefix of a layer's experts
@@ -43,11 +46,10 @@ EXPERT_ROLES = {"block_sparse_moe": {"ffn_gate_exps.weight": "w1", "ffn_down_exp
                                      "ffn_up_exps.weight": "w3"},
                 "mlp": {"ffn_gate_exps.weight": "gate_proj", "ffn_down_exps.weight": "down_proj",
                         "ffn_up_exps.weight": "up_proj"}}
-HINT_FILE = "evenflow_gguf.json"  # the quantization the file's tensors ask for
-F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30  # GGMLQuantizationType values
-QUANTIZATION_OF = {Q8_0: ("int8", 0)}  # requantized at load (Q4_0 is GPTQ in the directory)
-GPTQ_NAMES = ("_proj.", "block_sparse_moe.experts.")  # linears GPTQ may hold (not routers)
-Q4_0_BLOCK = 32
+HINT_FILE = "evenflow_gguf.json"  # where the directory came from, and its tensor types
+F32, F16, BF16 = 0, 1, 30  # GGMLQuantizationType values (the quantized ones: gguf_blocks.py)
+# linears kept as blocks (not routers, norms or the embedding)
+BLOCK_NAMES = ("_proj.", "block_sparse_moe.experts.")
 
 
 class GGUFError(ValueError):
@@ -82,13 +84,13 @@ def converted_dir(path: Path) -> Path:
     return out
 
 
-def gguf_quantization(model_dir: Path) -> tuple[str, int] | None:
-    """(quantization, int4 group size) a converted GGUF checkpoint asks for, or None."""
+def gguf_tensor_types(model_dir: Path) -> dict[str, int]:
+    """A converted GGUF checkpoint's weight matrices by the file's type name (`q4_k`, `f16`,
+    ...); empty for other checkpoints."""
     hint = model_dir / HINT_FILE
     if not hint.is_file():
-        return None
-    data = json.loads(hint.read_text())
-    return (data["quantization"], int(data["group_size"])) if data.get("quantization") else None
+        return {}
+    return dict(json.loads(hint.read_text()).get("tensor_types", {}))
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -114,10 +116,10 @@ def _array(tensor: Any) -> np.ndarray:
         return data.astype(np.float16, copy=False)
     if kind == BF16:
         return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if kind in (Q8_0, Q4_0):
+    if kind in gguf_blocks.LAYOUT:
         return dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
     raise GGUFError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} is not served "
-                    "(F32, F16, BF16, Q8_0 and Q4_0 are)")
+                    "(F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K and Q6_K are)")
 
 
 def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
@@ -137,86 +139,34 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
     if not family["permuted"]:
         heads = kv_heads = 0  # (no rotary reordering)
     tensors: dict[str, np.ndarray] = {}
-    kinds: dict[int, int] = {}
-    mixed = {_fused_group(t.name) for t in reader.tensors if int(t.tensor_type) != Q4_0}
-    mixed.discard(None)
+    kinds: dict[str, int] = {}
     for tensor in reader.tensors:
         name, kind = tensor.name, int(tensor.tensor_type)
-        # Q4_0: its codes and scales (rows permuted as the values), unless its group is mixed
-        if kind == Q4_0 and not dequantize_all and _fused_group(name) not in mixed:
-            q, d = _q4_0_codes(tensor)
-            codes = {hf: c for hf, c in _hf_tensors(name, q, heads, kv_heads, family)}
-            for hf, scale in _hf_tensors(name, d, heads, kv_heads, family):
-                if hf.startswith("model.layers.") and any(p in hf for p in GPTQ_NAMES):
-                    tensors.update(_gptq(hf.removesuffix(".weight"), codes[hf], scale))
-                else:  # embedding, lm_head: plain
-                    tensors[hf] = np.ascontiguousarray(_dequantized(codes[hf], scale))
-            kinds[kind] = kinds.get(kind, 0) + 1
-            continue
-        values = _array(tensor)
-        if values.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
-            kinds[kind] = kinds.get(kind, 0) + 1
-        for hf_name, value in _hf_tensors(name, values, heads, kv_heads, family):
-            tensors[hf_name] = np.ascontiguousarray(value)
-    if "lm_head.weight" not in tensors:
+        if kind in gguf_blocks.LAYOUT and not dequantize_all:
+            raw = np.asarray(tensor.data)  # (..., rows, bytes a row), as stored
+            for hf, rows in _hf_tensors(name, raw, heads, kv_heads, family):
+                if hf == "lm_head.weight" or (hf.startswith("model.layers.") and
+                                              any(p in hf for p in BLOCK_NAMES)):
+                    base = hf.removesuffix(".weight")
+                    tensors[f"{base}.gguf_{gguf_blocks.NAMES[kind]}"] = np.ascontiguousarray(rows)
+                else:  # the embedding: plain
+                    k = rows.shape[-1] // gguf_blocks.LAYOUT[kind][1] * gguf_blocks.LAYOUT[kind][0]
+                    codes = gguf_blocks.decode(kind, rows.reshape(-1, rows.shape[-1]), k)
+                    tensors[hf] = codes.dequantize().reshape(*rows.shape[:-1], k)
+        else:
+            for hf_name, value in _hf_tensors(name, _array(tensor), heads, kv_heads, family):
+                tensors[hf_name] = np.ascontiguousarray(value)
+        if len(tensor.shape) >= 2 and not name.endswith("ffn_gate_inp.weight"):
+            type_name = tensor.tensor_type.name.lower()
+            kinds[type_name] = kinds.get(type_name, 0) + 1
+    if "lm_head.weight" not in tensors and not any(n.startswith("lm_head.") for n in tensors):
         config["tie_word_embeddings"] = True
-    if any(name.endswith(".qweight") for name in tensors):
-        config["quantization_config"] = {
-            "quant_method": "gptq", "bits": 4, "group_size": Q4_0_BLOCK, "sym": False,
-            "desc_act": False, "checkpoint_format": "gptq_v2"}
+    if any(".gguf_" in name for name in tensors):
+        config["quantization_config"] = {"quant_method": "gguf"}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    quantized = sorted((n, k) for k, n in kinds.items() if k in QUANTIZATION_OF)
-    method, group = QUANTIZATION_OF[quantized[-1][1]] if quantized and not dequantize_all \
-        else ("", 0)
-    (out / HINT_FILE).write_text(json.dumps({
-        "source": str(path), "quantization": method, "group_size": group,
-        "tensor_types": {str(k): v for k, v in kinds.items()}}))
+    (out / HINT_FILE).write_text(json.dumps({"source": str(path), "tensor_types": kinds}))
     _write_tokenizer(reader, path, out, config)
-
-
-def _fused_group(name: str) -> tuple[str, str] | None:
-    """The tensors the engine fuses, which GPTQ must hold all or none of: a layer's q/k/v,
-    and its expert stacks."""
-    parts = name.split(".")
-    if len(parts) < 3 or parts[0] != "blk":
-        return None
-    if parts[2] in ("attn_q", "attn_k", "attn_v") and parts[-1] == "weight":
-        return parts[1], "qkv"
-    if parts[2].endswith("_exps"):
-        return parts[1], "experts"
-    return None
-
-
-def _q4_0_codes(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A Q4_0 tensor's codes (..., K) uint8 in 0..15 and scales (..., K / 32) float16: each
-    block of 32 is an fp16 scale d, then 16 bytes: code j in byte j's low nibble, code j + 16
-    in its high nibble; w = d * (code - 8)."""
-    raw = np.asarray(tensor.data)
-    blocks = raw.reshape(*raw.shape[:-1], -1, 2 + Q4_0_BLOCK // 2)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]
-    nibbles = blocks[..., 2:]
-    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # (..., K / 32, 32)
-    return q.reshape(*raw.shape[:-1], -1), d
-
-
-def _dequantized(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    w = (q.astype(np.float32) - 8).reshape(*d.shape, Q4_0_BLOCK) * d[..., None].astype(
-        np.float32)
-    return w.reshape(q.shape)
-
-
-def _gptq(base: str, q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
-    """One Q4_0 linear (N, K) as GPTQ v2 tensors (engine/weights/gptq.py's layout): codes
-    packed 8 to an int32 along K, fp16 scales (K / 32, N), zero points 8 packed along N."""
-    n, k = q.shape
-    shifts = np.arange(8, dtype=np.uint32) * 4
-    packed = (q.T.astype(np.uint32).reshape(k // 8, 8, n) << shifts[None, :, None]).sum(
-        axis=1, dtype=np.uint32)
-    zeros = np.full((k // Q4_0_BLOCK, n // 8), 0x88888888, dtype=np.uint32)
-    return {f"{base}.qweight": np.ascontiguousarray(packed).view(np.int32),
-            f"{base}.scales": np.ascontiguousarray(d.T),
-            f"{base}.qzeros": zeros.view(np.int32)}
 
 
 def _config(reader: Any, arch: str) -> dict[str, Any]:

@@ -1,16 +1,23 @@
 """GGUF checkpoints (`--model file.gguf`, models/gguf_import.py), written from tiny random
 checkpoints of each family served (Llama-style dense, Mixtral-style MoE, Qwen2, Qwen3,
 Qwen3-MoE) by our exporter (models/gguf_export.py, llama.cpp's layout): float files load to the
-same model as the safetensors, Q4_0 to exactly its own values (GPTQ int4 groups of 32), Q8_0 to
-evenflow's int8 within that requantization's rounding; the tokenizer comes along; what cannot
-be served is said plainly."""
+same model as the safetensors, Q4_0 and Q4_K to exactly their own values (int4 groups of 32),
+Q8_0, Q5_K and Q6_K to evenflow's int8 within that requantization's rounding (which stays below
+the formats' own error), the K-quant mixes likewise; the block decoders agree with gguf-py's;
+the tokenizer and chat template come along; what cannot be served is said plainly."""
 
 from __future__ import annotations
 
 import pytest
 from checkpoints import make_checkpoint
 
+import numpy as np
+import torch
+
 from evenflow import LLM, SamplingParams
+from evenflow.engine.quant.stacks import QuantConfig, quantize
+from evenflow.engine.weights.quantize_model import QuantLinear
+from evenflow.models import gguf_blocks, gguf_kquants
 from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.models import resolve_model
 from evenflow.models.gguf_export import export_gguf
@@ -47,17 +54,88 @@ def test_a_float_gguf_is_the_same_model(family, tmp_path):
     assert (logits(gguf) - logits(family)).abs().max() < 1e-5
 
 
+def quantized_bits(llm) -> set[int]:
+    return {m.weight_q.bits for m in llm.engine.model.modules() if isinstance(m, QuantLinear)}
+
+
 def test_q4_0_loads_to_its_own_values_and_q8_0_to_int8(family, tmp_path, monkeypatch):
     monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")  # the weights alone: rows at full precision
-    for kind, method, tolerance in (("q4_0", None, 1e-4), ("q8_0", "int8", 3e-2)):
+    for kind, bits, tolerance in (("q4_0", 4, 1e-4), ("q8_0", 8, 3e-2)):
         gguf = export_gguf(family, tmp_path / f"model-{kind}.gguf", kind)
         reference = tmp_path / f"{kind}-dequantized"
         reference.mkdir()
         convert(gguf, reference, dequantize_all=True)
         llm = LLM(str(gguf), dtype="float32")
-        assert llm.engine.config.quantization == method  # Q4_0: GPTQ in the directory
+        assert llm.engine.config.quantization is None  # (the file's own forms, per layer)
+        assert quantized_bits(llm) == {bits}
         want = logits(reference)
         assert (logits(gguf) - want).abs().max() < tolerance * want.abs().max(), kind
+
+
+def random_blocks(kind: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Any bytes are valid blocks once their float16 scales are sane."""
+    weights, size, _ = gguf_blocks.LAYOUT[kind]
+    raw = rng.integers(0, 256, (rows, k // weights, size), dtype=np.uint8)
+    halves = {gguf_blocks.Q6_K: (208,), gguf_blocks.Q4_K: (0, 2), gguf_blocks.Q5_K: (0, 2)}
+    for at in halves.get(kind, (0,)):
+        d = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(gguf_blocks.LAYOUT))
+def test_blocks_decode_as_gguf_py_reads_them(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(kind, 5, 512, np.random.default_rng(kind))
+    theirs = dequantize(raw, GGMLQuantizationType(kind))
+    assert np.array_equal(gguf_blocks.decode(kind, raw, 512).dequantize(), theirs)
+    if kind in (gguf_blocks.Q4_K, gguf_blocks.Q5_K, gguf_blocks.Q6_K):  # our encoder, read back
+        w = np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32)
+        again = dequantize(gguf_kquants.encode(kind, w), GGMLQuantizationType(kind))
+        bound = {gguf_blocks.Q4_K: 0.12, gguf_blocks.Q5_K: 0.06, gguf_blocks.Q6_K: 0.03}[kind]
+        assert np.sqrt(((again - w) ** 2).mean()) < bound * w.std()
+
+
+@pytest.mark.parametrize("kind", [gguf_blocks.Q5_K, gguf_blocks.Q6_K])
+def test_int8_from_a_k_quant_adds_less_than_the_files_own_error(kind):
+    """Q5_K / Q6_K load as int8 per channel: quantized again from the file's values, the
+    further error (int8 against the file) stays below the file's own (file against the original
+    weights), on gaussian rows of a real model's width."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = np.random.default_rng(2).standard_normal((64, 2048)).astype(np.float32) * 0.02
+    raw = gguf_kquants.encode(kind, w)
+    file = dequantize(raw, GGMLQuantizationType(kind))
+    again = quantize(torch.from_numpy(file), QuantConfig("int8")).dequantize().numpy()
+    own, added = np.sqrt(((file - w) ** 2).mean()), np.sqrt(((again - file) ** 2).mean())
+    assert added < own, (added, own)
+
+
+@pytest.fixture(scope="module")
+def wide_moe(tmp_path_factory):
+    """A Mixtral whose rows hold whole K-quant super-blocks (256)."""
+    path = tmp_path_factory.mktemp("mixtral256")
+    make_checkpoint("mixtral", path, overrides=dict(hidden_size=256, intermediate_size=256))
+    return path
+
+
+@pytest.mark.parametrize("kind, bits, tolerance", [
+    ("q4_k", {4}, 1e-4), ("q6_k", {8}, 3e-2), ("q5_k", {8}, 3e-2),
+    ("q4_k_m", {4, 8}, 3e-2), ("q5_k_m", {8}, 3e-2)])
+def test_k_quant_files_load_to_their_own_values(wide_moe, tmp_path, monkeypatch, kind, bits,
+                                                tolerance):
+    monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")  # the weights alone: rows at full precision
+    gguf = export_gguf(wide_moe, tmp_path / f"model-{kind}.gguf", kind)
+    reference = tmp_path / "dequantized"
+    reference.mkdir()
+    convert(gguf, reference, dequantize_all=True)
+    llm = LLM(str(gguf), dtype="float32")
+    assert quantized_bits(llm) == bits
+    want = logits(reference)
+    assert (logits(gguf) - want).abs().max() < tolerance * want.abs().max(), kind
 
 
 def test_text_in_text_out_with_the_files_tokenizer(tmp_path):

@@ -96,15 +96,14 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   const bool few = std::any_of(active.begin(), active.end(), [&](int64_t e) {
     return start[e + 1] - start[e] < kDequantRowsW4A8;
   });
-  const bool float_rows_read = reads_float_rows(w13[0]);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
-  const float* xf = float_rows_read ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  const float* xf = reads_float_rows(w13[0]) ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
   QuantRows xq, actq;  // w8a8 / w4a8: the tokens and the activations, quantized
   quantize_rows_for(w13[0], xp, tokens, hidden, few, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::unique_ptr<float[]> act_f(float_rows_read && !std::is_same_v<T, float>
+  std::unique_ptr<float[]> act_f(reads_float_rows(w2[0]) && !std::is_same_v<T, float>
                                      ? new float[pairs * inter]
                                      : nullptr);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();
@@ -265,9 +264,12 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
                                   x.scalar_type()));
     down.push_back(slot_weight(w2[e], scales2, offsets2, e, hidden, inter, group,
                                x.scalar_type()));
+    // (gate_up and down may differ: a GGUF Q4_K_M keeps some downs in Q6_K)
     TORCH_CHECK(gate_up.back().format == gate_up[0].format &&
-                    down.back().format == gate_up[0].format,
-                "every slot's weights must be stored alike");
+                    down.back().format == down[0].format,
+                "every slot's gate_up (and every slot's down) must be stored alike");
+    TORCH_CHECK((gate_up[0].format == Format::kPlain) == (down[0].format == Format::kPlain),
+                "gate_up and down must both be quantized or both plain");
   }
   if (bf16) return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down, inter);
   return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter, w13, w2);

@@ -136,8 +136,11 @@ class QuantizedExperts(ExpertWeights):
         if not (isinstance(gate_up, PanelStack) and isinstance(down, PanelStack)
                 and down.in_features % 64 == 0 and down.out_features % 64 == 0):
             return None
+        groups = {s.group_size for s in (gate_up, down) if s.group_size}
+        if len(groups) > 1:  # (the kernel takes one group size)
+            return None
         (w13, s13, o13), (w2, s2, o2) = gate_up.experts(), down.experts()
-        return w13, w2, s13, s2, o13, o2, gate_up.group_size
+        return w13, w2, s13, s2, o13, o2, groups.pop() if groups else 0
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()

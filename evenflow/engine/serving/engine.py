@@ -6,7 +6,6 @@ Token ids in, token ids out: tokenization and stop strings belong to the caller.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
 from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
 from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
-from evenflow.models.gguf_import import gguf_quantization
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
@@ -77,12 +75,6 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         self.model_dir = resolve_model(config.model)
-        gguf = gguf_quantization(self.model_dir)
-        if gguf is not None and config.quantization is None:  # a Q8_0 / Q4_0 GGUF file
-            method, group = gguf
-            config = self.config = dataclasses.replace(
-                config, quantization=method, quant_group_size=group or config.quant_group_size,
-                quant_symmetric=method == "int4")
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
         if ep_group is not None:

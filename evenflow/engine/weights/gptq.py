@@ -123,10 +123,12 @@ def _concat(parts: list[QuantValues]) -> QuantValues:
     """Stack weights along N (fused q/k/v, gate/up)."""
     if isinstance(parts[0], Fp8Values):  # (FP8 block-wise checkpoints share this mapping)
         return Fp8Values.concat(parts)  # type: ignore[arg-type,return-value]
+    forms = {(p.bits, p.group_size, p.zero is None, p.int8_activations) for p in parts}
+    if len(forms) > 1:  # (a GGUF mix: Q4_K_M's V in Q6_K beside Q and K in Q4_K)
+        whole = torch.cat([p.dequantize() for p in parts])
+        return quantize(whole, QuantConfig("int8"))
     zeros = [p.zero for p in parts]
-    zero = None if any(z is None for z in zeros) else torch.cat(zeros)  # type: ignore[arg-type]
-    if zero is None and any(z is not None for z in zeros):
-        raise ModelLoadError("GPTQ parts to fuse mix symmetric and asymmetric quantization")
+    zero = None if zeros[0] is None else torch.cat(zeros)  # type: ignore[arg-type]
     return QuantValues(parts[0].bits, torch.cat([p.q for p in parts]),
                        torch.cat([p.scale for p in parts]), zero, parts[0].int8_activations)
 

@@ -33,7 +33,13 @@ from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant import mxfp4
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
-from evenflow.engine.weights import compressed_tensors, fp8_blockwise, gptq, safetensors_io
+from evenflow.engine.weights import (
+    compressed_tensors,
+    fp8_blockwise,
+    gguf_weights,
+    gptq,
+    safetensors_io,
+)
 from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
@@ -224,6 +230,8 @@ def read_quant_spec(config: dict) -> dict | None:
         return compressed_tensors.read_quant_config(spec)
     if spec.get("quant_method") == fp8_blockwise.FORMAT:
         return fp8_blockwise.read_quant_config(spec)
+    if spec.get("quant_method") == gguf_weights.FORMAT:
+        return gguf_weights.read_quant_config(spec)
     return gptq.read_quant_config(config)
 
 
@@ -233,6 +241,8 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict) -> dict[str, QuantVal
         return compressed_tensors.take_quantized(tensors, spec)
     if spec.get("format") == fp8_blockwise.FORMAT:
         return fp8_blockwise.take_quantized(tensors, spec)  # type: ignore[return-value]
+    if spec.get("format") == gguf_weights.FORMAT:
+        return gguf_weights.take_quantized(tensors, spec)
     return gptq.take_quantized(tensors, spec)
 
 
