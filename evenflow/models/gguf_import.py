@@ -11,8 +11,9 @@ of a layer (and lm_head) goes into the directory as its raw blocks, `<name>.gguf
 (rows, bytes a row), under `quantization_config: {"quant_method": "gguf"}`: the directory is
 no larger than the file, and the engine decodes the blocks as it loads each layer
 (engine/weights/gguf_weights.py says into which of its forms). A quantized embedding is
-dequantized into float32 (exact; the engine holds it in its dtype). Q and K come back from llama.cpp's interleaved rotary layout to
-Hugging Face's (`llama` only; block rows are permuted like value rows). The tokenizer is the
+dequantized into float32 (exact; the engine holds it in its dtype). Q and K come back from
+llama.cpp's interleaved rotary layout to Hugging Face's (`llama` only; block rows are permuted
+like value rows). The tokenizer is the
 file's `tokenizer.huggingface.json` when it has one (evenflow's exporter writes it), a
 tokenizer.json beside the file, or a byte-level BPE built from the file's `gpt2` vocabulary and
 merges.

@@ -8,18 +8,16 @@ the tokenizer and chat template come along; what cannot be served is said plainl
 
 from __future__ import annotations
 
-import pytest
-from checkpoints import make_checkpoint
-
 import numpy as np
+import pytest
 import torch
+from checkpoints import make_checkpoint
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.quant.stacks import QuantConfig, quantize
-from evenflow.engine.weights.quantize_model import QuantLinear
-from evenflow.models import gguf_blocks, gguf_kquants
 from evenflow.engine.runners.model_runner import ChunkInput
-from evenflow.models import resolve_model
+from evenflow.engine.weights.quantize_model import QuantLinear
+from evenflow.models import gguf_blocks, gguf_kquants, resolve_model
 from evenflow.models.gguf_export import export_gguf
 from evenflow.models.gguf_import import GGUFError, convert
 
