@@ -16,6 +16,7 @@ from evenflow.engine.config.settings import (
     QUANT_METHODS,
     EngineConfig,
 )
+from evenflow.models.gguf_export import TYPES as GGUF_TYPES
 from evenflow.services.config import LOG_LEVELS
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -225,7 +226,7 @@ def _up(args: argparse.Namespace) -> int:
 
 # `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
 BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep", "tiers",
-              "sampling", "frontend", "kernels", "hosts")
+              "sampling", "frontend", "kernels", "hosts", "load")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -289,6 +290,25 @@ def _quantize(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote a {fmt} checkpoint ({args.quantization}) to {out}; serve it with "
           f"`evenflow up --model {out}`")
+    return 0
+
+
+def _gguf_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from evenflow import models
+    from evenflow.models.gguf_export import export_gguf
+
+    source = models.resolve_model(args.model)
+    if source is None:
+        print(f"evenflow gguf export: error: no model {args.model!r}", file=sys.stderr)
+        return 2
+    try:
+        out = export_gguf(source, Path(args.out), args.type)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"evenflow gguf export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.type}); serve it with `evenflow up --model {out}`")
     return 0
 
 
@@ -445,6 +465,17 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--group-size", type=int, default=64, choices=list(INT4_GROUP_SIZES))
     quant.add_argument("--symmetric", action="store_true", help="int4 without zero points")
     quant.set_defaults(func=_quantize)
+
+    gguf = sub.add_parser("gguf", help="GGUF files: `evenflow gguf export MODEL OUT --type q4_k_m`")
+    gguf_sub = gguf.add_subparsers(dest="gguf_command", required=True)
+    export = gguf_sub.add_parser("export", help="write a checkpoint as a GGUF file (llama.cpp's "
+                                                "layout, its tokenizer and chat template)")
+    export.add_argument("model", help="built-in model name or checkpoint dir")
+    export.add_argument("out", help="the .gguf file to write")
+    export.add_argument("--type", default="bf16", choices=list(GGUF_TYPES),
+                        help="the weight matrices' type (q4_k_m and q5_k_m: llama-quantize's "
+                             "mixes; rows not in whole blocks fall back as llama-quantize does)")
+    export.set_defaults(func=_gguf_export)
 
     secrets = sub.add_parser(
         "bus-secrets", help="write a nats-server config with a user per service role, and each "

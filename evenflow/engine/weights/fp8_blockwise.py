@@ -11,12 +11,15 @@ how a CPU without fp8 arithmetic runs these checkpoints. Static input scales are
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from evenflow.engine.config.settings import ModelLoadError
 from evenflow.engine.quant.fp8 import BLOCK, Fp8Values, expand_block_scales
+from evenflow.engine.weights.quantized_copy import write_quantized_copy
 
 FORMAT = "fp8"
 # Layers the engine keeps in its own dtype (engine/weights/quantize_model.py: MLA's kv_b_proj is
@@ -63,3 +66,28 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict[str, Any]) -> dict[str
     for name in [n for n in tensors if n.endswith((".input_scale", ".activation_scale"))]:
         del tensors[name]
     return values
+
+
+def quantize_tiles(weight: Tensor) -> dict[str, Tensor]:
+    """One weight (N, K) as an FP8 checkpoint stores it: float8_e4m3fn values and a float32
+    `weight_scale_inv` per 128 x 128 tile (its largest magnitude / 448, e4m3's largest)."""
+    n, k = weight.shape
+    w = weight.float()
+    padded = torch.nn.functional.pad(w, (0, -k % BLOCK, 0, -n % BLOCK))
+    tiles = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # (N/128, K/128)
+    per = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return {"weight": (w / per).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
+
+
+def write_fp8(source: str | Path, out: str | Path) -> Path:
+    """An FP8 block-wise copy of an unquantized checkpoint (as DeepSeek ships V3): every
+    quantizable linear in e4m3 with 128 x 128 tile scales (for benchmarks and tools)."""
+
+    def convert(base: str, weight: Tensor) -> dict[str, Tensor]:
+        return {f"{base}.{name}": t for name, t in quantize_tiles(weight).items()}
+
+    return write_quantized_copy(
+        source, out, lambda shape: True, convert,
+        {"quant_method": FORMAT, "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [BLOCK, BLOCK]})

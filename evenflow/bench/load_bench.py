@@ -1,0 +1,180 @@
+"""`evenflow bench load`: what each stored form costs to load and to hold. For every form a
+checkpoint ships in (bf16 safetensors, GPT-OSS's MXFP4 experts, DeepSeek-V3's FP8 block-wise,
+GGUF Q8_0 / Q6_K / Q4_K_M / Q4_0), one process loads it (the engine's dtype, a KV cache of a few
+blocks) and reports:
+
+- file: the checkpoint's weight bytes on disk (safetensors or the .gguf);
+- resident: the loaded model's weight bytes as held (engine/weights/quantize_model.py's
+  quantized_bytes: quantized forms at their stored size);
+- final: the process's RSS after loading, less its RSS before (torch imported, the native
+  kernels loaded): the weights plus the engine's fixed part (tokenizer, caches, buffers);
+- peak: the process's peak RSS while loading, less the same: what the load needed at most.
+
+The targets (issue 43): peak within 1.25x of final (converted tensor by tensor, never a whole
+bf16 copy), resident within 1.3x of the file for the compact forms. A GGUF file is converted into its
+checkpoint directory (models/gguf_import.py) by one process first, unmeasured (that happens once
+per file); the figures are the engine's load of it.
+
+The checkpoints are the benchmark's ~110M models in each family's shape (bench/checkpoint.py),
+written under --checkpoint-dir (default: the temp dir's evenflow-bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from evenflow.bench.machine import machine_line, run_worker
+
+FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q4_k_m", "gguf-q4_0")
+TARGET_PEAK, TARGET_FILE = 1.25, 1.3
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_peak() -> None:
+    """Start the peak-RSS mark (VmHWM) again from the current RSS (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
+    """GPT-OSS as it ships: its stacked experts in MXFP4 (blocks + scales, (E, out, in))."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from evenflow.engine.quant import mxfp4
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(source / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).float().transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    for path in source.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["router", "self_attn", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    del torch
+    return out
+
+
+def checkpoints(root: Path, quick: bool) -> dict[str, tuple[Path, str]]:
+    """form -> (what to load, the file whose size is `file`)."""
+    from evenflow.bench.checkpoint import (
+        QUICK_MODEL,
+        write_family,
+        write_random_mixtral,
+    )
+    from evenflow.engine.weights.fp8_blockwise import write_fp8
+    from evenflow.models.gguf_export import export_gguf
+
+    tag = "quick" if quick else "110m"
+    mixtral = write_random_mixtral(root / f"mixtral-{tag}", QUICK_MODEL if quick else None)
+    gpt_oss = write_family(root / f"gpt_oss-{tag}", "gpt_oss", quick)
+    deepseek = write_family(root / f"deepseek_v3-{tag}", "deepseek_v3", quick)
+    out: dict[str, tuple[Path, str]] = {"bf16": (mixtral, "dir")}
+    out["mxfp4"] = (_write_mxfp4_gpt_oss(gpt_oss, root / f"gpt_oss-mxfp4-{tag}"), "dir")
+    fp8 = root / f"deepseek_v3-fp8-{tag}"
+    out["fp8"] = (fp8 if (fp8 / "config.json").is_file() else write_fp8(deepseek, fp8), "dir")
+    for kind in ("q8_0", "q6_k", "q4_k_m", "q4_0"):
+        path = root / f"mixtral-{tag}-{kind}.gguf"
+        if not path.is_file():
+            export_gguf(mixtral, path, kind)
+        out[f"gguf-{kind}"] = (path, "gguf")
+    return out
+
+
+def file_bytes(path: Path) -> int:
+    if path.suffix == ".gguf":
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def _worker(argv: list[str]) -> int:
+    """Load one checkpoint; print {"before", "peak", "resident"} (MiB) as the last line."""
+    import torch
+
+    from evenflow import LLM
+    from evenflow.engine.kernels import native
+    from evenflow.engine.serving.engine import Engine
+    from evenflow.engine.weights.quantize_model import quantized_bytes
+
+    model, dtype, convert_only = argv[0], argv[1], argv[2:] == ["convert"]
+    if convert_only:
+        from evenflow.models import resolve_model
+
+        resolve_model(model)
+        print(json.dumps({}))
+        return 0
+    native.ops()
+    torch.zeros(1)
+    _reset_peak()
+    before = _status_mb("VmRSS")
+    llm = LLM(model, dtype=dtype, num_kv_blocks=8, block_size=16)
+    peak = _status_mb("VmHWM")
+    assert isinstance(llm.engine, Engine)
+    resident = quantized_bytes(llm.engine.model) / 2**20
+    print(json.dumps({"before": before, "peak": peak - before, "resident": resident,
+                      "after": _status_mb("VmRSS") - before}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    parser = argparse.ArgumentParser(prog="evenflow bench load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the small models (smoke run)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--forms", default=",".join(FORMS),
+                        help=f"comma-separated, of {', '.join(FORMS)}")
+    parser.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args(argv)
+    from evenflow.engine.config.settings import cpu_has_bf16
+
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    print(machine_line(dtype, args.threads))
+    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    forms = [f for f in args.forms.split(",") if f]
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        parser.error(f"unknown forms {unknown} (of {', '.join(FORMS)})")
+    paths = checkpoints(root, args.quick)
+    rows: list[dict[str, Any]] = []
+    for form in forms:
+        path, _ = paths[form]
+        if path.suffix == ".gguf":
+            run_worker("evenflow.bench.load_bench", [str(path), dtype, "convert"], args.threads,
+                       form)
+        got = run_worker("evenflow.bench.load_bench", [str(path), dtype], args.threads, form)
+        if got is None:
+            continue
+        rows.append({"form": form, "file": file_bytes(path) / 2**20, **got})
+    print(f"\n{'form':<14}{'file MiB':>10}{'resident':>10}{'final':>9}{'peak':>9}"
+          f"{'res/file':>10}{'peak/final':>11}  targets: res/file <= {TARGET_FILE} (compact "
+          f"forms), peak/final <= {TARGET_PEAK}")
+    for r in rows:
+        print(f"{r['form']:<14}{r['file']:>10.1f}{r['resident']:>10.1f}{r['after']:>9.1f}"
+              f"{r['peak']:>9.1f}{r['resident'] / r['file']:>9.2f}x"
+              f"{r['peak'] / r['after']:>10.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
