@@ -11,9 +11,9 @@ blocks) and reports:
 - peak: the process's peak RSS while loading, less the same: what the load needed at most.
 
 The targets (issue 43): peak within 1.25x of final (converted tensor by tensor, never a whole
-bf16 copy), resident within 1.3x of the file for the compact forms. A GGUF file is converted into its
-checkpoint directory (models/gguf_import.py) by one process first, unmeasured (that happens once
-per file); the figures are the engine's load of it.
+bf16 copy), resident within 1.3x of the file for the compact forms. A GGUF file is converted
+into its checkpoint directory (models/gguf_import.py) by one process first, unmeasured (that
+happens once per file); the figures are the engine's load of it.
 
 The checkpoints are the benchmark's ~110M models in each family's shape (bench/checkpoint.py),
 written under --checkpoint-dir (default: the temp dir's evenflow-bench/).
