@@ -34,6 +34,7 @@ from evenflow.engine.quant import mxfp4
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
 from evenflow.engine.weights import (
+    awq,
     compressed_tensors,
     fp8_blockwise,
     gguf_weights,
@@ -232,6 +233,8 @@ def read_quant_spec(config: dict) -> dict | None:
         return fp8_blockwise.read_quant_config(spec)
     if spec.get("quant_method") == gguf_weights.FORMAT:
         return gguf_weights.read_quant_config(spec)
+    if spec.get("quant_method") == awq.FORMAT:
+        return awq.read_quant_config(spec)
     return gptq.read_quant_config(config)
 
 
@@ -243,6 +246,8 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict) -> dict[str, QuantVal
         return fp8_blockwise.take_quantized(tensors, spec)  # type: ignore[return-value]
     if spec.get("format") == gguf_weights.FORMAT:
         return gguf_weights.take_quantized(tensors, spec)
+    if spec.get("format") == awq.FORMAT:
+        return awq.take_quantized(tensors, spec)
     return gptq.take_quantized(tensors, spec)
 
 
