@@ -57,6 +57,35 @@ def moe_reference(x, ids, route, gate_up, down, rows=None):
     return out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_takes_biases_and_the_clamped_swiglu(dtype):
+    """GPT-OSS's experts in the fused kernel: each slot's gate_up and down biases and the
+    clamped SwiGLU in the epilogues, as model/ffn.py computes them per expert."""
+    from evenflow.engine.model.ffn import clamped_swiglu
+
+    served(dtype)
+    g = torch.Generator().manual_seed(7)
+    gate_up = [(torch.randn(2 * INTER, H, generator=g) * 0.3).to(dtype) for _ in range(EXPERTS)]
+    down = [(torch.randn(H, INTER, generator=g) * 0.1).to(dtype) for _ in range(EXPERTS)]
+    b13, b2 = torch.randn(EXPERTS, 2 * INTER, generator=g), torch.randn(EXPERTS, H, generator=g)
+    w13 = [panels.pack_weight(w, gate_up=True) for w in gate_up]
+    w2 = [panels.pack_weight(w) for w in down]
+    alpha, limit = 1.702, 2.0  # (a low limit: the clamps are exercised)
+    for tokens in (1, 6, 40):
+        x = (torch.randn(tokens, H, generator=g) * 2).to(dtype)
+        ids, route = routing(tokens, EXPERTS, g)
+        expected = torch.zeros(tokens, H)
+        for t in range(tokens):
+            for j in range(TOP_K):
+                e = int(ids[t, j])
+                h = x[t].float() @ gate_up[e].float().T + b13[e]
+                act = clamped_swiglu(h, alpha, limit).to(dtype).float()
+                expected[t] += (act @ down[e].float().T + b2[e]) * route[t, j]
+        got = panels.run_experts(x, ids, route, w13, w2, b13=b13, b2=b2,
+                                 activation="clamped_swiglu", alpha=alpha, limit=limit)
+        close(got, expected, dtype)
+
+
 def routing(tokens: int, slots: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.stack([torch.randperm(slots, generator=g)[:TOP_K] for _ in range(tokens)])
     return ids, torch.rand(tokens, TOP_K, generator=g)

@@ -1,6 +1,7 @@
 // The routed experts of a MoE layer in one call: tokens grouped by expert, every expert's
-// gate_up matmul with SiLU(gate) * up fused into its epilogue, every expert's down matmul
-// with the routing weight fused into its epilogue, and each token's k expert outputs summed.
+// gate_up matmul with its bias and activation fused into its epilogue (SiLU(gate) * up, or
+// GPT-OSS's clamped SwiGLU), every expert's down matmul with its bias and the routing weight
+// fused into its epilogue, and each token's k expert outputs summed.
 //
 // Why: the torch path runs per expert an index, two matmuls, a chunk, a silu, a mul, a copy,
 // then a weighted index_add over all pairs: ~10 ops an expert, ~80 a layer at decode, each a
@@ -36,6 +37,32 @@ namespace {
 
 using namespace evenflow_panel;
 
+// What the experts' epilogues add to plain SiLU(gate) * up: per-slot biases (b13 (S, 2I) as
+// [gate | up], b2 (S, H), float32) and the activation.
+enum Activation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
+
+struct ExpertEpilogue {
+  const float* b13 = nullptr;
+  const float* b2 = nullptr;
+  int64_t activation = kSiluMul;
+  float alpha = 1.f, limit = 0.f;
+  bool plain() const { return b13 == nullptr && b2 == nullptr && activation == kSiluMul; }
+};
+
+inline f16v sigmoid(f16v z) {
+  const f16v e = exp_nonpositive(z < 0.f ? z : -z);
+  return z < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+}
+
+// GPT-OSS's experts: gate clamped above at limit, up to [-limit, limit], then
+// (up + 1) * gate * sigmoid(alpha * gate) (model/ffn.py clamped_swiglu)
+inline f16v clamped_swiglu(f16v g, f16v u, float alpha, float limit) {
+  g = g > limit ? splat(limit) : g;
+  u = u > limit ? splat(limit) : u;
+  u = u < -limit ? splat(-limit) : u;
+  return (u + 1.f) * (g * sigmoid(g * alpha));
+}
+
 // One expert's rows [first, first + m) of the grouped pairs through ATen's matmul over its
 // panels (AVX2 builds, float32, many rows: kBlasRows): ys rows get down(silu(gate) * up) times
 // each pair's routing weight. Panel p of gate_up gives gate and up channels [32p, 32p + 32).
@@ -60,7 +87,8 @@ template <typename T>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
                           const at::Tensor& route_weights, const std::vector<Weight>& w13,
                           const std::vector<Weight>& w2, int64_t inter,
-                          at::TensorList w13_t = {}, at::TensorList w2_t = {}) {
+                          const ExpertEpilogue& epi, at::TensorList w13_t = {},
+                          at::TensorList w2_t = {}) {
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
   const int64_t experts = static_cast<int64_t>(w13.size());
   const int64_t pairs = tokens * top_k;
@@ -85,7 +113,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   std::vector<int64_t> active;  // experts for the panel loops below
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t m = start[e + 1] - start[e];
-    if (m >= kBlasRows && !quantized && std::is_same_v<T, float> && !w13_t.empty())
+    if (m >= kBlasRows && !quantized && std::is_same_v<T, float> && !w13_t.empty() &&
+        epi.plain())
       expert_by_matmul(x, order, start[e], m, top_k, route, w13_t[e], w2_t[e], inter, ys.get());
     else if (m > 0)
       active.push_back(e);
@@ -121,11 +150,19 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           [&](int64_t i) { return xf + (order[first + i] / top_k) * hidden; },
           [&](int64_t i) { return xq.at(order[first + i] / top_k); },
           [&](int64_t r0, int mm, const float* sums) {
+            const float* bias = epi.b13 != nullptr ? epi.b13 + e * 2 * inter : nullptr;
             for (int r = 0; r < mm; ++r) {
               for (int v = 0; v < 2; ++v) {
-                const float* g = sums + r * kPanel + v * kLanes;
+                const float* s = sums + r * kPanel + v * kLanes;
+                f16v g = load(s), u = load(s + kPanel / 2);
+                if (bias != nullptr) {  // (plain order: gate channels, then up channels)
+                  g += load(bias + p * kPanel / 2 + v * kLanes);
+                  u += load(bias + inter + p * kPanel / 2 + v * kLanes);
+                }
                 store(out + r * kPanel / 2 + v * kLanes,
-                      silu_mul(load(g), load(g + kPanel / 2)));
+                      epi.activation == kClampedSwiglu
+                          ? clamped_swiglu(g, u, epi.alpha, epi.limit)
+                          : silu_mul(g, u));
               }
               const int64_t at = (first + r0 + r) * inter + p * kPanel / 2;
               store_row(act.get() + at, out + r * kPanel / 2, kPanel / 2);
@@ -149,11 +186,15 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
           [&](int64_t i) { return actf + (first + i) * inter; },
           [&](int64_t i) { return actq.at(first + i); },
           [&](int64_t r0, int mm, const float* sums) {
+            const float* bias = epi.b2 != nullptr ? epi.b2 + e * hidden + p * kPanel : nullptr;
             for (int r = 0; r < mm; ++r) {
               const f16v scale = splat(route[order[first + r0 + r]]);
               float* y = ys.get() + (first + r0 + r) * hidden + p * kPanel;
-              for (int v = 0; v < 4; ++v)
-                store(y + v * kLanes, load(sums + r * kPanel + v * kLanes) * scale);
+              for (int v = 0; v < 4; ++v) {
+                f16v sum = load(sums + r * kPanel + v * kLanes);
+                if (bias != nullptr) sum += load(bias + v * kLanes);
+                store(y + v * kLanes, sum * scale);
+              }
             }
           });
     }
@@ -242,7 +283,9 @@ namespace evenflow_ops {
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& route_weights,
                      at::TensorList w13, at::TensorList w2, at::TensorList scales13,
                      at::TensorList scales2, at::TensorList offsets13, at::TensorList offsets2,
-                     int64_t group) {
+                     int64_t group, const std::optional<at::Tensor>& b13,
+                     const std::optional<at::Tensor>& b2, int64_t activation, double alpha,
+                     double limit) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (T, H) matrix");
   TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && ids.scalar_type() == at::kLong &&
                   ids.size(0) == x.size(0),
@@ -271,15 +314,35 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
     TORCH_CHECK((gate_up[0].format == Format::kPlain) == (down[0].format == Format::kPlain),
                 "gate_up and down must both be quantized or both plain");
   }
-  if (bf16) return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down, inter);
-  return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter, w13, w2);
+  ExpertEpilogue epi;
+  const int64_t slots = static_cast<int64_t>(w13.size());
+  if (b13.has_value()) {
+    TORCH_CHECK(b13->scalar_type() == at::kFloat && b13->is_contiguous() &&
+                    b13->numel() == slots * 2 * inter,
+                "b13 must be a contiguous float32 (slots, 2 * intermediate) matrix");
+    epi.b13 = b13->data_ptr<float>();
+  }
+  if (b2.has_value()) {
+    TORCH_CHECK(b2->scalar_type() == at::kFloat && b2->is_contiguous() &&
+                    b2->numel() == slots * hidden,
+                "b2 must be a contiguous float32 (slots, hidden) matrix");
+    epi.b2 = b2->data_ptr<float>();
+  }
+  TORCH_CHECK(activation == kSiluMul || activation == kClampedSwiglu,
+              "activation: 0 silu(gate) * up, 1 clamped SwiGLU");
+  epi.activation = activation;
+  epi.alpha = static_cast<float>(alpha);
+  epi.limit = static_cast<float>(limit);
+  if (bf16) return fused_moe_impl<uint16_t>(x, ids, route_weights, gate_up, down, inter, epi);
+  return fused_moe_impl<float>(x, ids, route_weights, gate_up, down, inter, epi, w13, w2);
 }
 
 }  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("fused_moe(Tensor x, Tensor ids, Tensor route_weights, Tensor[] w13, Tensor[] w2, "
-        "Tensor[] scales13, Tensor[] scales2, Tensor[] offsets13, Tensor[] offsets2, int group) "
+        "Tensor[] scales13, Tensor[] scales2, Tensor[] offsets13, Tensor[] offsets2, int group, "
+        "Tensor? b13=None, Tensor? b2=None, int activation=0, float alpha=1.0, float limit=0.0) "
         "-> Tensor");
   m.def("fused_moe_bf16_supported", []() { return kHasBf16Dot; });
   m.def("w8a8_supported", []() { return kHasVnni && kPanelsFast; });

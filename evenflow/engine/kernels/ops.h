@@ -38,6 +38,8 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& route_weights,
                      at::TensorList w13, at::TensorList w2, at::TensorList scales13,
                      at::TensorList scales2, at::TensorList offsets13, at::TensorList offsets2,
-                     int64_t group);
+                     int64_t group, const std::optional<at::Tensor>& b13 = std::nullopt,
+                     const std::optional<at::Tensor>& b2 = std::nullopt, int64_t activation = 0,
+                     double alpha = 1.0, double limit = 0.0);
 
 }  // namespace evenflow_ops

@@ -71,18 +71,26 @@ def unpack_weight(packed: Tensor, gate_up: bool = False) -> Tensor:
     return weight
 
 
+# The experts' activations the fused kernel computes (kernels/fused_moe.cpp Activation)
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+
+
 def run_experts(x: Tensor, slots: Tensor, route_weights: Tensor, w13: list[Tensor],
                 w2: list[Tensor], scales13: list[Tensor] | tuple = (),
                 scales2: list[Tensor] | tuple = (), offsets13: list[Tensor] | tuple = (),
-                offsets2: list[Tensor] | tuple = (), group: int = 0) -> Tensor:
+                offsets2: list[Tensor] | tuple = (), group: int = 0, *,
+                b13: Tensor | None = None, b2: Tensor | None = None, activation: str = "silu",
+                alpha: float = 1.0, limit: float = 0.0) -> Tensor:
     """x (T, H) through its top-k slots (T, k) with weights (T, k): the routed experts' sum.
     Plain weights in x's dtype, or quantized ones (engine/quant/panel_stack.py) with their scales
-    (and int4 offsets)."""
+    (and int4 offsets). b13 (slots, 2I) [gate | up] and b2 (slots, H): the slots' biases, float32;
+    activation: silu (silu(gate) * up) or clamped_swiglu (GPT-OSS's, with alpha and limit)."""
     if route_weights.dtype != torch.float32:  # (route_topk's are already: no cast a layer)
         route_weights = route_weights.float()
     return torch.ops.evenflow_kernels.fused_moe(
         x.contiguous(), slots.contiguous(), route_weights.contiguous(), w13, w2,
-        list(scales13), list(scales2), list(offsets13), list(offsets2), group)
+        list(scales13), list(scales2), list(offsets13), list(offsets2), group, b13, b2,
+        ACTIVATIONS[activation], alpha, limit)
 
 
 class PanelLinear(nn.Module):

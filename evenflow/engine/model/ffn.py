@@ -124,6 +124,32 @@ class MoE(nn.Module):
         # logical expert e (engine/weights/expert_store.py) when a placement brings it to this rank.
         self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
         self.resident: dict[int, ExpertPair] | None = None  # logical expert -> weights
+        # the fused kernel's per-slot biases, for the placement they were cut for
+        self._slot_biases: tuple[int | None, Tensor | None, Tensor | None] | None = None
+
+    @property
+    def fused_epilogue(self) -> dict[str, Any] | None:
+        """The fused kernel's epilogue arguments for these experts (their biases per slot, in
+        float32, and the activation), or None where the kernel does not compute their
+        activation."""
+        if self.activation not in panels.ACTIVATIONS:
+            return None
+        if self.b13 is None and self.b2 is None:
+            return {"activation": self.activation, "alpha": self.swiglu[0],
+                    "limit": self.swiglu[1]} if self.activation != "silu" else {}
+        key = None if self.placement is None else id(self.placement)
+        if self._slot_biases is None or self._slot_biases[0] != key:
+            index = self.placement.phy2log if self.placement is not None else None
+
+            def per_slot(b: Tensor | None) -> Tensor | None:
+                if b is None:
+                    return None
+                return (b if index is None else b.index_select(0, index)).float().contiguous()
+
+            self._slot_biases = (key, per_slot(self.b13), per_slot(self.b2))
+        _, b13, b2 = self._slot_biases
+        return {"b13": b13, "b2": b2, "activation": self.activation,
+                "alpha": float(self.swiglu[0] or 1.0), "limit": float(self.swiglu[1] or 0.0)}
 
     @property
     def plain_experts(self) -> bool:
@@ -217,9 +243,11 @@ class MoE(nn.Module):
                 counts = torch.bincount(groups, minlength=self.num_slots)
                 self.slot_counts += counts
         in_use = self.experts_in_use()
-        fused = in_use.fused_args() if self.ep is None and self.plain_experts else None
+        epilogue = self.fused_epilogue if self.ep is None else None
+        fused = in_use.fused_args() if epilogue is not None else None
         if fused is not None:  # every routed expert in one native call
-            out = panels.run_experts(x, groups.view(experts.shape), weights, *fused)
+            assert epilogue is not None
+            out = panels.run_experts(x, groups.view(experts.shape), weights, *fused, **epilogue)
             return self._add_shared_expert(x, out)
         if self.ep is not None:
             out = self._expert_parallel(x, groups, weights, *in_use.linears())

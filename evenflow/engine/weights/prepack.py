@@ -99,8 +99,10 @@ def prepack_model(model: CausalLM, dtype: torch.dtype, fuse_experts: bool = True
 
 
 def _fusable(moe: MoE, dtype: torch.dtype) -> bool:
-    """Plain float experts of this dtype, sizes the fused kernel takes (a tensor-parallel
-    shard's own intermediate size)."""
+    """Float experts of this dtype whose activation the fused kernel computes (biases and
+    GPT-OSS's clamped SwiGLU included), sizes it takes (a tensor-parallel shard's own
+    intermediate size)."""
     w13 = moe.w13
-    return (moe.stored is None and w13.numel() > 0 and w13.dtype == dtype and moe.plain_experts
+    return (moe.stored is None and w13.numel() > 0 and w13.dtype == dtype
+            and moe.fused_epilogue is not None
             and panels.usable(dtype, w13.shape[2], w13.shape[1] // 2))
