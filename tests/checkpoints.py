@@ -70,6 +70,18 @@ ARCHS = {
         head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         moe_intermediate_size=32, intermediate_size=96, use_qk_norm=True,
         first_k_dense_replace=1, attention_bias=True, routed_scaling_factor=1.5)),
+    # dots.llm1 (Dots1): Qwen3's attention (q/k norm) over DeepSeek-V3's MoE, by mapping
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=2.0)),
+    # Solar Open: Llama's attention over GLM-4.5's MoE in every layer, by mapping
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", dict(
+        head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=32, routed_scaling_factor=1.5)),
+    # GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's MLA over GLM-4.5's MoE, by mapping
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        _DEEPSEEK, q_lora_rank=48, mlp_layer_types=["dense", "sparse"])),
 }
 
 

@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Dots1ForCausalLM",
+    "SolarOpenForCausalLM",
 )
 # Dense decoders that differ only in switches read below.
 _DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -146,8 +149,10 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             return _deepseek(raw, common, arch == "DeepseekV3ForCausalLM")
         if arch == "GptOssForCausalLM":
             return _gpt_oss(raw, common)
-        if arch == "Glm4MoeForCausalLM":
+        if arch in ("Glm4MoeForCausalLM", "SolarOpenForCausalLM", "Dots1ForCausalLM"):
             return _glm4_moe(raw, common)
+        if arch == "Glm4MoeLiteForCausalLM":
+            return _glm4_moe_lite(raw, common)
         if arch == "MixtralForCausalLM":
             return ModelConfig(
                 **common,
@@ -314,10 +319,31 @@ def _glm4_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     """GLM-4.5 / 4.6 (Glm4Moe): DeepSeek-V3's MoE (sigmoid scores with a correction bias,
     groups, routed_scaling_factor, ungated shared experts, dense first layers) under grouped-query
     attention with partial rotary, q/k/v biases and an optional per-head q/k norm. No layer of
-    its own: a mapping onto the parts the other families use."""
+    its own: a mapping onto the parts the other families use. The same mapping serves
+    dots.llm1 (Dots1: Qwen3's attention, always with its q/k norm, over DeepSeek-V3's MoE) and
+    Solar Open (Llama's attention over GLM-4.5's MoE in every layer)."""
+    arch = common["architecture"]
+    if arch != "Glm4MoeForCausalLM" and raw.get("layer_types") and any(
+            t != "full_attention" for t in raw["layer_types"]):
+        raise ModelLoadError(f"{arch} with sliding-window layers is not supported")
     return ModelConfig(
         **common,
         attention_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=bool(raw.get("use_qk_norm", False)),
+        qk_norm=arch == "Dots1ForCausalLM" or bool(raw.get("use_qk_norm", False)),
         **_deepseek_moe(raw, common["num_layers"], v3=True, grouped=bool(raw.get("n_group"))),
     )
+
+
+def _glm4_moe_lite(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's MLA attention over GLM-4.5's MoE, dense
+    layers named by `mlp_layer_types`. A mapping: the MLA of _deepseek with the MoE of
+    _glm4_moe."""
+    layers = common["num_layers"]
+    types = raw.get("mlp_layer_types")
+    if types:  # ("dense" / "sparse" per layer, in place of first_k_dense_replace)
+        first_dense = next((i for i, t in enumerate(types) if t != "dense"), layers)
+        if any(t == "dense" for t in types[first_dense:]):
+            raise ModelLoadError("Glm4MoeLite with dense layers after sparse ones is not "
+                                 "supported")
+        raw = {**raw, "first_k_dense_replace": first_dense}
+    return _deepseek({**raw, "topk_method": "noaux_tc"}, common, v3=True)
