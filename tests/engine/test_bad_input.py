@@ -38,6 +38,17 @@ def test_unknown_architecture(ckpt, tmp_path):
         LLM(str(path))
 
 
+@pytest.mark.parametrize("arch, why", [("Qwen3NextForCausalLM", "linear-attention"),
+                                       ("DeepseekV32ForCausalLM", "sparse attention")])
+def test_a_refused_family_says_why(ckpt, tmp_path, arch, why):
+    path = copy_of(ckpt, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=f"{arch} is not supported.*{why}"):
+        LLM(str(path))
+
+
 def test_missing_and_corrupt_files(ckpt, tmp_path):
     with pytest.raises(ModelLoadError, match="neither a built-in model nor a directory"):
         LLM(str(tmp_path / "nowhere"))

@@ -38,6 +38,27 @@ _DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralFo
 
 
 
+# MoE families transformers builds that the engine refuses, and why: each needs a layer the engine
+# does not have (not a mapping onto the parts it has).
+REFUSED_ARCHITECTURES = {
+    "Qwen3NextForCausalLM": "its Gated DeltaNet linear-attention layers",
+    "Qwen3_5MoeForCausalLM": "its Gated DeltaNet linear-attention layers",
+    "KimiLinearForCausalLM": "its Kimi Delta Attention (linear attention) layers",
+    "MiniMaxForCausalLM": "its lightning (linear) attention layers",
+    "JambaForCausalLM": "its Mamba layers",
+    "GraniteMoeHybridForCausalLM": "its Mamba layers",
+    "Lfm2MoeForCausalLM": "its short-convolution layers",
+    "DeepseekV32ForCausalLM": "its sparse attention (the DSA lightning indexer)",
+    "GlmMoeDsaForCausalLM": "its sparse attention (the DSA lightning indexer)",
+    "JetMoeForCausalLM": "its mixture of attention heads",
+    "LongcatFlashForCausalLM": "its zero-computation experts and shortcut-connected MoE",
+    "Llama4ForCausalLM": "its chunked local attention and no-rope layers",
+    "PhimoeForCausalLM": "its SparseMixer routing",
+    "NllbMoeForConditionalGeneration": "it is an encoder-decoder model",
+    "SwitchTransformersForConditionalGeneration": "it is an encoder-decoder model",
+}
+
+
 def _eos_ids(*values: Any) -> tuple[int, ...]:
     ids: list[int] = []
     for value in values:
@@ -104,6 +125,10 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
     """Map a config.json dict onto ModelConfig; raises ModelLoadError naming what is wrong."""
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
+    if arch is None and refused is not None:
+        raise ModelLoadError(f"architecture {refused} is not supported: the engine has no layer "
+                             f"for {REFUSED_ARCHITECTURES[refused]}")
     if arch is None:
         raise ModelLoadError(
             f"unsupported architecture {archs or raw.get('model_type')!r}; "
