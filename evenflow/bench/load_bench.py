@@ -17,6 +17,14 @@ happens once per file); the figures are the engine's load of it.
 
 The checkpoints are the benchmark's ~110M models in each family's shape (bench/checkpoint.py),
 written under --checkpoint-dir (default: the temp dir's evenflow-bench/).
+
+`--speed`: each form's decode (ms/step at batch 1, 8 and 32 after 128-token prompts) and prefill
+(ms for 512 tokens) against its family's bf16 checkpoint, and GPT-OSS's bf16 experts on the path
+they took before the fused kernel's epilogues (`gpt_oss-bf16-unfused`: EVENFLOW_NATIVE_MOE=0,
+the padded bmm and per-expert loops; it is also how MXFP4 experts ran when they were expanded at
+load). Each variant runs in its own process, the variants one after another in every round
+(--rounds), so drift on a shared host reaches them alike; a ratio (baseline time / form's time,
+> 1: the form is faster) is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -31,6 +39,17 @@ from typing import Any
 from evenflow.bench.machine import machine_line, run_worker
 
 FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q4_k_m", "gguf-q4_0")
+# --speed: variant -> (checkpoint key, extra environment, the variant it is compared with)
+SPEED: dict[str, tuple[str, dict[str, str], str]] = {
+    "mixtral-bf16": ("bf16", {}, "mixtral-bf16"),
+    "mixtral-q8_0": ("gguf-q8_0", {}, "mixtral-bf16"),
+    "mixtral-q4_k_m": ("gguf-q4_k_m", {}, "mixtral-bf16"),
+    "gpt_oss-bf16-unfused": ("gpt_oss", {"EVENFLOW_NATIVE_MOE": "0"}, "gpt_oss-bf16-unfused"),
+    "gpt_oss-bf16": ("gpt_oss", {}, "gpt_oss-bf16-unfused"),
+    "gpt_oss-mxfp4": ("mxfp4", {}, "gpt_oss-bf16-unfused"),
+    "deepseek_v3-bf16": ("deepseek_v3", {}, "deepseek_v3-bf16"),
+    "deepseek_v3-fp8": ("fp8", {}, "deepseek_v3-bf16"),
+}
 TARGET_PEAK, TARGET_FILE = 1.25, 1.3
 
 
@@ -87,7 +106,8 @@ def checkpoints(root: Path, quick: bool) -> dict[str, tuple[Path, str]]:
     mixtral = write_random_mixtral(root / f"mixtral-{tag}", QUICK_MODEL if quick else None)
     gpt_oss = write_family(root / f"gpt_oss-{tag}", "gpt_oss", quick)
     deepseek = write_family(root / f"deepseek_v3-{tag}", "deepseek_v3", quick)
-    out: dict[str, tuple[Path, str]] = {"bf16": (mixtral, "dir")}
+    out: dict[str, tuple[Path, str]] = {"bf16": (mixtral, "dir"), "gpt_oss": (gpt_oss, "dir"),
+                                        "deepseek_v3": (deepseek, "dir")}
     out["mxfp4"] = (_write_mxfp4_gpt_oss(gpt_oss, root / f"gpt_oss-mxfp4-{tag}"), "dir")
     fp8 = root / f"deepseek_v3-fp8-{tag}"
     out["fp8"] = (fp8 if (fp8 / "config.json").is_file() else write_fp8(deepseek, fp8), "dir")
@@ -105,8 +125,30 @@ def file_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+def _speed(model: str, dtype: str, quick: bool) -> dict[str, Any]:
+    """Decode ms/step (median of a run's steps) per batch, and prefill ms, for one engine."""
+    import statistics
+
+    from evenflow.bench.stepping import drive, random_prompts
+    from evenflow.engine.serving.engine import Engine, EngineConfig
+
+    batches, prompt, output, prefill = ([1, 4], 16, 8, 64) if quick else ([1, 8, 32], 128, 32,
+                                                                          512)
+    engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=64, num_kv_blocks=1024,
+                                 max_num_batched_tokens=2048))
+    vocab = engine.model_config.vocab_size
+    ids = iter(range(10**9))
+    drive(engine, random_prompts(2, 32, vocab, 99), 4, ids)  # warm-up
+    drive(engine, random_prompts(1, prefill, vocab, 98), 1, ids)
+    decode = {b: statistics.median(drive(engine, random_prompts(b, prompt, vocab, b), output,
+                                         ids)[1:]) * 1e3 for b in batches}
+    first = drive(engine, random_prompts(1, prefill, vocab, 7), 1, ids)
+    return {"decode_ms": decode, "prefill_ms": sum(first) * 1e3}
+
+
 def _worker(argv: list[str]) -> int:
-    """Load one checkpoint; print {"before", "peak", "resident"} (MiB) as the last line."""
+    """Load one checkpoint; print {"before", "peak", "resident"} (MiB) as the last line (or,
+    with `speed`, _speed's figures)."""
     import torch
 
     from evenflow import LLM
@@ -115,6 +157,9 @@ def _worker(argv: list[str]) -> int:
     from evenflow.engine.weights.quantize_model import quantized_bytes
 
     model, dtype, convert_only = argv[0], argv[1], argv[2:] == ["convert"]
+    if argv[2:3] == ["speed"]:
+        print(json.dumps(_speed(model, dtype, argv[3:] == ["quick"])))
+        return 0
     if convert_only:
         from evenflow.models import resolve_model
 
@@ -145,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forms", default=",".join(FORMS),
                         help=f"comma-separated, of {', '.join(FORMS)}")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--speed", action="store_true",
+                        help="decode and prefill per form against its family's bf16")
+    parser.add_argument("--rounds", type=int, default=3, help="--speed's rounds")
     args = parser.parse_args(argv)
     from evenflow.engine.config.settings import cpu_has_bf16
 
@@ -156,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown forms {unknown} (of {', '.join(FORMS)})")
     paths = checkpoints(root, args.quick)
+    if args.speed:
+        return _speed_table(paths, dtype, args)
     rows: list[dict[str, Any]] = []
     for form in forms:
         path, _ = paths[form]
@@ -173,6 +223,52 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['form']:<14}{r['file']:>10.1f}{r['resident']:>10.1f}{r['after']:>9.1f}"
               f"{r['peak']:>9.1f}{r['resident'] / r['file']:>9.2f}x"
               f"{r['peak'] / r['after']:>10.2f}x")
+    return 0
+
+
+def _speed_table(paths: dict[str, tuple[Path, str]], dtype: str, args: Any) -> int:
+    import statistics
+
+    for variant, (key, _, _) in SPEED.items():  # GGUF files: converted first, unmeasured
+        if paths[key][0].suffix == ".gguf":
+            run_worker("evenflow.bench.load_bench", [str(paths[key][0]), dtype, "convert"],
+                       args.threads, variant)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(args.rounds):
+        got: dict[str, dict[str, Any]] = {}
+        for variant, (key, env, _) in SPEED.items():
+            result = run_worker("evenflow.bench.load_bench",
+                                [str(paths[key][0]), dtype, "speed",
+                                 *(["quick"] if args.quick else [])],
+                                args.threads, variant, env=env)
+            if result is not None:
+                got[variant] = result
+        rounds.append(got)
+        print(f"round {r + 1} of {args.rounds} done", flush=True)
+    batches = list(next(iter(rounds[0].values()))["decode_ms"])
+    columns = [f"decode b{b}" for b in batches] + ["prefill"]
+
+    def figure(result: dict[str, Any], column: str) -> float:
+        if column == "prefill":
+            return float(result["prefill_ms"])
+        return float(result["decode_ms"][column.removeprefix("decode b")])
+
+    print(f"\n{'variant':<22}" + "".join(f"{c + ' ms':>16}" for c in columns) +
+          "  (median ms; ratio = baseline / this, median of the rounds)")
+    for variant, (_, _, base) in SPEED.items():
+        cells = []
+        for c in columns:
+            mine = [figure(rd[variant], c) for rd in rounds if variant in rd]
+            ratios = [figure(rd[base], c) / figure(rd[variant], c) for rd in rounds
+                      if variant in rd and base in rd]
+            if not mine:
+                cells.append(f"{'-':>16}")
+                continue
+            text = f"{statistics.median(mine):.2f}"
+            if base != variant and ratios:
+                text += f" {statistics.median(ratios):.2f}x"
+            cells.append(f"{text:>16}")
+        print(f"{variant:<22}" + "".join(cells) + (f"  vs {base}" if base != variant else ""))
     return 0
 
 
