@@ -79,6 +79,12 @@ ARCHS = {
     "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", dict(
         head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
         topk_group=2, moe_intermediate_size=32, routed_scaling_factor=1.5)),
+    # Granite-MoE: Mixtral's layout with its attention, embedding, residual and logits
+    # multipliers (folded into the weights at load), top-k-softmax routing; tied embeddings
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
+        logits_scaling=6.0, tie_word_embeddings=True)),
     # GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's MLA over GLM-4.5's MoE, by mapping
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
         _DEEPSEEK, q_lora_rank=48, mlp_layer_types=["dense", "sparse"])),

@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeLiteForCausalLM",
     "Dots1ForCausalLM",
     "SolarOpenForCausalLM",
+    "GraniteMoeForCausalLM",
 )
 # Dense decoders that differ only in switches read below.
 _DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -178,6 +179,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             return _glm4_moe(raw, common)
         if arch == "Glm4MoeLiteForCausalLM":
             return _glm4_moe_lite(raw, common)
+        if arch == "GraniteMoeForCausalLM":
+            return _granite_moe(raw, common)
         if arch == "MixtralForCausalLM":
             return ModelConfig(
                 **common,
@@ -356,6 +359,27 @@ def _glm4_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=arch == "Dots1ForCausalLM" or bool(raw.get("use_qk_norm", False)),
         **_deepseek_moe(raw, common["num_layers"], v3=True, grouped=bool(raw.get("n_group"))),
+    )
+
+
+def _granite_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Granite-MoE: Mixtral's layout with four multipliers: the attention's softmax scale
+    (`attention_multiplier`), the embedding's, each residual branch's, and the logits' divisor
+    (`logits_scaling`); its router softmaxes the top-k logits. The multipliers are folded into
+    the weights at load, so no layer changes."""
+    return ModelConfig(
+        **common,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        o_proj_bias=bool(raw.get("attention_bias", False)),
+        attention_scale=float(raw.get("attention_multiplier") or 0.0),
+        num_experts=int(raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["intermediate_size"]),
+        sparse_layers=(True,) * common["num_layers"],
+        router_scoring="softmax_topk",
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
     )
 
 

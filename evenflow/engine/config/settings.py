@@ -296,6 +296,17 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Granite-MoE's multipliers, folded into the weights at load (engine/weights/loader.py):
+    # the embedding's output times embedding_multiplier, each residual branch (attention, MLP or
+    # MoE) times residual_multiplier, the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @property
+    def folds_head(self) -> bool:
+        """The embedding or lm_head carries a multiplier (so a tied pair is untied at load)."""
+        return self.embedding_multiplier != 1.0 or self.logits_scaling != 1.0
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"

@@ -18,7 +18,12 @@ ROLE = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "d
 # GPT-OSS's router).
 RENAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),
            (".mlp.gate.e_score_correction_bias", ".mlp.score_bias"),
-           (".mlp.router.", ".mlp.gate."))
+           (".mlp.router.", ".mlp.gate."),
+           # Granite-MoE's stacked experts ([gate | up] and down, as the model holds them) and
+           # router
+           (".block_sparse_moe.input_linear.weight", ".mlp.w13"),
+           (".block_sparse_moe.output_linear.weight", ".mlp.w2"),
+           (".block_sparse_moe.router.layer.", ".mlp.gate."))
 # Stacked experts stored as (E, H, 2I) with gate and up interleaved column by column, and
 # down as (E, I, H), with biases (GPT-OSS); the model holds (E, 2I, H) [gate | up] and (E, H, I).
 TRANSPOSED_EXPERTS = ("GptOssForCausalLM",)

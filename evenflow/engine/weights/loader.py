@@ -273,7 +273,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
                                  "not supported: load the unquantized one with quantization=")
     with Progress(f"loading {model_dir.name}", cfg.num_layers + 1, show_progress) as progress:
         _load_by_layer(model, files, expected, dtype, spec, quantization, shard, progress)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not cfg.folds_head:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
 
@@ -313,6 +313,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()},
                                assign=True, strict=False)
         _drop_covered(module, covered, prefix, dtype)
+        _fold_residual(module, cfg.residual_multiplier, given)
         if shard is not None:
             shard.shard_layer(module, cfg)  # type: ignore[arg-type]
         if quantization is not None or given:
@@ -328,6 +329,14 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                           assign=True, strict=False)
     if given_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+    if cfg.folds_head:  # (new tensors: a tied embedding and lm_head part here)
+        if given_head is not None:
+            raise ModelLoadError("a pre-quantized lm_head with logits_scaling is not supported")
+        head, embed = model.lm_head, model.model.embed_tokens
+        head.weight = torch.nn.Parameter(head.weight.data / cfg.logits_scaling,
+                                         requires_grad=False)
+        embed.weight = torch.nn.Parameter(embed.weight.data * cfg.embedding_multiplier,
+                                          requires_grad=False)
     if shard is not None:
         shard.shard_vocab(model)
     if quantization is not None or given_head is not None:
@@ -337,6 +346,34 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
     if on_meta:
         raise ModelLoadError(f"checkpoint left {len(on_meta)} parameter(s) unset, e.g. "
                              f"{on_meta[:3]}")
+
+
+def _fold_residual(layer: torch.nn.Module, multiplier: float, given: dict[str, list]) -> None:
+    """Granite-MoE's residual multiplier folded into the weights that end each residual branch
+    (o_proj; down of the MLP, of the routed experts and of a shared expert), plain or handed
+    over quantized (`given`: their scales): the branch's output comes out already scaled."""
+    if multiplier == 1.0:
+        return
+    for name in ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.w2"):
+        for values in given.get(name, []):
+            if isinstance(values, Mxfp4Values):  # (its scales are powers of two)
+                raise ModelLoadError("MXFP4 weights with a residual_multiplier are not supported")
+            values.scale = values.scale * multiplier
+    mlp = layer.get_submodule("mlp")
+    ends: list[torch.nn.Module] = [layer.get_submodule("self_attn.o_proj")]
+    ends += [mlp.get_submodule("down_proj")] if hasattr(mlp, "down_proj") else []
+    if getattr(mlp, "shared_expert", None) is not None:
+        ends.append(mlp.get_submodule("shared_expert.down_proj"))
+    with torch.no_grad():
+        for linear in ends:
+            for name in ("weight", "bias"):
+                t = getattr(linear, name, None)
+                if t is not None and t.numel():  # (empty: handed over quantized)
+                    t.mul_(multiplier)
+        for name in ("w2", "b2"):
+            t = getattr(mlp, name, None)
+            if t is not None and t.numel():
+                t.mul_(multiplier)
 
 
 def _layer_tensors(prefix: str, skip_experts: bool) -> Callable[[str], bool]:
