@@ -6,6 +6,11 @@ everything in models/; the engine turns the codes into its stored forms at load
 Layouts, per row of K weights (K a multiple of the block):
 - Q4_0, blocks of 32 (18 bytes): f16 d, 16 bytes; code j in byte j's low nibble, j + 16 in its
   high one; w = d * (q - 8).
+- Q4_1, blocks of 32 (20 bytes): f16 d, f16 m, 16 bytes as Q4_0's; w = d * q + m.
+- Q5_0, blocks of 32 (22 bytes): f16 d, 4 bytes qh (bit j: code j's fifth bit), 16 bytes as
+  Q4_0's; w = d * (q - 16).
+- Q5_1, blocks of 32 (24 bytes): f16 d, f16 m, qh, 16 bytes; w = d * q + m.
+  (llama-quantize writes these three where a K-quant's rows are not whole super-blocks.)
 - Q8_0, blocks of 32 (34 bytes): f16 d, 32 int8; w = d * q.
 - Q4_K, super-blocks of 256 (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs
   for 8 sub-blocks of 32, 128 bytes of nibbles (per 64: sub-block 2i in the low nibbles of 32
@@ -22,13 +27,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14  # GGMLQuantizationType values
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # GGMLQuantizationType
 QK_K = 256
 # type -> (weights a block, bytes a block, weights a group of the decoded form)
-LAYOUT = {Q4_0: (32, 18, 32), Q8_0: (32, 34, 32), Q4_K: (QK_K, 144, 32),
-          Q5_K: (QK_K, 176, 32), Q6_K: (QK_K, 210, 16)}
-NAMES = {Q4_0: "q4_0", Q8_0: "q8_0", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
-BITS = {Q4_0: 4, Q8_0: 8, Q4_K: 4, Q5_K: 5, Q6_K: 6}
+LAYOUT = {Q4_0: (32, 18, 32), Q4_1: (32, 20, 32), Q5_0: (32, 22, 32), Q5_1: (32, 24, 32),
+          Q8_0: (32, 34, 32), Q4_K: (QK_K, 144, 32), Q5_K: (QK_K, 176, 32),
+          Q6_K: (QK_K, 210, 16)}
+NAMES = {Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1", Q8_0: "q8_0", Q4_K: "q4_k",
+         Q5_K: "q5_k", Q6_K: "q6_k"}
+BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8, Q4_K: 4, Q5_K: 5, Q6_K: 6}
 
 
 class Codes(NamedTuple):
@@ -84,6 +91,20 @@ def decode(kind: int, raw: np.ndarray, k: int) -> Codes:
         nib = b[..., 2:]
         q = np.concatenate([nib & 0xF, nib >> 4], axis=-1)  # (rows, blocks, 32)
         return Codes(q.reshape(rows, k), d, -8 * d)
+    if kind in (Q4_1, Q5_0, Q5_1):
+        d = _half(b[..., 0:2])
+        m = _half(b[..., 2:4]) if kind != Q5_0 else -16 * d
+        at = 2 if kind == Q5_0 else 4
+        if kind == Q4_1:
+            nib, high = b[..., at:], None
+        else:
+            bits = b[..., at:at + 4].copy().view(np.uint32)  # (rows, blocks, 1), little-endian
+            nib = b[..., at + 4:]
+            high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = np.concatenate([nib & 0xF, nib >> 4], axis=-1)  # (rows, blocks, 32)
+        if high is not None:
+            q = q | (high << 4)
+        return Codes(q.reshape(rows, k), d, m)
     if kind == Q8_0:
         d = _half(b[..., 0:2])
         q = b[..., 2:].view(np.int8)

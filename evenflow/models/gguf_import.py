@@ -5,8 +5,9 @@ read the same directory. Torch-free (numpy and the gguf package), as everything 
 
 Served: llama.cpp's `llama` architecture (Llama-style dense and Mixtral-style MoE models,
 experts stacked per layer), `qwen2`, `qwen3` and `qwen3moe`. Tensors: F32, F16 and BF16, kept
-exactly (BF16 and F32 as float32, F16 as float16), and the quantized Q4_0, Q8_0, Q4_K, Q5_K and
-Q6_K (so the K-quant mixes llama-quantize writes, Q4_K_M and Q5_K_M, too). A quantized linear
+exactly (BF16 and F32 as float32, F16 as float16), and the quantized Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K and Q6_K (so the K-quant mixes llama-quantize writes, Q4_K_M and Q5_K_M, with
+their fallbacks for rows that are not whole super-blocks, too). A quantized linear
 of a layer (and lm_head) goes into the directory as its raw blocks, `<name>.gguf_<type>` uint8
 (rows, bytes a row), under `quantization_config: {"quant_method": "gguf"}`: the directory is
 no larger than the file, and the engine decodes the blocks as it loads each layer
@@ -120,7 +121,7 @@ def _array(tensor: Any) -> np.ndarray:
     if kind in gguf_blocks.LAYOUT:
         return dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
     raise GGUFError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} is not served "
-                    "(F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K and Q6_K are)")
+                    "(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are)")
 
 
 def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:

@@ -74,7 +74,8 @@ def random_blocks(kind: int, rows: int, k: int, rng: np.random.Generator) -> np.
     """Any bytes are valid blocks once their float16 scales are sane."""
     weights, size, _ = gguf_blocks.LAYOUT[kind]
     raw = rng.integers(0, 256, (rows, k // weights, size), dtype=np.uint8)
-    halves = {gguf_blocks.Q6_K: (208,), gguf_blocks.Q4_K: (0, 2), gguf_blocks.Q5_K: (0, 2)}
+    halves = {gguf_blocks.Q6_K: (208,), gguf_blocks.Q4_K: (0, 2), gguf_blocks.Q5_K: (0, 2),
+              gguf_blocks.Q4_1: (0, 2), gguf_blocks.Q5_1: (0, 2)}
     for at in halves.get(kind, (0,)):
         d = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)
         raw[..., at:at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)

@@ -2,9 +2,9 @@
 (rows, bytes a row): models/gguf_import.py), into the engine's stored forms as each layer loads.
 
 The choice per type, each at most 1.3x the file's bytes:
-- Q4_0 and Q4_K: int4 in groups of 32 (w = q * scale + offset: exactly the file's values; in the
+- Q4_0, Q4_1 and Q4_K: int4 in groups of 32 (w = q * scale + offset: exactly the file's values; in the
   W4A8 panels the scale and offset are float16, a rounding far below the format's own step).
-- Q5_K, Q6_K and Q8_0: int8 per output channel, quantized again from the file's exact values.
+- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0: int8 per output channel, quantized again from the file's exact values.
   The engine has no 5- or 6-bit kernel; int8's step (the row's largest value / 127) sits well
   below these formats' own steps, so the requantization adds little to the file's own error
   (tests/engine/test_gguf.py measures it on random weights against the original values).
