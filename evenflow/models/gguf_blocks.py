@@ -116,8 +116,8 @@ def decode(kind: int, raw: np.ndarray, k: int) -> Codes:
         q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(rows, -1, 8, 32)  # sub-block order
         if kind == Q5_K:
             qh = b[..., 16:48]  # (rows, blocks, 32): bit s of qh[l] for sub-block s
-            high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-            q = q | (high << 4)
+            fifth = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+            q = q | (fifth << 4)
         scale = (d[..., None] * sc).reshape(rows, -1)
         offset = -(dmin[..., None] * mn).reshape(rows, -1)
         return Codes(q.reshape(rows, k), scale, offset)

@@ -24,12 +24,14 @@ at::Tensor rotary_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const a
                            const at::Tensor& slot_mapping, int64_t heads, int64_t kv_heads);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& slots,
-                                  const at::Tensor& lens, double scale);
+                                  const at::Tensor& lens, double scale,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt);
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
                                        const at::Tensor& v_cache, const at::Tensor& k_scales,
                                        const at::Tensor& v_scales, const at::Tensor& slots,
                                        const at::Tensor& lens, double scale,
-                                       int64_t block_size);
+                                       int64_t block_size,
+                                       const std::optional<at::Tensor>& sinks = std::nullopt);
 void kv_write_int8(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales,
                    const at::Tensor& slot_mapping, int64_t block_size);
 std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, int64_t num_experts,

@@ -8,6 +8,9 @@
 // of small ops. Here K and V are read once, in place, and padding is never touched.
 //
 // Softmax in float32, two passes over the scores (max, then exp/sum while V accumulates).
+// Attention sinks (GPT-OSS): each head's learned logit joins the softmax's max and denominator
+// and has no value. A sliding window is the caller's: it passes each sequence's last `window`
+// slots (engine/model/attention.py).
 // Threads: ATen's pool, one task per (sequence, KV head). Compiled at first use with
 // -march=native by evenflow/engine/kernels/native.py, next to the weight-only kernels.
 
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -165,7 +169,7 @@ inline f16v row_sums(const f16v* r) {
 template <typename T, typename C, int V, int G>
 void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScales& scales,
                   const float* ks, const float* vs, const int64_t* ctx, int64_t len,
-                  int64_t row, float scale, float* scores, T* out) {
+                  int64_t row, float scale, const float* sinks, float* scores, T* out) {
   constexpr int hd = V * kLanes;
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   alignas(64) float token_scale[kLanes] = {};  // int8: each of the 16 tokens' K scale
@@ -205,7 +209,7 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
   f16v acc[G][V];
   float inv[G];
   for (int i = 0; i < G; ++i) {  // probabilities, and their sum
-    const float m = hsum_max(top[i]);
+    const float m = sinks != nullptr ? std::max(hsum_max(top[i]), sinks[i]) : hsum_max(top[i]);
     float* si = scores + i * padded;
     f16v sum = {};
     for (int64_t t = 0; t < padded; t += kLanes) {
@@ -213,7 +217,7 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
       store(si + t, p);
       sum += p;
     }
-    const float total = hsum(sum);
+    const float total = hsum(sum) + (sinks != nullptr ? std::exp(sinks[i] - m) : 0.f);
     inv[i] = total > 0.f ? 1.f / total : 0.f;
     for (int v = 0; v < V; ++v) acc[i][v] = f16v{};
   }
@@ -240,7 +244,8 @@ void attend_group(const T* q, const C* k_base, const C* v_base, const CacheScale
 // general loop below)
 template <typename T, typename C>
 using GroupKernel = void (*)(const T*, const C*, const C*, const CacheScales&, const float*,
-                             const float*, const int64_t*, int64_t, int64_t, float, float*, T*);
+                             const float*, const int64_t*, int64_t, int64_t, float, const float*,
+                             float*, T*);
 
 template <typename T, typename C>
 struct GroupPath {
@@ -274,7 +279,7 @@ template <typename T, typename C>
 void decode_attention(const T* q, const C* k_cache, const C* v_cache, const CacheScales& scales,
                       const int64_t* slots, const int64_t* lens, T* out, int64_t batch,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t width,
-                      float scale) {
+                      float scale, const float* sinks) {
   const int64_t group = heads / kv_heads;
   const int64_t row = kv_heads * head_dim;  // one cache slot
   const int64_t vecs = head_dim / kLanes;
@@ -287,9 +292,10 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const Cach
         const int64_t first = (b * heads + g * group + task % subs * path.sub) * head_dim;
         const int64_t padded = (lens[b] + kLanes - 1) / kLanes * kLanes;
         scores.resize(path.sub * std::max<int64_t>(padded, kLanes));
+        const int64_t head = g * group + task % subs * path.sub;
         path.kernel(q + first, k_cache + g * head_dim, v_cache + g * head_dim, scales,
                     scales.k + g, scales.v + g, slots + b * width, lens[b], row, scale,
-                    scores.data(), out + first);
+                    sinks != nullptr ? sinks + head : nullptr, scores.data(), out + first);
       }
     });
     return;
@@ -325,6 +331,8 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const Cach
         }
       }
       for (int64_t i = 0; i < group; ++i) {  // probabilities, 16 at a time
+        const float sink = sinks != nullptr ? sinks[g * group + i] : -1e30f;
+        top[i] = std::max(top[i], sink);
         float* si = scores.data() + i * padded;
         f16v sum = {};
         for (int64_t t = 0; t < padded; t += kLanes) {
@@ -332,7 +340,7 @@ void decode_attention(const T* q, const C* k_cache, const C* v_cache, const Cach
           store(si + t, p);
           sum += p;
         }
-        total[i] = hsum(sum);
+        total[i] = hsum(sum) + (sinks != nullptr ? std::exp(sink - top[i]) : 0.f);
       }
       for (int64_t t = 0; t < len; ++t) {  // V read once, in place
         to_float(v_cache + ctx[t] * row + g * head_dim, kf.data(), head_dim,
@@ -388,9 +396,16 @@ std::array<int64_t, 5> check_decode_args(const at::Tensor& q, const at::Tensor& 
 template <typename C>
 at::Tensor run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const CacheScales& scales, const at::Tensor& slots, const at::Tensor& lens,
-                      double scale) {
+                      double scale, const std::optional<at::Tensor>& sinks) {
   const auto [batch, heads, kv_heads, head_dim, width] =
       check_decode_args(q, k_cache, v_cache, slots, lens);
+  const float* sink = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == heads,
+                "sinks must be a contiguous float32 vector of one logit a head");
+    sink = sinks->data_ptr<float>();
+  }
   auto out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   const C* k = static_cast<const C*>(k_cache.data_ptr());
@@ -398,12 +413,12 @@ at::Tensor run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   if (q.scalar_type() == at::kFloat) {
     decode_attention<float, C>(q.data_ptr<float>(), k, v, scales, slots.data_ptr<int64_t>(),
                                lens.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads,
-                               kv_heads, head_dim, width, s);
+                               kv_heads, head_dim, width, s, sink);
   } else if (q.scalar_type() == at::kBFloat16) {
     decode_attention<c10::BFloat16, C>(q.data_ptr<c10::BFloat16>(), k, v, scales,
                                        slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                        out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads,
-                                       head_dim, width, s);
+                                       head_dim, width, s, sink);
   } else {
     TORCH_CHECK(false, "paged_decode_attention takes float32 or bfloat16 queries");
   }
@@ -414,13 +429,16 @@ at::Tensor run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 // q (B, heads, hd); k_cache, v_cache (slots, kv_heads, hd); slots (B, L) int64, lens (B,)
 // int64 with lens[b] <= L; all contiguous, q and the caches of one dtype (float32 or bf16).
+// sinks: (heads,) float32 logits joining each head's softmax, or none.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& slots,
-                                  const at::Tensor& lens, double scale) {
+                                  const at::Tensor& lens, double scale,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
   if (q.scalar_type() == at::kFloat)
-    return run_decode<float>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale);
-  return run_decode<c10::BFloat16>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale);
+    return run_decode<float>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale, sinks);
+  return run_decode<c10::BFloat16>(q, k_cache, v_cache, CacheScales{}, slots, lens, scale,
+                                   sinks);
 }
 
 // The same over an int8 cache (kv_cache_dtype="int8"): k_scales, v_scales (blocks + 1,
@@ -429,7 +447,8 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& v_cache, const at::Tensor& k_scales,
                                        const at::Tensor& v_scales, const at::Tensor& slots,
                                        const at::Tensor& lens, double scale,
-                                       int64_t block_size) {
+                                       int64_t block_size,
+                                       const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(k_cache.scalar_type() == at::kChar, "the caches must be int8");
   TORCH_CHECK(block_size >= 1 && k_cache.size(0) <= (k_scales.size(0)) * block_size,
               "the scales must cover every block of the cache");
@@ -442,17 +461,17 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& k_
                            k_cache.size(1),
                            power_of_two ? __builtin_ctzll(static_cast<uint64_t>(block_size))
                                         : -1};
-  return run_decode<int8_t>(q, k_cache, v_cache, scales, slots, lens, scale);
+  return run_decode<int8_t>(q, k_cache, v_cache, scales, slots, lens, scale, sinks);
 }
 
 }  // namespace evenflow_ops
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "Tensor lens, float scale) -> Tensor");
+        "Tensor lens, float scale, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor k_scales, Tensor v_scales, Tensor slots, Tensor lens, float scale, "
-        "int block_size) -> Tensor");
+        "int block_size, Tensor? sinks=None) -> Tensor");
   // whether this head shape takes the register-resident path (then the kernel beats torch's
   // gathered attention at every batch size, not only at small ones)
   m.def("paged_attention_registers", [](int64_t head_dim, int64_t group) {

@@ -72,6 +72,21 @@ def gathered_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots
     return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).reshape(B, nh, hd)
 
 
+def window_view(meta: AttentionMetadata, window: int) -> tuple[Tensor, Tensor]:
+    """Each decoding sequence's slots and length as a sliding-window layer reads them: its last
+    `window` slots (0: all of them). Made once per step and window (kept on `meta`)."""
+    assert meta.decode_slots is not None and meta.decode_lens is not None
+    if not window:
+        return meta.decode_slots, meta.decode_lens
+    if window not in meta.windows:
+        lens = meta.decode_lens
+        start = (lens - window).clamp(min=0)  # (B,)
+        width = meta.decode_slots.shape[1]
+        index = (torch.arange(width).unsqueeze(0) + start.unsqueeze(1)).clamp(max=width - 1)
+        meta.windows[window] = (meta.decode_slots.gather(1, index).contiguous(), lens - start)
+    return meta.windows[window]
+
+
 def windowed_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
                        visible: Tensor | None, window: int, sinks: Tensor | None,
                        scale: float) -> Tensor:
@@ -113,6 +128,7 @@ class Attention(nn.Module):
         self.window = cfg.window(layer)
         # one learned logit per head, in every softmax's denominator (GPT-OSS)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
+        self._sinks32: Tensor | None = None  # (the paged kernel's float32 copy)
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
@@ -147,7 +163,7 @@ class Attention(nn.Module):
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
             out = self._windowed(q, q, q, (k_cache, v_cache, None, None), meta) \
-                if self.window or self.sinks is not None else \
+                if (self.window or self.sinks is not None) and meta.decode_lens is None else \
                 self._decode_attention(q, (k_cache, v_cache, None, None), meta)
             return self.o_proj(out.reshape(T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
@@ -232,8 +248,10 @@ class Attention(nn.Module):
                                    torch.arange(seg.ctx_len).unsqueeze(0), None,
                                    self.window, self.sinks, self.scale)
             outs.append(o[0].transpose(0, 1))
-        if meta.decode_slots is not None:
-            assert meta.decode_mask is not None, "windowed layers take torch's decode path"
+        if meta.decode_slots is not None and meta.decode_lens is not None:  # the paged kernel
+            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], cache, meta))
+        elif meta.decode_slots is not None:
+            assert meta.decode_mask is not None
             slots = meta.decode_slots
             B, L = slots.shape
             visible = meta.decode_mask.view(B, L) == 0
@@ -245,6 +263,14 @@ class Attention(nn.Module):
                                    self.window, self.sinks, self.scale)
             outs.append(o[:, :, 0])
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _sinks_f32(self) -> Tensor | None:
+        """The sink logits as the paged kernel reads them (float32, contiguous), kept."""
+        if self.sinks is None:
+            return None
+        if self._sinks32 is None or self._sinks32.shape != self.sinks.shape:
+            self._sinks32 = self.sinks.detach().float().contiguous()
+        return self._sinks32
 
     def _sharded_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """RMSNorm of this rank's slices of q and k by the whole projections' mean squares
@@ -267,13 +293,13 @@ class Attention(nn.Module):
         assert meta.decode_slots is not None
         k_cache, v_cache, k_scale, v_scale = cache
         if meta.decode_lens is not None:  # K and V read where they lie (paged_attention.cpp)
+            slots, lens = window_view(meta, self.window)
+            sinks = self._sinks_f32()
             if k_scale is not None and v_scale is not None:
                 return paged_decode_attention_int8(q.contiguous(), k_cache, v_cache, k_scale,
-                                                   v_scale, meta.decode_slots,
-                                                   meta.decode_lens, self.scale)
+                                                   v_scale, slots, lens, self.scale, sinks)
             paged = native.decode_attention()
             assert paged is not None
-            return paged(q.contiguous(), k_cache, v_cache, meta.decode_slots, meta.decode_lens,
-                         self.scale)
+            return paged(q.contiguous(), k_cache, v_cache, slots, lens, self.scale, sinks)
         return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
                                          meta.decode_mask, k_scale, v_scale)

@@ -89,11 +89,11 @@ def gather_dequantized(cache: Tensor, scales: Tensor, slots: Tensor, dtype: torc
 
 
 def paged_decode_attention_int8(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor,
-                                v_scales: Tensor, slots: Tensor, lens: Tensor, scale: float
-                                ) -> Tensor:
+                                v_scales: Tensor, slots: Tensor, lens: Tensor, scale: float,
+                                sinks: Tensor | None = None) -> Tensor:
     """The paged decode kernel over the int8 cache (kernels/paged_attention.cpp)."""
     kernels = native.kv_int8()
     assert kernels is not None, "the runner picks the paged path only with the kernels built"
     return kernels.paged_decode_attention_int8(  # type: ignore[no-any-return]
         q, k_cache, v_cache, k_scales, v_scales, slots, lens, scale,
-        block_size_of(k_cache, k_scales))
+        block_size_of(k_cache, k_scales), sinks)

@@ -4,7 +4,7 @@ first, then one token per decoding sequence; where each new token's K/V goes in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -34,3 +34,5 @@ class AttentionMetadata:
     # the one input it reads: lens for the paged kernel, the additive mask for torch's path.
     decode_mask: Tensor | None  # (B_dec, 1, 1, L) 0 where a slot is real, -inf else (None: paged)
     decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
+    # sliding-window layers' views of decode_slots / decode_lens, by window (model/attention.py)
+    windows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)

@@ -77,8 +77,8 @@ class ModelRunner:
         # a row).
         self.null_slot = slots
         self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-        # the paged decode kernel serves plain grouped-query attention only
-        self.paged_attention_usable = not (cfg.mla or cfg.layer_windows or cfg.attention_sinks)
+        # the paged decode kernel serves grouped-query attention, with sinks and windows
+        self.paged_attention_usable = not cfg.mla
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
         # Deterministic mode (EngineConfig.deterministic): every prompt token is computed as a
         # decoded token is, so its K/V and logits do not depend on how it was scheduled
