@@ -3,10 +3,12 @@ rotary embeddings, the K/V written into their cache slots, then the prefill segm
 attention (the native flash-style kernel or torch's) and the decoding sequences' attention (the
 paged kernel, reading K and V in place, or torch's gathered one).
 
-A layer with a sliding window or attention sinks (GPT-OSS) computes its attention explicitly in
-torch (`windowed_attention`): keys older than the window are masked out, and each head's learned
-sink logit joins every softmax's denominator. (The window limits what a query reads; the blocks
-past it stay allocated until the sequence ends, as the full-attention layers need them.)"""
+A layer with a sliding window or attention sinks (GPT-OSS) decodes on the paged kernel too (each
+sequence's last `window` slots, `window_view`; the sinks join the kernel's softmax) and computes
+its prefill attention explicitly in torch (`windowed_attention`): keys older than the window are
+masked out, and each head's learned sink logit joins every softmax's denominator. (The window
+limits what a query reads; the blocks past it stay allocated until the sequence ends, as the
+full-attention layers need them.)"""
 
 from __future__ import annotations
 
