@@ -107,3 +107,82 @@ def test_prompts_arriving_while_others_decode_match_transformers(llama_hd64):
     produced = run_with_arrivals(engine, prompts, greedy, arrivals=[0, 5, 5, 6])
     for prompt, tokens in zip(prompts, produced, strict=True):
         assert tokens == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_len, ctx", [(150, 150), (90, 260), (1, 200)])
+@pytest.mark.parametrize("window", [0, 48, 128])
+def test_sliding_windows_and_sinks_match_torch(dtype, tolerance, q_len, ctx, window):
+    """GPT-OSS's attention in the kernel: each query sees its last `window` keys (0: all), and
+    each head's sink logit joins the softmax (model/attention.py windowed_attention is the
+    reference)."""
+    from evenflow.engine.model.attention import windowed_attention
+
+    heads, kv_heads, hd = 8, 2, 64
+    kernel = kernel_or_skip(dtype, hd, heads // kv_heads)
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(300, kv_heads, hd, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(300, generator=g)[:ctx]
+    q = (torch.randn(q_len, heads, hd, generator=g) * 2).to(dtype)
+    sinks = torch.randn(heads, generator=g) * 3
+    got = kernel(q, k_cache, v_cache, slots, hd**-0.5, window, sinks)
+    k, v = (c[slots].float().transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+    want = windowed_attention(q.float().transpose(0, 1).unsqueeze(0), k, v,
+                              torch.arange(ctx - q_len, ctx).unsqueeze(0),
+                              torch.arange(ctx).unsqueeze(0), None, window, sinks, hd**-0.5)
+    torch.testing.assert_close(got.float(), want[0].transpose(0, 1), atol=tolerance,
+                               rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hd, heads, kv_heads", [(64, 8, 2), (64, 6, 2), (48, 4, 2)])
+def test_paged_decode_takes_sinks(dtype, tolerance, hd, heads, kv_heads):
+    """The paged decode kernel with sinks (both of its paths: register-resident for head dims 64
+    and 128 with even groups, the general loop otherwise) against windowed_attention."""
+    from evenflow.engine.model.attention import windowed_attention
+
+    paged = native.decode_attention()
+    if paged is None:
+        pytest.skip("no native kernels")
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(200, kv_heads, hd, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([1, 37, 120])
+    slots = torch.stack([torch.randperm(200, generator=g)[:120] for _ in range(3)])
+    q = torch.randn(3, heads, hd, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) * 3
+    got = paged(q, k_cache, v_cache, slots, lens, hd**-0.5, sinks)
+    for b in range(3):
+        n = int(lens[b])
+        k, v = (c[slots[b, :n]].float().transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+        want = windowed_attention(q[b].float().unsqueeze(0).unsqueeze(2), k, v,
+                                  torch.tensor([[n - 1]]), torch.arange(n).unsqueeze(0), None, 0,
+                                  sinks, hd**-0.5)
+        torch.testing.assert_close(got[b].float(), want[0, :, 0], atol=tolerance,
+                                   rtol=tolerance)
+
+
+def test_gpt_oss_with_head_dim_64_takes_the_kernels_and_matches_transformers(tmp_path,
+                                                                             monkeypatch):
+    """GPT-OSS (a sliding window of 24, sinks) where both native attention kernels serve it:
+    chunked prompts longer than the window, prompts arriving while others decode."""
+    kernel = kernel_or_skip(torch.float32, 64, 2)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[5] if len(args) > 5 else 0)  # the window each call asked for
+        return kernel(*args)
+
+    monkeypatch.setattr(native, "prefill_attention", lambda: counted)
+    hf = make_checkpoint("gpt_oss", tmp_path, overrides=dict(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        sliding_window=24, intermediate_size=64))
+    hf.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 9, 60)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", block_size=16,
+                                 max_num_batched_tokens=40))
+    produced = run_with_arrivals(engine, prompts, greedy, arrivals=[0, 3, 4])
+    assert 24 in calls and 0 in calls  # sliding and full layers both took the kernel
+    for prompt, tokens in zip(prompts, produced, strict=True):
+        assert tokens == hf_greedy(hf, prompt, 30)

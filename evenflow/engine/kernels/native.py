@@ -70,6 +70,10 @@ def ops() -> Any | None:
             elif not is_built():
                 log.info("building the native kernels for this machine (~%d s, once)",
                          TYPICAL_BUILD_S)
+            # torch's own baton file: a build killed midway (Ctrl-C during a first start)
+            # leaves it, and torch then waits for it forever. Holding our lock, no other
+            # process builds here, so one found now is stale.
+            (where / "lock").unlink(missing_ok=True)
             cpp_extension.load(
                 name=LIBRARY, sources=[str(s) for s in SOURCES],
                 build_directory=str(where), is_python_module=False, verbose=False,

@@ -17,6 +17,10 @@
 // float32 (summed unrounded), P rounded to the input dtype for P @ V, float32 output divided
 // by the sum and rounded once. Tasks are taken largest-first from a shared counter (the causal
 // triangle makes late positions the expensive ones).
+//
+// Sliding windows and sinks (GPT-OSS): with a window W a query at position P sees keys
+// [P - W + 1, P] (a tile walks only the blocks its rows' windows touch); a head's sink logit
+// joins its rows' running max and sum at the end, with no value.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -71,6 +76,8 @@ struct Problem {
   const int64_t* slots;  // (ctx,) the context's cache slots, in token order
   int64_t ctx, q_len, offset;  // offset: context before the first query (ctx - q_len)
   int64_t heads, kv_heads, group, hd, blocks;
+  int64_t window;       // 0: causal only
+  const float* sinks;   // (heads,) or nullptr
   float scale;
   T* kpack;  // (kv_heads, blocks, hd x 64) panels of K
   T* vpack;  // (kv_heads, blocks, hd / 64 panels of 64 x 64) of V
@@ -131,16 +138,21 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
   }
   std::memset(w.o, 0, sizeof(float) * rows * hd);
   const int64_t last_key = p.offset + pos0 + npos - 1;  // the last row's diagonal
-  for (int64_t b = 0; b <= last_key / kKeys; ++b) {
+  // the first row's window start: no earlier block is seen by any row of the tile
+  const int64_t first_key = p.window ? std::max<int64_t>(0, p.offset + pos0 - p.window + 1) : 0;
+  for (int64_t b = first_key / kKeys; b <= last_key / kKeys; ++b) {
     const int64_t key0 = b * kKeys;
     for (int64_t r0 = 0; r0 < rows; r0 += kRows)  // scores: q . k for 64 keys
       panel<T>(qrow + r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)),
                p.k_block(g, b), hd, w.s + r0 * kKeys);
     for (int64_t r = 0; r < rows; ++r) {  // online softmax
       const int64_t visible = std::min<int64_t>(kKeys, p.offset + w.pos[r] - key0 + 1);
+      // keys of the block before this row's window (0 without a window)
+      const int64_t hidden =
+          p.window ? std::max<int64_t>(0, p.offset + w.pos[r] - p.window + 1 - key0) : 0;
       const float* s = w.s + r * kKeys;
       T* pr = w.pr + r * kKeys;
-      if (visible <= 0) {  // the whole block lies past this row's diagonal
+      if (visible <= 0 || hidden >= visible) {  // past the diagonal, or before the window
         for (int j = 0; j < kKeys; ++j) pr[j] = T(0);
         w.alpha[r] = 1.f;
         continue;
@@ -152,6 +164,8 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
         sv[v] = load(s + v * kLanes) * p.scale;
         if ((v + 1) * kLanes > visible) sv[v] = kLaneIndex + float(v * kLanes) < float(visible)
                                                     ? sv[v] : splat(minus_inf);
+        if (v * kLanes < hidden) sv[v] = kLaneIndex + float(v * kLanes) >= float(hidden)
+                                             ? sv[v] : splat(minus_inf);
         top = top > sv[v] ? top : sv[v];
       }
       float block_max = top[0];
@@ -161,7 +175,8 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
       f16v total = splat(0.f);
       for (int v = 0; v < kKeys / kLanes; ++v) {
         f16v e = exp_nonpositive(sv[v] - m_new);
-        if ((v + 1) * kLanes > visible) e = sv[v] == minus_inf ? splat(0.f) : e;
+        if ((v + 1) * kLanes > visible || v * kLanes < hidden)
+          e = sv[v] == minus_inf ? splat(0.f) : e;
         total += e;
         store_p(pr + v * kLanes, e);
       }
@@ -186,7 +201,12 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / w.l[r];
+    float inv = 1.f / w.l[r];
+    if (p.sinks != nullptr) {  // the sink's logit joins the max and the sum, with no value
+      const float sink = p.sinks[w.head[r]], m = std::max(w.m[r], sink);
+      const float kept = std::exp(w.m[r] - m);
+      inv = kept / (w.l[r] * kept + std::exp(sink - m));
+    }
     T* dst = p.out + (w.pos[r] * p.heads + w.head[r]) * hd;
     for (int64_t d = 0; d < hd; ++d) from_f(w.o[r * hd + d] * inv, dst + d);
   }
@@ -219,8 +239,10 @@ namespace evenflow_ops {
 // q (q_len, heads, hd) — any row and head strides, unit stride within a head; k_cache and
 // v_cache (slots, kv_heads, hd); slots (ctx,) int64, the context's cache slots in token order
 // (ctx >= q_len: the queries are the context's last q_len tokens) -> (q_len, heads, hd).
+// window: a sliding window in tokens (0: none); sinks: (heads,) float32 logits, or none.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const at::Tensor& slots, double scale) {
+                             const at::Tensor& v_cache, const at::Tensor& slots, double scale,
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "prefill_attention: q must be (T, heads, hd)");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
@@ -239,6 +261,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.size(0) >= q.size(0),
               "prefill_attention: slots must be a contiguous int64 vector of >= T entries");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat &&
+                                     sinks->is_contiguous() && sinks->numel() == heads),
+              "prefill_attention: sinks must be a contiguous float32 vector, one a head");
   at::Tensor out = at::empty({q.size(0), heads, hd}, q.options());
   if (q.size(0) == 0) return out;
   const int64_t ctx = slots.size(0), blocks = (ctx + kKeys - 1) / kKeys;
@@ -263,6 +289,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     p.hd = hd;
     p.blocks = blocks;
     p.scale = static_cast<float>(scale);
+    p.window = window;
+    p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
     p.kpack = static_cast<T*>(kpack.data_ptr());
     p.vpack = static_cast<T*>(vpack.data_ptr());
     p.out = static_cast<T*>(out.data_ptr());
@@ -280,7 +308,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evenflow_kernels, CPU, m) {

@@ -164,9 +164,7 @@ class Attention(nn.Module):
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
-            out = self._windowed(q, q, q, (k_cache, v_cache, None, None), meta) \
-                if (self.window or self.sinks is not None) and meta.decode_lens is None else \
-                self._decode_attention(q, (k_cache, v_cache, None, None), meta)
+            out = self._decode_attention(q, (k_cache, v_cache, None, None), meta)
             return self.o_proj(out.reshape(T, nh * hd))
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm_whole:
@@ -196,19 +194,18 @@ class Attention(nn.Module):
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
-        if self.window or self.sinks is not None:
-            return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
-
         outs: list[Tensor] = []
         kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
             k_cache.is_contiguous() and v_cache.is_contiguous() and \
             native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
+        if (self.window or self.sinks is not None) and meta.prefills and kernel is None:
+            return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
         for seg in meta.prefills:
             if kernel is not None:  # over the cache, where K and V were just written
                 slots = seg.slots if seg.slots is not None else \
                     meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
                 outs.append(kernel(q[seg.q_start : seg.q_start + seg.q_len], k_cache, v_cache,
-                                   slots, self.scale))
+                                   slots, self.scale, self.window, self._sinks_f32()))
                 continue
             # 4-D (1, heads, len, hd) inputs: torch's CPU flash kernel takes these (3-D falls
             # back to the slow math path).
@@ -250,21 +247,26 @@ class Attention(nn.Module):
                                    torch.arange(seg.ctx_len).unsqueeze(0), None,
                                    self.window, self.sinks, self.scale)
             outs.append(o[0].transpose(0, 1))
-        if meta.decode_slots is not None and meta.decode_lens is not None:  # the paged kernel
+        if meta.decode_slots is not None:
             outs.append(self._decode_attention(q[meta.num_prefill_tokens :], cache, meta))
-        elif meta.decode_slots is not None:
-            assert meta.decode_mask is not None
-            slots = meta.decode_slots
-            B, L = slots.shape
-            visible = meta.decode_mask.view(B, L) == 0
-            lens = visible.sum(-1, keepdim=True)  # (B, 1): context lengths
-            kd = gather_cache(k_cache, k_scale, slots, q.dtype).transpose(1, 2)
-            vd = gather_cache(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
-            o = windowed_attention(q[meta.num_prefill_tokens :].unsqueeze(2), kd, vd, lens - 1,
-                                   torch.arange(L).unsqueeze(0).expand(B, L), visible,
-                                   self.window, self.sinks, self.scale)
-            outs.append(o[:, :, 0])
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _windowed_decode(self, q: Tensor, cache: KVCacheParts, meta: AttentionMetadata
+                         ) -> Tensor:
+        """Torch's decode attention for a windowed or sink layer, where the runner picked the
+        gathered path (no paged kernel): q (B, nh, hd) -> (B, nh, hd)."""
+        k_cache, v_cache, k_scale, v_scale = cache
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        slots = meta.decode_slots
+        B, L = slots.shape
+        visible = meta.decode_mask.view(B, L) == 0
+        lens = visible.sum(-1, keepdim=True)  # (B, 1): context lengths
+        kd = gather_cache(k_cache, k_scale, slots, q.dtype).transpose(1, 2)
+        vd = gather_cache(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
+        o = windowed_attention(q.unsqueeze(2), kd, vd, lens - 1,
+                               torch.arange(L).unsqueeze(0).expand(B, L), visible,
+                               self.window, self.sinks, self.scale)
+        return o[:, :, 0]
 
     def _sinks_f32(self) -> Tensor | None:
         """The sink logits as the paged kernel reads them (float32, contiguous), kept."""
@@ -303,5 +305,7 @@ class Attention(nn.Module):
             paged = native.decode_attention()
             assert paged is not None
             return paged(q.contiguous(), k_cache, v_cache, slots, lens, self.scale, sinks)
+        if self.window or self.sinks is not None:
+            return self._windowed_decode(q, cache, meta)
         return gathered_decode_attention(q, k_cache, v_cache, meta.decode_slots,
                                          meta.decode_mask, k_scale, v_scale)
