@@ -22,9 +22,11 @@ written under --checkpoint-dir (default: the temp dir's evenflow-bench/).
 (ms for 512 tokens) against its family's bf16 checkpoint, and GPT-OSS's bf16 experts on the path
 they took before the fused kernel's epilogues (`gpt_oss-bf16-unfused`: EVENFLOW_NATIVE_MOE=0,
 the padded bmm and per-expert loops; it is also how MXFP4 experts ran when they were expanded at
-load). Each variant runs in its own process, the variants one after another in every round
-(--rounds), so drift on a shared host reaches them alike; a ratio (baseline time / form's time,
-> 1: the form is faster) is the median of the rounds' ratios.
+load), and its attention on torch's windowed path (`gpt_oss-bf16-torch-attention`: the native
+decode and prefill attention switched off, as sinks and windows ran before). Each variant runs
+in its own process, the variants one after another in every round (--rounds), so drift on a
+shared host reaches them alike; a ratio (baseline time / form's time, > 1: the form is faster)
+is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ SPEED: dict[str, tuple[str, dict[str, str], str]] = {
     "mixtral-q8_0": ("gguf-q8_0", {}, "mixtral-bf16"),
     "mixtral-q4_k_m": ("gguf-q4_k_m", {}, "mixtral-bf16"),
     "gpt_oss-bf16-unfused": ("gpt_oss", {"EVENFLOW_NATIVE_MOE": "0"}, "gpt_oss-bf16-unfused"),
+    "gpt_oss-bf16-torch-attention": ("gpt_oss", {"EVENFLOW_NATIVE_ATTENTION": "0",
+                                                  "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"},
+                                     "gpt_oss-bf16-unfused"),
     "gpt_oss-bf16": ("gpt_oss", {}, "gpt_oss-bf16-unfused"),
     "gpt_oss-mxfp4": ("mxfp4", {}, "gpt_oss-bf16-unfused"),
     "deepseek_v3-bf16": ("deepseek_v3", {}, "deepseek_v3-bf16"),
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", action="store_true",
                         help="decode and prefill per form against its family's bf16")
     parser.add_argument("--rounds", type=int, default=3, help="--speed's rounds")
+    parser.add_argument("--variants", default="",
+                        help=f"--speed: comma-separated, of {', '.join(SPEED)} (default all)")
     args = parser.parse_args(argv)
     from evenflow.engine.config.settings import cpu_has_bf16
 
@@ -229,14 +236,19 @@ def main(argv: list[str] | None = None) -> int:
 def _speed_table(paths: dict[str, tuple[Path, str]], dtype: str, args: Any) -> int:
     import statistics
 
-    for variant, (key, _, _) in SPEED.items():  # GGUF files: converted first, unmeasured
+    chosen = [v for v in args.variants.split(",") if v] or list(SPEED)
+    unknown = sorted(set(chosen) - set(SPEED))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown} (of {', '.join(SPEED)})")
+    speed = {v: SPEED[v] for v in chosen}
+    for variant, (key, _, _) in speed.items():  # GGUF files: converted first, unmeasured
         if paths[key][0].suffix == ".gguf":
             run_worker("evenflow.bench.load_bench", [str(paths[key][0]), dtype, "convert"],
                        args.threads, variant)
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
         got: dict[str, dict[str, Any]] = {}
-        for variant, (key, env, _) in SPEED.items():
+        for variant, (key, env, _) in speed.items():
             result = run_worker("evenflow.bench.load_bench",
                                 [str(paths[key][0]), dtype, "speed",
                                  *(["quick"] if args.quick else [])],
@@ -255,7 +267,7 @@ def _speed_table(paths: dict[str, tuple[Path, str]], dtype: str, args: Any) -> i
 
     print(f"\n{'variant':<22}" + "".join(f"{c + ' ms':>16}" for c in columns) +
           "  (median ms; ratio = baseline / this, median of the rounds)")
-    for variant, (_, _, base) in SPEED.items():
+    for variant, (_, _, base) in speed.items():
         cells = []
         for c in columns:
             mine = [figure(rd[variant], c) for rd in rounds if variant in rd]
