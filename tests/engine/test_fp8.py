@@ -103,7 +103,7 @@ def test_fp8_checkpoint_stays_fp8_and_generates_what_transformers_generates(
     if form == "fallback":
         assert all(isinstance(s, Fp8Stack) for s in stacks)
     for s in stacks:  # a byte a weight, and a float32 scale per channel and 128 inputs
-        assert (s.q if isinstance(s, Fp8Stack) else s.data[0]).dtype == torch.float8_e4m3fn
+        assert (s.values if isinstance(s, Fp8Stack) else s.data[0]).dtype == torch.float8_e4m3fn
         weights = s.num * s.out_features * s.in_features
         assert s.nbytes() == weights + 4 * s.num * s.out_features * -(-s.in_features // 128)
     g = torch.Generator().manual_seed(5)

@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from evenflow.engine.quant.stacks import QuantStack
+from evenflow.engine.quant.stacks import StoredStack
 
 BLOCK = 128  # inputs (and, in the file, outputs) a scale covers
 
@@ -71,26 +70,18 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> 
     return (q.float() * per_input).to(dtype)
 
 
-class Fp8Stack(QuantStack):
-    """E weights in FP8 as stored: q (E, N, K) float8_e4m3fn, scale (E, N, ceil(K/128))."""
+class Fp8Stack(StoredStack):
+    """E weights in FP8 as stored: values (E, N, K) float8_e4m3fn, scales (E, N, ceil(K/128))."""
 
     bits = 8
     group_size = BLOCK
 
     def __init__(self, q: Tensor, scale: Tensor) -> None:
-        self.q, self.scale = q, scale
-        self.num, self.out_features, self.in_features = q.shape
+        super().__init__(q, scale, q.shape[2])
 
     @classmethod
-    def build(cls, values: list[Fp8Values]) -> Fp8Stack:
-        return cls(torch.stack([v.q for v in values]).contiguous(),
-                   torch.stack([v.scale for v in values]).contiguous())
+    def build(cls, values: list[Fp8Values]) -> StoredStack:
+        return cls.stacked([(v.q, v.scale) for v in values])
 
-    def linear(self, x: Tensor, e: int = 0) -> Tensor:
-        return F.linear(x, dequantize(self.q[e], self.scale[e], x.dtype))
-
-    def select(self, index: Tensor) -> Fp8Stack:
-        return Fp8Stack(self.q.index_select(0, index), self.scale.index_select(0, index))
-
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+    def dequantize(self, e: int, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.values[e], self.scales[e], dtype)

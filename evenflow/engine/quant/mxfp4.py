@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from evenflow.engine.quant.stacks import QuantStack
+from evenflow.engine.quant.stacks import StoredStack
 
 GROUP = 32  # weights per scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -97,11 +96,8 @@ class Mxfp4Values:
     def dequantize(self) -> Tensor:
         return dequantize(self.blocks, self.scales)
 
-    def rows(self, index: Tensor | slice) -> Mxfp4Values:
-        return Mxfp4Values(self.blocks[index], self.scales[index])
 
-
-class Mxfp4Stack(QuantStack):
+class Mxfp4Stack(StoredStack):
     """E weights in MXFP4 as stored (blocks (E, N, K/32, 16), scales (E, N, K/32)); a call
     dequantizes its expert's weight and runs the dense matmul (the fallback where the panel
     kernels do not serve: no AVX-512 VNNI, or EVENFLOW_NATIVE_W4A8=0)."""
@@ -110,20 +106,11 @@ class Mxfp4Stack(QuantStack):
     group_size = GROUP
 
     def __init__(self, blocks: Tensor, scales: Tensor) -> None:
-        self.blocks, self.scales = blocks, scales
-        self.num, self.out_features, groups, _ = blocks.shape
-        self.in_features = groups * GROUP
+        super().__init__(blocks, scales, blocks.shape[2] * GROUP)
 
     @classmethod
-    def build(cls, values: list[Mxfp4Values]) -> Mxfp4Stack:
-        return cls(torch.stack([v.blocks for v in values]).contiguous(),
-                   torch.stack([v.scales for v in values]).contiguous())
+    def build(cls, values: list[Mxfp4Values]) -> StoredStack:
+        return cls.stacked([(v.blocks, v.scales) for v in values])
 
-    def linear(self, x: Tensor, e: int = 0) -> Tensor:
-        return F.linear(x, dequantize(self.blocks[e], self.scales[e], x.dtype))
-
-    def select(self, index: Tensor) -> Mxfp4Stack:
-        return Mxfp4Stack(self.blocks.index_select(0, index), self.scales.index_select(0, index))
-
-    def nbytes(self) -> int:
-        return self.blocks.nbytes + self.scales.nbytes
+    def dequantize(self, e: int, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.values[e], self.scales[e], dtype)

@@ -143,6 +143,35 @@ class QuantStack:
         raise NotImplementedError
 
 
+class StoredStack(QuantStack):
+    """E weights kept as a checkpoint stores them: `values` (E, N, ...) and `scales` (E, N, ...)
+    stacked; a call dequantizes its weight and runs the dense matmul. The torch fallback of the
+    compact forms (engine/quant/mxfp4.py, fp8.py) where their panels do not serve."""
+
+    def __init__(self, values: Tensor, scales: Tensor, in_features: int) -> None:
+        self.values, self.scales = values, scales
+        self.num, self.out_features, self.in_features = values.shape[0], values.shape[1], \
+            in_features
+
+    @classmethod
+    def stacked(cls, pairs: list[tuple[Tensor, Tensor]]) -> StoredStack:
+        return cls(torch.stack([v for v, _ in pairs]).contiguous(),
+                   torch.stack([s for _, s in pairs]).contiguous())  # type: ignore[call-arg]
+
+    def dequantize(self, e: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: Tensor, e: int = 0) -> Tensor:
+        return F.linear(x, self.dequantize(e, x.dtype))
+
+    def select(self, index: Tensor) -> StoredStack:
+        return type(self)(self.values.index_select(0, index),  # type: ignore[call-arg]
+                          self.scales.index_select(0, index))
+
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+
 class Int8Stack(QuantStack):
     bits = 8
 
