@@ -161,9 +161,13 @@ def test_unsupported_checkpoint_quantization_is_a_clear_error(tmp_path):
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="awq"):
+    with pytest.raises(ModelLoadError, match="bitsandbytes"):
+        LLM(str(tmp_path))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}  # (no group size)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="AWQ with group size None"):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="quantization"):
         LLM("tiny-moe", quantization="int3")

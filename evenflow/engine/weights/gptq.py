@@ -15,7 +15,7 @@ checkpoint_format}`; group_size -1 means one group per row.
 
 Supported: 4-bit with any group size the int4 kernels take (32/64/128), symmetric or not; 8-bit
 per-channel symmetric (our int8). compressed-tensors' int8 has its own module
-(compressed_tensors.py); other methods (AWQ, fp8) are refused with a clear error.
+(compressed_tensors.py), AWQ, FP8 and GGUF theirs (awq.py, fp8_blockwise.py, gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def read_quant_config(config: dict[str, Any]) -> dict[str, Any] | None:
     if method == "mxfp4":  # GPT-OSS's experts: kept as stored (engine/quant/mxfp4.py)
         return None
     if method != "gptq":
-        raise ModelLoadError(f"checkpoint quantization {method!r} is not supported (GPTQ and "
-                             f"compressed-tensors int8 are; or load the unquantized checkpoint "
-                             f"with --quantization)")
+        raise ModelLoadError(f"checkpoint quantization {method!r} is not supported (GPTQ, AWQ, "
+                             f"FP8 block-wise, MXFP4, GGUF and compressed-tensors int8 are; or "
+                             f"load the unquantized checkpoint with --quantization)")
     bits, group = spec.get("bits"), spec.get("group_size", -1)
     if bits == 4 and group not in INT4_GROUP_SIZES:
         raise ModelLoadError(f"4-bit GPTQ with group size {group} is not supported "
