@@ -124,8 +124,10 @@ class MoE(nn.Module):
         # logical expert e (engine/weights/expert_store.py) when a placement brings it to this rank.
         self.fetch_expert: Callable[[int], tuple[Any, Any]] | None = None
         self.resident: dict[int, ExpertPair] | None = None  # logical expert -> weights
-        # the fused kernel's per-slot biases, for the placement they were cut for
-        self._slot_biases: tuple[int | None, Tensor | None, Tensor | None] | None = None
+        # the fused kernel's per-slot biases, with the placement they were cut for (kept by
+        # reference: a new placement object means new slots)
+        self._slot_biases: tuple[SlotPlacement | None, Tensor | None, Tensor | None] | None = \
+            None
 
     @property
     def fused_epilogue(self) -> dict[str, Any] | None:
@@ -137,8 +139,7 @@ class MoE(nn.Module):
         if self.b13 is None and self.b2 is None:
             return {"activation": self.activation, "alpha": self.swiglu[0],
                     "limit": self.swiglu[1]} if self.activation != "silu" else {}
-        key = None if self.placement is None else id(self.placement)
-        if self._slot_biases is None or self._slot_biases[0] != key:
+        if self._slot_biases is None or self._slot_biases[0] is not self.placement:
             index = self.placement.phy2log if self.placement is not None else None
 
             def per_slot(b: Tensor | None) -> Tensor | None:
@@ -146,7 +147,7 @@ class MoE(nn.Module):
                     return None
                 return (b if index is None else b.index_select(0, index)).float().contiguous()
 
-            self._slot_biases = (key, per_slot(self.b13), per_slot(self.b2))
+            self._slot_biases = (self.placement, per_slot(self.b13), per_slot(self.b2))
         _, b13, b2 = self._slot_biases
         return {"b13": b13, "b2": b2, "activation": self.activation,
                 "alpha": float(self.swiglu[0] or 1.0), "limit": float(self.swiglu[1] or 0.0)}
