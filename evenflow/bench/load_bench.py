@@ -72,7 +72,6 @@ def _reset_peak() -> None:
 
 def _write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
     """GPT-OSS as it ships: its stacked experts in MXFP4 (blocks + scales, (E, out, in))."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from evenflow.engine.quant import mxfp4
@@ -93,7 +92,6 @@ def _write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4",
                                      "modules_to_not_convert": ["router", "self_attn", "lm_head"]}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    del torch
     return out
 
 

@@ -79,6 +79,13 @@ def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def decode_rows(kind: int, raw: np.ndarray) -> Codes:
+    """The codes of raw blocks (..., bytes a row): the row length follows from the bytes; any
+    leading dims are flattened into rows."""
+    weights, size, _ = LAYOUT[kind]
+    return decode(kind, raw.reshape(-1, raw.shape[-1]), raw.shape[-1] // size * weights)
+
+
 def decode(kind: int, raw: np.ndarray, k: int) -> Codes:
     """The codes of raw blocks (rows, row_bytes(kind, k)) uint8."""
     weights, size, _ = LAYOUT[kind]

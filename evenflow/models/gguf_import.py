@@ -152,9 +152,8 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
                     base = hf.removesuffix(".weight")
                     tensors[f"{base}.gguf_{gguf_blocks.NAMES[kind]}"] = np.ascontiguousarray(rows)
                 else:  # the embedding: plain
-                    k = rows.shape[-1] // gguf_blocks.LAYOUT[kind][1] * gguf_blocks.LAYOUT[kind][0]
-                    codes = gguf_blocks.decode(kind, rows.reshape(-1, rows.shape[-1]), k)
-                    tensors[hf] = codes.dequantize().reshape(*rows.shape[:-1], k)
+                    values = gguf_blocks.decode_rows(kind, rows).dequantize()
+                    tensors[hf] = values.reshape(*rows.shape[:-1], values.shape[-1])
         else:
             for hf_name, value in _hf_tensors(name, _array(tensor), heads, kv_heads, family):
                 tensors[hf_name] = np.ascontiguousarray(value)

@@ -19,7 +19,8 @@ def _f16(x: np.ndarray) -> np.ndarray:
 
 
 def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.divide(a, b, out=np.zeros_like(a), where=b != 0)
+    """a / b, 0 where b is 0 (b broadcasts against a)."""
+    return np.divide(a, b, out=np.zeros_like(a), where=np.broadcast_to(b != 0, a.shape))
 
 
 def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -43,7 +44,7 @@ def _asymmetric(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
     m = np.clip(np.round(_safe_div(minimum, dmin.astype(np.float32)[:, None])), 0, 63)
     step = d.astype(np.float32)[:, None] * sc
     shift = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.round(_safe_div(x + shift[..., None], step[..., None] + 0 * x)), 0, levels)
+    q = np.clip(np.round(_safe_div(x + shift[..., None], step[..., None])), 0, levels)
     return d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), \
         _pack_scales(sc, m), q.astype(np.uint8)
 
@@ -74,7 +75,7 @@ def encode(kind: int, w: np.ndarray) -> np.ndarray:
         d = _f16(scale.max(-1) / 127)
         sc = np.clip(np.round(_safe_div(scale, d.astype(np.float32)[:, None])), -128, 127)
         step = (d.astype(np.float32)[:, None] * sc)[..., None]
-        q = (np.clip(np.round(_safe_div(sub, step + 0 * sub)), -32, 31) + 32).astype(np.uint8)
+        q = (np.clip(np.round(_safe_div(sub, step)), -32, 31) + 32).astype(np.uint8)
         q = q.reshape(-1, 2, 128)  # halves of 128, value order
         ql = (q[..., 0:64] & 0xF) | ((q[..., 64:128] & 0xF) << 4)  # (B, 2, 64)
         qh = (q[..., 0:32] >> 4) | ((q[..., 32:64] >> 4) << 2) | \

@@ -47,9 +47,7 @@ def read_quant_config(spec: dict[str, Any]) -> dict[str, Any]:
 
 def to_values(kind: int, raw: Tensor) -> QuantValues:
     """One linear's blocks (rows, bytes a row) in the engine's form (the module docstring)."""
-    weights, size, _ = gguf_blocks.LAYOUT[kind]
-    k = raw.shape[-1] // size * weights
-    codes = gguf_blocks.decode(kind, raw.numpy(), k)
+    codes = gguf_blocks.decode_rows(kind, raw.numpy())
     if gguf_blocks.BITS[kind] == 4:
         scale = torch.from_numpy(codes.scale)  # (Q4_0's may be negative)
         scale = torch.where(scale == 0, torch.full_like(scale, _TINY_SCALE), scale)
@@ -80,8 +78,7 @@ def take_quantized(tensors: dict[str, Tensor], spec: dict[str, Any]) -> dict[str
         try:
             kind, raw = _KIND[m[2]], tensors.pop(name)
             if _group(m[1]) in plain_groups:
-                weights, size, _ = gguf_blocks.LAYOUT[kind]
-                codes = gguf_blocks.decode(kind, raw.numpy(), raw.shape[-1] // size * weights)
+                codes = gguf_blocks.decode_rows(kind, raw.numpy())
                 tensors[f"{m[1]}.weight"] = torch.from_numpy(codes.dequantize())
             else:
                 values[m[1]] = to_values(kind, raw)
