@@ -157,6 +157,19 @@ inline void store_row(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+// acc[r] += x[r][k] * (w0 | w1 | w2 | w3): input k of MR float rows against 64 channels' weights
+template <int MR>
+inline void fma_rows(f16v (&acc)[MR][4], const float* const* x, int64_t k, f16v w0, f16v w1,
+                     f16v w2, f16v w3) {
+  for (int r = 0; r < MR; ++r) {
+    const f16v xv = splat(x[r][k]);
+    acc[r][0] += xv * w0;
+    acc[r][1] += xv * w1;
+    acc[r][2] += xv * w2;
+    acc[r][3] += xv * w3;
+  }
+}
+
 // sums[r][c] = sum over k of x[r][k] * w[c][k] for one panel (64 channels) and MR rows.
 template <int MR>
 void panel_f32(const float* const* x, const float* w, int64_t k_total, float* sums) {
@@ -164,13 +177,7 @@ void panel_f32(const float* const* x, const float* w, int64_t k_total, float* su
   for (int64_t k = 0; k < k_total; ++k) {
     const float* wp = w + k * kPanel;
     const f16v w0 = load(wp), w1 = load(wp + 16), w2 = load(wp + 32), w3 = load(wp + 48);
-    for (int r = 0; r < MR; ++r) {
-      const f16v xv = splat(x[r][k]);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
-    }
+    fma_rows<MR>(acc, x, k, w0, w1, w2, w3);
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);

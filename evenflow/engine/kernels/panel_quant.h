@@ -145,13 +145,7 @@ void panel_fp8(const float* const* x, const uint8_t* w, const float* scale, int6
       __builtin_prefetch(wp + kPrefetch);
       const f16v w0 = widen_fp8(wp), w1 = widen_fp8(wp + 16), w2 = widen_fp8(wp + 32),
                  w3 = widen_fp8(wp + 48);
-      for (int r = 0; r < MR; ++r) {
-        const f16v xv = splat(x[r][k]);
-        acc[r][0] += xv * w0;
-        acc[r][1] += xv * w1;
-        acc[r][2] += xv * w2;
-        acc[r][3] += xv * w3;
-      }
+      fma_rows<MR>(acc, x, k, w0, w1, w2, w3);
     }
     for (int v = 0; v < 4; ++v) {
       const f16v s = load(scale + b * kPanel + v * kLanes);
@@ -170,13 +164,7 @@ void panel_int8(const float* const* x, const int8_t* w, int64_t k_total, float* 
     const int8_t* wp = w + k * kPanel;
     __builtin_prefetch(wp + kPrefetch);
     const f16v w0 = widen(wp), w1 = widen(wp + 16), w2 = widen(wp + 32), w3 = widen(wp + 48);
-    for (int r = 0; r < MR; ++r) {
-      const f16v xv = splat(x[r][k]);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
-    }
+    fma_rows<MR>(acc, x, k, w0, w1, w2, w3);
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);
