@@ -94,32 +94,11 @@ def _preflight(config: Any) -> str | None:
     return None
 
 
-def _build_kernels_once() -> None:
-    """A machine's first start builds the engine's native kernels here, once, and says so;
-    the workers then load that build (without this, each would wait for it silently)."""
-    import subprocess
-    import time
-
-    from evenflow.engine.config.settings import switched_on
-    from evenflow.engine.kernels import build
-
-    if not switched_on("EVENFLOW_NATIVE_KERNELS") or build.is_built():
-        return
-    print(f"evenflow up: building the engine's native kernels for this machine, once "
-          f"(~{build.TYPICAL_BUILD_S} s on 2 cores; later starts reuse them) ...", flush=True)
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", "from evenflow.engine.kernels import native; "
-                           "raise SystemExit(native.ops() is None)"])
-    took = time.monotonic() - started
-    print(f"evenflow up: native kernels built in {took:.0f} s" if done.returncode == 0 else
-          f"evenflow up: native kernels unavailable after {took:.0f} s: torch's kernels serve",
-          flush=True)
-
-
 def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
+    from evenflow.services import kernel_build
     from evenflow.services.config import ConfigError, env_help, load_config
     from evenflow.services.launcher import ROLES, LaunchError, LocalMesh
     from evenflow.services.supervisor import GaveUp
@@ -158,10 +137,10 @@ def _up(args: argparse.Namespace) -> int:
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
-    if config.engine == "torch":
-        _build_kernels_once()
+    # (the services run in sessions of their own: a terminal's Ctrl-C or hang-up reaches this
+    # process alone, which stops them in order: see LocalMesh.stop)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, interrupt)
     roles = tuple(r.strip() for r in getattr(args, "roles", "").split(",") if r.strip())
     unknown = sorted(set(roles) - set(ROLES))
     if unknown or (roles and args.ray):
@@ -169,6 +148,22 @@ def _up(args: argparse.Namespace) -> int:
               f"{' (not ' + ', '.join(unknown) + ')' if unknown else ' runs whole meshes'}",
               file=sys.stderr)
         return 2
+    kernels = None  # the native kernels' first build on this machine, when due
+    if config.engine == "torch" and kernel_build.due():
+        kernels = kernel_build.KernelBuild(
+            lambda line: print(f"evenflow up: {line}", flush=True),
+            then="; each worker switches to them when idle").start()
+        # modes whose workers must run the same kernels from the first step wait for it
+        if config.deterministic or config.tensor_parallel_size > 1 or \
+                config.expert_parallel_size > 1 or args.ray:
+            try:
+                kernels.wait()
+            except KeyboardInterrupt:
+                kernels.stop()
+                print("evenflow up: stopped before starting (the kernels build again next "
+                      "time)", file=sys.stderr, flush=True)
+                return 0
+            kernels = None
     if args.ray:
         from evenflow.rayserve.local import LocalRayMesh
 
@@ -178,7 +173,11 @@ def _up(args: argparse.Namespace) -> int:
         mesh = LocalMesh(config, roles=roles, first_index=getattr(args, "index", 0),
                          serve_rendezvous=getattr(args, "ep_rendezvous_serve", False))
     try:
-        mesh.start()
+        if isinstance(mesh, LocalMesh):
+            # torch's kernels serve until the build is done; each worker then switches
+            mesh.start(env={"EVENFLOW_NATIVE_BUILD": "background"} if kernels else None)
+        else:
+            mesh.start()
         c = mesh.config
         from evenflow.services.config import redact
 
@@ -207,6 +206,8 @@ def _up(args: argparse.Namespace) -> int:
                   f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'",
                   flush=True)
         while True:  # restart whatever dies; give up on what keeps dying
+            if kernels is not None and kernels.poll():
+                kernels = None
             try:
                 mesh.supervise(report=lambda m: print(f"evenflow up: {m}", file=sys.stderr,
                                                       flush=True))
@@ -218,10 +219,15 @@ def _up(args: argparse.Namespace) -> int:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("stopping...", file=sys.stderr)
+        print("evenflow up: stopping ...", file=sys.stderr, flush=True)
         return 0
     finally:
-        mesh.stop()
+        stopping = time.monotonic()
+        if kernels is not None:
+            kernels.stop()
+        stopped = mesh.stop()
+        print(f"evenflow up: stopped {stopped} services in {time.monotonic() - stopping:.1f} s",
+              file=sys.stderr, flush=True)
 
 
 # `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
@@ -272,7 +278,11 @@ def _quantize(args: argparse.Namespace) -> int:
     from evenflow.engine.weights.compressed_tensors import write_compressed_tensors
     from evenflow.engine.weights.gptq import write_gptq
 
-    source = models.resolve_model(args.model)
+    try:
+        source = models.resolve_model(args.model)
+    except ValueError as exc:  # a Hugging Face id that cannot be had (HubError), a bad GGUF
+        print(f"evenflow quantize: error: {exc}", file=sys.stderr)
+        return 2
     if source is None:
         print(f"evenflow quantize: error: no model {args.model!r}", file=sys.stderr)
         return 2
@@ -299,7 +309,11 @@ def _gguf_export(args: argparse.Namespace) -> int:
     from evenflow import models
     from evenflow.models.gguf_export import export_gguf
 
-    source = models.resolve_model(args.model)
+    try:
+        source = models.resolve_model(args.model)
+    except ValueError as exc:  # a Hugging Face id that cannot be had (HubError), a bad GGUF
+        print(f"evenflow gguf export: error: {exc}", file=sys.stderr)
+        return 2
     if source is None:
         print(f"evenflow gguf export: error: no model {args.model!r}", file=sys.stderr)
         return 2

@@ -99,7 +99,10 @@ class LocalRayMesh:
     def supervise(self, report: object = None) -> None:
         """Ray restarts failed replicas itself: nothing for us to do."""
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Shut Ray Serve down, then NATS and Redis; returns how many servers it stopped (Ray's
+        own processes are Ray's to count)."""
+        stopped = len(self.servers)
         try:
             import ray
             from ray import serve
@@ -112,3 +115,4 @@ class LocalRayMesh:
             self.servers.clear()
             if self._secrets:
                 shutil.rmtree(self._secrets, ignore_errors=True)
+        return stopped

@@ -121,6 +121,7 @@ class Bus:
         self.nc: NATS | None = None
         self.dropped = 0  # malformed or unknown messages received
         self._last_error_log = 0.0
+        self._closing = False  # close() began: losing the connection is expected
         # When the connection last came back (monotonic): what was published around an outage
         # may be lost (a server restart forgets subscriptions until clients renew them).
         self.last_reconnect_at = 0.0
@@ -181,12 +182,17 @@ class Bus:
     # One line per event, at most one error line per few seconds: an outage must not fill
     # the log with nats-py's tracebacks (it retries every 0.25 s).
     async def _on_error(self, exc: Exception) -> None:
+        if self._closing:  # our own close: the connection going away is the point
+            return
         now = time.monotonic()
         if now - self._last_error_log > 5.0:
             self._last_error_log = now
             log.warning("%s: NATS error: %s", self.name, exc or type(exc).__name__)
 
     async def _on_disconnect(self) -> None:
+        if self._closing:
+            log.debug("%s: disconnected from NATS (closing)", self.name)
+            return
         log.warning("%s: disconnected from NATS; reconnecting", self.name)
 
     async def _on_reconnect(self) -> None:
@@ -242,6 +248,7 @@ class Bus:
         """Drain: finish delivering what arrived, then close the connection. The listeners
         run while it drains (a subscription's drain waits for its queue to be read: with them
         cancelled first, every close waited out its 2 s bound and logged a lost future)."""
+        self._closing = True
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=2)

@@ -93,6 +93,10 @@ class ServingEngine(Protocol):
     def kernel_summary(self) -> str:
         """Which kernels this engine runs (native or torch, and the switch that chose), for
         the worker's ready line."""
+    def switch_kernels_when_ready(self) -> str | None:
+        """Called while idle: serving on torch's kernels while the native ones build
+        elsewhere (a machine's first start), reload onto them once built. The new kernel summary
+        when it switched, else None."""
     @property
     def idle_poll_s(self) -> float:
         """How long the engine thread may wait for commands when idle."""

@@ -207,6 +207,8 @@ KV_EVENTS_INTERVAL_S = 0.05
 # time between them — applying commands, flushing events, a process stopped from outside — is
 # counted as step time (heartbeats' step_seconds: what a token cost this worker in wall time)
 BACK_TO_BACK_S = 0.25
+# How often an idle engine serving on torch's kernels looks for the native ones' finished build
+KERNEL_CHECK_S = 1.0
 
 
 def exit_worker(reason: str, planned: bool = False) -> None:
@@ -249,6 +251,7 @@ class EngineThread:
         self.stream_tokens = 0
         self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
         self._last_step_end = 0.0
+        self._kernels_checked_at = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -367,6 +370,8 @@ class EngineThread:
                     self._apply(command)
                 except Exception:  # a bug in one command must not stop the engine
                     log.exception("engine command %s failed", type(command).__name__)
+            if not self.engine.has_unfinished():
+                self._maybe_switch_kernels()
             if self.engine.decide_step():  # (once per loop: a collective for DEP ranks)
                 self._step()
                 if self._profile is not None:
@@ -379,6 +384,23 @@ class EngineThread:
             if self.engine.fatal_error is not None:
                 self._on_fatal(self.engine.fatal_error, self.engine.restart_planned)
                 return
+
+    def _maybe_switch_kernels(self) -> None:
+        """Idle: take the native kernels if they were built since this engine started (requests
+        arriving meanwhile wait in the queue, none is lost)."""
+        now = time.monotonic()
+        if now < self._kernels_checked_at + KERNEL_CHECK_S:
+            return
+        self._kernels_checked_at = now
+        try:
+            summary = self.engine.switch_kernels_when_ready()
+        except Exception:  # torch's kernels keep serving what the engine still holds
+            log.exception("switching to the native kernels failed")
+            self._kernels_checked_at = float("inf")
+            return
+        if summary is not None:
+            log.info("switched to the native kernels in %.1f s (%s)",
+                     time.monotonic() - now, summary)
 
     def _step(self) -> None:
         """One step. A step that raises fails the requests it held, never the next step: they

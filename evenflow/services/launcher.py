@@ -137,7 +137,8 @@ def start_nats(port: int | None = None, config_file: str | None = None) -> Local
     workdir = tempfile.mkdtemp(prefix="evenflow-nats-")
     args = ["-c", config_file] if config_file else []
     proc = subprocess.Popen([find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port),
-                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     wait_for_port(port, 10, proc)
     return LocalServer("nats", port, proc, workdir, config_file)
 
@@ -147,7 +148,8 @@ def start_redis(port: int | None = None) -> LocalServer:
     workdir = tempfile.mkdtemp(prefix="evenflow-redis-")
     proc = subprocess.Popen([find_binary("redis-server"), "--port", str(port), "--bind",
                              "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     wait_for_port(port, 10, proc)
     return LocalServer("redis", port, proc, workdir)
 
@@ -324,7 +326,8 @@ class LocalMesh:
     def spawn(self, args: list[str]) -> subprocess.Popen:
         """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config
         and, on a secured NATS, its own credentials file."""
-        proc = subprocess.Popen([sys.executable, *args], env=self._env_for(args))
+        proc = subprocess.Popen([sys.executable, *args], env=self._env_for(args),
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -395,7 +398,7 @@ class LocalMesh:
 
     def _respawn(self, index: int) -> subprocess.Popen:
         args = self.procs[index].args
-        proc = subprocess.Popen(args, env=self._env_for(args))
+        proc = subprocess.Popen(args, env=self._env_for(args), start_new_session=True)
         self.procs[index] = proc
         return proc
 
@@ -407,12 +410,19 @@ class LocalMesh:
         self.servers[index] = new
         return new.proc
 
-    def stop(self) -> None:
-        for proc in reversed(self.procs):  # gateway first, then workers
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            stop_process(proc)
+    def stop(self) -> int:
+        """Stop everything in order, each stage after the one before has exited: the gateways
+        (no new requests), then the workers, the KV index and the balancer, then NATS and Redis
+        (so no service sees its bus vanish under it). Returns how many processes it stopped."""
+        stopped = sum(p.poll() is None for p in self.procs) + \
+            sum(s.proc.poll() is None for s in self.servers)
+        gateways = [p for p in self.procs if _role_of(p) == "gateway"]
+        for stage in (gateways, [p for p in self.procs if p not in gateways]):
+            for proc in stage:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in stage:
+                stop_process(proc)
         for server in self.servers:
             server.stop()
         self.procs.clear()
@@ -420,3 +430,10 @@ class LocalMesh:
         for private in (self._secrets, self._kv_disk):
             if private:
                 shutil.rmtree(private, ignore_errors=True)
+        return stopped
+
+
+def _role_of(proc: subprocess.Popen) -> str:
+    """A service process's module (`-m evenflow.gateway g0` -> "gateway")."""
+    args = [str(a) for a in proc.args] if isinstance(proc.args, list | tuple) else []
+    return args[args.index("-m") + 1].removeprefix("evenflow.") if "-m" in args else ""

@@ -65,6 +65,9 @@ class MockEngine(Engine):
     def kernel_summary(self) -> str:
         return "mock engine: a timing model, no kernels"
 
+    def switch_kernels_when_ready(self) -> str | None:
+        return None  # (no kernels to switch)
+
     @property
     def kv_dtype(self) -> torch.dtype:
         return torch.uint8

@@ -43,6 +43,10 @@ class EngineSwitch:
 ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
     EngineSwitch("EVENFLOW_NATIVE_KERNELS", "1", "the engine's own C++ kernels (0: torch's "
                  "kernels everywhere)"),
+    EngineSwitch("EVENFLOW_NATIVE_BUILD", "wait", "wait: a process needing the native kernels "
+                 "builds them (or waits for another's build); background: torch's kernels serve "
+                 "until another process's build is done, then the engine switches to them when "
+                 "idle (`evenflow up` on a machine's first start)", on_off=False),
     EngineSwitch("EVENFLOW_NATIVE_MARCH", "native", "the GCC -march the kernels are built for "
                  "(e.g. haswell: an AVX2 machine's code paths)", on_off=False),
     EngineSwitch("EVENFLOW_NATIVE_NORM", "1", "fused RMSNorm + residual add"),

@@ -46,8 +46,22 @@ def build_dir() -> Path:
 
 
 def is_built() -> bool:
-    """Whether this machine already holds a build of the current sources."""
-    return (build_dir() / f"{LIBRARY}.so").is_file()
+    """Whether this machine holds a finished build of the current sources (one that loaded:
+    `mark_ready`; a library file alone may be a link still being written)."""
+    return (build_dir() / READY).is_file()
+
+
+READY = "evenflow-ready"  # written once a build has loaded
+
+
+def mark_ready(where: Path) -> None:
+    (where / READY).touch()
+
+
+def objects_done(where: Path) -> int:
+    """How many of the sources a build in progress has compiled (their object files)."""
+    stems = {source.stem for source in SOURCES}
+    return sum(1 for obj in where.glob("*.o") if obj.stem in stems)
 
 
 @contextlib.contextmanager

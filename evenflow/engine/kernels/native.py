@@ -12,6 +12,11 @@ in ~/.cache/evenflow/kernels/<key> (kernels/build.py), and a file lock makes pro
 together wait for one build. Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0,
 `ops()` is None and callers keep torch's kernels: the native ones are a speed-up, never a
 requirement.
+
+With EVENFLOW_NATIVE_BUILD=background (`evenflow up` on a machine's first start builds them in
+a process of its own meanwhile), `ops()` is None until that build is done, without waiting for
+it: `pending()` says so, and once `build_done()` an idle engine calls `refresh()` and reloads
+its weights onto the native kernels (Engine.switch_kernels_when_ready).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 
-from evenflow.engine.config.settings import switched_on
+from evenflow.engine.config.settings import engine_switch, switched_on
 from evenflow.engine.kernels.build import (
     LIBRARY,
     SOURCES,
@@ -33,12 +38,45 @@ from evenflow.engine.kernels.build import (
     build_lock,
     is_built,
     march,
+    mark_ready,
 )
 
 log = logging.getLogger(__name__)
 
 def enabled() -> bool:
     return switched_on("EVENFLOW_NATIVE_KERNELS")
+
+
+def in_background() -> bool:
+    """EVENFLOW_NATIVE_BUILD=background: another process builds; torch serves meanwhile."""
+    mode = engine_switch("EVENFLOW_NATIVE_BUILD")
+    if mode not in ("wait", "background"):
+        raise ValueError(f"EVENFLOW_NATIVE_BUILD must be wait or background, not {mode!r}")
+    return mode == "background"
+
+
+def pending() -> bool:
+    """Whether this process serves on torch's kernels while another builds the native ones."""
+    return enabled() and in_background() and ops() is None and not _given_up
+
+
+def build_done() -> bool:
+    """Whether the build this process waits for (`pending`) has finished."""
+    return is_built()
+
+
+_given_up = False  # a background build's library failed to load here: torch's for good
+
+
+def refresh() -> None:
+    """Forget every answer about the kernels (each function here caches its own): the next
+    call loads a build finished since. The plans measured without them go too."""
+    from evenflow.engine.kernels import plan
+
+    for value in list(globals().values()):
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    plan.forget_choices()
 
 
 def _put_ninja_on_path() -> None:
@@ -55,7 +93,7 @@ def _put_ninja_on_path() -> None:
 @functools.cache
 def ops() -> Any | None:
     """torch.ops.evenflow_kernels, built or loaded; None when disabled or unbuildable."""
-    if not enabled():
+    if not enabled() or (in_background() and not is_built()):
         return None
     try:
         from torch.utils import cpp_extension
@@ -81,11 +119,14 @@ def ops() -> Any | None:
                 # shares torch's libgomp (same soname, already loaded) and its threads
                 extra_cflags=["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
+            mark_ready(where)
         took = time.perf_counter() - started
         if took > 2.0 and not waited:
             log.info("native kernels built in %.0f s (%s)", took, where)
         return torch.ops.evenflow_kernels
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels serve
+        global _given_up
+        _given_up = True
         log.warning("native kernels unavailable, using torch's: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
         return None
@@ -252,6 +293,8 @@ def summary() -> str:
     """Which kernels are native here and which are torch's, and why (one line, for logs)."""
     if not enabled():
         return "torch kernels only (EVENFLOW_NATIVE_KERNELS=0)"
+    if pending():
+        return "torch kernels only until the native ones are built (building in the background)"
     if ops() is None:
         return "torch kernels only (the native kernels could not be built)"
     native_ones, torch_ones = [], []

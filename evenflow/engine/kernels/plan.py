@@ -84,6 +84,11 @@ def _save_choice(threads: int, key: str, plan: list[int]) -> None:
         pass
 
 
+def forget_choices() -> None:
+    """Drop the plans this process holds (the native kernels came: they are candidates now)."""
+    _CHOICES.clear()
+
+
 def _time(fn, reps: int = 7) -> float:
     fn()
     best = float("inf")
@@ -111,6 +116,8 @@ def choose(key: tuple, candidates: Callable[[], dict[int, Kernel]], k: int,
     probe row count."""
     if key not in _CHOICES:
         name, threads = "|".join(map(str, key)), torch.get_num_threads()
+        if native.ops() is None:  # (measured without them: kept apart from the plans with)
+            name += "|torch-only"
         plan = _stored_choices(threads).get(name)
         if plan is None:
             kernels = candidates()

@@ -100,7 +100,15 @@ class ModelRunner:
             if self.quantized_kv:
                 parts += tuple(torch.zeros(num_blocks + 1, heads) for heads, _ in shapes)
             self.kv_caches.append(parts)
-        model.init_rope(max_model_len, dtype)
+        self.max_model_len = max_model_len
+        self.attach(model)
+
+    def attach(self, model: CausalLM) -> None:
+        """Run `model` over this runner's KV cache: at construction, and when the engine
+        reloads its weights onto kernels built since (the cache's blocks stay valid)."""
+        cfg = model.config
+        self.model = model
+        model.init_rope(self.max_model_len, self.dtype)
         if switched_on("EVENFLOW_FAST_DECODE"):
             model.decode_stack_builder = fast_stack
         moe = model.moe_layers()

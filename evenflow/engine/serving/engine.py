@@ -191,6 +191,35 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             "(EVENFLOW_FAST_DECODE=0)"
         return f"{self.kv_dtype_name}; {native.summary()}{fast}"
 
+    def switch_kernels_when_ready(self) -> str | None:
+        """On a machine's first start the native kernels build in another process while this
+        engine serves on torch's (EVENFLOW_NATIVE_BUILD=background). Called by the engine thread
+        while idle: once the build is done, reload the weights so that every layer takes the
+        native kernels' forms (panel-packed, fused experts), over the same KV cache (its
+        blocks, prefix cache and disk tier stay valid). Returns the new kernel summary when it
+        switched, else None. A tensor-parallel or expert-parallel engine never defers (its ranks
+        would have to switch together): `evenflow up` builds first for those."""
+        old_layers = self.model.moe_layers()
+        if not native.pending() or self.has_unfinished() or not native.build_done() or \
+                self._tp is not None or any(layer.ep is not None for layer in old_layers):
+            return None
+        native.refresh()
+        if native.ops() is None:  # the build would not load here: torch's kernels stay
+            return None
+        placements = [layer.placement for layer in old_layers]  # (EPLB's virtual ranks)
+        del old_layers
+        dtype = torch_dtype(self.config)
+        self.model = self.runner.model = None  # type: ignore[assignment]  # (freed first)
+        self.model = load_weights(self.model_dir, dtype, self.config, None)
+        self.runner.attach(self.model)
+        for row, (layer, placement) in enumerate(zip(self.model.moe_layers(), placements,
+                                                     strict=True)):
+            if self.slot_counts.numel():
+                layer.slot_counts = self.slot_counts[row]
+            if placement is not None:
+                layer.set_placement(placement)
+        return self.kernel_summary()
+
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | SamplingSpec, export_kv: bool = False) -> None:
