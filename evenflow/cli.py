@@ -98,7 +98,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from evenflow.services import kernel_build
+    from evenflow.engine.kernels import first_build
     from evenflow.services.config import ConfigError, env_help, load_config
     from evenflow.services.launcher import ROLES, LaunchError, LocalMesh
     from evenflow.services.supervisor import GaveUp
@@ -149,8 +149,8 @@ def _up(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     kernels = None  # the native kernels' first build on this machine, when due
-    if config.engine == "torch" and kernel_build.due():
-        kernels = kernel_build.KernelBuild(
+    if config.engine == "torch" and first_build.due():
+        kernels = first_build.KernelBuild(
             lambda line: print(f"evenflow up: {line}", flush=True),
             then="; each worker switches to them when idle").start()
         # modes whose workers must run the same kernels from the first step wait for it

@@ -1,18 +1,20 @@
 """`evenflow doctor`: name the straggler.
 
 Starts a local mesh whose every service exports its spans to an OTLP receiver in this process,
-runs a workload through it (`chat`: short prompts, many streams; `long-prompt`: 1,500-token
-prompts; `burst`: everything at once), and then, from the traces, the services' metrics and the
-client's own timings, prints:
+runs a workload through it (`chat`: many streams of short prompts, which a gateway's default
+settings prefill on the decode worker, and every fourth one of 384 tokens, which goes to a
+prefill worker; `long-prompt`: 1,500-token prompts; `burst`: everything at once), and then,
+from the traces, the services' metrics and the client's own timings, prints:
 - a waterfall per request phase (route, prefill queue, prefill compute, KV transfer, decode
   queue, time to first token, decode per output token, end to end) as p50 / p99 and its share
   of TTFT (the phases before the first token) or of the end-to-end time;
 - the slowest instance: each worker's prefill ms per prompt token or decode ms per output token
-  against its peers' median;
+  against the median of its role's other workers; more than 1.5x that, and it is named
+  (bench/stragglers.py);
 - the gateway's event-loop lag p99;
 - with expert-parallel (DEP) workers (`--expert-parallel N` here, or `--nats URL` with `--url`):
   each EP rank's MoE compute, collective wait and rows per step from the reports it sends the
-  balancer, against its group's median;
+  balancer, against the median of its group's other ranks;
 - a verdict naming the slowest layer and instance, with the evidence.
 `--json FILE` writes the same as JSON, `--png FILE` the waterfall as a chart.
 
@@ -44,15 +46,24 @@ from typing import Any
 from evenflow.bench.doctor_metrics import Samples, phase_rows, scrape, worker_instances
 from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_client, run_load
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
+from evenflow.bench.stragglers import STANDS_OUT, against_peers
 
-WORKLOADS = {  # prompt tokens, output tokens, requests, concurrency
-    "chat": (96, 32, 48, 8),
-    "long-prompt": (1500, 16, 16, 4),
-    "burst": (256, 32, 64, 64),
+# A gateway prefills a prompt shorter than its local-prefill threshold (MeshConfig's
+# local_prefill_threshold, 128 tokens by default) on the decode worker itself: a workload of
+# short prompts only never reaches the prefill workers, and the doctor could not compare them.
+LONG_CHAT_PROMPT = 384
+WORKLOADS = {  # prompt tokens (cycled over the requests), output tokens, requests, concurrency
+    "chat": ((96, 96, 96, LONG_CHAT_PROMPT), 32, 48, 8),
+    "long-prompt": ((1500,), 16, 16, 4),
+    "burst": ((256,), 32, 64, 64),
 }
-# A worker this many times its peers' median cost per token is named (with two workers the
-# median is their mean, so 1.5x means one costs 3x the other; noise stays well below)
-STANDS_OUT = 1.5
+
+
+def prompt_lengths(lengths: tuple[int, ...], requests: int) -> list[int]:
+    """Each request's prompt length: the workload's lengths, cycled."""
+    return [lengths[i % len(lengths)] for i in range(requests)]
+
+
 # span -> phase of the waterfall; before the first token unless marked
 PHASES = [("route", "route", True), ("prefill.queue", "prefill queue", True),
           ("prefill.compute", "prefill compute", True), ("kv_transfer", "KV transfer", False),
@@ -131,10 +142,11 @@ def _instances(by_name: dict[str, list[ReceivedSpan]]) -> list[dict]:
         workers = {w: statistics.median(v) for (r, w), v in cost.items() if r == role}
         if not workers:
             continue
-        peers = statistics.median(workers.values())
+        peers = against_peers(workers)
         for worker, value in sorted(workers.items()):
             out.append({"role": role, "worker": worker, "ms_per_token": value * 1e3,
-                        "vs_peers": value / peers if peers else 1.0,
+                        "vs_peers": peers[worker].vs_peers,
+                        "straggler": peers[worker].straggler,
                         "samples": len(cost[(role, worker)])})
     return out
 
@@ -149,21 +161,26 @@ def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None,
         which, ms = ("p50", worst["p50"]) if worst["p50"] is not None else ("mean", worst["mean"])
         parts.append(f"slowest layer before the first token: {worst['phase']} "
                      f"({100 * worst['share']:.0f}% of TTFT {which}, {ms:.1f} ms)")
-    slow = max(instances, key=lambda i: i["vs_peers"], default=None)
-    if slow is not None and slow["vs_peers"] > STANDS_OUT:
-        parts.append(f"slowest instance: {slow['role']} {slow['worker']}, "
-                     f"{slow['ms_per_token']:.2f} ms per token = {slow['vs_peers']:.2f}x its peers")
+    slow = sorted((i for i in instances if i.get("straggler")), key=lambda i: -i["vs_peers"])
+    if slow:
+        parts.append(f"slowest instance: {slow[0]['role']} {slow[0]['worker']}, "
+                     f"{slow[0]['ms_per_token']:.2f} ms per token = {slow[0]['vs_peers']:.2f}x "
+                     "the median of its peers")
+        parts += [f"also slow: {i['role']} {i['worker']} ({i['vs_peers']:.2f}x its peers)"
+                  for i in slow[1:]]
     elif instances:
-        parts.append(f"no instance stands out (every worker within {STANDS_OUT:g}x of its peers' "
-                     "median)")
-    rank = max(ep_ranks, key=lambda r: r["vs_group"], default=None)
-    if rank is not None and rank["vs_group"] > STANDS_OUT:
+        parts.append(f"no instance stands out (none over {STANDS_OUT:g}x the median of its "
+                     "role's other workers)")
+    ranks = sorted((r for r in ep_ranks if r.get("straggler")), key=lambda r: -r["vs_group"])
+    if ranks:
+        rank = ranks[0]
         parts.append(f"slowest EP rank: {rank['group']} {rank['rank']}, MoE compute "
-                     f"{rank['moe_compute_ms']:.2f} ms per step = {rank['vs_group']:.2f}x its "
-                     f"group's median ({rank['rows_per_step']:.1f} rows per step)")
+                     f"{rank['moe_compute_ms']:.2f} ms per step = {rank['vs_group']:.2f}x the "
+                     f"median of its group's other ranks ({rank['rows_per_step']:.1f} rows per "
+                     "step)")
     elif ep_ranks:
-        parts.append(f"EP ranks even (every rank's MoE compute within {STANDS_OUT:g}x of its "
-                     "group's median)")
+        parts.append(f"EP ranks even (no rank's MoE compute over {STANDS_OUT:g}x the median of "
+                     "its group's other ranks)")
     if lag_s is not None and lag_s > 0.05:
         parts.append(f"the gateway's event loop lags: p99 {lag_s * 1e3:.0f} ms")
     return "; ".join(parts) or "not enough traces to say"
@@ -189,11 +206,16 @@ def print_report(result: dict) -> None:
         print(f"  {i['role']:7} {i['worker']:8} {i['ms_per_token']:8.3f} ms/token  "
               f"{i['vs_peers']:.2f}x peers ("
               + ("from its heartbeats)" if i.get("source") == "heartbeats"
-                 else f"{i['samples']} requests)"))
+                 else f"{i['samples']} requests)")
+              + ("  <- straggler" if i.get("straggler") else ""))
     for r in result["ep_ranks"]:
         print(f"  EP rank {r['group']}/{r['rank']:6} MoE {r['moe_compute_ms']:7.2f} ms/step, "
               f"collectives {r['moe_wait_ms']:7.2f} ms/step, {r['rows_per_step']:6.1f} rows/step"
-              f"  {r['vs_group']:.2f}x group ({r['steps']} steps)")
+              f"  {r['vs_group']:.2f}x group ({r['steps']} steps)"
+              + ("  <- straggler" if r.get("straggler") else ""))
+    if result["instances"] and not any(i["role"] == "prefill" for i in result["instances"]):
+        print("  no prefill worker computed a prompt in the window (a gateway prefills prompts "
+              "shorter than its local_prefill_threshold on the decode worker)")
     lag = result["gateway_loop_lag_p99_ms"]
     if lag is not None:
         print(f"  gateway event-loop lag p99: {lag:.1f} ms (bucket bound)")
@@ -250,34 +272,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    prompt_len, output_len, requests, concurrency = WORKLOADS[args.workload]
+    lengths, output_len, requests, concurrency = WORKLOADS[args.workload]
+    prompt_lens = prompt_lengths(lengths, requests)
 
     if args.url:
         receiver = OTLPReceiver(args.otlp_host, 4318 if args.otlp_port is None
                                 else args.otlp_port)
         try:
             load, lag, ep_ranks, beats, metrics = _run_against(
-                args.url.rstrip("/"), receiver, prompt_len, output_len, requests, concurrency,
+                args.url.rstrip("/"), receiver, prompt_lens, output_len, concurrency,
                 args.flush_wait, args.nats, args.nats_credentials)
         finally:
             receiver.stop()
         where = f"the mesh at {args.url}"
     else:
         receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
-        load, lag, ep_ranks, beats = _run_local(args, receiver, prompt_len, output_len,
-                                                requests, concurrency)
+        load, lag, ep_ranks, beats = _run_local(args, receiver, prompt_lens, output_len,
+                                                concurrency)
         metrics = None
         where = f"{args.prefill} prefill + {args.decode} decode workers"
     result = analyse(receiver.spans, [t.ttft for t in load.timings],
                      [t.e2e for t in load.timings], lag, ep_ranks, beats, metrics)
-    result["workload"] = {"name": args.workload, "prompt_tokens": prompt_len,
+    result["workload"] = {"name": args.workload, "prompt_tokens": list(lengths),
                           "output_tokens": output_len, "requests": requests,
                           "concurrency": concurrency, "failed": load.errors,
                           "mesh": args.url or "local",
                           "prefill_workers": None if args.url else args.prefill,
                           "decode_workers": None if args.url else args.decode}
     print(f"evenflow doctor: {args.workload} workload, {requests} requests ({load.errors} "
-          f"failed), {prompt_len} -> {output_len} tokens, concurrency {concurrency}; "
+          f"failed), {' / '.join(map(str, sorted(set(lengths))))} -> {output_len} tokens, "
+          f"concurrency {concurrency}; "
           f"{where}, {len(receiver.spans)} spans")
     if not receiver.spans:
         print("  no spans arrived (the mesh does not trace to this doctor): the phases come "
@@ -297,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int,
-               output_len: int, requests: int, concurrency: int
+def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_lens: list[int],
+               output_len: int, concurrency: int
                ) -> tuple[LoadResult, float | None, list[dict], list[dict]]:
     """A local mesh exporting its spans to `receiver`, the workload through it."""
     from evenflow.bench.checkpoint import write_random_mixtral
@@ -322,7 +346,7 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
         from evenflow.proto.tokenizer import Tokenizer
 
         vocab = Tokenizer(model_dir).vocab_size  # what the gateway accepts
-        prompts = make_prompts(requests, prompt_len, vocab, seed=3)
+        prompts = [make_prompts(1, n, vocab, seed=3 + i)[0] for i, n in enumerate(prompt_lens)]
         load, ep_ranks, beats = run_client(_watching_ranks(
             mesh.admin_nats_url or mesh.config.nats_url,
             run_load(mesh.url, mesh.config.model_name, prompts, output_len, concurrency,
@@ -333,8 +357,8 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_len: int
         receiver.stop()
 
 
-def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: int,
-                 requests: int, concurrency: int, flush_wait: float, nats_url: str | None,
+def _run_against(url: str, receiver: OTLPReceiver, prompt_lens: list[int], output_len: int,
+                 concurrency: int, flush_wait: float, nats_url: str | None,
                  credentials: str | None = None
                  ) -> tuple[LoadResult, float | None, list[dict], list[dict],
                             tuple[Samples, Samples]]:
@@ -355,7 +379,7 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_len: int, output_len: 
                         json={"model": model, "prompt": text}).json()["tokens"]
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
     rng = random.Random(3)
-    prompts = [[rng.choice(ids) for _ in range(prompt_len)] for _ in range(requests)]
+    prompts = [[rng.choice(ids) for _ in range(n)] for n in prompt_lens]
     before = scrape(url, headers)
     load, ep_ranks, beats = run_client(_watching_ranks(nats_url, run_load(
         url, model, prompts, output_len, concurrency, api_key=key, progress=True),

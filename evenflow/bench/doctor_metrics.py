@@ -7,16 +7,18 @@ its workload, on a mesh started with nothing set up for it (no tracing, no bus c
   its own, and what no phase covers as "unattributed";
 - each engine worker's cost per token from its heartbeats, which the gateway re-exports
   (`evenflow_worker_*`): prefill step time per prompt token computed, decode time per output
-  token as its streams saw it, against its role's median.
+  token as its streams saw it, against the median of its role's other workers
+  (bench/stragglers.py).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from evenflow.bench.stragglers import against_peers
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PHASE_METRIC = "evenflow_ttft_phase_seconds"
@@ -88,9 +90,10 @@ def worker_instances(before: Samples, after: Samples) -> list[dict]:
     for role in ("prefill", "decode"):
         if not cost[role]:
             continue
-        peers = statistics.median(cost[role].values())
+        peers = against_peers(cost[role])
         for worker, value in sorted(cost[role].items()):
             out.append({"role": role, "worker": worker, "ms_per_token": value * 1e3,
-                        "vs_peers": value / peers if peers else 1.0, "samples": 0,
+                        "vs_peers": peers[worker].vs_peers,
+                        "straggler": peers[worker].straggler, "samples": 0,
                         "source": "heartbeats"})
     return out

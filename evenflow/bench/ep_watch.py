@@ -6,9 +6,9 @@ engine worker's step time per token from its heartbeats (no tracing needed)."""
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 
+from evenflow.bench.stragglers import against_peers
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, Message, WorkerHeartbeat
 from evenflow.services.bus import MessageBus
@@ -34,19 +34,19 @@ class RankLoadWatch:
 
     def summary(self) -> list[dict]:
         """Per rank: ms per step in its experts and in the collectives, rows per step, and its
-        compute over its group's median (the straggler stands out here)."""
+        compute over the median of its group's other ranks (bench/stragglers.py)."""
         out = []
         groups = sorted({group for group, _ in self.totals})
         for group in groups:
             ranks = {rank: t for (g, rank), t in self.totals.items() if g == group and t[0]}
-            compute = {rank: t[2] / t[0] for rank, t in ranks.items()}
-            median = statistics.median(compute.values()) if compute else 0.0
+            compute = against_peers({rank: t[2] / t[0] for rank, t in ranks.items()})
             for rank, t in sorted(ranks.items()):
                 steps = t[0]
                 out.append({"group": group, "rank": rank, "steps": int(steps),
                             "step_ms": t[1] / steps * 1e3, "moe_compute_ms": t[2] / steps * 1e3,
                             "moe_wait_ms": t[3] / steps * 1e3, "rows_per_step": t[4] / steps,
-                            "vs_group": compute[rank] / median if median > 0 else 1.0})
+                            "vs_group": compute[rank].vs_peers,
+                            "straggler": compute[rank].straggler})
         return out
 
 
@@ -72,7 +72,7 @@ class WorkerStepWatch:
     def instances(self) -> list[dict]:
         """Per worker over the window: prefill ms per prompt token computed (its engine's step
         time over them), or decode ms per output token as its streams saw it (first token to
-        last, over those tokens), against its role's median."""
+        last, over those tokens), against the median of its role's other workers."""
         cost: dict[tuple[str, str], float] = {}
         for worker, last in self.last.items():
             first = self.first[worker]
@@ -89,9 +89,10 @@ class WorkerStepWatch:
             workers = {w: c for (r, w), c in cost.items() if r == role}
             if not workers:
                 continue
-            peers = statistics.median(workers.values())
+            peers = against_peers(workers)
             for worker, value in sorted(workers.items()):
                 out.append({"role": role, "worker": worker, "ms_per_token": value * 1e3,
-                            "vs_peers": value / peers if peers else 1.0, "samples": 0,
+                            "vs_peers": peers[worker].vs_peers,
+                            "straggler": peers[worker].straggler, "samples": 0,
                             "source": "heartbeats"})
         return out

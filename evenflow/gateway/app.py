@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from opentelemetry import trace
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evenflow import __version__
 from evenflow.gateway.client import RequestFailed
@@ -154,10 +155,20 @@ async def admin_profile(request: Request, worker: str, steps: int = 10,
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
+    """vLLM's model card (id, root, max_model_len, ...), and what each live engine worker
+    runs: its weights' form, KV cache dtype and kernels (from its heartbeats)."""
     gateway = _gateway(request)
+    registry = gateway.client.registry
+    workers = [{"id": state.heartbeat.worker_id, "role": str(role),
+                "weights": state.heartbeat.weights,
+                "kv_cache_dtype": state.heartbeat.kv_cache_dtype,
+                "kernels": state.heartbeat.kernels}
+               for role in WORKER_ROLES for state in registry.live(role)]
     return _json({"object": "list", "data": [{
         "id": gateway.config.model_name, "object": "model", "created": 0,
-        "owned_by": "evenflow", "max_model_len": gateway.max_model_len}]})
+        "owned_by": "evenflow", "root": gateway.config.model, "parent": None,
+        "max_model_len": gateway.max_model_len, "permission": [],
+        "workers": sorted(workers, key=lambda w: w["id"])}]})
 
 
 @router.post("/v1/completions")
@@ -242,8 +253,39 @@ def create_app(config: MeshConfig) -> FastAPI:
         return _json(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> Response:
-        return _json(validation_error(exc).body(), 400)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        route = request.scope.get("route")
+        field = getattr(route, "body_field", None)  # the endpoint's request model
+        model = getattr(getattr(field, "field_info", None), "annotation", None)
+        return _json(validation_error(exc, model if isinstance(model, type) else None).body(),
+                     400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Starlette's own refusals (no such route, a method the route does not take) in
+        OpenAI's shape, as OpenAI answers an unknown URL."""
+        error = http_error(request.method, request.url.path, exc.status_code, exc.detail,
+                           dict(exc.headers or {}))
+        return _json(error.body(), error.status, error.headers)
+
+    @app.exception_handler(Exception)
+    async def _server_error(_request: Request, exc: Exception) -> Response:
+        # (Starlette logs the traceback and re-raises after this answer goes out)
+        return _json(APIError(500, "The server had an error while processing your request.",
+                              "server_error", code="internal_error").body(), 500)
 
     return app
+
+
+def http_error(method: str, path: str, status: int, detail: str,
+               headers: dict[str, str]) -> APIError:
+    """An HTTP refusal from the router, said as OpenAI says it (its headers kept: Allow)."""
+    if status == 404:
+        return APIError(404, f"Invalid URL ({method} {path}): no such route.",
+                        code="unknown_url", headers=headers)
+    if status == 405:
+        return APIError(405, f"Method {method} is not allowed for {path} (allowed: "
+                        f"{headers.get('Allow', '')}).", code="method_not_allowed",
+                        headers=headers)
+    return APIError(status, str(detail), headers=headers)
 

@@ -209,11 +209,23 @@ class Gateway:
         # echo with max_tokens 0: one token is generated and dropped (the prompt's logprobs
         # come with the first token)
         max_tokens = 1 if asked == 0 else asked or (16 if kind == "completion" else room)
-        if room < 1 or max_tokens > room:
+        # As vLLM words them: a prompt that alone fills the context blames the prompt; one
+        # that fits blames the output length asked for (or the completions default of 16).
+        if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                           f"tokens. However, you requested {len(prompt_ids) + max_tokens} "
-                           f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-                           "completion).", param="messages" if kind == "chat" else "prompt",
+                           f"tokens. However, your request has {len(prompt_ids)} input tokens, "
+                           "which leaves no room for output. Please reduce the length of the "
+                           f"{'messages' if kind == 'chat' else 'prompt'}.",
+                           param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens > room:
+            field = "max_completion_tokens" if req.max_completion_tokens is not None \
+                else "max_tokens"
+            default = " (the default)" if asked is None else ""
+            raise APIError(400, f"'{field}' is too large: {max_tokens}{default}. This model's "
+                           f"maximum context length is {self.max_model_len} tokens and your "
+                           f"request has {len(prompt_ids)} input tokens ({max_tokens} > "
+                           f"{self.max_model_len} - {len(prompt_ids)}).", param=field,
                            code="context_length_exceeded")
         if req.min_tokens > max_tokens:
             raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")

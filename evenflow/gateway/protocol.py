@@ -278,19 +278,76 @@ class DetokenizeRequest(BaseModel):
 
 
 _BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}
+_WHERE = {"body", "query", "path", "header", "cookie"}  # FastAPI's first element of a loc
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
 
 
-def validation_error(exc: Exception) -> APIError:
-    """pydantic's ValidationError as a 400 naming the first bad field."""
+def param_name(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's error location as OpenAI names a parameter (`messages[0].content`): without
+    FastAPI's leading "body" (or "query", ...) and without the union branch pydantic tried
+    ("float", "list[int]")."""
+    name = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not ((i == 0 and part in _WHERE) or part in _BRANCHES or "[" in part):
+            name += f".{part}" if name else str(part)
+    return name or None
+
+
+def _sentence(msg: str) -> str:
+    """pydantic's message as the tail of ours: no "Value error, " prefix, lower-case start."""
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg[0].lower() + msg[1:] if msg[1:2].islower() else msg
+
+
+def validation_error(exc: Exception, body_model: type[BaseModel] | None = None) -> APIError:
+    """pydantic's ValidationError (FastAPI's RequestValidationError) as a 400 naming the first
+    bad field, OpenAI's way: `param` is the field (`messages[0].role`), the message names it,
+    `code` is missing_required_parameter / invalid_type / invalid_value. `body_model` (the
+    endpoint's request model) names the first required field when the body is empty."""
     errors: list[dict[str, Any]] = getattr(exc, "errors", lambda: [])()
-    if errors and errors[0].get("type") == "json_invalid":
+    if not errors:
+        return APIError(400, str(exc))
+    first = errors[0]
+    kind, loc = first.get("type", ""), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        at = f" (at character {loc[1]})" if len(loc) > 1 and isinstance(loc[1], int) else ""
         return APIError(400, "We could not parse the JSON body of your request: "
-                             f"{errors[0].get('ctx', {}).get('error', 'invalid JSON')}")
-    if errors:
-        first = errors[0]
-        # The location without "body" and without the union branch pydantic tried ("float").
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not (
-            isinstance(p, str) and (p in _BRANCHES or "[" in p))) or None
-        return APIError(400, f"{param}: {first.get('msg')}" if param else first.get("msg", ""),
-                        param=param)
-    return APIError(400, str(exc))
+                        f"{first.get('ctx', {}).get('error', 'invalid JSON')}{at}.",
+                        code="invalid_json")
+    param = param_name(loc)
+    if param is None and kind == "missing":  # no body at all
+        required = [name for name, field in (body_model.model_fields.items() if body_model
+                                             else ()) if field.is_required()]
+        if not required:
+            return APIError(400, "The request body is empty: a JSON object is required.",
+                            code="missing_required_parameter")
+        listed = " and ".join(f"'{name}'" for name in required)
+        return APIError(400, f"The request body is empty: missing required parameter "
+                        f"'{required[0]}' (a JSON object with {listed} is required).",
+                        param=required[0], code="missing_required_parameter")
+    if param is None and kind.endswith("_type"):  # the body is not a JSON object
+        value = first.get("input")
+        if isinstance(value, bytes):  # not parsed: sent as something other than JSON
+            return APIError(400, "The request body must be a JSON object sent with "
+                            "Content-Type: application/json.", code="invalid_type")
+        return APIError(400, "The request body must be a JSON object, not "
+                        f"{_JSON_TYPES.get(type(value), type(value).__name__)}.",
+                        code="invalid_type")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param,
+                        code="missing_required_parameter")
+    if param is None:  # a check of the whole body (two fields that exclude each other)
+        return APIError(400, _sentence(first.get("msg", "")), code="invalid_value")
+    if kind.endswith("_type"):  # each union branch pydantic tried, in one sentence
+        wanted = list(dict.fromkeys(
+            _sentence(e.get("msg", "")).removeprefix("input should be ") for e in errors
+            if param_name(tuple(e.get("loc", ()))) == param and e.get("type", "").endswith(
+                "_type")))
+        return APIError(400, f"Invalid type for '{param}': expected {' or '.join(wanted)}.",
+                        param=param, code="invalid_type")
+    return APIError(400, f"Invalid value for '{param}': {_sentence(first.get('msg', ''))}",
+                    param=param, code="invalid_value")

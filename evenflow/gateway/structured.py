@@ -153,13 +153,45 @@ class GuideCompiler:
             try:
                 grammar = await asyncio.to_thread(self._compile, kind, value)
             except GrammarError as exc:
-                raise APIError(400, f"{param}: {exc}", param=param) from None
+                raise APIError(400, f"{param}: {user_reason(kind, str(exc))}",
+                               param=param) from None
             self._cache[key] = grammar
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
         return grammar
+
+
+_POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\):\s*")  # llguidance's "at 3(8): "
+_EXCERPT = re.compile(r"^\s*(\d+ \|.*|\^+)\s*$")  # its quote of the grammar: "  3 | ...", "  ^"
+_WHAT = {"json_schema": "invalid JSON schema", "grammar": "invalid grammar"}
+
+
+def user_reason(kind: str, error: str) -> str:
+    """A guide's compile error (GrammarError: llguidance's report) in the user's terms: what is
+    wrong, without the grammar evenflow generated around it (its text, positions in it, its
+    internal names). A user's own grammar keeps the line and column."""
+    lines = [line for line in error.strip().splitlines()
+             if line.strip() and not _EXCERPT.match(line)]
+    if not lines:
+        return _WHAT.get(kind, "invalid " + kind.replace("_", " "))
+    position = _POSITION.match(lines[0])
+    head = lines[0][position.end():] if position else lines[0]
+    head = head.removeprefix("failed to compile JSON schema: ")
+    # the regex crate's report: "regex parse error:", the regex, a caret, "error: why"
+    cause = next((line.strip()[7:] for line in lines[1:]
+                  if line.strip().startswith("error: ")), None)
+    if cause is not None:
+        head = head.replace(" (in regex)", "").replace("regex parse error:", "").strip(" :")
+        head = f"{head or 'invalid regex ' + orjson.dumps(lines[1].strip()).decode()}: {cause}"
+    if kind == "grammar" and position:
+        head = f"line {position[1]}, column {position[2]}: {head}"
+    if head[1:2].islower():  # "Invalid type: x" -> "invalid type: x" (not "JSON ...")
+        head = head[0].lower() + head[1:]
+    if kind in _WHAT:
+        head = f"{_WHAT[kind]}: {head}"
+    return " ".join(head.split())[:400]
 
 
 def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:

@@ -22,6 +22,7 @@ merges.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -93,6 +94,19 @@ def gguf_tensor_types(model_dir: Path) -> dict[str, int]:
     if not hint.is_file():
         return {}
     return dict(json.loads(hint.read_text()).get("tensor_types", {}))
+
+
+@functools.lru_cache(maxsize=8)
+def served_name(path: str) -> str:
+    """The name a GGUF file is served under: its `general.name` (what llama.cpp's tools show),
+    else the file's name without .gguf."""
+    from gguf import GGUFReader
+
+    try:
+        name = _field(GGUFReader(path), "general.name")
+    except (OSError, ValueError):  # (a broken file: the loader says what is wrong with it)
+        name = None
+    return str(name).strip() if name and str(name).strip() else Path(path).stem
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

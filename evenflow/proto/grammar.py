@@ -72,12 +72,14 @@ def _json_lark(schema: dict[str, Any]) -> str:
 
 
 def validate(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
-    """Raise GrammarError naming the problem if the grammar does not compile."""
+    """Raise GrammarError naming the problem if the grammar does not compile: llguidance's
+    report as it gives it ("at line(column): why", then the grammar's lines around it; the
+    gateway says it in a user's terms: gateway/structured.py user_reason)."""
     if len(grammar) > MAX_GUIDE_CHARS:
         raise GrammarError(f"the grammar is longer than {MAX_GUIDE_CHARS} characters")
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
-        raise GrammarError(" ".join(error.split())[:400])
+        raise GrammarError(error.strip()[:4000])
 
 
 class _VocabularyBytes:

@@ -363,8 +363,9 @@ class WorkerHeartbeat:
 
     TYPE: ClassVar[str] = "heartbeat"
     # 3: `draining` is its own field (was folded into role); 4: the engine's cumulative step
-    # time and tokens (an operator's tools compare workers from them, no tracing needed)
-    VERSION: ClassVar[int] = 4
+    # time and tokens (an operator's tools compare workers from them, no tracing needed); 5:
+    # what an engine worker runs (weights, KV cache dtype, kernels), for /v1/models
+    VERSION: ClassVar[int] = 5
     worker_id: str
     role: Role
     model: str
@@ -391,6 +392,11 @@ class WorkerHeartbeat:
     # the streams saw it
     stream_seconds: float = 0.0
     stream_tokens: int = 0
+    # engine workers: what runs (ServingEngine.serving_form); changes once where the native
+    # kernels were built after the worker started
+    weights: str = ""  # e.g. "int4-g32 W4A8 (bf16 rest)", "MXFP4 experts (bf16 rest)"
+    kv_cache_dtype: str = ""  # bf16, int8, ...
+    kernels: str = ""  # which native kernels serve, and which are torch's
 
 
 # -- operator profiles (POST /admin/profile at the gateway) ------------------------------------

@@ -305,11 +305,16 @@ class MeshConfig:
     @property
     def model_name(self) -> str:
         """The name clients use in the `model` field: --served-model-name, else a Hugging
-        Face id as given, else the built-in name or the directory's."""
+        Face id as given, else a GGUF file's general.name, else the built-in name or the
+        directory's."""
         if self.served_model_name:
             return self.served_model_name
         if models.is_hub_id(self.model):
             return self.model
+        if self.model.endswith(".gguf") and os.path.isfile(self.model):
+            from evenflow.models.gguf_import import served_name
+
+            return served_name(os.path.abspath(self.model))
         return os.path.basename(self.model.rstrip("/")) or self.model
 
     def engine_config(self, kv_disk_dir: str = "") -> EngineConfig:

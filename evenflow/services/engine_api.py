@@ -11,7 +11,7 @@ step's worth stale at most; so may cached_prefix_blocks (dict lookups).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from evenflow.proto.kv_handoff import KVPayload
@@ -46,6 +46,23 @@ class EngineOutput(Protocol):
     def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
     @property
     def kv_follows(self) -> bool: ...  # export_kv: this finishing output's K/V comes next step
+
+
+class KVDiskCounts(Protocol):
+    """A KV disk tier's counts since its engine started (plain ints the engine thread bumps:
+    a read from the event loop is a step stale at most), in blocks; misses in lookups, by reason
+    (a fixed set of keys)."""
+
+    @property
+    def hits(self) -> int: ...  # found there by a prefix lookup or a KV pull
+    @property
+    def promotions(self) -> int: ...  # read back into RAM
+    @property
+    def writes(self) -> int: ...  # written down (blocks evicted from RAM)
+    @property
+    def evictions(self) -> int: ...  # dropped by the tier to make room
+    @property
+    def misses(self) -> Mapping[str, int]: ...  # lookups it could not serve, by reason
 
 
 class ServingEngine(Protocol):
@@ -93,6 +110,9 @@ class ServingEngine(Protocol):
     def kernel_summary(self) -> str:
         """Which kernels this engine runs (native or torch, and the switch that chose), for
         the worker's ready line."""
+    def serving_form(self) -> tuple[str, str, str]:
+        """(weight form, KV cache dtype, kernels), e.g. ("int4-g32 W4A8 (bf16 rest)", "int8",
+        "native kernels ..."): heartbeats carry it to /v1/models."""
     def switch_kernels_when_ready(self) -> str | None:
         """Called while idle: serving on torch's kernels while the native ones build
         elsewhere (a machine's first start), reload onto them once built. The new kernel summary
@@ -112,6 +132,9 @@ class ServingEngine(Protocol):
     def take_kv_events(self) -> list[KVCacheEvent]: ...
     def cached_block_hashes(self) -> list[int]: ...
     def disk_block_hashes(self) -> list[int]: ...
+    @property
+    def kv_disk_counts(self) -> KVDiskCounts | None:
+        """The KV disk tier's counts (None: no disk tier); a read the event loop may make."""
     def cached_prefix_blocks(self, token_ids: list[int]) -> int:
         """How many of the prompt's leading blocks the RAM cache holds: a read the event loop
         may make too (a step stale at most)."""

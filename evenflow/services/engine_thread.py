@@ -252,6 +252,8 @@ class EngineThread:
         self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
         self._last_step_end = 0.0
         self._kernels_checked_at = 0.0
+        # (weights, KV cache dtype, kernels), read by heartbeats; rewritten here on a switch
+        self.serving_form = engine.serving_form()
 
     def start(self) -> None:
         self._thread.start()
@@ -399,6 +401,7 @@ class EngineThread:
             self._kernels_checked_at = float("inf")
             return
         if summary is not None:
+            self.serving_form = self.engine.serving_form()
             log.info("switched to the native kernels in %.1f s (%s)",
                      time.monotonic() - now, summary)
 

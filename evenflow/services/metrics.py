@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from evenflow.services.engine_api import KVDiskCounts
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,39 @@ KV_PULL_SECONDS = Histogram("evenflow_kv_pull_seconds",
                             "A successful KV pull, request to the last byte",
                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                      2.5))
+# An engine worker's KV disk tier (engine/runners/kv_tiers.py), in blocks; each worker on its own
+# /metrics port. A miss is a prefix lookup that stopped at a block the tier held or had held:
+# reason "evicted" (the tier dropped it to make room, while the KV index could still name it),
+# "no_room" (held, but no free RAM block to promote it into: the request waits for room).
+KV_DISK_HITS = Counter("evenflow_kv_disk_hits_total",
+                       "KV blocks a prefix lookup or a KV pull found on the disk tier")
+KV_DISK_PROMOTIONS = Counter("evenflow_kv_disk_promotions_total",
+                             "KV blocks read back from the disk tier into RAM")
+KV_DISK_WRITES = Counter("evenflow_kv_disk_writes_total",
+                         "KV blocks evicted from RAM and written to the disk tier")
+KV_DISK_EVICTIONS = Counter("evenflow_kv_disk_evictions_total",
+                            "KV blocks the disk tier dropped to make room")
+KV_DISK_MISSES = Counter("evenflow_kv_disk_misses_total",
+                         "Prefix lookups (once per request) stopped at a block the disk tier "
+                         "held or had just dropped, by reason", ["reason"])
+
+
+def export_kv_disk_counts(counts: KVDiskCounts, seen: dict[str, int]) -> None:
+    """Add an engine's cumulative disk-tier counts to the KV_DISK_* counters: their increase
+    since `seen` (the values at the last call, updated here)."""
+    values = {"hits": counts.hits, "promotions": counts.promotions, "writes": counts.writes,
+              "evictions": counts.evictions}
+    values.update({f"miss:{reason}": n for reason, n in counts.misses.items()})
+    totals = {"hits": KV_DISK_HITS, "promotions": KV_DISK_PROMOTIONS, "writes": KV_DISK_WRITES,
+              "evictions": KV_DISK_EVICTIONS}
+    for key, value in values.items():
+        increase = value - seen.get(key, 0)
+        if increase > 0:
+            counter = totals.get(key) or KV_DISK_MISSES.labels(reason=key.removeprefix("miss:"))
+            counter.inc(increase)
+        seen[key] = value
+
+
 LOOP_LAG = Histogram("evenflow_event_loop_lag_seconds",
                      "How late a 50 ms timer fires on this process's event loop",
                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -62,6 +62,7 @@ from evenflow.services.metrics import (
     VLLM_KV_USAGE,
     VLLM_RUNNING,
     VLLM_WAITING,
+    export_kv_disk_counts,
     watch_loop_lag,
 )
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
@@ -92,6 +93,7 @@ class WorkerService:
         self._stat_prompts_seen = 0
         self._stat_started: set[str] = set()  # requests whose first output was counted
         self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
+        self._kv_disk_seen: dict[str, int] = {}  # the disk tier's counts at their last export
         self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
@@ -104,6 +106,7 @@ class WorkerService:
     def heartbeat(self) -> WorkerHeartbeat:
         """This service's heartbeat; workers add their load."""
         thread = self._thread
+        form = thread.serving_form if thread else ("", "", "")  # (what an engine runs)
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
                                epoch=self.epoch, draining=self.draining,
@@ -114,7 +117,8 @@ class WorkerService:
                                if thread else 0,
                                output_tokens=thread.output_tokens if thread else 0,
                                stream_seconds=thread.stream_seconds if thread else 0.0,
-                               stream_tokens=thread.stream_tokens if thread else 0)
+                               stream_tokens=thread.stream_tokens if thread else 0,
+                               weights=form[0], kv_cache_dtype=form[1], kernels=form[2])
 
     def busy(self) -> bool:
         return False
@@ -375,6 +379,9 @@ class WorkerService:
         VLLM_WAITING.labels(model).set(engine.num_waiting)
         VLLM_KV_USAGE.labels(model).set(
             1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks))
+        disk = engine.kv_disk_counts
+        if disk is not None:
+            export_kv_disk_counts(disk, self._kv_disk_seen)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -454,3 +461,4 @@ def run_worker(service: WorkerService) -> None:
     except NatsAuthError as exc:  # said once, and no restart: it would be refused again
         log.error("%s", exc)
         raise SystemExit(EXIT_NATS_AUTH) from None
+

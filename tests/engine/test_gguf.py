@@ -157,3 +157,20 @@ def test_an_architecture_not_served_is_said_plainly(tmp_path):
     writer.close()
     with pytest.raises(GGUFError, match="rwkv6"):
         resolve_model(str(path))
+
+
+def test_a_gguf_is_served_under_its_general_name_with_its_chat_template(tmp_path):
+    """`evenflow up --model file.gguf`: clients name the model as the file does (general.name),
+    or as --served-model-name says, and chat requests get the file's chat template."""
+    import json
+
+    from evenflow.engine.weights.loader import resolve_model as engine_resolve
+    from evenflow.services.config import load_config
+
+    source = engine_resolve("tiny-moe")
+    gguf = export_gguf(source, tmp_path / "exported-q8.gguf", "q8_0")
+    assert load_config({"model": str(gguf)}).model_name == "tiny-moe"
+    assert load_config({"model": str(gguf), "served_model_name": "mine"}).model_name == "mine"
+    served = json.loads((resolve_model(str(gguf)) / "tokenizer_config.json").read_text())
+    shipped = json.loads((source / "tokenizer_config.json").read_text())
+    assert served["chat_template"] == shipped["chat_template"]

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import make_checkpoint
+from prometheus_client import REGISTRY
 
 from evenflow import SamplingParams
 from evenflow.engine.serving.engine import Engine, EngineConfig
-from evenflow.proto.messages import BlockStored
+from evenflow.kv_index.local_copy import LocalIndex
+from evenflow.proto.hashing import chain_hashes
+from evenflow.proto.messages import BlockStored, KVEvents, KVSnapshot
+from evenflow.services.metrics import export_kv_disk_counts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -22,8 +26,8 @@ def ckpt(tmp_path_factory):
 
 
 def engine(ckpt, tier, **more):
-    settings = dict(model=str(ckpt), dtype="float32", block_size=4, num_kv_blocks=24,
-                    kv_disk_dir=str(tier), kv_disk_gb=0.01, **more)
+    settings = {**dict(model=str(ckpt), dtype="float32", block_size=4, num_kv_blocks=24,
+                       kv_disk_dir=str(tier), kv_disk_gb=0.01), **more}
     return Engine(EngineConfig(**settings), collect_kv_events=True)
 
 
@@ -102,3 +106,111 @@ def test_a_pull_reads_blocks_from_the_disk_tier_too(ckpt, tmp_path):
     assert mixed.num_blocks == 9 and bytes(mixed.data)[: 4 * per_block] == \
         bytes(kv.data)[: 4 * per_block] and bytes(mixed.data)[5 * per_block:] == \
         bytes(kv.data)[5 * per_block:]
+
+
+def test_a_block_evicted_in_the_same_schedule_is_still_a_hit(ckpt, tmp_path):
+    """The user's misses: a repeated prompt whose cached blocks another request's admission
+    evicts in the same schedule (their copy to disk not made yet) was computed again, 0 tokens
+    cached, although the KV index (fed by the engine's own events) still named every block.
+    Each evicted block now comes back from the copy being written."""
+    e = engine(ckpt, tmp_path / "tier", num_kv_blocks=40)
+    first, _ = generate(e, "a", PROMPT)  # 13 blocks, freed before c's
+    generate(e, "c", list(range(100, 140)))  # 13 more: the free list ends with them
+    index = LocalIndex()
+    index.apply(KVSnapshot(worker_id="w", role="prefill", epoch="e", seq=1, block_hashes=[]))
+    index.apply(KVEvents(worker_id="w", role="prefill", epoch="e", seq=2,
+                         events=e.take_kv_events()))
+    hashes = chain_hashes(PROMPT, 4, e.blocks.salt)
+    assert index.match(hashes, {"w": "e"}, 0.9) == {"w": 10}  # routed as a hit
+    # x's admission takes the 14 unused blocks and all of a's (oldest first); b comes next
+    e.add_request("x", list(range(150, 250)) + [3] * 8, GREEDY)
+    e.add_request("b", PROMPT, GREEDY)
+    out: dict[str, list[int]] = {"x": [], "b": []}
+    cached = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+    assert cached["b"] == 36 and out["b"] == first
+    assert e.kv_disk_counts.promotions >= 9
+    e.close()
+
+
+def test_blocks_promoted_while_the_tier_makes_room_are_read_first(ckpt, tmp_path):
+    """A full disk tier: the copies a promotion's own RAM evictions make push the promoted
+    blocks out of the tier in the same step; they are read before that, not lost (the step
+    failed with a KeyError), and the tier's events leave the index with what it holds."""
+    probe = engine(ckpt, tmp_path / "probe")
+    slot = probe.tiers.disk.slot_bytes
+    probe.close()
+    e = engine(ckpt, tmp_path / "tier", kv_disk_gb=12.5 * slot / 2**30)
+    assert e.tiers.disk.capacity == 12
+    first, _ = generate(e, "a", PROMPT)
+    generate(e, "x", list(range(100, 180)))  # a's blocks but its first go down to disk
+    index = LocalIndex()
+    index.apply(KVSnapshot(worker_id="w", role="prefill", epoch="e", seq=1,
+                           block_hashes=e.cached_block_hashes(),
+                           disk_block_hashes=e.disk_block_hashes()))
+    again, cached = generate(e, "b", PROMPT)
+    assert cached == 36 and again == first
+    index.apply(KVEvents(worker_id="w", role="prefill", epoch="e", seq=2,
+                         events=e.take_kv_events()))
+    assert index.workers["w"].disk == set(e.disk_block_hashes())
+    assert index.workers["w"].blocks == set(e.cached_block_hashes())
+    e.close()
+
+
+def test_a_request_waits_for_room_to_promote_and_then_gets_every_block(ckpt, tmp_path):
+    """No free RAM block to promote into (another request holds them) is a wait, not a
+    recompute: counted once as a no_room miss, then the prompt is served from disk."""
+    e = engine(ckpt, tmp_path / "tier")
+    first, _ = generate(e, "a", PROMPT)
+    generate(e, "y", list(range(100, 180)))  # 23 of 24 blocks: a's go to disk but its first
+    e.add_request("x", list(range(176, 256)), GREEDY)  # 20 blocks now (a's first among them)
+    e.add_request("b", PROMPT, GREEDY)  # 4 blocks left to promote into: b waits for x
+    out: dict[str, list[int]] = {"x": [], "b": []}
+    cached = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+    assert cached["b"] == 36 and out["b"] == first
+    assert e.kv_disk_counts.misses == {"evicted": 0, "no_room": 1}
+    e.close()
+
+
+def test_the_disk_tier_counts_reach_the_worker_metrics(ckpt, tmp_path):
+    """Writes, hits, promotions, the tier's own evictions and a miss on a block it dropped,
+    as the worker exports them (services/metrics.py, on its heartbeat)."""
+    probe = engine(ckpt, tmp_path / "probe")
+    slot = probe.tiers.disk.slot_bytes
+    probe.close()
+    e = engine(ckpt, tmp_path / "tier", kv_disk_gb=12.5 * slot / 2**30)  # 12 blocks
+    no_tier = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
+                                  num_kv_blocks=24))
+    assert no_tier.kv_disk_counts is None
+    counts = e.kv_disk_counts
+    generate(e, "a", PROMPT)
+    generate(e, "x", list(range(100, 180)))  # a's blocks but its first go down to disk
+    assert generate(e, "b", PROMPT)[1] == 36  # and come back
+    assert counts.hits == counts.promotions == 8 and counts.writes >= 11
+    fill_ram(e)  # a's blocks down to disk again, then out of it (12 blocks hold little)
+    assert generate(e, "c", PROMPT)[1] == 0
+    assert counts.misses == {"evicted": 1, "no_room": 0} and counts.evictions > 0
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    names = {"hits": "evenflow_kv_disk_hits_total",
+             "promotions": "evenflow_kv_disk_promotions_total",
+             "writes": "evenflow_kv_disk_writes_total",
+             "evictions": "evenflow_kv_disk_evictions_total"}
+    before = {key: sample(name) for key, name in names.items()}
+    missed = sample("evenflow_kv_disk_misses_total", reason="evicted")
+    seen: dict[str, int] = {}
+    export_kv_disk_counts(counts, seen)
+    export_kv_disk_counts(counts, seen)  # nothing new: nothing added
+    for key, name in names.items():
+        assert sample(name) - before[key] == getattr(counts, key), key
+    assert sample("evenflow_kv_disk_misses_total", reason="evicted") - missed == 1
+    e.close()

@@ -36,9 +36,12 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
     scratch.mkdir()
     env = {**os.environ, "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0", "TMPDIR": str(scratch)}
     log = (tmp_path / "stderr").open("w+")
+    # in a session of its own, as a terminal runs it: Ctrl-C goes to the whole group
     proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0",
                              "--kv-disk-gb", "0.01"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                            start_new_session=True)
+    stopping_at = 0
     try:
         url = None
         deadline = time.monotonic() + 180
@@ -60,12 +63,26 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         assert len(ready) == 2, ready  # the prefill and the decode worker
         for line in ready:
             assert "prefill_attention (EVENFLOW_NATIVE_PREFILL_ATTENTION=0)" in line, line
+            assert "weights bf16; KV cache bf16;" in line, line
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        assert card["id"] == "tiny-moe" and card["max_model_len"] > 0
+        assert [(w["id"], w["weights"], w["kv_cache_dtype"]) for w in card["workers"]] == [
+            ("d0", "bf16", "bf16"), ("p0", "bf16", "bf16")]
+        assert all("linear" in w["kernels"] for w in card["workers"])
         tiers = {p.parent.name for p in scratch.glob("evenflow-kv-disk-*/*/pool.bin")}
         assert tiers == {"p0", "d0"}
+        log.seek(0, 2)
+        stopping_at = log.tell()
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
         proc.wait(30)
-        log.close()
+    log.seek(stopping_at)
+    after = log.read().splitlines()
+    log.close()
+    # the services stop in order (each in a session of its own, so the signal reaches `up`
+    # alone), workers before NATS: nobody warns that NATS went away
+    assert not [line for line in after if "WARNING" in line or "Traceback" in line], after
+    assert re.fullmatch(r"evenflow up: stopped 7 services in \d+\.\d s", after[-1]), after
     time.sleep(0.5)
     assert not [pid for pid in kids if alive(pid)]
     # disk tiers, NATS and Redis directories, secrets: all gone (torch's own caches may stay)

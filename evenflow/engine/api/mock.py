@@ -65,6 +65,9 @@ class MockEngine(Engine):
     def kernel_summary(self) -> str:
         return "mock engine: a timing model, no kernels"
 
+    def serving_form(self) -> tuple[str, str, str]:
+        return "none (mock engine)", self.kv_dtype_name, "none: a timing model"
+
     def switch_kernels_when_ready(self) -> str | None:
         return None  # (no kernels to switch)
 

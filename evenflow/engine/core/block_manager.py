@@ -10,19 +10,42 @@ block is listed to be saved there before its memory is reused (`take_saves`), an
 that continues past the RAM hits into blocks the lower tier holds is promoted: each such block
 gets a free RAM block, registered under its hash at once, listed to be filled
 (`take_promotions`) before the step's forward pass. The engine does both copies right after
-scheduling.
+scheduling. A block evicted earlier in the same schedule, its copy down not made yet, counts as
+held below: it is promoted too (filled from that copy), not computed again while the KV index,
+told of its eviction and its copy at once, still names it. `tier_counts` counts what the lower
+tier served and the prefix lookups it could not serve (the worker exports them as metrics).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container
+from dataclasses import dataclass, field
 
 from evenflow.engine.core.sequence import Sequence
 from evenflow.proto.hashing import ROOT_PARENT, block_hash
 from evenflow.proto.messages import BlockRemoved, BlockStored, KVCacheEvent
 
 KVEventListener = Callable[[list[KVCacheEvent]], None]
+
+# Why a prefix lookup stopped at a block the lower tier held: it had dropped the block to make
+# room (recently: the index named it until the tier's event reached it), or the block is there
+# but no free RAM block is left to promote it into (the request waits for room).
+MISS_REASONS = ("evicted", "no_room")
+DROPPED_MEMORY = 65536  # dropped hashes remembered for that reason (the latest)
+
+
+@dataclass
+class TierCounts:
+    """What the lower tier did since the engine started, in blocks (misses: in lookups, each
+    request counted once per reason). Plain ints, bumped on the engine thread; another thread
+    may read them (the worker's metrics), a step stale at most."""
+
+    hits: int = 0  # blocks a prefix lookup or a KV pull found there
+    promotions: int = 0  # blocks read back into RAM
+    writes: int = 0  # blocks written down
+    evictions: int = 0  # blocks it dropped to make room
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
 
 class BlockManager:
@@ -38,8 +61,12 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.pending_events: list[KVCacheEvent] = []
         self.lower_tier: Container[int] | None = None  # block hashes held below RAM
-        self._saves: list[tuple[int, int]] = []  # (block, hash): to copy down before reuse
+        # hash -> block: evicted, to copy down before reuse (its memory holds it until the step)
+        self._saves: dict[int, int] = {}
         self._promotions: dict[int, int] = {}  # block -> hash: to fill from the lower tier
+        self.tier_counts = TierCounts()
+        # hashes the lower tier dropped lately (oldest first), for a miss's reason
+        self._dropped_below: OrderedDict[int, None] = OrderedDict()
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -64,23 +91,50 @@ class BlockManager:
             return []
         self.update_hashes(seq)
         hits: list[int] = []
+        chain: set[int] | None = None  # RAM blocks of the prompt's chain, once a promotion asks
         for i, h in enumerate(seq.block_hashes):
             if (i + 1) * self.block_size > seq.num_tokens - 1:
                 break
             block = self.cached.get(h)
-            if block is None and self.lower_tier is not None and h in self.lower_tier:
-                block = self._promote(seq, i, set(hits))
+            below = block is None and self.lower_tier is not None and (
+                h in self.lower_tier or h in self._saves)
+            if below:
+                if chain is None:
+                    chain = {b for x in seq.block_hashes if (b := self.cached.get(x)) is not None}
+                block = self._promote(seq, i, set(hits), chain)
             if block is None:
+                self._note_miss(seq, h, below)
                 break
             hits.append(block)
         return hits
 
-    def _promote(self, seq: Sequence, i: int, taken: set[int]) -> int | None:
-        """Block i of seq from the lower tier into a free RAM block (not one of `taken`),
-        cached under its hash from now on; None when no free block is left for it."""
-        block = next((b for b in self.free if b not in taken), None)
+    def _note_miss(self, seq: Sequence, h: int, below: bool) -> None:
+        """A lookup of seq stopped at block hash h: count why, when the lower tier is the
+        reason (once per request and reason)."""
+        reason = "no_room" if below else "evicted" if h in self._dropped_below else ""
+        if reason and reason != seq.disk_miss:
+            self.tier_counts.misses[reason] += 1
+        seq.disk_miss = reason
+
+    def note_dropped(self, hashes: list[int]) -> None:
+        """The lower tier dropped these blocks to make room."""
+        self.tier_counts.evictions += len(hashes)
+        for h in hashes:
+            self._dropped_below[h] = None
+            self._dropped_below.move_to_end(h)
+        while len(self._dropped_below) > DROPPED_MEMORY:
+            self._dropped_below.popitem(last=False)
+
+    def _promote(self, seq: Sequence, i: int, taken: set[int], chain: set[int]) -> int | None:
+        """Block i of seq from the lower tier into a free RAM block (not one of `taken`, and
+        one of the prompt's own `chain` only when no other is free), cached under its hash from
+        now on; None when no free block is left for it."""
+        block = next((b for b in self.free if b not in taken and b not in chain), None)
+        if block is None:
+            block = next((b for b in self.free if b not in taken), None)
         if block is None:
             return None
+        self.tier_counts.hits += 1
         self._evict(block)
         h = seq.block_hashes[i]
         self.block_hash[block], self.cached[h] = h, block
@@ -141,8 +195,9 @@ class BlockManager:
 
     def take_saves(self) -> list[tuple[int, int]]:
         """(block, hash) of cached blocks evicted since the last call: their memory still holds
-        the block until the step runs."""
-        saves, self._saves = self._saves, []
+        the block until the step runs. Those the lower tier holds already are listed too (it
+        counts them as used now)."""
+        saves, self._saves = [(b, h) for h, b in self._saves.items()], {}
         return saves
 
     def take_promotions(self) -> list[tuple[int, int]]:
@@ -226,10 +281,10 @@ class BlockManager:
         if h is not None:
             self._uncache(block)
             self.pending_events.append(BlockRemoved(block_hashes=[h]))
-            # never filled: the lower tier still has it; else copy it down before reuse
-            if self._promotions.pop(block, None) is None and self.lower_tier is not None and \
-                    h not in self.lower_tier:
-                self._saves.append((block, h))
+            # never filled: the lower tier still has it (or its copy down is pending); else
+            # copy it down before reuse
+            if self._promotions.pop(block, None) is None and self.lower_tier is not None:
+                self._saves.setdefault(h, block)
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

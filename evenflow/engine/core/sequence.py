@@ -37,6 +37,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     num_preemptions: int = 0
+    # why its latest prefix lookup stopped at a block the KV disk tier held or had just dropped
+    # ("": it did not; core/block_manager.py's MISS_REASONS)
+    disk_miss: str = ""
     export_kv: bool = False  # hand the prompt's K/V to the caller when it finishes
     pending_kv: torch.Tensor | None = None  # imported prompt K/V, written in at admission
     # The last sampled token's (logprob, top ids, top logprobs) when params.logprobs is set

@@ -70,13 +70,11 @@ _given_up = False  # a background build's library failed to load here: torch's f
 
 def refresh() -> None:
     """Forget every answer about the kernels (each function here caches its own): the next
-    call loads a build finished since. The plans measured without them go too."""
-    from evenflow.engine.kernels import plan
-
+    call loads a build finished since (kernels/plan.py's forget_choices drops the plans
+    measured without them)."""
     for value in list(globals().values()):
         if callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
-    plan.forget_choices()
 
 
 def _put_ninja_on_path() -> None:

@@ -127,6 +127,10 @@ class DiskTier:
         self.index[block_hash] = slot
         return evicted
 
+    def touch(self, block_hash: int) -> None:
+        """A held block was used: the last to leave."""
+        self.index.move_to_end(block_hash)
+
     def get(self, block_hash: int) -> bytes:
         """One block's bytes."""
         slot = self.index[block_hash]

@@ -13,11 +13,11 @@ import torch
 
 from evenflow import models
 from evenflow.engine.config.settings import EngineConfig, ModelConfig
-from evenflow.engine.core.block_manager import BlockManager, KVEventListener
+from evenflow.engine.core.block_manager import BlockManager, KVEventListener, TierCounts
 from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
-from evenflow.engine.kernels import native
+from evenflow.engine.kernels import native, plan
 from evenflow.engine.model.kv_quant import kv_block_bytes
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
@@ -27,6 +27,7 @@ from evenflow.engine.serving.placement_control import ExpertPlacementControl
 from evenflow.engine.serving.prefix_transfer import PrefixTransfer
 from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
 from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
+from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
@@ -77,6 +78,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         self.model_dir = resolve_model(config.model)
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
+        self.weight_form = weight_form(config, self.model_dir, dtype)
         if ep_group is not None:
             for layer in self.model.moe_layers():
                 layer.ep = ep_group
@@ -186,10 +188,18 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             torch.set_num_threads(self.num_threads)
 
     def kernel_summary(self) -> str:
+        """What runs, for the worker's ready line: weights, KV cache, kernels."""
+        weights, kv, kernels = self.serving_form()
+        return f"weights {weights}; KV cache {kv}; {kernels}"
+
+    def serving_form(self) -> tuple[str, str, str]:
+        """(weight form, KV cache dtype, kernels): what /v1/models reports per worker."""
         # (what the runner decided when it built the model's forward, not the environment now)
         fast = "" if self.model.decode_stack_builder is not None else "; fast decode off " \
             "(EVENFLOW_FAST_DECODE=0)"
-        return f"{self.kv_dtype_name}; {native.summary()}{fast}"
+        kv = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
+            self.kv_dtype_name, self.kv_dtype_name)
+        return self.weight_form, kv, native.summary() + fast
 
     def switch_kernels_when_ready(self) -> str | None:
         """On a machine's first start the native kernels build in another process while this
@@ -199,11 +209,14 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         blocks, prefix cache and disk tier stay valid). Returns the new kernel summary when it
         switched, else None. A tensor-parallel or expert-parallel engine never defers (its ranks
         would have to switch together): `evenflow up` builds first for those."""
-        old_layers = self.model.moe_layers()
         if not native.pending() or self.has_unfinished() or not native.build_done() or \
-                self._tp is not None or any(layer.ep is not None for layer in old_layers):
+                self._tp is not None:
+            return None
+        old_layers = self.model.moe_layers()
+        if any(layer.ep is not None for layer in old_layers):
             return None
         native.refresh()
+        plan.forget_choices()  # (measured without the native kernels)
         if native.ops() is None:  # the build would not load here: torch's kernels stay
             return None
         placements = [layer.placement for layer in old_layers]  # (EPLB's virtual ranks)
@@ -310,6 +323,11 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
     def disk_block_hashes(self) -> list[int]:
         """Every block hash the disk tier holds (none without one), for a KV-index resync."""
         return self.tiers.hashes() if self.tiers is not None else []
+
+    @property
+    def kv_disk_counts(self) -> TierCounts | None:
+        """The disk tier's counts so far (None without one); a read the event loop may make."""
+        return self.blocks.tier_counts if self.tiers is not None else None
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The cache's changes since the last call (collect_kv_events engines)."""

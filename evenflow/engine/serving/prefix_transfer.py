@@ -60,6 +60,7 @@ class PrefixTransfer:
         if not held:
             return KVPayload(b"", self.kv_dtype_name, 0, shape)
         in_ram = [b for b, _ in held if b >= 0]
+        self.blocks.tier_counts.hits += len(held) - len(in_ram)  # (read from the disk tier)
         if len(in_ram) == len(held):  # (the usual case: one read, no copy)
             kv = self.runner.read_kv(in_ram).contiguous()
             raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)
