@@ -100,6 +100,23 @@ class _Flight:
     waited_s: float = 0.0  # waiting for a decode worker with room (not routing time)
     no_worker_since: float = 0.0  # migrating with no decode worker live, since (monotonic)
     published_at: float = 0.0  # time.perf_counter() when its latest attempt was published
+    expected_cached_tokens: int = 0  # what the router expected the computing worker to hold
+
+
+@dataclass
+class Served:
+    """Where a request ran, for its log line, as of its first token: the prefill worker ("":
+    the decode worker prefilled), the decode worker, and the prompt tokens the router expected
+    the worker computing the prompt to find cached (the KV index's match: a shortfall against
+    the cached tokens reported is a miss)."""
+
+    prefill: str = ""
+    decode: str = ""
+    expected_cached_tokens: int = 0
+
+    def workers(self) -> str:
+        """e.g. "p0->d0", "d0" (prefilled by the decode worker), "-" (not routed)."""
+        return "->".join(w for w in (self.prefill, self.decode) if w) or "-"
 
 
 class GatewayClient:
@@ -379,6 +396,8 @@ class GatewayClient:
                 reason = "kv_hit" if hit else "kv_miss"
             ROUTING_DECISIONS.labels(reason=reason).inc()
             PREDICTED_CACHED_TOKENS.inc(min(hit * bs, len(prompt) - 1))
+            # (an engine takes whole blocks before the prompt's last token from its cache)
+            flight.expected_cached_tokens = min(hit, (len(prompt) - 1) // bs) * bs
             flight.decode, flight.prefill = decode.worker_id, prefill.worker_id if prefill else None
             flight.prefill_blocks = total - hit
             self.registry.acquire(decode, prefill, flight.prefill_blocks)
@@ -439,12 +458,14 @@ class GatewayClient:
     async def generate(self, prompt: list[int], spec: SamplingSpec,
                        request_id: str | None = None,
                        deadline: float | Callable[[], float] | None = None,
-                       timings: FirstTokenTimings | None = None) -> AsyncIterator[TokenDelta]:
+                       timings: FirstTokenTimings | None = None,
+                       served: Served | None = None) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until one carries a finish reason. Raises RequestFailed.
         `deadline` (time.monotonic()), or a function giving it (read at every delta: a
         gateway's drain moves it closer): past it the request fails with TIMEOUT, also while
         deltas keep coming. `timings`: marked when its first delta is taken (with when its
-        attempt was published)."""
+        attempt was published). `served`: filled in with where the request ran (its first
+        token's attempt)."""
         deadline_of = deadline if callable(deadline) else (lambda: math.inf) \
             if deadline is None else (lambda: deadline)
         request_id = request_id or uuid.uuid4().hex
@@ -548,6 +569,9 @@ class GatewayClient:
                         timings.first_delta(flight.published_at, item.queued_s,
                                             item.computed_s)
                     self._count_hits(flight, len(prompt), item.num_cached_tokens)
+                    if served is not None:
+                        served.prefill, served.decode = flight.prefill or "", flight.decode or ""
+                        served.expected_cached_tokens = flight.expected_cached_tokens
                     if flight.prefill:
                         self.registry.prefill_done(flight.prefill, flight.prefill_blocks)
                         flight.prefill_blocks = 0

@@ -14,7 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from evenflow import models
-from evenflow.gateway.client import GatewayClient, RequestFailed
+from evenflow.gateway.client import GatewayClient, RequestFailed, Served
 from evenflow.gateway.edge import Admission
 from evenflow.gateway.protocol import (
     APIError,
@@ -74,6 +74,7 @@ class Job:
     include_stop: bool = False
     continuous_usage: bool = False
     usage: Usage = field(init=False)
+    served: Served = field(init=False)  # where it ran (each choice its own)
     started: float = field(init=False)  # time.monotonic()
     ttft_s: float | None = field(init=False, default=None)
     echo_text: str | None = None  # completions' echo: the prompt in front of the output
@@ -86,6 +87,7 @@ class Job:
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
+        self.served = Served()
         self.started = time.monotonic()
 
     def record(self, choices: list[Job], finishes: list[str | None]) -> None:
@@ -100,11 +102,16 @@ class Job:
         VLLM_PREFIX_HITS.labels(model).inc(usage.cached_tokens)
 
     def log_line(self, outcome: str, choices: list[Job]) -> str:
-        """The request log's line for this request (no prompt text, no key)."""
+        """The request log's line for this request (no prompt text, no key): with the workers
+        that served it (the first choice's: prefill->decode) and the cached prompt tokens
+        they reported against those the router expected them to hold."""
         usage = self.total_usage(choices)
         ttft = min((c.ttft_s for c in choices if c.ttft_s is not None), default=None)
-        return (f"request {self.request_id} {self.kind} {outcome}: {usage.prompt_tokens} prompt "
-                f"({usage.cached_tokens} cached) + {usage.completion_tokens} output tokens, n="
+        served = choices[0].served
+        return (f"request {self.request_id} {self.kind} {outcome} on {served.workers()}: "
+                f"{usage.prompt_tokens} prompt ({usage.cached_tokens} cached, "
+                f"{served.expected_cached_tokens} expected) + {usage.completion_tokens} output "
+                f"tokens, n="
                 f"{self.n}, TTFT {'-' if ttft is None else f'{ttft * 1e3:.1f} ms'}, "
                 f"{(time.monotonic() - self.started) * 1e3:.1f} ms")
 
@@ -294,7 +301,7 @@ class Gateway:
             async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
                                                     lambda: min(job.deadline,
                                                                 self.drain_deadline),
-                                                    job.timings):
+                                                    job.timings, job.served):
                 now = time.monotonic()
                 if delta.token_ids and not 0 <= min(delta.token_ids) <= max(
                         delta.token_ids) < vocab:  # a broken or forged worker: not our 500

@@ -1,4 +1,4 @@
-"""Built-in checkpoints shipped with the package (see README: the tiny-moe model), and how a
+"""Built-in checkpoints shipped with the package (docs/models.md: the tiny-moe model), and how a
 model name resolves to a directory: a built-in name, a checkpoint directory, or a Hugging Face
 id (`org/name`) through huggingface_hub's cache (offline from a populated cache with
 HF_HUB_OFFLINE=1); an id that cannot be had is a `HubError` saying why. Torch-free: the engine

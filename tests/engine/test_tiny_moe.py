@@ -1,4 +1,4 @@
-"""The built-in default model does what the README says, through the API and the CLI."""
+"""The built-in default model does what README.md and docs/models.md say, through the API and the CLI."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from opentelemetry import trace
 
 from evenflow.decode.service import DecodeWorker
 from evenflow.gateway.client import GatewayClient, RequestFailed
+from evenflow.gateway.jobs import Job
 from evenflow.prefill.service import PrefillWorker
 from evenflow.proto import errors, subjects
 from evenflow.proto.messages import (
@@ -410,5 +412,30 @@ def test_deltas_out_of_order_are_streamed_in_order_without_a_retry():
         assert worker.requests == ["r1"]
         await client.close()
         await worker.bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_request_log_line_names_the_worker_that_served_it():
+    """The worker the first token came from (after a retry elsewhere: the second), with the
+    cached prompt tokens it reported and those the router expected, in the request's log line."""
+    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
+                        decode_retries=2)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        workers = [FakeDecodeWorker(broker, "d0", full=True),
+                   FakeDecodeWorker(broker, "d1", full=False)]
+        client = await a_gateway_seeing(broker, workers, config)
+        job = Job("chat", "r1", "tiny-moe", [1, 2, 3], GREEDY, [], False, False, math.inf)
+        async for _ in client.generate(job.prompt_ids, job.spec, "r1", served=job.served):
+            pass
+        assert (job.served.prefill, job.served.decode) == ("", "d1")
+        job.served.prefill = "p0"
+        assert job.log_line("ok", [job]).startswith(
+            "request r1 chat ok on p0->d1: 3 prompt (0 cached, 0 expected) + ")
+        await client.close()
+        for w in workers:
+            await w.bus.close()
 
     asyncio.run(scenario())
