@@ -50,7 +50,13 @@ class ThresholdTrigger:
         self.since += 1
         if self.since < self.config.min_interval or len(self.window.steps) < 2:
             return False
-        score = balancedness(self.window.load(), phy2log, self.num_gpus, shares)
+        load = self.window.load()
+        if not bool(load.any()):
+            # An idle window (no token routed): nothing to balance. Its balancedness reads 0
+            # (mean / max of zeros), which fired a rebalance every min_interval reports of an
+            # idle mesh, each computed for nothing and stalling the balancer's event loop.
+            return False
+        score = balancedness(load, phy2log, self.num_gpus, shares)
         if score >= self.config.threshold:
             return False
         self.since = 0

@@ -1,7 +1,12 @@
 """One role's expert placement at the balancer: the placement in force and its version, the
 recent versions' layouts (load reported under them is still usable), the load window and its
 trigger, and which version each worker runs. Prefill and decode see different expert load
-(long prompts against single tokens), so each role gets a placement of its own."""
+(long prompts against single tokens), so each role gets a placement of its own.
+
+A rebalance is three steps: `take` a report (on the event loop: the window, the trigger; the
+inputs of a new placement when one is due), `plan_placement` (pure, tensors in and out: the
+balancer service runs it in a thread, so that a large model's placement does not stall NATS),
+`commit` the plan (on the event loop: the version in force). `observe` does all three at once."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from typing import NamedTuple
 
 import torch
 from prometheus_client import Counter, Gauge
@@ -76,6 +82,54 @@ MIN_GAIN = 0.01  # a new placement must raise balancedness by this much
 HISTORY = 4  # versions back whose load reports are still used
 
 
+class PlanInputs(NamedTuple):
+    """What a new placement is computed from: copies, since the window keeps moving on the
+    event loop while a thread computes."""
+    version: int  # the placement in force, which the plan replaces
+    phy2log: torch.Tensor  # [layers, slots] in force
+    shares: torch.Tensor | None  # [layers, slots] routing fractions in force (None: even)
+    load: torch.Tensor  # [layers, experts] the window's token counts
+    num_ranks: int
+    topology: tuple[torch.Tensor, torch.Tensor, float] | None  # HostLoads.view()
+
+
+class Plan(NamedTuple):
+    version: int  # PlanInputs.version
+    phy2log: torch.Tensor  # [layers, slots]
+    shares: torch.Tensor  # [layers, slots]
+    before: float  # balancedness on the window, in force (less MIN_GAIN when hosts gain)
+    after: float  # balancedness on the window, planned
+    seconds: float  # to compute
+    cross_host_rows: tuple[float, float, int] | None  # per step before, after; hosts
+
+
+def plan_placement(inputs: PlanInputs) -> Plan:
+    """A migration-aware placement for the window's load; with ranks on several hosts, one that
+    sends fewer rows across them. Pure: callable from any thread."""
+    version, current, current_shares, load, num_ranks, topology = inputs
+    before = balancedness(load, current, num_ranks, current_shares)
+    started = time.perf_counter()
+    phy2log = rebalance_from(current, load, num_ranks).phy2log
+    shares = replica_shares(load, phy2log, num_ranks)
+    after = balancedness(load, phy2log, num_ranks, shares)
+    cross_host_rows = None
+    if topology is not None:  # a group across hosts: fewer rows crossing them
+        by_host, rank_host, steps = topology
+        loads, cross = host_routing(by_host, current, num_ranks, rank_host)
+        before = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
+        phy2log = topology_aware(phy2log, by_host, num_ranks, rank_host)
+        shares = torch.ones(phy2log.shape)  # even among the replicas a host routes to
+        loads, cross_after = host_routing(by_host, phy2log, num_ranks, rank_host)
+        after = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
+        per_step = 1 / max(steps, 1e-9)
+        cross_host_rows = (float(cross.sum()) * per_step, float(cross_after.sum()) * per_step,
+                           int(by_host.shape[0]))
+        if float(cross_after.sum()) < 0.9 * float(cross.sum()):
+            before -= MIN_GAIN  # fewer crossing rows is worth a move by itself
+    return Plan(version, phy2log, shares, before, after, time.perf_counter() - started,
+                cross_host_rows)
+
+
 class RoleBalance:
     def __init__(self, role: str, num_experts: int, num_ranks: int,
                  trigger: TriggerConfig) -> None:
@@ -110,8 +164,14 @@ class RoleBalance:
                                shares=self.shares.flatten().tolist(), role=self.role)
 
     def observe(self, message: ExpertLoad) -> ExpertPlacement | None:
-        """Take one worker's load report; a new placement when the window calls for one. A
-        malformed report (load_report_problem) is dropped and counted."""
+        """Take one worker's load report; a new placement when the window calls for one, planned
+        and committed here (the balancer service plans off its event loop instead)."""
+        inputs = self.take(message)
+        return None if inputs is None else self.commit(plan_placement(inputs))
+
+    def take(self, message: ExpertLoad) -> PlanInputs | None:
+        """Take one worker's load report; the inputs of a new placement when the window calls
+        for one. A malformed report (load_report_problem) is dropped and counted."""
         if malformed(message):
             return None
         L, P = message.num_layers, message.num_slots
@@ -133,41 +193,28 @@ class RoleBalance:
             self.num_ranks = self.trigger.num_gpus = self.hosts.group_size
         if not self.trigger.observe(logical, self.phy2log, self._slot_shares()):
             return None
-        return self._rebalance()
+        shares = self._slot_shares()
+        return PlanInputs(self.version, self.phy2log.clone(),
+                          None if shares is None else shares.clone(),
+                          self.trigger.window.load().clone(), self.num_ranks, self.hosts.view())
 
     def _slot_shares(self) -> torch.Tensor | None:
         """The shares in force as routing fractions per slot (None: even split)."""
         return None if self.version == 0 else self.shares
 
-    def _rebalance(self) -> ExpertPlacement | None:
-        assert self.phy2log is not None
-        load = self.trigger.window.load()
-        before = balancedness(load, self.phy2log, self.num_ranks, self._slot_shares())
-        started = time.perf_counter()
-        placement = rebalance_from(self.phy2log, load, self.num_ranks)
-        phy2log = placement.phy2log
-        shares = replica_shares(load, phy2log, self.num_ranks)
-        after = balancedness(load, phy2log, self.num_ranks, shares)
-        topology = self.hosts.view()
-        if topology is not None:  # a group across hosts: fewer rows crossing them
-            by_host, rank_host, steps = topology
-            loads, cross = host_routing(by_host, self.phy2log, self.num_ranks, rank_host)
-            before = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
-            phy2log = topology_aware(phy2log, by_host, self.num_ranks, rank_host)
-            shares = torch.ones(phy2log.shape)  # even among the replicas a host routes to
-            loads, cross_after = host_routing(by_host, phy2log, self.num_ranks, rank_host)
-            after = float((loads.mean(1) / loads.max(1).values.clamp_min(1e-12)).mean())
-            per_step = 1 / max(steps, 1e-9)
-            CROSS_HOST_ROWS.labels(role=self.label, when="before").set(
-                float(cross.sum()) * per_step)
-            CROSS_HOST_ROWS.labels(role=self.label, when="after").set(
-                float(cross_after.sum()) * per_step)
+    def commit(self, plan: Plan) -> ExpertPlacement | None:
+        """Put a plan in force when it gains enough: the placement to publish."""
+        COMPUTE_SECONDS.labels(role=self.label).set(plan.seconds)
+        if plan.cross_host_rows is not None:
+            cross, cross_after, hosts = plan.cross_host_rows
+            CROSS_HOST_ROWS.labels(role=self.label, when="before").set(cross)
+            CROSS_HOST_ROWS.labels(role=self.label, when="after").set(cross_after)
             log.info("%s placement across %d hosts: rows crossing hosts per step %.1f -> %.1f",
-                     self.label, by_host.shape[0], float(cross.sum()) * per_step,
-                     float(cross_after.sum()) * per_step)
-            if float(cross_after.sum()) < 0.9 * float(cross.sum()):
-                before -= MIN_GAIN  # fewer crossing rows is worth a move by itself
-        COMPUTE_SECONDS.labels(role=self.label).set(time.perf_counter() - started)
+                     self.label, hosts, cross, cross_after)
+        if plan.version != self.version:
+            return None  # planned from a placement no longer in force
+        assert self.phy2log is not None
+        phy2log, shares, before, after = plan.phy2log, plan.shares, plan.before, plan.after
         if after < before + MIN_GAIN:
             return None  # not worth moving weights (nor waking every worker) for
         moved = slots_moved(self.phy2log, phy2log)

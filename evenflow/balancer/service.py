@@ -4,6 +4,9 @@ placement for that role -> stored in Redis with its version (a restarted balance
 worker gets it) -> published. Workers of the role apply it between steps and report load under
 it, which acknowledges the version. A balancer that dies leaves the last placements in force.
 
+The placement is computed in a thread (role_balance.plan_placement), one at a time per role: for
+a large model it takes long enough to stall the event loop, and NATS with it.
+
 Placements are per role (prefill and decode load differ; `eplb_per_role`, on by default), each
 with its own version sequence. Expert-parallel ranks' step timings (in the same load reports)
 become Prometheus series per rank and per DEP group (balancer/rank_stats.py).
@@ -12,6 +15,7 @@ become Prometheus series per rank and per DEP group (balancer/rank_stats.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -20,7 +24,7 @@ from prometheus_client import start_http_server
 from evenflow import models
 from evenflow.balancer.policy import TriggerConfig
 from evenflow.balancer.rank_stats import RankStats
-from evenflow.balancer.role_balance import RoleBalance, malformed
+from evenflow.balancer.role_balance import PlanInputs, RoleBalance, malformed, plan_placement
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement, Message, Role
 from evenflow.proto.messages import decode as decode_message
@@ -53,6 +57,7 @@ class BalancerService(WorkerService):
         roles = ENGINE_ROLES if cfg.eplb_per_role else ("",)
         self.roles = {r: RoleBalance(r, num_experts, cfg.num_ep_ranks, trigger) for r in roles}
         self.rank_stats = RankStats()
+        self._planning: dict[str, asyncio.Task] = {}  # role -> its placement being computed
         self.redis = connect_redis(cfg.redis_url) if cfg.redis_url else None
         for state in self.roles.values():
             await self._restore(state)
@@ -63,6 +68,9 @@ class BalancerService(WorkerService):
 
     async def shutdown(self) -> None:
         self._announcer.cancel()
+        for task in list(self._planning.values()):
+            task.cancel()
+        await asyncio.gather(*self._planning.values(), return_exceptions=True)
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -100,11 +108,24 @@ class BalancerService(WorkerService):
         state = self.roles.get(message.role if self.config.eplb_per_role else "")
         if state is None:
             return  # a role without expert load of its own (or an old worker's report)
-        placement = state.observe(message)
+        inputs = state.take(message)
+        if inputs is not None and state.role not in self._planning:  # (else: next time due)
+            task = asyncio.create_task(self._plan(state, inputs), name=f"plan {state.label}")
+            self._planning[state.role] = task
+            task.add_done_callback(functools.partial(self._planned, state.role))
+
+    async def _plan(self, state: RoleBalance, inputs: PlanInputs) -> None:
+        plan = await asyncio.to_thread(plan_placement, inputs)
+        placement = state.commit(plan)
         if placement is not None:
             self.send(subjects.EXPERT_PLACEMENT, placement)
-            task = asyncio.ensure_future(self._store_newest(state))
-            task.add_done_callback(lambda t: t.exception())
+            await self._store_newest(state)
+
+    def _planned(self, role: str, task: asyncio.Task) -> None:
+        self._planning.pop(role, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("computing the %s placement failed", role or "all",
+                      exc_info=task.exception())
 
     async def _store_newest(self, state: RoleBalance) -> None:
         """Store the role's placement in force. One store at a time, each writing the newest

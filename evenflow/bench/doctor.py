@@ -37,7 +37,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from collections.abc import Coroutine
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 
 from evenflow.bench.doctor_metrics import Samples, phase_rows, scrape, worker_instances
 from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_client, run_load
+from evenflow.bench.machine import scratch_dir
 from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
 from evenflow.bench.stragglers import STANDS_OUT, against_peers
 
@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"the mesh at {args.url}"
     else:
         receiver = OTLPReceiver(args.otlp_host, args.otlp_port or 0)
-        load, lag, ep_ranks, beats = _run_local(args, receiver, prompt_lens, output_len,
-                                                concurrency)
+        with scratch_dir("doctor") as scratch:  # (the random checkpoint: removed at the end)
+            load, lag, ep_ranks, beats = _run_local(args, receiver, scratch, prompt_lens,
+                                                    output_len, concurrency)
         metrics = None
         where = f"{args.prefill} prefill + {args.decode} decode workers"
     result = analyse(receiver.spans, [t.ttft for t in load.timings],
@@ -321,16 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, prompt_lens: list[int],
-               output_len: int, concurrency: int
+def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, scratch: Path,
+               prompt_lens: list[int], output_len: int, concurrency: int
                ) -> tuple[LoadResult, float | None, list[dict], list[dict]]:
-    """A local mesh exporting its spans to `receiver`, the workload through it."""
+    """A local mesh exporting its spans to `receiver`, the workload through it (the default
+    model written under `scratch`)."""
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    model = args.model or str(write_random_mixtral(
-        Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
+    model = args.model or str(write_random_mixtral(scratch / "mixtral-110m"))
     mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=args.prefill,
                                 num_decode=args.decode, local_prefill_threshold=0,
                                 threads_per_worker=1, kv_cache_gb=0.5, stats_log_interval_s=0,

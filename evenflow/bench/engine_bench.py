@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.machine import run_worker
+from evenflow.bench.machine import run_worker, speedup_words
 from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
@@ -179,13 +179,13 @@ def _table(ours: dict, others: dict[str, dict], plan: dict) -> str:
     lines.append("vs X: X's time / evenflow's (tok/s rows: evenflow's / X's); > 1 means "
                  "evenflow in one process is faster. For TP=N it is the cost of the split: "
                  "TP time / one-process time.")
-    cache_speedup = ours["ttft_uncached_ms"] / ours["ttft_cached_ms"]
-    lines.append(f"prefix cache: cached TTFT is {cache_speedup:.1f}x"
-                 " faster than uncached (same engine, same prompt length)")
+    cached, uncached = ours["ttft_cached_ms"], ours["ttft_uncached_ms"]
+    lines.append(f"prefix cache: cached TTFT {cached:.1f} ms vs uncached {uncached:.1f} ms: "
+                 f"{speedup_words(uncached, cached)} (same engine, same prompt length)")
     each, defer = ours["burst_ms_each"], ours["burst_ms_defer"]
     lines.append(f"burst of 8 prompts sharing a new {plan['prefix']}-token prefix, submitted "
                  f"together: {defer:.1f} ms with in-step prefix deferral, {each:.1f} ms with "
-                 f"every request computing it ({defer / each:.2f}x)")
+                 f"every request computing it (deferral: {speedup_words(each, defer)})")
     return "\n".join(lines)
 
 

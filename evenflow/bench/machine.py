@@ -1,10 +1,16 @@
 """The machine line every benchmark prints first: CPU model, the flags that decide kernel speed,
-thread count and the dtype measured (figures are only comparable within one run)."""
+thread count and the dtype measured (figures are only comparable within one run), with a warning
+when the host is already busy; the words for how two timings compare; and where a benchmark
+keeps its temporary files."""
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Environment variables that hold oneDNN / MKL / ATen below the CPU's instruction set (an
@@ -30,12 +36,69 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     return model, [f for f in RELEVANT_FLAGS if f in flags]
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask; a container's share), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on Linux)
+        return os.cpu_count() or 1
+
+
+def load_warning() -> str | None:
+    """A warning when the 1-minute load average exceeds the cores available: other processes
+    hold the CPUs, so timings are noisy, and a run with several threads waits for cores that
+    are busy (on a shared 2-core host, --threads 2 measured 8-70x slower than --threads 1)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # (no load average on this system)
+        return None
+    cores = available_cores()
+    if load <= cores:
+        return None
+    return (f"WARNING: load average {load:.1f} exceeds {cores} core{'s' if cores > 1 else ''}: "
+            "figures will be noisy and multi-thread runs may be far slower")
+
+
 def machine_line(dtype: str, threads: int | None = None) -> str:
+    """The machine line, and on a busy host a second line: load_warning()."""
     model, flags = cpu_model_and_flags()
     caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
-    return (f"cpu: {model}; flags: {' '.join(flags) or 'none of ' + ','.join(RELEVANT_FLAGS)}; "
+    line = (f"cpu: {model}; flags: {' '.join(flags) or 'none of ' + ','.join(RELEVANT_FLAGS)}; "
             f"{'kernels capped: ' + ' '.join(caps) + '; ' if caps else ''}"
             f"cores: {os.cpu_count()}; threads: {threads or 1}; dtype: {dtype}")
+    warning = load_warning()
+    return line if warning is None else f"{line}\n{warning}"
+
+
+def speedup_words(baseline_s: float, new_s: float) -> str:
+    """How a new time compares with a baseline time (seconds, or any one unit; lower is
+    better): "2.0x faster", "1.5x slower", or "same speed" when the ratio shows as 1.0x."""
+    assert baseline_s > 0 and new_s > 0, (baseline_s, new_s)
+    ratio = baseline_s / new_s
+    shown = f"{max(ratio, 1 / ratio):.1f}"
+    if shown == "1.0":
+        return "same speed"
+    return f"{shown}x faster" if ratio > 1 else f"{shown}x slower"
+
+
+def bench_tmp_dir() -> Path:
+    """The benchmarks' temporary files live here, under the user's cache
+    ($XDG_CACHE_HOME or ~/.cache), not in the system temp dir that other users share."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = cache / "evenflow" / "bench-tmp"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A directory of one run's own under bench_tmp_dir(), removed with all it holds at the
+    end (an error or Ctrl-C included)."""
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=bench_tmp_dir()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_worker(module: str, args: list[str], threads: int, label: str,

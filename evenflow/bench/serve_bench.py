@@ -32,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from evenflow.bench.loadgen import (
     summary_rows,
     write_plots,
 )
-from evenflow.bench.machine import machine_line
+from evenflow.bench.machine import machine_line, scratch_dir
 from evenflow.bench.sse_client import SSEClient
 
 
@@ -302,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.base_url:
         return _against(args)
+    with scratch_dir("serve") as root:  # (the random checkpoint: removed at the end)
+        return _local(args, root)
+
+
+def _local(args: argparse.Namespace, root: Path) -> int:
+    """A local mesh against the engine alone on the same model (written under `root`)."""
     if args.quick:
         args.concurrency, args.num_requests, args.prompt_len, args.output_len = 4, 8, 32, 8
         args.overhead_prompt_len, args.kv_prompt_len, args.reps = 64, 128, 6
@@ -311,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.services.config import MeshConfig
     from evenflow.services.launcher import LocalMesh
 
-    root = Path(tempfile.gettempdir()) / "evenflow-bench"
     size = "quick" if args.quick else "110m"
     if args.model:
         model = args.model

@@ -131,9 +131,10 @@ def export_kv_disk_counts(counts: KVDiskCounts, seen: dict[str, int]) -> None:
     totals = {"hits": KV_DISK_HITS, "promotions": KV_DISK_PROMOTIONS, "writes": KV_DISK_WRITES,
               "evictions": KV_DISK_EVICTIONS}
     for key, value in values.items():
+        # (every reason's series exists from the first export on, at 0 until a miss)
+        counter = totals.get(key) or KV_DISK_MISSES.labels(reason=key.removeprefix("miss:"))
         increase = value - seen.get(key, 0)
         if increase > 0:
-            counter = totals.get(key) or KV_DISK_MISSES.labels(reason=key.removeprefix("miss:"))
             counter.inc(increase)
         seen[key] = value
 
