@@ -1,4 +1,5 @@
-"""The built-in default model does what README.md and docs/models.md say, through the API and the CLI."""
+"""The built-in default model does what README.md and docs/models.md say, through the API and
+the CLI."""
 
 from __future__ import annotations
 

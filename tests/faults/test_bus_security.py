@@ -183,8 +183,8 @@ def forged_token(request):
 @pytest.mark.parametrize("forged", [forged_error, forged_token])
 def test_a_forged_reply_is_a_502_or_an_error_event_never_a_500(mesh, forged):
     """docs/reliability.md's security section: a worker's credentials reach that worker's own
-    streams. What it sends is checked like any upstream answer: an error becomes a 502 (an error event
-    when streaming), a token outside the vocabulary ends the request the same way."""
+    streams. What it sends is checked like any upstream answer: an error becomes a 502 (an
+    error event when streaming), a token outside the vocabulary ends the request the same way."""
     resp = forge_replies(mesh, LONG_BODY, forged)
     assert resp.status_code == 502, (resp.status_code, resp.text[:300])
     assert resp.json()["error"]["type"] == "upstream_error"
