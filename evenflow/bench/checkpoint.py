@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from evenflow.bench.machine import bench_checkpoints
 from evenflow.progress import Progress, on_terminal
 
 # The issue's benchmark model: a Mixtral-style MoE of ~110M parameters.
@@ -158,15 +159,15 @@ def benchmark_checkpoint(quick: bool, checkpoint_dir: str | None, threads: int
                          ) -> tuple[str, str]:
     """What the offline benchmarks share: the machine line printed (with the dtype this CPU
     computes natively), and the random 110M Mixtral (the small one with `quick`) written once
-    under checkpoint_dir (default: the temp dir's evenflow-bench/). -> (its path, the dtype)."""
-    import tempfile
+    under checkpoint_dir (default: the user's cache, ~/.cache/evenflow/bench-checkpoints/).
+    -> (its path, the dtype)."""
 
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config.settings import cpu_has_bf16
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, threads))
-    root = Path(checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    root = Path(checkpoint_dir or bench_checkpoints())
     ckpt = write_random_mixtral(root / ("mixtral-quick" if quick else "mixtral-110m"),
                                 QUICK_MODEL if quick else None)
     return str(ckpt), dtype

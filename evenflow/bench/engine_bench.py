@@ -19,12 +19,11 @@ import json
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.machine import run_worker, speedup_words
+from evenflow.bench.machine import bench_checkpoints, run_worker, speedup_words
 from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = QUICK if args.quick else FULL
     name = f"{args.arch}-{'quick' if args.quick else '110m'}"
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    root = Path(args.checkpoint_dir or bench_checkpoints())
     if args.arch == "mixtral":
         ckpt = write_random_mixtral(root / name, QUICK_MODEL if args.quick else None)
     else:

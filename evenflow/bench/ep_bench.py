@@ -22,11 +22,10 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from evenflow.bench.machine import run_worker
+from evenflow.bench.machine import bench_checkpoints, run_worker
 from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(batch=32, prompt=128, output=64, prefill=2048, ranks=2)
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = QUICK if args.quick else FULL
     print(machine_line("bfloat16" if cpu_has_bf16() else "float32", 2))
-    root = Path(tempfile.gettempdir()) / "evenflow-bench"
+    root = bench_checkpoints()
     models = [("tiny-moe", "tiny-moe")]
     if args.arch == "deepseek_v3":
         from evenflow.bench.checkpoint import write_family

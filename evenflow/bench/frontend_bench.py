@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 from collections.abc import Callable
 
 import httpx
 
 from evenflow.bench.loadgen import make_prompts, percentile, run_client, run_load
+from evenflow.bench.machine import bench_checkpoints
 
 _BUCKET = re.compile(r'^evenflow_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
 
@@ -199,11 +199,10 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
     if label == "Dynamo":  # (its mocker's token ids are beyond tiny-moe's small vocabulary: they
         # decode to nothing and nothing streams; the 4,096-word benchmark model's tokenizer
         # decodes them, one word a token)
-        from pathlib import Path
 
         from evenflow.bench.checkpoint import write_random_mixtral
 
-        model_dir = str(write_random_mixtral(Path(tempfile.gettempdir()) / "evenflow-bench"
+        model_dir = str(write_random_mixtral(bench_checkpoints()
                                              / "mixtral-110m"))
     try:
         peer = peers.start_vllm(python, model_dir, 2) if starter == "start_vllm" else \

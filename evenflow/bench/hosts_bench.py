@@ -171,6 +171,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 
 KV_CLIENT = """
 import asyncio, json, sys
+from evenflow.bench.machine import bench_checkpoints
 from evenflow.bench.serve_bench import kv_figures
 print(json.dumps(asyncio.run(kv_figures(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                         int(sys.argv[5])))))
@@ -248,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         write_family,
         write_random_mixtral,
     )
-    from evenflow.bench.machine import machine_line
+    from evenflow.bench.machine import bench_checkpoints, machine_line
     from evenflow.dev.hosts import HostsUnavailable, SimCluster
 
-    root = Path(tempfile.gettempdir()) / "evenflow-bench"
+    root = bench_checkpoints()
     size = "quick" if args.quick else "110m"
     try:
         cluster = SimCluster.create(3 if args.part in ("all", "kv") else 2, rate=args.rate)

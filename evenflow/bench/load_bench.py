@@ -16,7 +16,7 @@ into its checkpoint directory (models/gguf_import.py) by one process first, unme
 happens once per file); the figures are the engine's load of it.
 
 The checkpoints are the benchmark's ~110M models in each family's shape (bench/checkpoint.py),
-written under --checkpoint-dir (default: the temp dir's evenflow-bench/).
+written under --checkpoint-dir (default: the user's cache: ~/.cache/evenflow/bench-checkpoints/).
 
 `--speed`: each form's decode (ms/step at batch 1, 8 and 32 after 128-token prompts) and prefill
 (ms for 512 tokens) against its family's bf16 checkpoint, and GPT-OSS's bf16 experts on the path
@@ -34,11 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.machine import machine_line, run_worker
+from evenflow.bench.machine import bench_checkpoints, machine_line, run_worker
 
 FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q4_k_m", "gguf-q4_0")
 # --speed: variant -> (checkpoint key, extra environment, the variant it is compared with)
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, args.threads))
-    root = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / "evenflow-bench")
+    root = Path(args.checkpoint_dir or bench_checkpoints())
     forms = [f for f in args.forms.split(",") if f]
     unknown = sorted(set(forms) - set(FORMS))
     if unknown:

@@ -90,6 +90,13 @@ def bench_tmp_dir() -> Path:
     return path
 
 
+def bench_checkpoints() -> Path:
+    """Where the benchmarks keep the random checkpoints they reuse from run to run (each
+    written once per shape): the user's cache, beside bench_tmp_dir()."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "evenflow" / "bench-checkpoints"
+
+
 @contextmanager
 def scratch_dir(prefix: str) -> Iterator[Path]:
     """A directory of one run's own under bench_tmp_dir(), removed with all it holds at the

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from pathlib import Path
 
+from evenflow.bench.machine import bench_checkpoints
 from evenflow.engine.config.settings import QUANT_METHODS
 
 
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))
     model = args.model or str(write_random_mixtral(
-        Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
+        bench_checkpoints() / "mixtral-110m"))
     engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=args.threads,
                                  quantization=args.quantization,
                                  max_num_seqs=max(64, args.batch),

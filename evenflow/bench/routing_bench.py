@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from evenflow.bench.loadgen import REQUEST_ERRORS, one_request, percentile, run_client
+from evenflow.bench.machine import bench_checkpoints
 from evenflow.bench.sse_client import SSEClient
 from evenflow.proto.hashing import chain_hashes, namespace_salt
 
@@ -344,14 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.model is None:
-        import tempfile
-        from pathlib import Path
 
         from evenflow.bench.checkpoint import QUICK_MODEL, write_random_mixtral
 
         # Mock workers never run the weights: a long context costs nothing.
         args.model = "tiny-moe" if args.real else str(write_random_mixtral(
-            Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-quick-4k",
+            bench_checkpoints() / "mixtral-quick-4k",
             {**QUICK_MODEL, "max_position_embeddings": 4096}))
     if args.prefill is None:
         args.prefill = 2 if args.real else 4

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
+from evenflow.bench.machine import bench_checkpoints
 from evenflow.bench.stepping import drive, random_prompts
 
 _IDS = iter(range(10**9))
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, 2))
     model = "tiny-moe" if args.quick else str(
-        write_random_mixtral(Path(tempfile.gettempdir()) / "evenflow-bench" / "mixtral-110m"))
+        write_random_mixtral(bench_checkpoints() / "mixtral-110m"))
     batch, output = 32, (16 if args.quick else 48)
     engine = Engine(EngineConfig(model=model, dtype=dtype, num_threads=2, max_num_seqs=64))
     plain = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
