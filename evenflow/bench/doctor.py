@@ -379,7 +379,9 @@ def _run_against(url: str, receiver: OTLPReceiver, prompt_lens: list[int], outpu
     sample = httpx.post(url + "/tokenize", headers=headers, timeout=30,
                         json={"model": model, "prompt": text}).json()["tokens"]
     ids = sorted(set(sample) - {sample[0]}) if len(set(sample)) > 1 else sample
-    rng = random.Random(3)
+    # fresh prompts each run: a second run on the same mesh would otherwise find its prompts in
+    # the prefix cache (no prefill worker reached, every figure a cache hit's)
+    rng = random.Random()
     prompts = [[rng.choice(ids) for _ in range(n)] for n in prompt_lens]
     before = scrape(url, headers)
     load, ep_ranks, beats = run_client(_watching_ranks(nats_url, run_load(
