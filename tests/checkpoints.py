@@ -153,6 +153,26 @@ def run_all(engine) -> tuple[dict[str, list[int]], dict]:
     return tokens, kvs
 
 
+def run_to_end(engine) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Step an engine until its requests finish: (tokens by request, cached prompt tokens by
+    request)."""
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    return tokens, cached
+
+
+def generate_one(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], int]:
+    """One request run to its end on an otherwise idle engine: (its tokens, its cached prompt
+    tokens)."""
+    engine.add_request(request_id, prompt, params)
+    tokens, cached = run_to_end(engine)
+    return tokens.get(request_id, []), cached.get(request_id, 0)
+
+
 def assert_counts_and_reverses(llm) -> None:
     """tiny-moe's tasks, greedy: counting up, counting down, reversing (what its README says)."""
     from evenflow import SamplingParams

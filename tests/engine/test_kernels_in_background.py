@@ -6,7 +6,7 @@ prefix cached before the switch still hits after it."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_checkpoint
+from checkpoints import generate_one, make_checkpoint
 
 from evenflow import SamplingParams
 from evenflow.engine.kernels import native
@@ -17,13 +17,7 @@ PROMPT = list(range(3, 43))  # 40 tokens: 10 blocks of 4
 
 
 def generate(e: Engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    e.add_request(rid, prompt, GREEDY)
-    tokens, cached = [], 0
-    while e.has_unfinished():
-        for out in e.step():
-            tokens.extend(out.new_token_ids)
-            cached = out.num_cached_tokens
-    return tokens, cached
+    return generate_one(e, rid, prompt, GREEDY)
 
 
 @pytest.fixture

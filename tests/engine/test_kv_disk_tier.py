@@ -5,7 +5,7 @@ warm, a different model or KV dtype wipes it; the tier's events name their mediu
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_checkpoint
+from checkpoints import generate_one, make_checkpoint, run_to_end
 from prometheus_client import REGISTRY
 
 from evenflow import SamplingParams
@@ -32,13 +32,7 @@ def engine(ckpt, tier, **more):
 
 
 def generate(e, rid, prompt):
-    e.add_request(rid, prompt, GREEDY)
-    tokens, cached = [], 0
-    while e.has_unfinished():
-        for out in e.step():
-            tokens.extend(out.new_token_ids)
-            cached = out.num_cached_tokens
-    return tokens, cached
+    return generate_one(e, rid, prompt, GREEDY)
 
 
 PROMPT = list(range(3, 43))  # 40 tokens: 10 blocks of 4
@@ -125,12 +119,7 @@ def test_a_block_evicted_in_the_same_schedule_is_still_a_hit(ckpt, tmp_path):
     # x's admission takes the 14 unused blocks and all of a's (oldest first); b comes next
     e.add_request("x", list(range(150, 250)) + [3] * 8, GREEDY)
     e.add_request("b", PROMPT, GREEDY)
-    out: dict[str, list[int]] = {"x": [], "b": []}
-    cached = {}
-    while e.has_unfinished():
-        for o in e.step():
-            out[o.request_id].extend(o.new_token_ids)
-            cached[o.request_id] = o.num_cached_tokens
+    out, cached = run_to_end(e)
     assert cached["b"] == 36 and out["b"] == first
     assert e.kv_disk_counts.promotions >= 9
     e.close()
@@ -168,12 +157,7 @@ def test_a_request_waits_for_room_to_promote_and_then_gets_every_block(ckpt, tmp
     generate(e, "y", list(range(100, 180)))  # 23 of 24 blocks: a's go to disk but its first
     e.add_request("x", list(range(176, 256)), GREEDY)  # 20 blocks now (a's first among them)
     e.add_request("b", PROMPT, GREEDY)  # 4 blocks left to promote into: b waits for x
-    out: dict[str, list[int]] = {"x": [], "b": []}
-    cached = {}
-    while e.has_unfinished():
-        for o in e.step():
-            out[o.request_id].extend(o.new_token_ids)
-            cached[o.request_id] = o.num_cached_tokens
+    out, cached = run_to_end(e)
     assert cached["b"] == 36 and out["b"] == first
     assert e.kv_disk_counts.misses == {"evicted": 0, "no_room": 1}
     e.close()
