@@ -39,6 +39,12 @@ ARCHS = {
             high_freq_factor=4.0, original_max_position_embeddings=64))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=128, head_dim=24)),
+    # sliding windows run windowed (no longer capping the context): Mistral's on every layer,
+    # Qwen2's from max_window_layers on
+    "mistral_window": ("MistralConfig", "MistralForCausalLM",
+                       dict(intermediate_size=128, sliding_window=16)),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        intermediate_size=128, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(intermediate_size=48, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0)),
     # YaRN (Qwen3's long-context setting): scaled frequencies and the attention scale

@@ -55,9 +55,10 @@ def test_head_dim_64_at_a_batch_of_twelve(tmp_path, heads, kv_heads):
         assert out.token_ids == reference(hf, prompt)
 
 
-# the families issue 30 names (the rest run the shorter prompts above)
+# the families issue 30 names, and the sliding windows (the rest run the shorter prompts above)
 LONG_PROMPT_ARCHS = {"deepseek_v3", "deepseek_v3_yarn", "deepseek_v2", "gpt_oss", "olmoe",
-                     "llama3", "qwen2", "mistral", "glm4_moe"}
+                     "llama3", "qwen2", "mistral", "glm4_moe", "mistral_window",
+                     "qwen2_window"}
 
 
 def test_prompts_up_to_260_tokens_twice(checkpoint):

@@ -42,11 +42,16 @@ def test_unsupported_rope_is_refused_by_name(rope, message):
         parse("LlamaForCausalLM", rope_scaling=rope)
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_is_exact():
-    assert parse("MistralForCausalLM", sliding_window=256).max_position_embeddings == 256
-    assert parse("MistralForCausalLM", sliding_window=None).max_position_embeddings == 1024
+def test_sliding_windows_run_windowed_on_the_layers_transformers_gives_them():
+    """The context is the model's own: each layer keeps its window (no cap)."""
+    mistral = parse("MistralForCausalLM", sliding_window=256)
+    assert mistral.max_position_embeddings == 1024 and set(mistral.layer_windows) == {256}
+    assert parse("MistralForCausalLM", sliding_window=None).layer_windows == ()
     assert parse("Qwen2ForCausalLM", sliding_window=128,
-                 use_sliding_window=False).max_position_embeddings == 1024
+                 use_sliding_window=False).layer_windows == ()
+    qwen2 = parse("Qwen2ForCausalLM", sliding_window=128, use_sliding_window=True,
+                  layer_types=["full_attention", "sliding_attention"])
+    assert qwen2.layer_windows == (0, 128) and qwen2.max_position_embeddings == 1024
 
 
 def test_qwen2_has_qkv_biases_and_olmoe_normalizes_whole_projections():

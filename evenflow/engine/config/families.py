@@ -111,15 +111,23 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
         truncate=bool(params.get("truncate", True)), attention_factor=attention)
 
 
-def _context_limit(raw: dict[str, Any], arch: str) -> int:
-    """max_position_embeddings, capped by a sliding window that the engine does not implement:
-    within the window, full attention is exact."""
-    limit = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+def _layer_windows(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens (0: full attention; () when none has one), as
+    transformers' modeling reads the config: `layer_types` where the config lists them
+    (Qwen2, Qwen3, GPT-OSS, ...), else every layer where `sliding_window` is set and not switched
+    off by `use_sliding_window` (Mistral, Mixtral, Qwen3-MoE); GPT-OSS alternates by default."""
+    window = int(raw.get("sliding_window") or 0)
+    if not window:
+        return ()
+    types = raw.get("layer_types")
+    if types is None and arch == "GptOssForCausalLM":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if types is None:
+        if raw.get("use_sliding_window") is False:
+            return ()
+        types = ["sliding_attention"] * layers
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -152,7 +160,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             intermediate_size=int(raw.get("intermediate_size", 0)),
-            max_position_embeddings=_context_limit(raw, arch),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            layer_windows=_layer_windows(raw, arch, layers),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope=rope,
@@ -315,14 +324,10 @@ def _gpt_oss(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     ones (`layer_types`), a router with a bias whose top-k logits are softmaxed, experts with
     biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`)."""
     layers = common["num_layers"]
-    window = int(raw.get("sliding_window") or 0)
-    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                       for i in range(layers)]
     bias = bool(raw.get("attention_bias", True))
     return ModelConfig(
         **common,
         attention_bias=bias, o_proj_bias=bias,
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
         attention_sinks=True,
         num_experts=int(raw["num_local_experts"]),
         num_experts_per_tok=int(raw["num_experts_per_tok"]),

@@ -253,6 +253,11 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool = False
+    # The decoder layer's norms (model/norm.py, model/transformer.py): RMSNorm, or LayerNorm
+    # without a bias (DBRX); before each sublayer ("pre"), or on each sublayer's output before
+    # its residual add, with no input norm ("post": OLMo 2's, FlexOlmo)
+    norm_kind: str = "rms"
+    norm_placement: str = "pre"
     attention_bias: bool = False  # bias on q/k/v projections
     o_proj_bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k: per head (Qwen3), or over the whole projection
@@ -322,6 +327,8 @@ class ModelConfig:
         assert self.router_scoring in ("softmax", "sigmoid", "softmax_topk")
         assert self.group_scoring in ("max", "top2_sum")
         assert self.expert_activation in ("silu", "clamped_swiglu")
+        assert self.norm_kind in ("rms", "layer")
+        assert self.norm_placement in ("pre", "post")
 
     @property
     def is_moe(self) -> bool:

@@ -1,5 +1,5 @@
 """RMSNorm, with the residual add fused into it where the native kernel serves
-(kernels/norm.cpp)."""
+(kernels/norm.cpp); LayerNorm without a bias (DBRX), in torch, with the same two calls."""
 
 from __future__ import annotations
 
@@ -30,3 +30,24 @@ class RMSNorm(nn.Module):
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return x, F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm without a bias (DBRX's): RMSNorm's interface, torch's layer_norm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, None, self.eps)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        x = x + residual
+        return x, self.forward(x)
+
+
+def layer_norm(kind: str, dim: int, eps: float) -> RMSNorm | LayerNorm:
+    """A decoder layer's or the final norm of ModelConfig.norm_kind ("rms" or "layer")."""
+    return LayerNorm(dim, eps) if kind == "layer" else RMSNorm(dim, eps)

@@ -21,7 +21,7 @@ from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.mla import LatentAttention
-from evenflow.engine.model.norm import RMSNorm
+from evenflow.engine.model.norm import layer_norm
 from evenflow.engine.model.rotary import rope_tables
 from evenflow.parallel.group import ProcessGroup
 
@@ -33,8 +33,14 @@ class DecoderLayer(nn.Module):
             LatentAttention(cfg) if cfg.mla else Attention(cfg, index)
         self.mlp: nn.Module = MoE(cfg) if cfg.sparse_layers[index] else \
             MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        H, eps, kind = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_kind
+        # Pre-norms: input_layernorm before attention, post_attention_layernorm before the
+        # MLP. Post-norms (OLMo 2's): post_attention_layernorm on attention's output,
+        # post_feedforward_layernorm on the MLP's, each before its residual add.
+        self.post_norms = cfg.norm_placement == "post"
+        self.input_layernorm = None if self.post_norms else layer_norm(kind, H, eps)
+        self.post_attention_layernorm = layer_norm(kind, H, eps)
+        self.post_feedforward_layernorm = layer_norm(kind, H, eps) if self.post_norms else None
         # Tensor parallel (engine/weights/tp_shard.py): attention and MLP give partial sums
         self.tp: ProcessGroup | None = None
 
@@ -44,6 +50,9 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; pending: the layer before's MLP output, not yet added to it
         (the add is fused into this layer's first norm, as the attention output's is into the
         second). -> (the residual stream, this layer's MLP output: the next layer's pending)."""
+        if self.post_norms:
+            return self._post_norm_forward(x, cos, sin, kv, meta, pending)
+        assert self.input_layernorm is not None
         if pending is None:
             h = self.input_layernorm(x)
         else:
@@ -57,6 +66,22 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce(mlp)
         return x, mlp
+
+    def _post_norm_forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, ...],
+                           meta: AttentionMetadata, pending: Tensor | None
+                           ) -> tuple[Tensor, Tensor]:
+        """forward with post-norms: x + norm(attention(x)), then norm(mlp(x)) as pending."""
+        assert self.post_feedforward_layernorm is not None
+        if pending is not None:
+            x = x + pending
+        attn = self.self_attn(x, cos, sin, *kv[:2], meta, *kv[2:])
+        if self.tp is not None:
+            self.tp.all_reduce(attn)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(x)
+        if self.tp is not None:
+            self.tp.all_reduce(mlp)
+        return x, self.post_feedforward_layernorm(mlp)
 
 
 class DecodeStack(Protocol):
@@ -90,7 +115,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = layer_norm(cfg.norm_kind, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):

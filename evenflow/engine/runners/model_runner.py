@@ -11,7 +11,7 @@ from torch import Tensor
 from evenflow.engine.config.settings import switched_on
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
-from evenflow.engine.model.attention import paged_decode_attention
+from evenflow.engine.model.attention import Attention, paged_decode_attention
 from evenflow.engine.model.decode_stack import fast_stack
 from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
 from evenflow.engine.model.placement import SlotPlacement
@@ -108,6 +108,11 @@ class ModelRunner:
         reloads its weights onto kernels built since (the cache's blocks stay valid)."""
         cfg = model.config
         self.model = model
+        for module in model.modules():
+            # a window no sequence here can outgrow is full attention (exactly): such layers
+            # keep the fast decode stack, which serves no windows
+            if isinstance(module, Attention) and module.window >= self.max_model_len:
+                module.window = 0
         model.init_rope(self.max_model_len, self.dtype)
         if switched_on("EVENFLOW_FAST_DECODE"):
             model.decode_stack_builder = fast_stack
