@@ -111,11 +111,14 @@ def compare(ckpt: Path, directory: str, threads: int,
         print(f"{'':34}{'llama.cpp':>11}{'evenflow':>10}   ratio")
         for label, (engine_args, kind) in variants.items():
             gguf = export_gguf(ckpt, tmp / f"model-{kind}.gguf", kind)
+            # "gguf": evenflow serves the very file llama.cpp runs (a K-quant mix as stored)
+            served = str(gguf) if engine_args.get("gguf") else str(ckpt)
+            engine_args = {k: v for k, v in engine_args.items() if k != "gguf"}
             ours: list[dict] = []
             theirs: list[dict] = []
             for _ in range(plan["rounds"]):
                 result = run_worker("evenflow.bench.llamacpp", [
-                    str(ckpt), str(threads), json.dumps(engine_args), json.dumps(plan)],
+                    served, str(threads), json.dumps(engine_args), json.dumps(plan)],
                     threads, f"evenflow {label}")
                 if result is None:
                     return

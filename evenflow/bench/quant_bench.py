@@ -193,12 +193,13 @@ def run_tasks(variant: str, threads: int, plan: dict) -> dict:
     return task_accuracy(threads, plan, **VARIANTS[variant])
 
 
-def task_accuracy(threads: int, plan: dict, **engine_args: Any) -> dict:
+def task_accuracy(threads: int, plan: dict, model: str = "tiny-moe", **engine_args: Any
+                  ) -> dict:
     """tiny-moe's checkable tasks (count, count down, reverse), plan["task_prompts"] each:
-    exact-match accuracy % per task."""
+    exact-match accuracy % per task (`model`: tiny-moe in another form, a GGUF of it, say)."""
     from evenflow import LLM, SamplingParams
 
-    llm = LLM("tiny-moe", num_threads=threads, **engine_args)
+    llm = LLM(model, num_threads=threads, **engine_args)
     rng = random.Random(7)
     tasks: dict[str, list[tuple[str, list[str]]]] = {"count": [], "count down": [],
                                                       "reverse": []}
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--llamacpp", default=None, metavar="DIR",
                     help="a llama.cpp build: bf16 / int8 / int4 against BF16 / Q8_0 / Q4_0 on "
-                         "the same weights, alternating (bench/llamacpp.py)")
+                         "the same weights, and both serving one Q4_K_M file, alternating "
+                         "(bench/llamacpp.py)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="the Python of a venv with vLLM's CPU build: W8A8 against vLLM's on "
                          "the same compressed-tensors files (README: Benchmarks)")
@@ -282,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
         beside_llamacpp(Path(ckpt), args.llamacpp, args.threads, {
             **dict([native_variant(dtype)]), "int8": ({"quantization": "int8"}, "q8_0"),
-            "int4-g32": ({"quantization": "int4", "quant_group_size": 32}, "q4_0")},
+            "int4-g32": ({"quantization": "int4", "quant_group_size": 32}, "q4_0"),
+            "same file": ({"gguf": True}, "q4_k_m")},
             args.quick)
     results, logits = {}, {}
     tasks = {}
