@@ -91,9 +91,50 @@ ARCHS = {
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03,
         logits_scaling=6.0, tie_word_embeddings=True)),
+    # Granite-MoE-Shared: Granite-MoE plus an ungated shared MLP (its [gate | up] split at load)
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=48, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.03, logits_scaling=6.0)),
+    # FlexOlmo: OLMoE's attention and routing under OLMo 2's post-norms
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(
+        intermediate_size=48, num_experts=4, num_experts_per_tok=2, pad_token_id=None)),
+    # DBRX: its own names and keys, bias-free LayerNorms, a fused q | k | v clamped to
+    # clip_qkv, softmax routing renormalized (p = 1), experts stacked by rows
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=1024,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.3, rope_theta=10000.0),
+        ffn_config=dict(ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2))),
+    # Ernie 4.5 MoE: interleaved rotary (folded into q and k at load), a dense first layer,
+    # softmax scores with a correction bias for the choice, an ungated shared expert; weights
+    # large enough (initializer_range) that the rotary's pairing changes the tokens
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        intermediate_size=96, moe_intermediate_size=32, moe_k=2, moe_num_experts=8,
+        moe_num_shared_experts=1, moe_layer_start_index=1, num_hidden_layers=3,
+        pad_token_id=None, initializer_range=0.1)),
+    # HunYuan-MoE (v1): q/k norms after rotary, an ungated shared MLP, NTK-alpha rotary
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        intermediate_size=48, num_experts=4, moe_topk=2, head_dim=16, pad_token_id=None,
+        initializer_range=0.1, rope_parameters=dict(
+            rope_type="dynamic", alpha=1000.0, factor=1.0, rope_theta=10000.0))),
+    # MiniMax-M2: whole-projection q/k norms, partial rotary, sigmoid scores with a
+    # correction bias for the choice
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+        initializer_range=0.1, rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     # GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's MLA over GLM-4.5's MoE, by mapping
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
         _DEEPSEEK, q_lora_rank=48, mlp_layer_types=["dense", "sparse"])),
+}
+
+# Parameters that initialize to constants (zeros, ones) and get random noise of this std in
+# these families' checkpoints, so that what they change is compared too: a score-correction
+# bias shifts the expert choice, q/k norm weights tell a norm after rotary from one before.
+RANDOMIZED = {
+    "ernie4_5_moe": {"e_score_correction_bias": 0.05},
+    "hunyuan_v1_moe": {"query_layernorm.weight": 0.5, "key_layernorm.weight": 0.5},
+    "minimax_m2": {"e_score_correction_bias": 0.05},
 }
 
 
@@ -114,6 +155,11 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = t
     config = getattr(transformers, config_cls)(**(_COMMON | extra | (overrides or {})))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            for suffix, std in RANDOMIZED.get(arch, {}).items():
+                if name.endswith(suffix):
+                    t.add_(torch.randn(t.shape) * std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     write_word_tokenizer(path)

@@ -4,17 +4,24 @@ once into a checkpoint directory (config.json, model.safetensors, tokenizer.json
 read the same directory. Torch-free (numpy and the gguf package), as everything in models/.
 
 Served: llama.cpp's `llama` architecture (Llama-style dense and Mixtral-style MoE models,
-experts stacked per layer), `qwen2`, `qwen3` and `qwen3moe`. Tensors: F32, F16 and BF16, kept
-exactly (BF16 and F32 as float32, F16 as float16), and the quantized Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q5_K and Q6_K (so the K-quant mixes llama-quantize writes, Q4_K_M and Q5_K_M, with
-their fallbacks for rows that are not whole super-blocks, too). A quantized linear
+experts stacked per layer), `qwen2`, `qwen3`, `qwen3moe`, `deepseek2` (DeepSeek-V2 and -V3:
+MLA, DeepSeekMoE; V3 where the file's expert gating is sigmoid) and `gpt-oss`. Tensors: F32, F16
+and BF16, kept exactly (BF16 and F32 as float32, F16 as float16), and the quantized Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (so the K-quant mixes llama-quantize writes, Q4_K_M and
+Q5_K_M, with their fallbacks for rows that are not whole super-blocks, too). A quantized linear
 of a layer (and lm_head) goes into the directory as its raw blocks, `<name>.gguf_<type>` uint8
 (rows, bytes a row), under `quantization_config: {"quant_method": "gguf"}`: the directory is
-no larger than the file, and the engine decodes the blocks as it loads each layer
-(engine/weights/gguf_weights.py says into which of its forms). A quantized embedding is
-dequantized into float32 (exact; the engine holds it in its dtype). Q and K come back from
-llama.cpp's interleaved rotary layout to Hugging Face's (`llama` only; block rows are permuted
-like value rows). The tokenizer is the
+no larger than the file, and the engine decodes the blocks as each layer loads
+(engine/weights/gguf_weights.py says into which of its forms). MXFP4 expert stacks
+(llama-quantize's MXFP4_MOE, GPT-OSS's files) go in as GPT-OSS checkpoints store theirs
+(`mlp.experts.gate_up_proj_blocks` / `_scales`, gate and up rows interleaved; the nibbles
+reordered from GGML's block layout), which the engine keeps at 4.25 bits a weight
+(engine/quant/mxfp4.py). A quantized embedding is dequantized into float32 (exact; the engine
+holds it in its dtype), as is anything of MLA's kv_b_proj (the engine holds it in its dtype).
+Q and K come back from llama.cpp's interleaved rotary layout to Hugging Face's (`llama` only;
+block rows are permuted like value rows); DeepSeek's rotary dimensions are interleaved in both.
+DeepSeek's kv_b_proj comes back whole from current llama.cpp's split `attn_k_b` (stored
+transposed, per head) and `attn_v_b`, or from older files' `attn_kv_b`. The tokenizer is the
 file's `tokenizer.huggingface.json` when it has one (evenflow's exporter writes it), a
 tokenizer.json beside the file, or a byte-level BPE built from the file's `gpt2` vocabulary and
 merges.
@@ -26,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": dict(dense=("Qwen3ForCausalLM", "qwen3"), moe=None, permuted=False, experts=""),
     "qwen3moe": dict(dense=None, moe=("Qwen3MoeForCausalLM", "qwen3_moe"), permuted=False,
                      experts="mlp"),
+    # (DeepSeek-V2 where the file's gating is softmax: _deepseek2)
+    "deepseek2": dict(dense=None, moe=("DeepseekV3ForCausalLM", "deepseek_v3"), permuted=False,
+                      experts="mlp"),
+    "gpt-oss": dict(dense=None, moe=("GptOssForCausalLM", "gpt_oss"), permuted=False,
+                    experts="mlp"),
 }
 # expert stacks: GGUF name -> HF projection, by the experts' HF naming
 EXPERT_ROLES = {"block_sparse_moe": {"ffn_gate_exps.weight": "w1", "ffn_down_exps.weight": "w2",
@@ -50,9 +63,12 @@ EXPERT_ROLES = {"block_sparse_moe": {"ffn_gate_exps.weight": "w1", "ffn_down_exp
                 "mlp": {"ffn_gate_exps.weight": "gate_proj", "ffn_down_exps.weight": "down_proj",
                         "ffn_up_exps.weight": "up_proj"}}
 HINT_FILE = "evenflow_gguf.json"  # where the directory came from, and its tensor types
-F32, F16, BF16 = 0, 1, 30  # GGMLQuantizationType values (the quantized ones: gguf_blocks.py)
+F32, F16, BF16, MXFP4 = 0, 1, 30, 39  # GGMLQuantizationType (the others: gguf_blocks.py)
 # linears kept as blocks (not routers, norms or the embedding)
-BLOCK_NAMES = ("_proj.", "block_sparse_moe.experts.")
+BLOCK_NAMES = ("_proj.", "_proj_with_mqa.", "block_sparse_moe.experts.")
+# tensors that become (part of) MLA's kv_b_proj, always float
+KV_B = ("attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
+SOFTMAX, SIGMOID = 1, 2  # GGUF's expert_gating_func
 
 
 class GGUFError(ValueError):
@@ -132,10 +148,11 @@ def _array(tensor: Any) -> np.ndarray:
         return data.astype(np.float16, copy=False)
     if kind == BF16:
         return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if kind in gguf_blocks.LAYOUT:
+    if kind in gguf_blocks.LAYOUT or kind == MXFP4:
         return dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
     raise GGUFError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} is not served "
-                    "(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K are)")
+                    "(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 "
+                    "are)")
 
 
 def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
@@ -155,28 +172,46 @@ def convert(path: Path, out: Path, dequantize_all: bool = False) -> None:
     if not family["permuted"]:
         heads = kv_heads = 0  # (no rotary reordering)
     tensors: dict[str, np.ndarray] = {}
+    parts: dict[str, dict[str, np.ndarray]] = {}  # `<name>#<part>`: joined below
     kinds: dict[str, int] = {}
+    mxfp4_layers = set() if dequantize_all else _mxfp4_layers(reader.tensors)
     for tensor in reader.tensors:
         name, kind = tensor.name, int(tensor.tensor_type)
-        if kind in gguf_blocks.LAYOUT and not dequantize_all:
+        if dequantize_all or name.endswith(KV_B) or (
+                kind not in gguf_blocks.LAYOUT and not (kind == MXFP4 and (
+                    m := _EXPERTS.match(name)) and m[1] in mxfp4_layers)):
+            hf_tensors = _hf_tensors(name, _array(tensor), heads, kv_heads, family)
+        elif kind == MXFP4:  # an expert stack: stays MXFP4
+            hf_tensors = _mxfp4_tensors(name, np.asarray(tensor.data))
+        else:
             raw = np.asarray(tensor.data)  # (..., rows, bytes a row), as stored
+            hf_tensors = []
             for hf, rows in _hf_tensors(name, raw, heads, kv_heads, family):
                 if hf == "lm_head.weight" or (hf.startswith("model.layers.") and
                                               any(p in hf for p in BLOCK_NAMES)):
                     base = hf.removesuffix(".weight")
-                    tensors[f"{base}.gguf_{gguf_blocks.NAMES[kind]}"] = np.ascontiguousarray(rows)
+                    hf_tensors.append((f"{base}.gguf_{gguf_blocks.NAMES[kind]}", rows))
                 else:  # the embedding: plain
                     values = gguf_blocks.decode_rows(kind, rows).dequantize()
-                    tensors[hf] = values.reshape(*rows.shape[:-1], values.shape[-1])
-        else:
-            for hf_name, value in _hf_tensors(name, _array(tensor), heads, kv_heads, family):
+                    hf_tensors.append((hf, values.reshape(*rows.shape[:-1], values.shape[-1])))
+        for hf_name, value in hf_tensors:
+            target, _, part = hf_name.partition("#")
+            if part:
+                parts.setdefault(target, {})[part] = value
+            else:
                 tensors[hf_name] = np.ascontiguousarray(value)
         if len(tensor.shape) >= 2 and not name.endswith("ffn_gate_inp.weight"):
             type_name = tensor.tensor_type.name.lower()
             kinds[type_name] = kinds.get(type_name, 0) + 1
+    for target, pieces in parts.items():
+        tensors[target] = _joined(target, pieces)
+    if config["model_type"] == "deepseek_v3":  # (a file without the correction bias: zeros)
+        for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+            tensors.setdefault(f"model.layers.{i}.mlp.gate.e_score_correction_bias",
+                               np.zeros(config["n_routed_experts"], np.float32))
     if "lm_head.weight" not in tensors and not any(n.startswith("lm_head.") for n in tensors):
         config["tie_word_embeddings"] = True
-    if any(".gguf_" in name for name in tensors):
+    if any(".gguf_" in name or name.endswith("_blocks") for name in tensors):
         config["quantization_config"] = {"quant_method": "gguf"}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -197,7 +232,8 @@ def _config(reader: Any, arch: str) -> dict[str, Any]:
         "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // heads)),
+        "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or
+                        hidden // heads),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
@@ -216,33 +252,156 @@ def _config(reader: Any, arch: str) -> dict[str, Any]:
     if arch == "qwen3moe":
         config.update(moe_intermediate_size=int(get("expert_feed_forward_length")),
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    scaling = _rope_scaling(get)
+    if scaling:
+        config["rope_parameters"] = {"rope_theta": config["rope_theta"], **scaling}
+    if arch == "deepseek2":
+        _deepseek2(get, config)
+    if arch == "gpt-oss":
+        _gpt_oss(get, config)
     return config
+
+
+def _rope_scaling(get: Any) -> dict[str, Any]:
+    """Hugging Face's rope_parameters (less rope_theta) from the file's rope.scaling.*; {} when
+    it has none."""
+    kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if kind in (None, "none") or not factor:
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
+        raise GGUFError(f"rope scaling {kind!r} is not served (linear and yarn are)")
+    params: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor),
+                              "original_max_position_embeddings": int(
+                                  get("rope.scaling.original_context_length"))}
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                    ("yarn_attn_factor", "attention_factor")):
+        if get(f"rope.scaling.{key}") is not None:
+            params[hf] = float(get(f"rope.scaling.{key}"))
+    return params
+
+
+def _deepseek2(get: Any, config: dict[str, Any]) -> None:
+    """DeepSeek-V2 / -V3 from llama.cpp's `deepseek2` keys. Current files state MLA as MQA over
+    the latent (head_count_kv 1, key_length kv_lora + rope dims) and the per-head lengths as
+    key_length_mla / value_length_mla; older ones state the per-head lengths as key_length /
+    value_length. Sigmoid gating is V3 (noaux_tc routing, a correction bias); softmax (also
+    llama.cpp's default for files without the key) is V2, its groups limited where the file has
+    more than one."""
+    rope = int(get("rope.dimension_count"))
+    if get("attention.key_length_mla") is not None:
+        qk, v = int(get("attention.key_length_mla")), int(get("attention.value_length_mla"))
+    else:
+        qk, v = int(get("attention.key_length")), int(get("attention.value_length"))
+    gating = int(get("expert_gating_func", SOFTMAX) or SOFTMAX)
+    if gating not in (SOFTMAX, SIGMOID):
+        raise GGUFError(f"deepseek2 expert gating {gating} is not served (softmax and sigmoid "
+                        "are)")
+    norm = bool(get("expert_weights_norm", False))
+    if gating == SOFTMAX and norm:
+        raise GGUFError("a deepseek2 GGUF with softmax gating and expert_weights_norm is not "
+                        "served (DeepSeek-V2 never renormalizes its top-k weights)")
+    groups = int(get("expert_group_count", 1) or 1)
+    v3 = gating == SIGMOID
+    config.update(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        model_type="deepseek_v3" if v3 else "deepseek_v2",
+        num_key_value_heads=config["num_attention_heads"], head_dim=rope,
+        q_lora_rank=int(get("attention.q_lora_rank")) if get("attention.q_lora_rank") else None,
+        kv_lora_rank=int(get("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+        qk_nope_head_dim=qk - rope, v_head_dim=v, rope_interleave=True,
+        n_routed_experts=config["num_experts"],
+        n_shared_experts=int(get("expert_shared_count", 0) or 0),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0) or 0),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=norm, n_group=groups,
+        topk_group=int(get("expert_group_used_count", 1) or 1),
+        topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+        scoring_func="sigmoid" if v3 else "softmax")
+    params = config.get("rope_parameters")
+    log_mul = get("rope.scaling.yarn_log_multiplier")
+    if params and params["rope_type"] == "yarn" and log_mul:
+        # llama.cpp stores 0.1 * mscale_all_dim (its converter's note: for legacy reasons);
+        # DeepSeek's mscale equals it
+        params["mscale"] = params["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
+
+
+def _gpt_oss(get: Any, config: dict[str, Any]) -> None:
+    """GPT-OSS: what llama.cpp fixes for the architecture (even layers sliding, SwiGLU clamped at
+    7 with alpha 1.702, YaRN without truncation) stated in Hugging Face's keys."""
+    layers = config["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern]
+    else:
+        n = int(pattern or 2)
+        sliding = [i % n < n - 1 for i in range(layers)]
+    config.update(
+        intermediate_size=int(get("expert_feed_forward_length", config["intermediate_size"])),
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+    if config.get("rope_parameters", {}).get("rope_type") == "yarn":
+        config["rope_parameters"]["truncate"] = False
 
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # (gpt-oss's name)
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "attn_sinks.weight": "self_attn.sinks",
+    # MLA (deepseek2)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.kv_b_proj.weight#k",
+    "attn_v_b.weight": "self_attn.kv_b_proj.weight#v",
+    # DeepSeekMoE's shared experts and score-correction bias
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    # GPT-OSS's router and expert biases (stacked, gate and up interleaved as it stores them)
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias#gate",
+    "ffn_up_exps.bias": "mlp.experts.gate_up_proj_bias#up",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
 }
+# expert stacks (ffn_gate_up_exps: a converter's option, gate rows then up rows)
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.(weight|bias)$")
+MXFP4_BLOCK = 17  # bytes a block of 32: an E8M0 exponent, then 16 bytes of nibbles
 
 
 def _hf_tensors(name: str, value: np.ndarray, heads: int, kv_heads: int,
                 family: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
-    """The Hugging Face tensors of one GGUF tensor (an expert stack is one per expert); heads
-    and kv_heads 0: Q and K as stored (no rotary reordering)."""
+    """The Hugging Face tensors of one GGUF tensor (an expert stack is one per expert; a name
+    `<target>#<part>` is part of a tensor _joined makes); heads and kv_heads 0: Q and K as
+    stored (no rotary reordering)."""
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
            "model.norm.weight", "output.weight": "lm_head.weight"}
     if name in top:
         return [(top[name], value)]
     if not name.startswith("blk."):
-        raise GGUFError(f"tensor {name} has no place in a llama-architecture model")
+        raise GGUFError(f"tensor {name} has no place in the model")
     _, index, rest = name.split(".", 2)
     prefix = f"model.layers.{index}."
+    if rest == "ffn_gate_up_exps.weight" or rest == "ffn_gate_up_exps.bias":
+        half = value.shape[1] // 2  # (rows of a stack, or a bias's columns)
+        kind = rest.rsplit(".", 1)[1]
+        return [out for part, piece in (("gate", value[:, :half]), ("up", value[:, half:]))
+                for out in _hf_tensors(f"blk.{index}.ffn_{part}_exps.{kind}", piece, heads,
+                                       kv_heads, family)]
     if rest == "attn_q.weight":
         return [(prefix + "self_attn.q_proj.weight",
                  _unpermute(value, heads) if heads else value)]
@@ -258,7 +417,58 @@ def _hf_tensors(name: str, value: np.ndarray, heads: int, kv_heads: int,
         role = EXPERT_ROLES[experts][rest]
         return [(f"{prefix}{experts}.experts.{e}.{role}.weight", value[e])
                 for e in range(value.shape[0])]
-    raise GGUFError(f"tensor {name} has no place in a llama-architecture model")
+    raise GGUFError(f"tensor {name} has no place in the model")
+
+
+def _mxfp4_layers(tensors: Any) -> set[str]:
+    """The layers whose expert stacks are all MXFP4 (a layer with some in another type, rows
+    llama-quantize could not make MXFP4, is dequantized: the engine holds a layer's experts in
+    one form)."""
+    kinds: dict[str, set[bool]] = {}
+    for tensor in tensors:
+        if (m := _EXPERTS.match(tensor.name)) and m[3] == "weight":
+            kinds.setdefault(m[1], set()).add(int(tensor.tensor_type) == MXFP4)
+    return {layer for layer, mxfp4 in kinds.items() if mxfp4 == {True}}
+
+
+def _mxfp4_tensors(name: str, raw: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """An MXFP4 expert stack (E, rows, blocks * 17 bytes) as GPT-OSS checkpoints store theirs:
+    `_blocks` (E, rows, blocks, 16), two values a byte in order (the lower nibble first), and
+    `_scales` (E, rows, blocks), the same E8M0 exponents. GGML's block holds value j in byte j's
+    low nibble and value j + 16 in its high one."""
+    m = _EXPERTS.match(name)
+    assert m is not None and m[3] == "weight"
+    b = raw.reshape(*raw.shape[:-1], -1, MXFP4_BLOCK)
+    nibbles = b[..., 1:]
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # (..., blocks, 32)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    base = f"model.layers.{m[1]}.mlp.experts."
+    if m[2] == "gate_up":
+        half = raw.shape[1] // 2
+        return [(f"{base}gate_up_proj_{kind}#{part}", t)
+                for part, rows in (("gate", slice(None, half)), ("up", slice(half, None)))
+                for kind, t in (("blocks", blocks[:, rows]), ("scales", b[:, rows, :, 0]))]
+    if m[2] == "down":
+        return [(f"{base}down_proj_blocks", blocks), (f"{base}down_proj_scales", b[..., 0])]
+    return [(f"{base}gate_up_proj_blocks#{m[2]}", blocks),
+            (f"{base}gate_up_proj_scales#{m[2]}", b[..., 0])]
+
+
+def _joined(target: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """One tensor from its parts: MLA's kv_b_proj (heads * (nope + v), kv_lora) from k_b
+    (heads, kv_lora, nope) and v_b (heads, v, kv_lora); GPT-OSS's stacked gate_up (bias, MXFP4
+    blocks or scales) with gate and up interleaved along its second axis."""
+    if target.endswith("kv_b_proj.weight"):
+        if set(parts) != {"k", "v"}:
+            raise GGUFError(f"{target}: the file has only attn_{''.join(parts)}_b of it")
+        k, v = parts["k"], parts["v"]
+        return np.concatenate([k.swapaxes(1, 2), v], axis=1).reshape(-1, k.shape[1])
+    if set(parts) != {"gate", "up"}:
+        raise GGUFError(f"{target}: the file has only the {''.join(parts)} part of it")
+    gate, up = parts["gate"], parts["up"]
+    joined = np.empty((gate.shape[0], 2 * gate.shape[1], *gate.shape[2:]), gate.dtype)
+    joined[:, 0::2], joined[:, 1::2] = gate, up
+    return joined
 
 
 def _write_tokenizer(reader: Any, path: Path, out: Path, config: dict[str, Any]) -> None:

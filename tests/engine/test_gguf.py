@@ -1,10 +1,12 @@
 """GGUF checkpoints (`--model file.gguf`, models/gguf_import.py), written from tiny random
 checkpoints of each family served (Llama-style dense, Mixtral-style MoE, Qwen2, Qwen3,
-Qwen3-MoE) by our exporter (models/gguf_export.py, llama.cpp's layout): float files load to the
-same model as the safetensors, Q4_0 and Q4_K to exactly their own values (int4 groups of 32),
-Q8_0, Q5_K and Q6_K to evenflow's int8 within that requantization's rounding (which stays below
-the formats' own error), the K-quant mixes likewise; the block decoders agree with gguf-py's;
-the tokenizer and chat template come along; what cannot be served is said plainly."""
+Qwen3-MoE, DeepSeek-V3, GPT-OSS) by our exporter (models/gguf_export.py, llama.cpp's layout):
+float files load to the same model as the safetensors, Q4_0 and Q4_K to exactly their own
+values (int4 groups of 32), Q8_0, Q5_K and Q6_K to evenflow's int8 within that requantization's
+rounding (which stays below the formats' own error), the K-quant mixes likewise; MXFP4 experts
+stay MXFP4 both ways; older deepseek2 files (one attn_kv_b) load too; the block decoders agree
+with gguf-py's; the tokenizer and chat template come along; what cannot be served is said
+plainly."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from evenflow import LLM, SamplingParams
 from evenflow.engine.quant.stacks import QuantConfig, quantize
 from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.engine.weights.quantize_model import QuantLinear
-from evenflow.models import gguf_blocks, gguf_kquants, resolve_model
+from evenflow.models import gguf_blocks, gguf_import, gguf_kquants, resolve_model
 from evenflow.models.gguf_export import export_gguf
 from evenflow.models.gguf_import import GGUFError, convert
 
@@ -27,7 +29,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    """Converted files under the test's own directory (not XDG_CACHE_HOME: the native kernels'
+    build would start again in every test session)."""
+    monkeypatch.setattr(gguf_import, "cache_root", lambda: tmp_path / "cache")
 
 
 @pytest.fixture(scope="module", params=["mixtral", "llama", "qwen2", "qwen3", "qwen3_moe"])
@@ -68,6 +72,128 @@ def test_q4_0_loads_to_its_own_values_and_q8_0_to_int8(family, tmp_path, monkeyp
         assert quantized_bits(llm) == {bits}
         want = logits(reference)
         assert (logits(gguf) - want).abs().max() < tolerance * want.abs().max(), kind
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss"])
+def mla_or_sinks(request, tmp_path_factory):
+    """deepseek2 (MLA with q_lora, a dense layer, shared experts, sigmoid groups) and gpt-oss
+    (sinks, a sliding layer, biases, the clamped SwiGLU, YaRN)."""
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(request.param, path)
+    return path
+
+
+def test_float_deepseek2_and_gpt_oss_ggufs_are_the_same_model(mla_or_sinks, tmp_path):
+    gguf = export_gguf(mla_or_sinks, tmp_path / "model-f32.gguf", "f32")
+    assert greedy(gguf) == greedy(mla_or_sinks)
+    assert (logits(gguf) - logits(mla_or_sinks)).abs().max() < 1e-5
+
+
+def test_quantized_deepseek2_and_gpt_oss_ggufs_load_and_generate(mla_or_sinks, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")  # the weights alone: rows at full precision
+    for kind, bits in (("q4_0", 4), ("q8_0", 8)):
+        gguf = export_gguf(mla_or_sinks, tmp_path / f"model-{kind}.gguf", kind)
+        reference = tmp_path / f"{kind}-dequantized"
+        reference.mkdir()
+        convert(gguf, reference, dequantize_all=True)
+        llm = LLM(str(gguf), dtype="float32")
+        assert quantized_bits(llm) == {bits}
+        assert len(llm.generate([PROMPT], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        want, got = logits(reference), logits(gguf)
+        rows = (got - want).abs().amax(-1) / want.abs().max()
+        if kind == "q4_0":  # exactly the file's values
+            assert rows.max() < 1e-4
+        else:  # int8 within its rounding, but for a token int8 may route to other experts
+            # (random DeepSeek weights leave near ties in its sigmoid-and-groups router)
+            assert (rows < 3e-2).float().mean() > 0.9, rows
+
+
+def test_an_older_deepseek2_file_with_one_attn_kv_b_loads_too(tmp_path):
+    """llama.cpp's files before it split kv_b (attn_kv_b, the per-head key and value lengths
+    as key_length / value_length, head_count_kv = heads) are the same model."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    source = tmp_path / "deepseek_v3"
+    make_checkpoint("deepseek_v3", source)
+    reader = GGUFReader(str(export_gguf(source, tmp_path / "current.gguf", "f32")))
+    old = tmp_path / "old.gguf"
+    writer = GGUFWriter(str(old), "deepseek2")
+    lengths = {"key_length": 32, "value_length": 24, "head_count_kv": 4}  # nope+rope, v, heads
+    for key, field in reader.fields.items():
+        name = key.removeprefix("deepseek2.attention.")
+        if key.startswith("GGUF.") or key == "general.architecture" or name.endswith("_mla"):
+            continue
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        value = lengths.get(name, field.contents())
+        writer.add_key_value(key, value, field.types[0], sub)
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    for name, value in tensors.items():
+        if name.endswith("attn_k_b.weight"):  # (heads, kv_lora, nope) and (heads, v, kv_lora)
+            v_b = tensors[name.replace("attn_k_b", "attn_v_b")]
+            value = np.concatenate([value.swapaxes(1, 2), v_b], axis=1).reshape(-1, 32)
+            name = name.replace("attn_k_b", "attn_kv_b")
+        if not name.endswith("attn_v_b.weight"):
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert (logits(old) - logits(source)).abs().max() < 1e-5
+
+
+def test_mxfp4_experts_stay_mxfp4_into_gguf_and_back(tmp_path, monkeypatch):
+    """GPT-OSS as it ships (experts in MXFP4: blocks + scales) exports its experts as GGUF's
+    MXFP4, repacked, not requantized: gguf-py reads the checkpoint's values from the file, and
+    the file loads with its experts at 4.25 bits a weight to the checkpoint's model;
+    `mxfp4_moe` makes a float checkpoint's experts MXFP4 (the rest Q8_0)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+
+    from evenflow.engine.model.ffn import MoE
+    from evenflow.engine.quant import mxfp4
+    from evenflow.engine.quant.mxfp4 import Mxfp4Stack
+
+    monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")  # the torch fallback: exact dequantization
+    source, shipped = tmp_path / "gpt_oss", tmp_path / "gpt_oss_mxfp4"
+    make_checkpoint("gpt_oss", source, overrides=dict(intermediate_size=64))
+    shipped.mkdir()
+    tensors = load_file(str(source / "model.safetensors"))
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))  # (E, out, in)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        expected[name] = mxfp4.dequantize(blocks, scales).numpy()
+    save_file(tensors, str(shipped / "model.safetensors"))
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (shipped / file.name).write_bytes(file.read_bytes())
+
+    def stays_mxfp4(gguf) -> None:
+        for layer in [m for m in LLM(str(gguf), dtype="float32").engine.model.modules()
+                      if isinstance(m, MoE)]:
+            assert isinstance(layer.stored.gate_up, Mxfp4Stack)
+            assert isinstance(layer.stored.down, Mxfp4Stack)
+
+    gguf = export_gguf(shipped, tmp_path / "shipped.gguf", "f32")
+    stored = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    gate_up = expected["model.layers.0.mlp.experts.gate_up_proj"]  # gate, up rows interleaved
+    for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]),
+                       ("down", expected["model.layers.0.mlp.experts.down_proj"])):
+        tensor = stored[f"blk.0.ffn_{name}_exps.weight"]
+        assert tensor.tensor_type == GGMLQuantizationType.MXFP4
+        assert np.array_equal(dequantize(np.asarray(tensor.data), tensor.tensor_type), want)
+    stays_mxfp4(gguf)
+    assert (logits(gguf) - logits(shipped)).abs().max() < 1e-5
+
+    gguf = export_gguf(source, tmp_path / "mxfp4_moe.gguf", "mxfp4_moe")
+    reference = tmp_path / "dequantized"
+    reference.mkdir()
+    convert(gguf, reference, dequantize_all=True)
+    stays_mxfp4(gguf)
+    want = logits(reference)
+    assert (logits(gguf) - want).abs().max() < 3e-2 * want.abs().max()
 
 
 def random_blocks(kind: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -26,7 +26,10 @@ from evenflow.engine.weights.quantize_model import QuantLinear, quantized_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3|q_a_proj|"
-                    r"q_b_proj|kv_a_proj_with_mqa)\.weight$")
+                    r"q_b_proj|kv_a_proj_with_mqa|Wqkv|out_proj)\.weight$")
+# DBRX's experts, stacked by rows (E * I, H): w1 and v1 as the engine quantizes them, w2 each
+# expert's down transposed
+ROW_STACKED = re.compile(r"\.experts\.mlp\.(w1|v1|w2)$")
 # GPT-OSS's stacked experts, (E, in, out): the engine quantizes each expert's transpose
 STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.")
@@ -52,6 +55,15 @@ def dequantized_copy(src: Path, dst: Path, config: QuantConfig) -> Path:
         elif STACKED.search(name) and not (m and m[1] in unfit):
             tensors[name] = torch.stack([quantize(e.T.contiguous(), config).dequantize().T
                                          for e in t]).to(t.dtype).contiguous()
+        elif r := ROW_STACKED.search(name):
+            inter = json.loads((src / "config.json").read_text())["ffn_config"]["ffn_hidden_size"]
+            experts = t.view(-1, inter, t.shape[1])
+            if r[1] == "w2":
+                experts = experts.transpose(1, 2)
+            # (a layer's experts only when gate / up and down all fit, as the engine does)
+            if config.fits((inter, t.shape[1])) and config.fits((t.shape[1], inter)):
+                out = torch.stack([quantize(e.contiguous(), config).dequantize() for e in experts])
+                tensors[name] = (out.transpose(1, 2) if r[1] == "w2" else out).reshape(t.shape)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"))
     for f in src.iterdir():

@@ -3,8 +3,10 @@
 Families: Llama (also Llama 3's rope), Qwen2, Qwen3, Mistral (dense); Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE, DeepSeek-V2 and -V3 (MLA, DeepSeekMoE; also DeepSeek-R1 and Kimi K2, which
 are DeepSeek-V3 by architecture), GPT-OSS and GLM-4.5 (Glm4Moe: a mapping only, no layer
-of its own). Each maps onto ModelConfig's switches, so the model files have no per-family
-branches; what the engine does not implement is refused with a ModelLoadError naming it.
+of its own), and more by mapping: Dots1, Solar Open, GLM-4.7-Flash, Granite-MoE(-Shared),
+FlexOlmo, DBRX, Ernie 4.5 MoE, HunYuan-MoE, MiniMax-M2. Each maps onto ModelConfig's
+switches, so the model files have no per-family branches; what the engine does not implement is
+refused with a ModelLoadError naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ SUPPORTED_ARCHITECTURES = (
     "Dots1ForCausalLM",
     "SolarOpenForCausalLM",
     "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "FlexOlmoForCausalLM",
+    "DbrxForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 # Dense decoders that differ only in switches read below.
 _DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -57,6 +65,10 @@ REFUSED_ARCHITECTURES = {
     "PhimoeForCausalLM": "its SparseMixer routing",
     "NllbMoeForConditionalGeneration": "it is an encoder-decoder model",
     "SwitchTransformersForConditionalGeneration": "it is an encoder-decoder model",
+    "AfmoeForCausalLM": "its gated attention (a sigmoid gate on each head's output)",
+    "MiniCPM5MoeForCausalLM": "its gated attention (a sigmoid gate on each head's output)",
+    "Cohere2MoeForCausalLM": "its parallel attention and MLP block and no-rope global layers",
+    "ExaoneMoeForCausalLM": "its no-rope global layers between sliding-window ones",
 }
 
 
@@ -144,6 +156,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:
+        if arch == "DbrxForCausalLM":
+            raw = _dbrx_keys(raw)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         layers = int(raw["num_hidden_layers"])
@@ -188,8 +202,18 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             return _glm4_moe(raw, common)
         if arch == "Glm4MoeLiteForCausalLM":
             return _glm4_moe_lite(raw, common)
-        if arch == "GraniteMoeForCausalLM":
+        if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
             return _granite_moe(raw, common)
+        if arch == "FlexOlmoForCausalLM":
+            return _olmoe(raw, common)
+        if arch == "DbrxForCausalLM":
+            return _dbrx(raw, common)
+        if arch == "Ernie4_5_MoeForCausalLM":
+            return _ernie45_moe(raw, common)
+        if arch == "HunYuanMoEV1ForCausalLM":
+            return _hunyuan_moe(raw, common)
+        if arch == "MiniMaxM2ForCausalLM":
+            return _minimax_m2(raw, common)
         if arch == "MixtralForCausalLM":
             return ModelConfig(
                 **common,
@@ -243,9 +267,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def _olmoe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """OLMoE: q/k norms over the whole projections, `clip_qkv`, softmax top-k routing. The
+    same mapping serves FlexOlmo, whose norms come after each sublayer (OLMo 2's post-norms)."""
     bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
         **common,
+        norm_placement="post" if common["architecture"] == "FlexOlmoForCausalLM" else "pre",
         attention_bias=bias, o_proj_bias=bias, qk_norm=True, qk_norm_whole=True,
         clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
         num_experts=int(raw["num_experts"]),
@@ -371,7 +398,8 @@ def _granite_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     """Granite-MoE: Mixtral's layout with four multipliers: the attention's softmax scale
     (`attention_multiplier`), the embedding's, each residual branch's, and the logits' divisor
     (`logits_scaling`); its router softmaxes the top-k logits. The multipliers are folded into
-    the weights at load, so no layer changes."""
+    the weights at load, so no layer changes. Granite-MoE-Shared adds an ungated shared MLP
+    (`shared_intermediate_size`, 0: none)."""
     return ModelConfig(
         **common,
         attention_bias=bool(raw.get("attention_bias", False)),
@@ -382,9 +410,125 @@ def _granite_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
         moe_intermediate_size=int(raw["intermediate_size"]),
         sparse_layers=(True,) * common["num_layers"],
         router_scoring="softmax_topk",
+        shared_expert_intermediate_size=int(raw.get("shared_intermediate_size") or 0),
+        shared_expert_gated=False,
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
+    )
+
+
+def _dbrx_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """DBRX's config keys (d_model, n_heads, attn_config, ffn_config, ...) as the usual ones
+    parse_config reads; attn_config and ffn_config stay for _dbrx."""
+    attn, ffn = raw.get("attn_config") or {}, raw.get("ffn_config") or {}
+    rope = raw.get("rope_parameters") or {"rope_type": "default",
+                                          "rope_theta": attn.get("rope_theta", 10000.0)}
+    return {**raw, "hidden_size": raw["d_model"], "num_attention_heads": raw["n_heads"],
+            "num_hidden_layers": raw["n_layers"], "max_position_embeddings": raw["max_seq_len"],
+            "num_key_value_heads": attn.get("kv_n_heads", 1), "head_dim": None,
+            "intermediate_size": ffn["ffn_hidden_size"], "rope_parameters": rope,
+            "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu"),
+            "rms_norm_eps": 1e-5}  # (torch's LayerNorm default, which DBRX's norms keep)
+
+
+def _dbrx(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """DBRX: bias-free LayerNorms, one fused q | k | v projection clamped to `clip_qkv`,
+    softmax routing whose top-k weights are divided by their p-norm
+    (`moe_normalize_expert_weights`: 1 is the renormalization the other families do, none
+    none), experts stored row-stacked (loader). A mapping onto the parts the others use."""
+    attn, ffn = raw.get("attn_config") or {}, raw.get("ffn_config") or {}
+    p = ffn.get("moe_normalize_expert_weights", 1.0)
+    if p is not None and float(p) != 1.0:
+        raise ModelLoadError(f"DBRX with moe_normalize_expert_weights={p} is not supported "
+                             f"(1 or none)")
+    return ModelConfig(
+        **common,
+        norm_kind="layer",
+        clip_qkv=float(attn["clip_qkv"]) if attn.get("clip_qkv") is not None else None,
+        num_experts=int(ffn.get("moe_num_experts", 4)),
+        num_experts_per_tok=int(ffn.get("moe_top_k", 1)),
+        moe_intermediate_size=int(ffn["ffn_hidden_size"]),
+        norm_topk_prob=p is not None,
+        sparse_layers=(True,) * common["num_layers"],
+    )
+
+
+def _ernie45_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Ernie 4.5 MoE: rotary over interleaved pairs (folded into the q and k rows at load),
+    MoE layers every `moe_layer_interval` from `moe_layer_start_index` to
+    `moe_layer_end_index` (-1: the last), softmax scores with a correction bias added for the
+    choice only, the chosen renormalized, ungated shared experts. A mapping onto the parts the
+    others use."""
+    if raw.get("use_bias"):
+        raise ModelLoadError("Ernie 4.5 MoE with use_bias (biases on its MLPs) is not supported")
+    layers = common["num_layers"]
+    start, end = int(raw.get("moe_layer_start_index", 1)), int(raw.get("moe_layer_end_index", -1))
+    end = layers - 1 if end == -1 else end
+    step = int(raw.get("moe_layer_interval", 1)) or 1
+    experts = int(raw["moe_num_experts"])
+    return ModelConfig(
+        **common,
+        rope_interleave=True,
+        num_experts=experts,
+        num_experts_per_tok=int(raw["moe_k"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(raw["moe_intermediate_size"])
+        * int(raw.get("moe_num_shared_experts") or 0),
+        shared_expert_gated=False,
+        sparse_layers=tuple(experts > 0 and (i + 1) % step == 0 and start <= i <= end
+                            for i in range(layers)),
+        score_correction_bias=True,
+    )
+
+
+def _hunyuan_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """HunYuan-MoE (v1): per-head q/k norms after rotary, softmax top-k routing renormalized,
+    an ungated shared MLP as wide as each expert in every layer; its "dynamic" rotary with an
+    `alpha` is a fixed base of theta * alpha ** (d / (d - 2))."""
+    experts, top_k = raw["num_experts"], raw["moe_topk"]
+    if isinstance(experts, list) or isinstance(top_k, list):
+        if len(set(experts if isinstance(experts, list) else [experts])) > 1 or \
+                len(set(top_k if isinstance(top_k, list) else [top_k])) > 1:
+            raise ModelLoadError("HunYuan-MoE with per-layer expert counts or top-k is not "
+                                 "supported")
+        experts = experts[0] if isinstance(experts, list) else experts
+        top_k = top_k[0] if isinstance(top_k, list) else top_k
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if params.get("alpha"):
+        d = common["head_dim"]
+        common = {**common, "rope_theta": common["rope_theta"] * float(params["alpha"])
+                  ** (d / (d - 2))}
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        **common,
+        attention_bias=bias, o_proj_bias=bias, qk_norm=True, qk_norm_after_rope=True,
+        num_experts=int(experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=common["intermediate_size"],
+        shared_expert_intermediate_size=common["intermediate_size"],
+        shared_expert_gated=False,
+        sparse_layers=(True,) * common["num_layers"],
+    )
+
+
+def _minimax_m2(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """MiniMax-M2: OLMoE's q/k norms over the whole projections with partial rotary (released
+    configs give `rotary_dim`), DeepSeek-V3's sigmoid scores with a correction bias for the
+    choice, renormalized, without groups or scaling. A mapping."""
+    params = raw.get("rope_parameters") or {}
+    if raw.get("rotary_dim") and "partial_rotary_factor" not in params | raw:
+        common = {**common, "partial_rotary": int(raw["rotary_dim"]) / common["head_dim"]}
+    return ModelConfig(
+        **common,
+        qk_norm=True, qk_norm_whole=True,
+        num_experts=int(raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=common["intermediate_size"],
+        norm_topk_prob=True,
+        sparse_layers=(True,) * common["num_layers"],
+        router_scoring="sigmoid",
+        score_correction_bias=True,
     )
 
 

@@ -262,6 +262,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k: per head (Qwen3), or over the whole projection
     qk_norm_whole: bool = False  # (OLMoE)
+    qk_norm_after_rope: bool = False  # per head, on q and k as rotary leaves them (HunYuan)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
     rope: RopeScaling = field(default_factory=RopeScaling)
     partial_rotary: float = 1.0  # share of each head's dims rotary turns (the first ones)
@@ -277,7 +278,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # DeepSeek's rotary dims come in interleaved pairs (model/mla.py reorders them)
+    # Rotary dims in interleaved pairs: DeepSeek's (model/mla.py reorders them), Ernie 4.5's
+    # (grouped-query attention: reordered in the q and k rows at load, engine/weights/loader.py)
     rope_interleave: bool = False
     # MoE; num_experts == 0 means dense
     num_experts: int = 0

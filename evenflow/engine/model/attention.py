@@ -142,6 +142,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.qk_norm, self.qk_norm_whole, self.clip_qkv = \
             cfg.qk_norm, cfg.qk_norm_whole, cfg.clip_qkv
+        self.qk_norm_after_rope = cfg.qk_norm_after_rope
         # Tensor parallel (engine/weights/tp_shard.py): a norm over the whole projection sums
         # its squares over every rank's heads
         self.tp: ProcessGroup | None = None
@@ -174,7 +175,7 @@ class Attention(nn.Module):
             else:
                 q, k = self._sharded_norms(q, k)
             qk = torch.cat([q.view(T, nh, hd), k.view(T, n_kv, hd)], dim=1)
-        elif self.qk_norm:
+        elif self.qk_norm and not self.qk_norm_after_rope:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         if self.clip_qkv is not None:
             qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
@@ -186,6 +187,8 @@ class Attention(nn.Module):
             rot = qk[..., : self.rotary_dim]
             rot = rot * cos + torch.roll(rot, self.rotary_dim // 2, -1) * sin
             qk = torch.cat([rot, qk[..., self.rotary_dim :]], dim=-1)
+        if self.qk_norm_after_rope:
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
         cache = (k_cache, v_cache, k_scale, v_scale)
         if k_scale is not None and v_scale is not None:

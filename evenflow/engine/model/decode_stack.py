@@ -10,10 +10,10 @@ whether a layer qualifies and gives the stack its weights; FastDecodeStack holds
 
 It serves a layer when the kernels are built and the layer is the common case: attention
 projections as panels (plain, or int8 / int4 panels without a bias), a panel router, no q/k
-norm, routed experts on the fused kernel (under an expert placement too — the mesh's workers
-run under one by default — but without expert parallelism), no shared expert, no tensor
-parallelism. Anything else (and every step with a prefill in it) takes
-the module path.
+norm, RMSNorm before each sublayer, routed experts on the fused kernel (under an expert
+placement too — the mesh's workers run under one by default — but without expert
+parallelism), no shared expert, no tensor parallelism. Anything else (and every step with a
+prefill in it) takes the module path.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MoE
 from evenflow.engine.model.kv_quant import block_size_of
 from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.norm import RMSNorm
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.panel_stack import PanelStack
 
@@ -52,6 +53,7 @@ class FastDecodeLayer:
         self.moe = moe
         # what the stack holds of the experts: their stacks, placement and counts
         self.held = self._experts_state(moe)
+        assert isinstance(layer.input_layernorm, RMSNorm)
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         assert isinstance(moe.gate, panels.PanelLinear)
         self.gate: panels.PanelLinear = moe.gate
@@ -87,8 +89,10 @@ class FastDecodeLayer:
             return None
         if moe.shared_expert is not None or moe.experts_in_use().fused_args() is None:
             return None
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if norms[0].dtype != norms[1].dtype:
+        in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        if not isinstance(in_norm, RMSNorm) or not isinstance(post_norm, RMSNorm):
+            return None  # post-norms (no input norm) and LayerNorm take the module path
+        if in_norm.weight.dtype != post_norm.weight.dtype:
             return None
         return cls(layer)
 

@@ -17,7 +17,7 @@ COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
 def _label(module) -> str | None:
     from evenflow.engine.model.attention import Attention
     from evenflow.engine.model.ffn import MLP, MoE
-    from evenflow.engine.model.norm import RMSNorm
+    from evenflow.engine.model.norm import LayerNorm, RMSNorm
 
     if isinstance(module, Attention):
         return "attention"
@@ -25,7 +25,7 @@ def _label(module) -> str | None:
         return "moe"
     if isinstance(module, MLP):
         return "mlp"
-    if isinstance(module, RMSNorm):
+    if isinstance(module, RMSNorm | LayerNorm):
         return "norm"
     return None
 

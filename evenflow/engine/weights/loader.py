@@ -41,7 +41,16 @@ from evenflow.engine.weights import (
     gptq,
     safetensors_io,
 )
-from evenflow.engine.weights.hf_names import EXPERT, RENAMES, ROLE, TRANSPOSED_EXPERTS
+from evenflow.engine.weights.hf_names import (
+    EXPERT,
+    GATE_UP,
+    RENAMES,
+    ROLE,
+    ROW_STACKED_EXPERTS,
+    STORED_NAMES,
+    TRANSPOSED_EXPERTS,
+    usual_name,
+)
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.engine.weights.quantize_model import quantize_head, quantize_layer
 from evenflow.engine.weights.tp_shard import TPShard
@@ -85,16 +94,18 @@ def tensor_names(files: list[Path]) -> dict[Path, list[str]]:
     return names
 
 
-def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool]
-                  ) -> dict[str, Tensor]:
-    """The tensors `wanted` picks, each in memory of its own (no file mapping stays)."""
+def _read_tensors(names: dict[Path, list[str]], wanted: Callable[[str], bool],
+                  rename: Callable[[str], str] | None = None) -> dict[str, Tensor]:
+    """The tensors `wanted` picks, each in memory of its own (no file mapping stays); with
+    `rename` (a family's stored names -> the usual ones), picked and returned by that name."""
     tensors: dict[str, Tensor] = {}
     for path, in_file in names.items():
-        chosen = [name for name in in_file if wanted(name)]
+        chosen = [name for name in in_file if wanted(rename(name) if rename else name)]
         if not chosen:
             continue
         try:
-            tensors.update(safetensors_io.read(path, chosen))
+            read = safetensors_io.read(path, chosen)
+            tensors.update({rename(k): v for k, v in read.items()} if rename else read)
         except (OSError, safetensors_io.SafetensorsError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
     return tensors
@@ -107,10 +118,13 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
     layers = list(layers)
     state: dict[str, Tensor] = {}
     experts: dict[tuple[int, int, str], Tensor] = {}
+    row_stacked: dict[tuple[int, str], Tensor] = {}
     transposed = cfg.architecture in TRANSPOSED_EXPERTS
     for name, t in _dequantized_mxfp4(tensors).items():
         if m := EXPERT.match(name):
             experts[(int(m[1]), int(m[2]), ROLE[m[3]])] = t
+        elif m := ROW_STACKED_EXPERTS.match(name):
+            row_stacked[(int(m[1]), m[2])] = t
         elif m := _STACKED.match(name):
             gate_up = m[2] == "gate_up_proj"
             key = ("b" if m[3] else "w") + ("13" if gate_up else "2")
@@ -118,10 +132,13 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
                 _untransposed(t, gate_up) if transposed else t
         elif ".block_sparse_moe.gate." in name:
             state[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+        elif fused := next((k for k in GATE_UP if name.endswith(k)), None):
+            mlp = name.removesuffix(fused) + GATE_UP[fused]
+            state[f"{mlp}gate_proj.weight"], state[f"{mlp}up_proj.weight"] = t.chunk(2)
         else:
             for old, new in RENAMES:
                 name = name.replace(old, new)
-            state[name] = t
+            state[name] = t.flatten() if name.endswith(".mlp.score_bias") else t
     for layer in layers:
         if cfg.mla:  # (no q/k/v to fuse)
             continue
@@ -132,6 +149,7 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
                 state[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
             elif any(t is not None for t in parts):
                 raise ModelLoadError(f"checkpoint has only some of {attn}q/k/v_proj.{kind}")
+    state |= _unstacked_rows(cfg, row_stacked)
     for layer in layers:
         if not cfg.sparse_layers[layer] or f"model.layers.{layer}.mlp.w13" in state or \
                 quantized_experts:
@@ -146,6 +164,27 @@ def _to_model_names(cfg: ModelConfig, tensors: dict[str, Tensor], layers: Iterab
         state[f"model.layers.{layer}.mlp.w2"] = torch.stack(down)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _unstacked_rows(cfg: ModelConfig, row_stacked: dict[tuple[int, str], Tensor]
+                    ) -> dict[str, Tensor]:
+    """DBRX's experts (hf_names.ROW_STACKED_EXPERTS) by (layer, w1 | v1 | w2) -> the model's
+    w13 (E, 2I, H) [gate | up] and w2 (E, H, I)."""
+    state: dict[str, Tensor] = {}
+    E, H = cfg.num_experts, cfg.hidden_size
+    for layer in sorted({layer for layer, _ in row_stacked}):
+        try:
+            gate, up, down = (row_stacked[(layer, kind)].view(E, -1, H)
+                              for kind in ("w1", "v1", "w2"))
+        except KeyError as exc:
+            raise ModelLoadError(f"checkpoint lacks layer {layer}'s experts {exc.args[0][1]}"
+                                 ) from exc
+        except RuntimeError as exc:  # (a view that does not fit)
+            raise ModelLoadError(f"layer {layer}'s experts do not fit the config: {exc}"
+                                 ) from exc
+        state[f"model.layers.{layer}.mlp.w13"] = torch.cat([gate, up], dim=1)
+        state[f"model.layers.{layer}.mlp.w2"] = down.transpose(1, 2).contiguous()
     return state
 
 
@@ -288,13 +327,16 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                                    bool(spec.get("sym")))
     layer_of = re.compile(r"^model\.layers\.(\d+)\.")
     names = tensor_names(files)
+    rename = functools.partial(usual_name, cfg.architecture) \
+        if cfg.architecture in STORED_NAMES else None
     for layer in range(cfg.num_layers):
         prefix = f"model.layers.{layer}."
         # quantized as read, one expert at a time (None: read with the layer, as stored)
         experts = _expert_names(cfg, layer, names, quantization) if (
             quantization is not None and spec is None and shard is None
             and cfg.sparse_layers[layer]) else None
-        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None))
+        tensors = _read_tensors(names, _layer_tensors(prefix, skip_experts=experts is not None),
+                                rename)
         given_hf = take_quantized(tensors, spec) if spec else {}
         given: dict[str, list] = dict(gptq.to_model_values(cfg, layer, given_hf))
         if shard is None:  # (a TP shard cuts plain rows: MXFP4 is dequantized for it)
@@ -314,6 +356,8 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                                assign=True, strict=False)
         _drop_covered(module, covered, prefix, dtype)
         _fold_residual(module, cfg.residual_multiplier, given)
+        if cfg.rope_interleave and not cfg.mla:
+            _fold_rope_interleave(module, cfg, given)
         if shard is not None:
             shard.shard_layer(module, cfg)  # type: ignore[arg-type]
         if quantization is not None or given:
@@ -321,7 +365,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         del tensors, state, given, given_hf
         _return_freed_memory()
         progress.update()
-    tensors = _read_tensors(names, lambda name: layer_of.match(name) is None)
+    tensors = _read_tensors(names, lambda name: layer_of.match(name) is None, rename)
     given_head = take_quantized(tensors, spec).get("lm_head") if spec else None
     covered = {"lm_head.weight"} if given_head is not None else set()
     rest = {k: v for k, v in expected.items() if layer_of.match(k) is None}
@@ -374,6 +418,35 @@ def _fold_residual(layer: torch.nn.Module, multiplier: float, given: dict[str, l
             t = getattr(mlp, name, None)
             if t is not None and t.numel():
                 t.mul_(multiplier)
+
+
+def _fold_rope_interleave(layer: torch.nn.Module, cfg: ModelConfig, given: dict[str, list]
+                          ) -> None:
+    """Rotary over interleaved pairs (Ernie 4.5: dims 2i and 2i + 1 turn together) folded into
+    the q and k rows of qkv_proj, plain or handed over quantized (QuantValues: their rows):
+    each head's rotary dims reordered evens then odds, so attention's rotate-half turns the same
+    pairs; q and k move alike, so their dot products, and attention, are unchanged."""
+    hd, rot = cfg.head_dim, cfg.rotary_dim
+    within = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, hd)])
+    heads = torch.arange(cfg.num_heads + 2 * cfg.num_kv_heads)
+    order = (heads.unsqueeze(1) * hd + torch.where(
+        heads.unsqueeze(1) < cfg.num_heads + cfg.num_kv_heads, within, torch.arange(hd))).flatten()
+    if any(name.startswith("self_attn.") and name not in ("self_attn.qkv_proj", "self_attn.o_proj")
+           for name in given):
+        raise ModelLoadError("interleaved rotary over these quantized q/k projections is not "
+                             "supported")
+    for values in given.get("self_attn.qkv_proj", []):
+        if not isinstance(values, QuantValues):
+            raise ModelLoadError(f"interleaved rotary over {type(values).__name__} q/k "
+                                 f"projections is not supported")
+        values.q, values.scale = values.q[order], values.scale[order]
+        values.zero = None if values.zero is None else values.zero[order]
+    qkv = layer.get_submodule("self_attn.qkv_proj")
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            t = getattr(qkv, name, None)
+            if t is not None and t.numel():  # (empty: handed over quantized)
+                t.copy_(t[order])
 
 
 def _layer_tensors(prefix: str, skip_experts: bool) -> Callable[[str], bool]:
