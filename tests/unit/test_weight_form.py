@@ -42,11 +42,22 @@ def test_the_form_names_what_the_user_chose(tmp_path, settings, spec, expected):
 
 
 def test_a_gguf_names_its_block_types_most_common_first(tmp_path):
-    from evenflow.models import gguf_blocks
     from evenflow.models.gguf_import import HINT_FILE
 
     model = checkpoint(tmp_path, {"quant_method": "gguf"})
-    kinds = {"a": gguf_blocks.Q4_K, "b": gguf_blocks.Q4_K, "c": gguf_blocks.Q6_K}
-    (model / HINT_FILE).write_text(json.dumps({"source": "x.gguf", "tensor_types": kinds}))
+    counts = {"q4_k": 2, "q6_k": 1, "f32": 5}  # (as the converter writes them: type -> count)
+    (model / HINT_FILE).write_text(json.dumps({"source": "x.gguf", "tensor_types": counts}))
     assert weight_form(EngineConfig(model=str(model)), model, torch.float32) == \
         "GGUF Q4_K/Q6_K (fp32 rest)"
+
+
+def test_a_llama_quantize_file_names_its_types():
+    """The real thing: llama-quantize's Q4_K_M of tiny-moe (tests/data/llamacpp)."""
+    from pathlib import Path
+
+    from evenflow.models import resolve_model
+
+    gguf = Path(__file__).resolve().parents[1] / "data" / "llamacpp" / "tiny-moe-Q4_K_M.gguf"
+    model = resolve_model(str(gguf))
+    form = weight_form(EngineConfig(model=str(model)), model, torch.bfloat16)
+    assert form.startswith("GGUF Q5_0/") and "Q4_K" in form, form

@@ -52,13 +52,11 @@ def _w4a8() -> str:
 
 
 def _gguf_types(model_dir: Path) -> str:
-    """The file's block types, most common first (Q4_K/Q6_K for a Q4_K_M file)."""
-    from evenflow.models import gguf_blocks
+    """The file's weight types, most common first (Q4_K/Q5_0/Q8_0 for a Q4_K_M file of
+    narrow rows): its quantized ones, else its float ones."""
     from evenflow.models.gguf_import import gguf_tensor_types
 
-    counts: dict[str, int] = {}
-    for kind in gguf_tensor_types(model_dir).values():
-        name = gguf_blocks.NAMES.get(kind)
-        if name is not None:
-            counts[name.upper()] = counts.get(name.upper(), 0) + 1
-    return "/".join(sorted(counts, key=lambda n: -counts[n])) or "(no quantized blocks)"
+    counts = gguf_tensor_types(model_dir)  # type name -> matrices
+    floats = {"f32", "f16", "bf16"}
+    shown = {k: n for k, n in counts.items() if k.lower() not in floats} or counts
+    return "/".join(k.upper() for k in sorted(shown, key=lambda k: -shown[k])) or "(no matrices)"
