@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
-from evenflow.engine.kernels import native
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
 
@@ -131,14 +130,7 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (nh, nope, r), (nh, v, r)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (B, nh, r)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # (B, nh, r + rope)
-        if meta.decode_lens is not None:  # the paged kernel, the latent as both K and V
-            paged = native.decode_attention()
-            assert paged is not None
-            o = paged(q, cache, cache, meta.decode_slots, meta.decode_lens, self.scale,
-                      None)[..., : self.rank]
-            return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        q = q.unsqueeze(1)  # (B, 1, nh, r + rope)
+        q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # (B, 1, nh, r + rope)
         ctx = cache.index_select(0, meta.decode_slots.flatten()).view(B, 1, L, width)
         # V is the latent itself: passed whole (the rope dims' output is dropped after), so
         # q, K and V share one width and torch's flash kernel takes them (its math path,

@@ -157,8 +157,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         """Deterministic mode needs every attention on the paged decode kernel (each row on its
         own; torch's gathered attention pads rows to the batch's longest context)."""
         runner = self.runner
-        serves = (not cfg.mla and runner.paged_attention_usable
-                  and native.decode_attention() is not None
+        serves = (runner.paged_attention_usable and native.decode_attention() is not None
                   and native.decode_attention_serves(cfg.head_dim)
                   and (not runner.quantized_kv or native.kv_int8() is not None))
         if not serves:
