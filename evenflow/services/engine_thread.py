@@ -400,8 +400,9 @@ class EngineThread:
             log.exception("switching to the native kernels failed")
             self._kernels_checked_at = float("inf")
             return
+        # (also when the build failed meanwhile: the form then says torch's kernels stay)
+        self.serving_form = self.engine.serving_form()
         if summary is not None:
-            self.serving_form = self.engine.serving_form()
             log.info("switched to the native kernels in %.1f s (%s)",
                      time.monotonic() - now, summary)
 

@@ -60,3 +60,17 @@ def test_an_idle_engine_switches_to_the_native_kernels_once_they_are_built(
     assert on_native == on_torch
     fresh, cached = generate(e, "c", [9, *PROMPT])
     assert cached == 0 and len(fresh) == 8
+
+
+def test_a_failed_background_build_leaves_torch_serving_and_says_so(
+        tmp_path, build_in_background, monkeypatch):
+    """The launcher's build gave up (no compiler, say): the engine stops waiting for it and
+    its summary no longer says the kernels are coming."""
+    make_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    e = Engine(EngineConfig(model=str(tmp_path / "ckpt"), dtype="float32", block_size=4,
+                            num_kv_blocks=16))
+    assert "until the native ones are built" in e.kernel_summary()
+    monkeypatch.setattr(native, "build_failed", lambda: True)
+    native.refresh()
+    assert not native.pending() and e.switch_kernels_when_ready() is None
+    assert "the native kernels could not be built" in e.kernel_summary()

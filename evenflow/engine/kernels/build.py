@@ -52,6 +52,12 @@ def is_built() -> bool:
 
 
 READY = "evenflow-ready"  # written once a build has loaded
+FAILED = "evenflow-failed"  # written when a background build gave up (the next start retries)
+
+
+def build_failed() -> bool:
+    """Whether the last background build of the current sources failed here."""
+    return (build_dir() / FAILED).is_file()
 
 
 def mark_ready(where: Path) -> None:

@@ -49,6 +49,9 @@ class KernelBuild:
         self.say(f"building the engine's native kernels for this machine, once "
                  f"({len(build.SOURCES)} sources, ~{build.TYPICAL_BUILD_S} s on 2 cores; "
                  f"later starts reuse them)")
+        where = build.build_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        (where / build.FAILED).unlink(missing_ok=True)  # (a failure before: tried again)
         self.proc = subprocess.Popen([sys.executable, "-c", _BUILD],
                                      env={**os.environ, "EVENFLOW_NATIVE_BUILD": "wait"},
                                      start_new_session=True)
@@ -63,6 +66,8 @@ class KernelBuild:
         elapsed = time.monotonic() - self.started
         if code is not None:
             self.succeeded = code == 0
+            if not self.succeeded:  # the waiting workers stop waiting: torch's kernels stay
+                (build.build_dir() / build.FAILED).touch()
             self.say(f"native kernels built in {elapsed:.0f} s{self.then}" if self.succeeded
                      else f"native kernels unavailable after {elapsed:.0f} s: torch's kernels "
                      "serve")

@@ -35,6 +35,7 @@ from evenflow.engine.kernels.build import (
     SOURCES,
     TYPICAL_BUILD_S,
     build_dir,
+    build_failed,
     build_lock,
     is_built,
     march,
@@ -57,7 +58,8 @@ def in_background() -> bool:
 
 def pending() -> bool:
     """Whether this process serves on torch's kernels while another builds the native ones."""
-    return enabled() and in_background() and ops() is None and not _given_up
+    return enabled() and in_background() and ops() is None and not _given_up and \
+        not build_failed()
 
 
 def build_done() -> bool:
