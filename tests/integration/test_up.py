@@ -129,3 +129,27 @@ def test_a_port_left_in_time_wait_does_not_stop_up():
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", port))
     assert _preflight(MeshConfig(port=port)) is None
+
+
+@pytest.mark.slow
+def test_killing_up_outright_takes_its_services_with_it():
+    """The services run in sessions of their own (a terminal's Ctrl-C reaches `up` alone), yet
+    `up` killed with SIGKILL leaves none of them running: each dies with its parent."""
+    proc = subprocess.Popen([sys.executable, "-m", "evenflow.cli", "up", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if "evenflow is serving" in proc.stdout.readline():
+                break
+        kids = children_of(proc.pid)
+        assert len(kids) == 7
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 15
+    while [pid for pid in kids if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in kids if alive(pid)]
