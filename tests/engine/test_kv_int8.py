@@ -15,10 +15,11 @@ from evenflow.engine.model.attention import gathered_decode_attention
 from evenflow.engine.serving.engine import Engine, EngineConfig
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    make_checkpoint("qwen3_moe", path)
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def ckpt(tmp_path_factory, request):
+    """Grouped-query attention (K and V per KV head), and MLA (one latent of one head)."""
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(request.param, path)
     return path
 
 
@@ -105,3 +106,22 @@ def test_fp8_is_refused_clearly():
         EngineConfig(kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_an_int8_latent_decodes_as_the_float_one_within_its_rounding(tmp_path):
+    """MLA over an int8 latent cache: a decode step reads the prompt's latents back from int8
+    (per block scales) and its logits stay within the rounding of the float cache's."""
+    from evenflow.engine.runners.model_runner import ChunkInput
+
+    make_checkpoint("deepseek_v3", tmp_path)
+    prompt = list(range(3, 33))
+
+    def decode_logits(kv_cache_dtype):
+        runner = Engine(EngineConfig(model=str(tmp_path), dtype="float32", block_size=16,
+                                     kv_cache_dtype=kv_cache_dtype)).runner
+        runner.forward([ChunkInput(prompt, 0, [0, 1, 2], False)])
+        return runner.forward([ChunkInput([40], len(prompt), [0, 1, 2], True)])
+
+    want, got = decode_logits("auto"), decode_logits("int8")
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert not torch.equal(got, want)  # (it did read the int8 values)

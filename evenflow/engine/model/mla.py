@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
+from evenflow.engine.model.attention import gather_cache
+from evenflow.engine.model.kv_quant import write_quantized
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
 
@@ -77,8 +79,10 @@ class LatentAttention(nn.Module):
         return 1  # the latent
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
-                meta: AttentionMetadata) -> Tensor:
-        """x (T, H); cos / sin (T, 1, rope); cache: this layer's latents (slots, 1, r + rope)."""
+                meta: AttentionMetadata, scales: Tensor | None = None) -> Tensor:
+        """x (T, H); cos / sin (T, 1, rope); cache: this layer's latents (slots, 1, r + rope),
+        int8 with `scales` (blocks + 1, 1) under kv_cache_dtype int8 (engine/model/kv_quant.py:
+        the latent is one part of one head)."""
         T, nh = x.shape[0], self.num_heads
         q = self.q_proj(x) if self.q_proj is not None else \
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -87,15 +91,19 @@ class LatentAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(kv[:, : self.rank]).unsqueeze(1),
                             self._rotate(kv[:, self.rank :].unsqueeze(1), cos, sin)], dim=-1)
-        cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
+        if scales is not None:
+            write_quantized(latent, cache, scales, meta.slot_mapping)
+        else:
+            cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
         outs = [self._prefill(q_nope[s.q_start : s.q_start + s.q_len],
                               q_pe[s.q_start : s.q_start + s.q_len],
                               latent[s.q_start : s.q_start + s.q_len] if s.slots is None
-                              else cache.index_select(0, s.slots), s.ctx_len - s.q_len)
+                              else gather_cache(cache, scales, s.slots, latent.dtype),
+                              s.ctx_len - s.q_len)
                 for s in meta.prefills]
         if meta.decode_slots is not None:
             P = meta.num_prefill_tokens
-            outs.append(self._decode(q_nope[P:], q_pe[P:], cache, meta))
+            outs.append(self._decode(q_nope[P:], q_pe[P:], cache, scales, meta))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return self.o_proj(out.reshape(T, nh * self.v_dim))
 
@@ -120,8 +128,8 @@ class LatentAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
         return o[0, ..., : self.v_dim].transpose(0, 1)
 
-    def _decode(self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, meta: AttentionMetadata
-                ) -> Tensor:
+    def _decode(self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, scales: Tensor | None,
+                meta: AttentionMetadata) -> Tensor:
         """Absorbed form: (B, nh, nope) queries into the latent space, attention over the
         cached latents (B, L) as one shared head, the output up through W_uv -> (B, nh, v)."""
         assert meta.decode_slots is not None
@@ -131,7 +139,8 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (nh, nope, r), (nh, v, r)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (B, nh, r)
         q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # (B, 1, nh, r + rope)
-        ctx = cache.index_select(0, meta.decode_slots.flatten()).view(B, 1, L, width)
+        ctx = gather_cache(cache, scales, meta.decode_slots.flatten(), q.dtype).view(
+            B, 1, L, width)
         # V is the latent itself: passed whole (the rope dims' output is dropped after), so
         # q, K and V share one width and torch's flash kernel takes them (its math path,
         # for unequal widths, upcasts everything: 60% of a batch-32 step)

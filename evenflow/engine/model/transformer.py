@@ -57,8 +57,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(pending, x)
-        # kv: (K, V), an int8 cache's (K, V, K scales, V scales), or MLA's (latent,)
-        attn = self.self_attn(h, cos, sin, *kv[:2], meta, *kv[2:])
+        attn = self._attend(h, cos, sin, kv, meta)
         if self.tp is not None:
             self.tp.all_reduce(attn)
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)
@@ -67,6 +66,14 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(mlp)
         return x, mlp
 
+    def _attend(self, h: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, ...],
+                meta: AttentionMetadata) -> Tensor:
+        """kv: (K, V), an int8 cache's (K, V, K scales, V scales), MLA's (latent,) or its int8
+        (latent, scales)."""
+        if isinstance(self.self_attn, LatentAttention):
+            return self.self_attn(h, cos, sin, kv[0], meta, *kv[1:])
+        return self.self_attn(h, cos, sin, *kv[:2], meta, *kv[2:])
+
     def _post_norm_forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, ...],
                            meta: AttentionMetadata, pending: Tensor | None
                            ) -> tuple[Tensor, Tensor]:
@@ -74,7 +81,7 @@ class DecoderLayer(nn.Module):
         assert self.post_feedforward_layernorm is not None
         if pending is not None:
             x = x + pending
-        attn = self.self_attn(x, cos, sin, *kv[:2], meta, *kv[2:])
+        attn = self._attend(x, cos, sin, kv, meta)
         if self.tp is not None:
             self.tp.all_reduce(attn)
         x = x + self.post_attention_layernorm(attn)

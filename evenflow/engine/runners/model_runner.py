@@ -88,10 +88,8 @@ class ModelRunner:
         self.deterministic = False
         # kv_cache_dtype="int8": the parts are int8, followed by their scales, (num_blocks + 1,
         # heads) float32 each (engine/model/kv_quant.py); the null slot's block scales by 0.
+        # (MLA's latent is one part of one head: its values, then its scales)
         self.quantized_kv = kv_cache_dtype == "int8"
-        if self.quantized_kv and cfg.mla:
-            raise ValueError("kv_cache_dtype int8 does not serve multi-head latent attention "
-                             "(MLA) models yet")
         self.kv_caches: list[tuple[Tensor, ...]] = []
         for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
             shapes = cfg.kv_parts(model.num_kv_heads)
@@ -125,6 +123,12 @@ class ModelRunner:
         for row, layer in enumerate(moe):
             layer.counts = self.expert_counts[row]
 
+    @property
+    def num_kv_parts(self) -> int:
+        """K and V (2), or MLA's latent (1): a layer's cache tensors, its scales not counted."""
+        parts = len(self.kv_caches[0])
+        return parts // 2 if self.quantized_kv else parts
+
     def _blocks_view(self, cache: Tensor) -> Tensor:
         """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache."""
         return cache[: self.null_slot].view(-1, self.block_size, *cache.shape[1:])
@@ -141,14 +145,15 @@ class ModelRunner:
         """A contiguous copy of the blocks' cache, block-major so that any run of blocks is one
         contiguous byte range: (blocks, layers, parts, block_size, heads, dims); parts are
         K and V (2, n_kv, hd), or MLA's latent (1, 1, kv_lora_rank + rope). An int8 cache's
-        block is (layers, 2, bytes) int8: each part's values, then its float32 scales
+        block is (layers, parts, bytes) int8: each part's values, then its float32 scales
         (proto/kv_handoff.py)."""
         index = torch.tensor(block_ids, dtype=torch.long)
         if self.quantized_kv:
+            n = self.num_kv_parts
             return torch.stack([torch.stack([torch.cat([
                 self._blocks_view(parts[j]).index_select(0, index).flatten(1),
-                parts[2 + j].index_select(0, index).view(torch.int8)], dim=1)
-                for j in range(2)], dim=1) for parts in self.kv_caches], dim=1)
+                parts[n + j].index_select(0, index).view(torch.int8)], dim=1)
+                for j in range(n)], dim=1) for parts in self.kv_caches], dim=1)
         kernels = self._kv_kernels()
         if kernels is not None:  # one memcpy per (block, layer, K or V)
             return kernels.kv_blocks_read(  # type: ignore[attr-defined]
@@ -164,12 +169,13 @@ class ModelRunner:
         if self.quantized_kv:
             block_shape = self._blocks_view(self.kv_caches[0][0]).shape[1:]
             values = block_shape.numel()
+            n = self.num_kv_parts
             for layer, parts in enumerate(self.kv_caches):
-                for j in range(2):
+                for j in range(n):
                     raw = kv[:, layer, j]  # (blocks, values + 4 * heads)
                     self._blocks_view(parts[j]).index_copy_(
                         0, index, raw[:, :values].reshape(-1, *block_shape))
-                    parts[2 + j].index_copy_(0, index, raw[:, values:].contiguous().view(
+                    parts[n + j].index_copy_(0, index, raw[:, values:].contiguous().view(
                         torch.float32))
             return
         kernels = self._kv_kernels()
@@ -185,7 +191,7 @@ class ModelRunner:
         parts = self.kv_caches[0]
         if self.quantized_kv:  # values then scales, as bytes
             heads, dims = parts[0].shape[1:]
-            return (num_blocks, len(self.kv_caches), 2,
+            return (num_blocks, len(self.kv_caches), self.num_kv_parts,
                     self.block_size * heads * dims + 4 * heads)
         return (num_blocks, len(self.kv_caches), len(parts), self.block_size,
                 *parts[0].shape[1:])
