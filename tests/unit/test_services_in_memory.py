@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -234,17 +235,22 @@ def test_a_prefill_step_sends_its_first_tokens_to_a_gateway_in_one_message():
     asyncio.run(scenario())
 
 
-def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
-    # least_load breaks ties by worker id, so without the exclusion the retry would go back to
-    # d0, which just said it is full.
+async def a_full_worker_and_a_free_one() -> tuple[Any, list[FakeDecodeWorker]]:
+    """A gateway (least_load, two tries) seeing d0, which refuses as full, and d1, which
+    serves. least_load breaks ties by worker id: a first try goes to d0."""
     config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
                         decode_retries=2)
+    broker = InMemoryBroker()
+    workers = [FakeDecodeWorker(broker, "d0", full=True),
+               FakeDecodeWorker(broker, "d1", full=False)]
+    return await a_gateway_seeing(broker, workers, config), workers
+
+
+def test_gateway_retries_a_full_worker_elsewhere_and_never_picks_it_again():
+    # without the exclusion the retry would go back to d0, which just said it is full
 
     async def scenario() -> None:
-        broker = InMemoryBroker()
-        workers = [FakeDecodeWorker(broker, "d0", full=True),
-                   FakeDecodeWorker(broker, "d1", full=False)]
-        client = await a_gateway_seeing(broker, workers, config)
+        client, workers = await a_full_worker_and_a_free_one()
         deltas = [d async for d in client.generate([1, 2, 3], GREEDY, "r1")]
         assert [t for d in deltas for t in d.token_ids] == [11, 12]
         assert workers[0].requests == ["r1"] and workers[1].requests == ["r1.1"]  # per attempt
@@ -419,14 +425,9 @@ def test_deltas_out_of_order_are_streamed_in_order_without_a_retry():
 def test_the_request_log_line_names_the_worker_that_served_it():
     """The worker the first token came from (after a retry elsewhere: the second), with the
     cached prompt tokens it reported and those the router expected, in the request's log line."""
-    config = MeshConfig(nats_url="memory://", router="least_load", num_prefill=0,
-                        decode_retries=2)
 
     async def scenario() -> None:
-        broker = InMemoryBroker()
-        workers = [FakeDecodeWorker(broker, "d0", full=True),
-                   FakeDecodeWorker(broker, "d1", full=False)]
-        client = await a_gateway_seeing(broker, workers, config)
+        client, workers = await a_full_worker_and_a_free_one()
         job = Job("chat", "r1", "tiny-moe", [1, 2, 3], GREEDY, [], False, False, math.inf)
         async for _ in client.generate(job.prompt_ids, job.spec, "r1", served=job.served):
             pass
