@@ -113,6 +113,10 @@ class ServingEngine(Protocol):
     def serving_form(self) -> tuple[str, str, str]:
         """(weight form, KV cache dtype, kernels), e.g. ("int4-g32 W4A8 (bf16 rest)", "int8",
         "native kernels ..."): heartbeats carry it to /v1/models."""
+    @property
+    def kernels_pending(self) -> bool:
+        """Serving on torch's kernels while the native ones build elsewhere (a machine's first
+        start): the engine thread then calls switch_kernels_when_ready while idle."""
     def switch_kernels_when_ready(self) -> str | None:
         """Called while idle: serving on torch's kernels while the native ones build
         elsewhere (a machine's first start), reload onto them once built. The new kernel summary

@@ -252,6 +252,7 @@ class EngineThread:
         self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
         self._last_step_end = 0.0
         self._kernels_checked_at = 0.0
+        self._kernels_pending = engine.kernels_pending  # (checked while idle until it is not)
         # (weights, KV cache dtype, kernels), read by heartbeats; rewritten here on a switch
         self.serving_form = engine.serving_form()
 
@@ -372,7 +373,7 @@ class EngineThread:
                     self._apply(command)
                 except Exception:  # a bug in one command must not stop the engine
                     log.exception("engine command %s failed", type(command).__name__)
-            if not self.engine.has_unfinished():
+            if self._kernels_pending and not self.engine.has_unfinished():
                 self._maybe_switch_kernels()
             if self.engine.decide_step():  # (once per loop: a collective for DEP ranks)
                 self._step()
@@ -398,10 +399,11 @@ class EngineThread:
             summary = self.engine.switch_kernels_when_ready()
         except Exception:  # torch's kernels keep serving what the engine still holds
             log.exception("switching to the native kernels failed")
-            self._kernels_checked_at = float("inf")
+            self._kernels_pending = False
             return
-        # (also when the build failed meanwhile: the form then says torch's kernels stay)
-        self.serving_form = self.engine.serving_form()
+        self._kernels_pending = self.engine.kernels_pending
+        if not self._kernels_pending:  # switched, or the build failed: torch's kernels stay
+            self.serving_form = self.engine.serving_form()
         if summary is not None:
             log.info("switched to the native kernels in %.1f s (%s)",
                      time.monotonic() - now, summary)

@@ -348,7 +348,7 @@ class LocalMesh:
         return proc
 
     def _env_for(self, args: list[str] | Any) -> dict[str, str]:
-        role = str(args[args.index("-m") + 1]).removeprefix("evenflow.") if "-m" in args else ""
+        role = _role_in(args)
         worker_id = str(args[-1])
         if role == "gateway":  # "g0", "g1", ...: one NATS user for all of them
             worker_id = "gateway" if self.config.num_gateways == 1 else f"gateway-{worker_id}"
@@ -451,6 +451,10 @@ class LocalMesh:
 
 
 def _role_of(proc: subprocess.Popen) -> str:
-    """A service process's module (`-m evenflow.gateway g0` -> "gateway")."""
-    args = [str(a) for a in proc.args] if isinstance(proc.args, list | tuple) else []
+    return _role_in(list(proc.args) if isinstance(proc.args, list | tuple) else [])
+
+
+def _role_in(args: list[Any]) -> str:
+    """A service's module from its arguments (`-m evenflow.gateway g0` -> "gateway")."""
+    args = [str(a) for a in args]
     return args[args.index("-m") + 1].removeprefix("evenflow.") if "-m" in args else ""

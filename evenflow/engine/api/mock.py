@@ -68,8 +68,12 @@ class MockEngine(Engine):
     def serving_form(self) -> tuple[str, str, str]:
         return "none (mock engine)", self.kv_dtype_name, "none: a timing model"
 
+    @property
+    def kernels_pending(self) -> bool:
+        return False  # (no kernels to switch)
+
     def switch_kernels_when_ready(self) -> str | None:
-        return None  # (no kernels to switch)
+        return None
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ requirement.
 
 With EVENFLOW_NATIVE_BUILD=background (`evenflow up` on a machine's first start builds them in
 a process of its own meanwhile), `ops()` is None until that build is done, without waiting for
-it: `pending()` says so, and once `build_done()` an idle engine calls `refresh()` and reloads
+it: `pending()` says so, and once `is_built()` an idle engine calls `refresh()` and reloads
 its weights onto the native kernels (Engine.switch_kernels_when_ready).
 """
 
@@ -60,11 +60,6 @@ def pending() -> bool:
     """Whether this process serves on torch's kernels while another builds the native ones."""
     return enabled() and in_background() and ops() is None and not _given_up and \
         not build_failed()
-
-
-def build_done() -> bool:
-    """Whether the build this process waits for (`pending`) has finished."""
-    return is_built()
 
 
 _given_up = False  # a background build's library failed to load here: torch's for good

@@ -27,7 +27,7 @@ from evenflow.engine.serving.placement_control import ExpertPlacementControl
 from evenflow.engine.serving.prefix_transfer import PrefixTransfer
 from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
 from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
-from evenflow.engine.weights.form import weight_form
+from evenflow.engine.weights.form import short_dtype, weight_form
 from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
@@ -192,14 +192,17 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         weights, kv, kernels = self.serving_form()
         return f"weights {weights}; KV cache {kv}; {kernels}"
 
+    @property
+    def kernels_pending(self) -> bool:
+        """Serving on torch's kernels while the native ones build elsewhere (see below)."""
+        return native.pending()
+
     def serving_form(self) -> tuple[str, str, str]:
         """(weight form, KV cache dtype, kernels): what /v1/models reports per worker."""
         # (what the runner decided when it built the model's forward, not the environment now)
         fast = "" if self.model.decode_stack_builder is not None else "; fast decode off " \
             "(EVENFLOW_FAST_DECODE=0)"
-        kv = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
-            self.kv_dtype_name, self.kv_dtype_name)
-        return self.weight_form, kv, native.summary() + fast
+        return self.weight_form, short_dtype(self.kv_dtype), native.summary() + fast
 
     def switch_kernels_when_ready(self) -> str | None:
         """On a machine's first start the native kernels build in another process while this
@@ -209,7 +212,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         blocks, prefix cache and disk tier stay valid). Returns the new kernel summary when it
         switched, else None. A tensor-parallel or expert-parallel engine never defers (its ranks
         would have to switch together): `evenflow up` builds first for those."""
-        if not native.pending() or self.has_unfinished() or not native.build_done() or \
+        if not native.pending() or self.has_unfinished() or not native.is_built() or \
                 self._tp is not None:
             return None
         old_layers = self.model.moe_layers()

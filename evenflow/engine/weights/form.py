@@ -15,9 +15,14 @@ from evenflow.engine.kernels import native
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def short_dtype(dtype: torch.dtype) -> str:
+    """bf16, fp16, fp32, or torch's own name (int8, ...)."""
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def weight_form(config: EngineConfig, model_dir: Path, dtype: torch.dtype) -> str:
     """e.g. "int4-g32 W4A8 (bf16 rest)": the quantized layers' form, then the plain ones'."""
-    plain = _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+    plain = short_dtype(dtype)
     if config.quantization == "int4":
         return f"int4-g{config.quant_group_size}{_w4a8()} ({plain} rest)"
     if config.quantization in ("int8", "w8a8"):
