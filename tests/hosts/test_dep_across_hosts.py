@@ -107,8 +107,14 @@ def test_the_survivors_serve_and_take_the_lost_host_back(dep2, three_hosts, expe
     killed = time.monotonic()
     until_served(dep2.a, dep2.url, 30, poll_s=0.1, prompt=PROMPT, max_tokens=MAX_TOKENS)
     took = time.monotonic() - killed
+    # A's ranks alone, as a group of two. On a loaded machine one of them may register first
+    # and form an epoch of one, which serves; the other then asks to join and the group
+    # re-forms with both (bounded: it must come)
+    deadline = time.monotonic() + 30
+    while not any(n == 2 for _, n in dep2.group_sizes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     sizes = dep2.group_sizes()
-    assert any(n == 2 for _, n in sizes), sizes  # A's ranks alone, as a group of two
+    assert any(n == 2 for _, n in sizes), sizes
     # bounded, not timed: ~6 s on an idle 2-vCPU machine, ~10 s with it busy with another
     # test run (speed targets are for benchmarks; a test asserts no hang)
     print(f"served again {took:.1f} s after host B's ranks died")
