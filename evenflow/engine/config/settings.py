@@ -60,6 +60,8 @@ ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
     EngineSwitch("EVENFLOW_NATIVE_MOE", "1", "the fused routed-experts kernel"),
     EngineSwitch("EVENFLOW_NATIVE_LINEAR", "1", "dense linears over panel-packed weights"),
     EngineSwitch("EVENFLOW_NATIVE_ROUTING", "1", "MoE routing (softmax, top-k) in one call"),
+    EngineSwitch("EVENFLOW_NATIVE_AMX", "1", "bf16 panel linears and fused experts on AMX tiles "
+                 "from 16 rows (prefill, large batches), where the CPU has AMX"),
     EngineSwitch("EVENFLOW_NATIVE_W4A8", "1", "int4 weights (where VNNI is) against rows "
                  "quantized to int8 per group, for a decode step's few rows (as llama.cpp's Q4_0 "
                  "x Q8_0)"),

@@ -140,7 +140,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
   const int64_t panels13 = inter / (kPanel / 2);
   at::parallel_for(0, panels13 * n_active, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[kRows * kPanel / 2];
+    alignas(64) float out[std::max(kRows, kAmxRows) * kPanel / 2];  // (a block's rows)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
       const int64_t first = start[e];

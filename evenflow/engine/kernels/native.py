@@ -248,6 +248,26 @@ def decode_attention_registers(head_dim: int, group: int) -> bool:
     return kernels is not None and bool(kernels.paged_attention_registers(head_dim, group))
 
 
+def amx_tiles() -> bool:
+    """Whether the bf16 panel kernels (linears, fused experts, prefill attention) run 4 rows and
+    more on AMX tiles (kernels/panel_amx.h): built for a CPU with AMX, permitted by the kernel,
+    and not switched off (EVENFLOW_NATIVE_AMX=0, or deterministic mode: `hold_rows_invariant`)."""
+    kernels = ops()
+    if kernels is None or not hasattr(kernels, "amx_tiles"):
+        return False
+    if not switched_on("EVENFLOW_NATIVE_AMX"):
+        kernels.set_amx_tiles(False)
+    return bool(kernels.amx_tiles())
+
+
+def hold_rows_invariant() -> None:
+    """From now on, in this process, every panel kernel computes a row the same way whatever
+    its call's row count: no AMX tiles (deterministic mode's batch invariance)."""
+    kernels = ops()
+    if kernels is not None and hasattr(kernels, "set_amx_tiles"):
+        kernels.set_amx_tiles(False)
+
+
 @functools.cache
 def fused_moe() -> Any | None:
     """The fused routed-experts kernel (kernels/fused_moe.cpp), or None: no native kernels, or
@@ -298,5 +318,6 @@ def summary() -> str:
             native_ones.append(name)
         else:
             torch_ones.append(f"{name} ({switch}=0)" if not switched_on(switch) else name)
-    line = f"native kernels (-march={march()}): {', '.join(native_ones) or 'none'}"
+    tiles = " (bf16 panels on AMX tiles from 4 rows)" if amx_tiles() else ""
+    line = f"native kernels (-march={march()}){tiles}: {', '.join(native_ones) or 'none'}"
     return line + (f"; torch's: {', '.join(torch_ones)}" if torch_ones else "")

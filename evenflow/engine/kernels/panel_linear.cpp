@@ -165,7 +165,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace evenflow_ops
 
+namespace {
+void set_amx_tiles(bool on) { amx_switched_on().store(on); }
+bool amx_tiles() { return amx_usable(); }
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(evenflow_kernels, m) {
+  // bf16 panels on AMX tiles from 16 rows, where built and permitted (panel_amx.h);
+  // process-wide
+  m.def("set_amx_tiles(bool on) -> ()", &set_amx_tiles);
+  m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias, Tensor? scale=None, "
         "Tensor? offset=None, int group=0) -> Tensor");
 }

@@ -33,6 +33,7 @@
 #include <utility>
 
 #include "panel.h"
+#include "panel_amx.h"
 #include "panel_w8a8.h"
 
 namespace evenflow_panel {
@@ -481,7 +482,8 @@ T* panel_scratch(size_t n) {
   return buffer.get();
 }
 
-// sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows) at a time; epilogue(r0,
+// sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows; on AMX tiles, from
+// kAmxMinRows bf16 rows, kAmxRows) at a time; epilogue(r0,
 // mm, sums) gets each block's mm x 64 sums (int8's scale applied). row_t(i) / row_f(i): row i
 // in T / in float32 (the latter read only for quantized weights with few rows); row_q(i): row
 // i quantized (a w8a8 weight's rows, or a kInt4Vnni weight's in groups: QuantRows::at).
@@ -530,6 +532,19 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     dequantize_panel(wt, p, k_total, scratch);
     plain = scratch;
   }
+  auto scaled = [&](int64_t r0, int mm, float* s) {  // int8: its scale, on the sums
+    if (wt.format == Format::kInt8) {
+      for (int r = 0; r < mm; ++r)
+        for (int v = 0; v < 4; ++v) {
+          float* at = s + r * kPanel + v * kLanes;
+          store(at, load(at) * load(wt.scale + p * kPanel + v * kLanes));
+        }
+    }
+    epilogue(r0, mm, s);
+  };
+  if constexpr (std::is_same_v<T, uint16_t>) {  // many bf16 rows: AMX tiles, where there are
+    if (plain != nullptr && run_panel_amx(plain, k_total, m, row_t, scaled)) return;
+  }
   const int step = plain != nullptr ? kRows : kQuantRows;
   for (int64_t r0 = 0; r0 < m; r0 += step) {
     const int mm = static_cast<int>(std::min<int64_t>(step, m - r0));
@@ -547,14 +562,7 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
       panel_quant(wt, p, rows, std::is_same_v<T, uint16_t> ? rows_b : nullptr, mm, k_total,
                   sums);
     }
-    if (wt.format == Format::kInt8) {
-      for (int r = 0; r < mm; ++r)
-        for (int v = 0; v < 4; ++v) {
-          float* s = sums + r * kPanel + v * kLanes;
-          store(s, load(s) * load(wt.scale + p * kPanel + v * kLanes));
-        }
-    }
-    epilogue(r0, mm, sums);
+    scaled(r0, mm, sums);
   }
 }
 

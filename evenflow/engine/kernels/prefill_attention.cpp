@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "panel.h"
+#include "panel_amx.h"
 
 namespace {
 
@@ -116,7 +117,7 @@ struct Scratch {
   alignas(64) float s[kMaxRows * kKeys];
   alignas(64) T pr[kMaxRows * kKeys];
   alignas(64) float o[kMaxRows * 256];
-  alignas(64) float sums[kRows * kPanel];
+  alignas(64) float sums[std::max(kRows, evenflow_panel::kAmxRows) * kPanel];
   float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
   int64_t pos[kMaxRows], head[kMaxRows];
 };
@@ -140,11 +141,24 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
   const int64_t last_key = p.offset + pos0 + npos - 1;  // the last row's diagonal
   // the first row's window start: no earlier block is seen by any row of the tile
   const int64_t first_key = p.window ? std::max<int64_t>(0, p.offset + pos0 - p.window + 1) : 0;
+  // bf16 on AMX tiles (kernels/panel_amx.h), 16 rows a pass: q and P are rows one after
+  // another in the scratch already, and K's and V's blocks are panels (AMX's B layout). Rows
+  // past the tile's are read (the scratch has room) and their sums dropped.
+  const bool tiles = std::is_same_v<T, uint16_t> && hd % 32 == 0 && rows >= 4 &&
+                     evenflow_panel::amx_usable();
+  if (tiles) evenflow_panel::configure_tiles();
   for (int64_t b = first_key / kKeys; b <= last_key / kKeys; ++b) {
     const int64_t key0 = b * kKeys;
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows)  // scores: q . k for 64 keys
-      panel<T>(qrow + r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)),
-               p.k_block(g, b), hd, w.s + r0 * kKeys);
+    for (int64_t r0 = 0; r0 < rows; r0 += tiles ? evenflow_panel::kAmxRows : kRows) {
+      if (tiles) {  // scores: q . k for 64 keys
+        evenflow_panel::panel_bf16_amx(reinterpret_cast<const uint16_t*>(qrow[r0]), hd,
+                                       reinterpret_cast<const uint16_t*>(p.k_block(g, b)), hd,
+                                       w.s + r0 * kKeys);
+      } else {
+        panel<T>(qrow + r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)),
+                 p.k_block(g, b), hd, w.s + r0 * kKeys);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {  // online softmax
       const int64_t visible = std::min<int64_t>(kKeys, p.offset + w.pos[r] - key0 + 1);
       // keys of the block before this row's window (0 without a window)
@@ -188,9 +202,15 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
     }
     const T* vb = p.v_block(g, b);
     for (int64_t c = 0; c < hd / kPanel; ++c) {  // output += P @ V, one 64-channel panel at a time
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-        panel<T>(prow + r0, mr, vb + c * kKeys * kPanel, kKeys, w.sums);
+      const int step = tiles ? evenflow_panel::kAmxRows : kRows;
+      for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        const int mr = static_cast<int>(std::min<int64_t>(step, rows - r0));
+        if (tiles)
+          evenflow_panel::panel_bf16_amx(reinterpret_cast<const uint16_t*>(prow[r0]), kKeys,
+                                         reinterpret_cast<const uint16_t*>(vb) + c * kKeys * kPanel,
+                                         kKeys, w.sums);
+        else
+          panel<T>(prow + r0, mr, vb + c * kKeys * kPanel, kKeys, w.sums);
         for (int r = 0; r < mr; ++r) {
           float* o = w.o + (r0 + r) * hd + c * kPanel;
           const f16v a = splat(w.alpha[r0 + r]);
@@ -200,6 +220,7 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
       }
     }
   }
+  if (tiles) evenflow_panel::release_tiles();
   for (int64_t r = 0; r < rows; ++r) {
     float inv = 1.f / w.l[r];
     if (p.sinks != nullptr) {  // the sink's logit joins the max and the sum, with no value

@@ -165,6 +165,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
                              "this model (plain grouped-query attention, head_dim a multiple of "
                              "16, native kernels built and switched on)")
         runner.deterministic = True
+        native.hold_rows_invariant()
 
     @property
     def fatal_error(self) -> str | None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from evenflow.engine.config.settings import ModelConfig, ModelLoadError
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.ffn import MLP, MoE
-from evenflow.engine.model.mla import LatentAttention, LatentUpProjection
+from evenflow.engine.model.mla import LatentAttention
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 
 
@@ -95,10 +95,8 @@ class TPShard:
             attn.q_proj = _linear(attn.q_proj.weight.data[q_rows], None)
         else:
             attn.q_b_proj = _linear(attn.q_b_proj.weight.data[q_rows], None)
-        up = LatentUpProjection(cfg.kv_lora_rank, 1)
-        up.weight = _param(attn.kv_b_proj.weight.data[
-            self._heads(nh, cfg.qk_nope_head_dim + cfg.v_head_dim)].contiguous())
-        attn.kv_b_proj = up
+        per = nh // self.world_size
+        attn.kv_b_proj = attn.kv_b_proj.for_heads(self.rank * per, per)
         bias = attn.o_proj.bias
         attn.o_proj = _linear(attn.o_proj.weight.data[:, self._heads(nh, cfg.v_head_dim)],
                               bias.data.clone() if bias is not None and self.rank == 0 else None)
