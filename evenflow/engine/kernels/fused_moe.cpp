@@ -168,7 +168,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
               store_row(act.get() + at, out + r * kPanel / 2, kPanel / 2);
               if (act_f) std::memcpy(act_f.get() + at, out + r * kPanel / 2, 128);
             }
-          });
+          },
+          kAmxMinRowsExperts);
     }
   });
 
@@ -196,7 +197,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
                 store(y + v * kLanes, sum * scale);
               }
             }
-          });
+          },
+          kAmxMinRowsExperts);
     }
   });
 

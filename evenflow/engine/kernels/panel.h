@@ -154,7 +154,17 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
 inline void store_row(float* dst, const float* src, int n) { std::memcpy(dst, src, n * 4); }
 
 inline void store_row(uint16_t* dst, const float* src, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes) {  // 16 at a time: rounded as float_to_bf16, one vpmovdw
+    const f16v r = bf16_round(load(src + i));
+    __m512i bits;
+    std::memcpy(&bits, &r, sizeof bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 // acc[r] += x[r][k] * (w0 | w1 | w2 | w3): input k of MR float rows against 64 channels' weights
@@ -183,6 +193,12 @@ void panel_f32(const float* const* x, const float* w, int64_t k_total, float* su
     for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, acc[r][v]);
 }
 
+// Few-row panels are bound by reading the weights, and one core keeps too few misses in
+// flight for its share of the bandwidth: software prefetch kPrefetchPairs input pairs
+// (kPrefetchPairs * 256 bytes) ahead.
+constexpr int kPrefetchRows = 3;
+constexpr int64_t kPrefetchPairs = 16;
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 template <int MR>
 void panel_bf16(const uint16_t* const* x, const uint16_t* w, int64_t k_total, float* sums) {
@@ -191,6 +207,10 @@ void panel_bf16(const uint16_t* const* x, const uint16_t* w, int64_t k_total, fl
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k_total / 2; ++kp) {
     const uint16_t* wp = w + kp * 2 * kPanel;
+    if constexpr (MR <= kPrefetchRows) {  // few rows: bound by reading the panel
+      const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchPairs * 2 * kPanel);
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + 32));
     const __m512bh w2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + 64));

@@ -489,7 +489,8 @@ T* panel_scratch(size_t n) {
 // i quantized (a w8a8 weight's rows, or a kInt4Vnni weight's in groups: QuantRows::at).
 template <typename T, typename RowT, typename RowF, typename RowQ, typename Epilogue>
 void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const RowT& row_t,
-               const RowF& row_f, const RowQ& row_q, const Epilogue& epilogue) {
+               const RowF& row_f, const RowQ& row_q, const Epilogue& epilogue,
+               int64_t amx_min_rows = kAmxMinRows) {
   alignas(64) float sums[kRows * kPanel];
   if (wt.format == Format::kW8A8) {
     for (int64_t r0 = 0; r0 < m; r0 += kW8A8Rows) {
@@ -543,7 +544,8 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     epilogue(r0, mm, s);
   };
   if constexpr (std::is_same_v<T, uint16_t>) {  // many bf16 rows: AMX tiles, where there are
-    if (plain != nullptr && run_panel_amx(plain, k_total, m, row_t, scaled)) return;
+    if (plain != nullptr && run_panel_amx(plain, k_total, m, row_t, scaled, amx_min_rows))
+      return;
   }
   const int step = plain != nullptr ? kRows : kQuantRows;
   for (int64_t r0 = 0; r0 < m; r0 += step) {
