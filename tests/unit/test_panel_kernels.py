@@ -242,3 +242,45 @@ def test_values_round_trip_through_the_int4_nibbles():
     stack = PanelStack.build([values])
     eye = torch.eye(H)
     assert torch.equal(stack.linear(eye).T, q.float())
+
+
+@pytest.fixture
+def amx_switch():
+    """The kernels' process-wide AMX switch, turned back on afterwards."""
+    if not native.amx_tiles():
+        pytest.skip("no AMX tiles on this CPU (or switched off in this process)")
+    kernels = native.ops()
+    yield kernels.set_amx_tiles
+    kernels.set_amx_tiles(True)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16, 37])
+def test_amx_tiles_agree_with_the_register_kernels(amx_switch, rows):
+    """bf16 on AMX tiles (kernels/panel_amx.h), from one row for experts and two for linears,
+    rows past a block's last dropped: the same sums as the register kernels to bf16's rounding,
+    for the panel linear and the fused experts (with GPT-OSS's biases and clamped SwiGLU)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, H, generator=g).bfloat16()
+    w = (torch.randn(3 * 64, H, generator=g) / H**0.5).bfloat16()
+    gate_up = [(torch.randn(2 * INTER, H, generator=g) / H**0.5).bfloat16() for _ in range(EXPERTS)]
+    down = [(torch.randn(H, INTER, generator=g) / INTER**0.5).bfloat16() for _ in range(EXPERTS)]
+    ids = torch.randint(0, EXPERTS, (rows, TOP_K), generator=g)
+    route = torch.rand(rows, TOP_K, generator=g)
+    b13, b2 = torch.randn(EXPERTS, 2 * INTER, generator=g), torch.randn(EXPERTS, H, generator=g)
+    kernels = native.ops()
+    packed = panels.pack_weight(w)
+    w13 = [panels.pack_weight(t, gate_up=True) for t in gate_up]
+    w2 = [panels.pack_weight(t) for t in down]
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        return (kernels.panel_linear(x, packed, None, None, None, 0),
+                kernels.fused_moe(x, ids, route, w13, w2, [], [], [], [], 0, b13, b2, 1, 1.702,
+                                  7.0))
+
+    amx_switch(True)
+    tiles = both()
+    amx_switch(False)
+    registers = both()
+    for a, b in zip(tiles, registers):
+        close(a, b.float(), torch.bfloat16)
+    close(tiles[0], x.float() @ w.float().T, torch.bfloat16)

@@ -12,9 +12,10 @@
 // a contiguous 16 x K buffer first (the fused MoE gathers them from scattered tokens); a
 // block's rows past the last are read too and their sums dropped.
 //
-// Switched off process-wide by `set_amx_tiles(false)`: by deterministic mode (a row's sums would
-// depend on whether its call had 16 rows (tiles) or fewer (registers), and that mode promises
-// they do not), and by EVENFLOW_NATIVE_AMX=0. Linux asks each process to request the tile
+// Switched off process-wide by `set_amx_tiles(false)`: by EVENFLOW_NATIVE_AMX=0, and by
+// deterministic mode, which promises a row's sums do not depend on its call's row count (tiles
+// or registers). Here the two gave bit-identical rows (bf16 pairs summed in order, float32
+// accumulation, K of 128-2,880), but nothing documents that TDPBF16PS rounds as VDPBF16PS does. Linux asks each process to request the tile
 // state once (arch_prctl).
 
 #pragma once
