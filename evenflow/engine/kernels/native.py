@@ -249,8 +249,8 @@ def decode_attention_registers(head_dim: int, group: int) -> bool:
 
 
 def amx_tiles() -> bool:
-    """Whether the bf16 panel kernels (linears, fused experts, prefill attention) run 4 rows and
-    more on AMX tiles (kernels/panel_amx.h): built for a CPU with AMX, permitted by the kernel,
+    """Whether the bf16 panel kernels (linears from 2 rows, fused experts, prefill attention)
+    run on AMX tiles (kernels/panel_amx.h): built for a CPU with AMX, permitted by the kernel,
     and not switched off (EVENFLOW_NATIVE_AMX=0, or deterministic mode: `hold_rows_invariant`)."""
     kernels = ops()
     if kernels is None or not hasattr(kernels, "amx_tiles"):
@@ -318,6 +318,6 @@ def summary() -> str:
             native_ones.append(name)
         else:
             torch_ones.append(f"{name} ({switch}=0)" if not switched_on(switch) else name)
-    tiles = " (bf16 panels on AMX tiles from 4 rows)" if amx_tiles() else ""
+    tiles = " (bf16 panels on AMX tiles)" if amx_tiles() else ""
     line = f"native kernels (-march={march()}){tiles}: {', '.join(native_ones) or 'none'}"
     return line + (f"; torch's: {', '.join(torch_ones)}" if torch_ones else "")

@@ -5,8 +5,8 @@
 // Why: oneDNN's linear costs ~20 µs a call before it reads a byte (`evenflow bench kernels`:
 // a 16x512 weight, one row, 25 µs), and a decode step makes three such calls a layer for a few
 // rows. This kernel starts at once and streams each panel of the weight once per block of rows
-// (1.3-2.5x oneDNN at 1-32 rows; ~0.8-0.9x at 512+ rows in bf16, where prefill spends most of
-// its time in attention and the experts instead).
+// (1.3-2.5x oneDNN at 1-32 rows; ~0.8-0.9x at 512+ rows in bf16 on vdpbf16ps. On AMX tiles,
+// panel_amx.h, from 2 rows: 1.4-2x oneDNN at 16-96 rows, ~0.8x at 2,048 on an expert's shape).
 //
 // Threads: ATen's pool over (row block, panel) tasks. Compiled at first use with
 // -march=native by evenflow/engine/kernels/native.py.
