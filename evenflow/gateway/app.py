@@ -27,8 +27,8 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evenflow import __version__
-from evenflow.gateway.client import RequestFailed
 from evenflow.gateway.edge import EdgeMiddleware, read_api_keys
+from evenflow.gateway.flight import RequestFailed
 from evenflow.gateway.jobs import Gateway
 from evenflow.gateway.protocol import (
     APIError,

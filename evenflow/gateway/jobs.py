@@ -14,8 +14,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from evenflow import models
-from evenflow.gateway.client import GatewayClient, RequestFailed, Served
+from evenflow.gateway.client import GatewayClient
 from evenflow.gateway.edge import Admission
+from evenflow.gateway.flight import RequestFailed, Served
 from evenflow.gateway.protocol import (
     APIError,
     ChatCompletionRequest,

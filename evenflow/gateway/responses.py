@@ -17,8 +17,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from starlette.types import Receive, Scope, Send
 
-from evenflow.gateway.client import RequestFailed
 from evenflow.gateway.fanout import merged
+from evenflow.gateway.flight import RequestFailed
 from evenflow.gateway.jobs import Gateway, Job, error_from_failure
 from evenflow.gateway.render import (
     LogprobRenderer,

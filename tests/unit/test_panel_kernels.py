@@ -281,6 +281,6 @@ def test_amx_tiles_agree_with_the_register_kernels(amx_switch, rows):
     tiles = both()
     amx_switch(False)
     registers = both()
-    for a, b in zip(tiles, registers):
+    for a, b in zip(tiles, registers, strict=True):
         close(a, b.float(), torch.bfloat16)
     close(tiles[0], x.float() @ w.float().T, torch.bfloat16)
