@@ -99,7 +99,7 @@ def _up(args: argparse.Namespace) -> int:
     import time
 
     from evenflow.engine.kernels import first_build
-    from evenflow.services.config import ConfigError, env_help, load_config
+    from evenflow.services.config import ConfigError, env_help, load_mesh_config
     from evenflow.services.launcher import ROLES, LaunchError, LocalMesh
     from evenflow.services.supervisor import GaveUp
 
@@ -107,7 +107,7 @@ def _up(args: argparse.Namespace) -> int:
         print(env_help())
         return 0
     try:
-        config = load_config({
+        config = load_mesh_config({
             "port": args.port, "model": args.model, "num_prefill": args.prefill,
             "num_gateways": args.gateways,
             "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,

@@ -84,8 +84,8 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.engine.weights.loader import (
         load_model,
+        model_directory,
         quant_config,
-        resolve_model,
         torch_dtype,
     )
     from evenflow.engine.weights.quantize_model import quantized_bytes
@@ -94,10 +94,10 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
                           max_num_batched_tokens=4096, num_kv_blocks=2048, **VARIANTS[variant])
     # Warm up first on tiny-moe (the same code paths: safetensors, the kernels, the shape
     # measurements), so that what the big load adds is the model, not one-off process costs.
-    load_model(resolve_model("tiny-moe"), torch_dtype(config), quant_config(config))
+    load_model(model_directory("tiny-moe"), torch_dtype(config), quant_config(config))
     gc.collect()
     before = _rss_mb()
-    load_model(resolve_model(ckpt), torch_dtype(config), quant_config(config))  # alone, first
+    load_model(model_directory(ckpt), torch_dtype(config), quant_config(config))  # alone, first
     load_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     engine = Engine(config)
     weights_mb = quantized_bytes(engine.model) / 2**20

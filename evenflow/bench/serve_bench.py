@@ -234,9 +234,9 @@ def kv_per_token_line(model: str, itemsize: int, transfer_bytes: float, prompt_l
     tokens, the last block's unused slots included; and the cache layout's exact figure), next
     to a grouped-query model of the same width: the same layers and query heads with a quarter
     of them as KV heads (the benchmark Mixtral's 8 / 2), K and V as wide as this model's."""
-    from evenflow.engine.config.families import load_config
+    from evenflow.engine.config.families import load_model_config
 
-    cfg = load_config(model)
+    cfg = load_model_config(model)
     exact = cfg.kv_elements_per_token * itemsize
     k_dim, v_dim = (cfg.head_dim, cfg.v_head_dim) if cfg.mla else (cfg.head_dim, cfg.head_dim)
     kv_heads = max(1, cfg.num_heads // 4)
@@ -254,10 +254,10 @@ def int8_wire_line(model: str, itemsize: int, transfer_bytes: float, prompt_len:
     """The int8 cache's hand-off bytes per token (measured) against the model dtype's layout."""
     import torch
 
-    from evenflow.engine.config.families import load_config
+    from evenflow.engine.config.families import load_model_config
     from evenflow.engine.model.kv_quant import kv_block_bytes
 
-    cfg = load_config(model)
+    cfg = load_model_config(model)
     int8 = kv_block_bytes(cfg, block_size, torch.int8, "int8") / block_size
     full = cfg.kv_elements_per_token * itemsize
     measured = transfer_bytes / prompt_len

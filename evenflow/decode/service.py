@@ -48,8 +48,8 @@ from evenflow.services.engine_thread import (
     StepFailed,
     first_token_times,
 )
+from evenflow.services.engine_worker import EngineWorker
 from evenflow.services.metrics import KV_TRANSFER_BYTES
-from evenflow.services.worker import WorkerService
 
 
 @dataclass
@@ -72,7 +72,7 @@ class _Active:
     admitted_ns: int = 0
 
 
-class DecodeWorker(WorkerService):
+class DecodeWorker(EngineWorker):
     role = Role.DECODE
 
     async def start(self) -> None:

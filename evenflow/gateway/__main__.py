@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 
 from evenflow.gateway.app import create_app
 from evenflow.gateway.jobs import Gateway
-from evenflow.services.config import MeshConfig, load_config
+from evenflow.services.config import MeshConfig, load_mesh_config
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,4 +82,4 @@ def main(config: MeshConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(load_config())
+    main(load_mesh_config())

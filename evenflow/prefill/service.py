@@ -47,9 +47,9 @@ from evenflow.services.engine_thread import (
     StepFailed,
     first_token_times,
 )
+from evenflow.services.engine_worker import EngineWorker
 from evenflow.services.kv_pull import KVPuller
 from evenflow.services.metrics import KV_PULLED_BLOCKS, KV_TRANSFER_BYTES
-from evenflow.services.worker import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class _Pending:
     received_ns: int = field(default_factory=time.time_ns)  # (clock of Admitted.at_ns)
 
 
-class PrefillWorker(WorkerService):
+class PrefillWorker(EngineWorker):
     role = Role.PREFILL
 
     async def start(self) -> None:

@@ -43,13 +43,13 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
 from evenflow.rayserve import autoscaling
-from evenflow.services.config import MeshConfig, load_config
+from evenflow.services.config import MeshConfig, load_mesh_config
 from evenflow.services.worker import WorkerService
 
 
 def _config(args: dict[str, Any]) -> MeshConfig:
     """Application args (serve.yaml `args:`) over EVENFLOW_* variables."""
-    return load_config({k: v for k, v in args.items() if k not in _DEPLOYMENT_KEYS})
+    return load_mesh_config({k: v for k, v in args.items() if k not in _DEPLOYMENT_KEYS})
 
 
 # Application args that configure the deployment rather than the mesh.

@@ -320,7 +320,7 @@ class MeshConfig:
     def engine_config(self, kv_disk_dir: str = "") -> EngineConfig:
         """The engine settings every worker runs with: the fields both configs share by name,
         with 0 meaning "unset" where the engine takes None. The KV disk tier is per worker:
-        only with its directory (services/worker.py WorkerService.engine_config)."""
+        only with its directory (services/engine_worker.py EngineWorker.engine_config)."""
         shared = {f.name for f in dataclasses.fields(EngineConfig)} & {
             f.name for f in dataclasses.fields(self)}
         values: dict[str, Any] = {name: getattr(self, name) for name in shared}
@@ -382,7 +382,7 @@ def _coerce(name: str, hint: Any, raw: Any) -> Any:
     return raw
 
 
-def load_config(overrides: Mapping[str, Any] | None = None,
+def load_mesh_config(overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> MeshConfig:
     """Environment first, then overrides (CLI flags); None values in overrides are skipped."""
     environ = os.environ if environ is None else environ

@@ -3,7 +3,7 @@
 Work crosses in both directions as named messages: the loop puts `EngineCommand`s on one
 thread-safe queue; the thread applies them between steps (so they never race a step), steps the
 engine while it has work, and puts `EngineEvent`s on one asyncio queue that a single task per
-worker drains (`WorkerService._drain_engine_events`). No closures cross.
+worker drains (`EngineWorker._drain_engine_events`). No closures cross.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""The lifecycle every worker shares: connect to NATS, start, publish heartbeats with load, and
-on SIGTERM / SIGINT drain (stop taking work, let in-flight requests finish for a bounded time),
-then close the connection and flush traces.
+"""The lifecycle every worker shares (prefill, decode, the KV index, the balancer): connect to
+NATS, start, publish heartbeats, and on SIGTERM / SIGINT drain (stop taking work, let in-flight
+requests finish for a bounded time), then close the connection and flush traces. Outbound
+messages go through one sender task (`send`), so event handlers never create unowned tasks.
 
-Engine workers run their engine through `serve_engine`: typed commands in, typed events out
-(services/engine_thread.py). Outbound messages go through one sender task (`send`), so event
-handlers never create unowned tasks.
+Prefill and decode workers add an engine on top (services/engine_worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import signal
-import tempfile
 import time
 import uuid
 
@@ -22,55 +18,14 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import start_http_server
 
-from evenflow.engine.config.settings import EngineConfig
 from evenflow.proto import subjects
-from evenflow.proto.messages import (
-    ExpertLoad,
-    ExpertPlacement,
-    KVEvents,
-    KVSnapshot,
-    Message,
-    ProfileRequest,
-    ProfileResult,
-    Role,
-    WorkerHeartbeat,
-)
+from evenflow.proto.messages import Message, Role, WorkerHeartbeat
 from evenflow.services.bus import EXIT_NATS_AUTH, Bus, MessageBus, NatsAuthError
 from evenflow.services.config import MeshConfig
-from evenflow.services.engine_api import ServingEngine
-from evenflow.services.engine_thread import (
-    Admitted,
-    ApplyPlacement,
-    EngineEvent,
-    EngineThread,
-    ExpertLoadTaken,
-    KVEventsTaken,
-    KVSnapshotTaken,
-    PlacementApplied,
-    PrefixExported,
-    PrefixImported,
-    Profile,
-    ProfileTaken,
-    Rejected,
-    SnapshotKV,
-    StepDone,
-    StepFailed,
-    TakeExpertLoad,
-)
-from evenflow.services.kv_pull import PullServer
-from evenflow.services.metrics import (
-    VLLM_KV_USAGE,
-    VLLM_RUNNING,
-    VLLM_WAITING,
-    export_kv_disk_counts,
-    watch_loop_lag,
-)
+from evenflow.services.metrics import watch_loop_lag
 from evenflow.services.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
-
-MAX_PROFILE_STEPS = 1000  # what one POST /admin/profile may ask of a worker
-MAX_PROFILE_SECONDS = 300.0
 
 
 class WorkerService:
@@ -83,18 +38,7 @@ class WorkerService:
         self.tracer: trace.Tracer = setup_tracing(f"evenflow-{self.role}", worker_id)
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index
-        self.kv_seq = 0  # KVEvents published so far in this epoch
-        self._engine: ServingEngine | None = None
-        self._thread: EngineThread | None = None
-        self._temporary_kv_disk: str | None = None  # this worker's own KV disk tier, if made
-        self._owned_tasks: list[asyncio.Task] = []  # engine events, expert-load reports
-        # for the periodic stats line: since the last one
-        self._stat_tokens = self._stat_prompt_tokens = self._stat_cached = 0
-        self._stat_prompts_seen = 0
-        self._stat_started: set[str] = set()  # requests whose first output was counted
-        self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
-        self._kv_disk_seen: dict[str, int] = {}  # the disk tier's counts at their last export
-        self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
+        self._owned_tasks: list[asyncio.Task] = []  # cancelled when the worker stops
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
@@ -104,30 +48,20 @@ class WorkerService:
         raise NotImplementedError
 
     def heartbeat(self) -> WorkerHeartbeat:
-        """This service's heartbeat; workers add their load."""
-        thread = self._thread
-        form = thread.serving_form if thread else ("", "", "")  # (what an engine runs)
+        """This service's heartbeat; engine workers add their load."""
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
                                epoch=self.epoch, draining=self.draining,
                                unhealthy=self.healthy() or "",
-                               metrics_port=self.config.metrics_port,
-                               step_seconds=thread.step_seconds if thread else 0.0,
-                               prompt_tokens_computed=thread.prompt_tokens_computed
-                               if thread else 0,
-                               output_tokens=thread.output_tokens if thread else 0,
-                               stream_seconds=thread.stream_seconds if thread else 0.0,
-                               stream_tokens=thread.stream_tokens if thread else 0,
-                               weights=form[0], kv_cache_dtype=form[1], kernels=form[2])
+                               metrics_port=self.config.metrics_port)
 
     def busy(self) -> bool:
         return False
 
     def healthy(self) -> str | None:
         """Why this service cannot do its job right now (None: it can). NATS is checked by
-        the caller; services that need more (Redis) say so here. An engine whose steps keep
-        failing makes its worker unhealthy."""
-        return self._thread.problem if self._thread is not None else None
+        the caller; services that need more (Redis) say so here."""
+        return None
 
     def autoscaling_stats(self) -> dict[str, float]:
         """This replica's load signal for an autoscaler (Ray Serve custom metrics)."""
@@ -136,221 +70,18 @@ class WorkerService:
     async def shutdown(self) -> None:
         pass
 
-    def on_outputs(self, outputs: StepDone) -> None:
-        """A step's outputs (engine workers)."""
+    def ready_note(self) -> str:
+        """What the ready line adds after "<role> <id> ready" (engine workers: the kernels)."""
+        return ""
 
-    def on_admitted(self, event: Admitted) -> None:
-        """The engine took a request."""
+    def before_beat(self) -> None:
+        """Called before each periodic heartbeat (engine workers export their gauges)."""
 
-    def on_rejected(self, event: Rejected) -> None:
-        """The engine refused a request (its reason names the problem)."""
-
-    def on_step_failed(self, event: StepFailed) -> None:
-        """A step raised and the engine dropped these requests."""
-
-    def on_prefix_imported(self, event: PrefixImported) -> None:
-        """Pulled K/V went into the prefix cache (prefill workers)."""
-
-    # -- the engine -------------------------------------------------------------------------
-    @property
-    def engine(self) -> ServingEngine:
-        assert self._engine is not None, "serve_engine first"
-        return self._engine
-
-    @property
-    def engine_thread(self) -> EngineThread:
-        assert self._thread is not None, "serve_engine first"
-        return self._thread
-
-    def engine_config(self) -> EngineConfig:
-        """The mesh's engine settings for this worker, with its KV disk tier's directory:
-        kv_disk_dir/<worker id> (persistent), or a temporary one removed when it exits."""
-        if self.config.kv_disk_gb <= 0:
-            return self.config.engine_config()
-        if self.config.kv_disk_dir:
-            return self.config.engine_config(os.path.join(self.config.kv_disk_dir,
-                                                          self.worker_id))
-        self._temporary_kv_disk = tempfile.mkdtemp(prefix=f"evenflow-kv-disk-{self.worker_id}-")
-        return self.config.engine_config(self._temporary_kv_disk)
-
-    async def serve_engine(self, engine: ServingEngine) -> None:
-        """Run `engine` on its own thread, drain its events, answer the KV index's resync
-        requests and, for MoE engines under a placement, the balancer."""
-        self._engine = engine
-        self._thread = EngineThread(engine, asyncio.get_running_loop(),
-                                    step_delay_s=self.config.step_delay_s(self.worker_id))
-        self._thread.start()
-        self._owned_tasks.append(asyncio.create_task(self._drain_engine_events(),
-                                                     name="engine events"))
-        await self.bus.subscribe(subjects.kv_resync(self.worker_id), self._on_resync)
-        self.pull_server = PullServer(self.send, self._thread.submit, self.worker_id,
-                                      self.config.kv_chunk_bytes)
-        await self.bus.subscribe(subjects.kv_pull(self.worker_id), self.pull_server.on_request)
-        await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
-                                 self._on_gateway_heartbeat)
-        self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
-        if self.config.stats_log_interval_s > 0:
-            self._owned_tasks.append(asyncio.create_task(self._log_stats(), name="stats"))
-        if engine.uses_placement:
-            await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
-            self._owned_tasks.append(asyncio.create_task(self._report_expert_load(),
-                                                         name="eplb"))
-
-    async def _drain_engine_events(self) -> None:
-        events = self.engine_thread.events
-        while True:
-            event: EngineEvent = await events.get()
-            try:
-                self._on_engine_event(event)
-            except Exception:  # one bad event must not stop the drain
-                log.exception("handling %s failed", type(event).__name__)
-
-    async def _log_stats(self) -> None:
-        """A periodic stats line: throughput, queue, KV use (only when something happened)."""
-        interval = self.config.stats_log_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            engine, tokens, prompts = self.engine, self._stat_tokens, self._stat_prompt_tokens
-            self._stat_tokens = self._stat_prompt_tokens = 0
-            if not (tokens or prompts or engine.num_running or engine.num_waiting):
-                continue
-            used = 1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks)
-            log.info("stats: %.1f output tok/s, %.1f prompt tok/s, %d running, %d waiting, "
-                     "KV cache %.1f%% used, %d%% of prompt tokens cached", tokens / interval,
-                     prompts / interval, engine.num_running, engine.num_waiting, 100 * used,
-                     round(100 * self._stat_cached / max(1, self._stat_prompts_seen)))
-            self._stat_cached = self._stat_prompts_seen = 0
-
-    def _count_outputs(self, event: StepDone) -> None:
-        for out in event.outputs:
-            self._stat_tokens += len(out.new_token_ids)
-            if out.new_token_ids and out.num_prompt_tokens and out.request_id not in \
-                    self._stat_started:
-                self._stat_started.add(out.request_id)
-                self._stat_prompt_tokens += out.num_prompt_tokens
-                self._stat_prompts_seen += out.num_prompt_tokens
-                self._stat_cached += out.num_cached_tokens
-            if out.finished:
-                self._stat_started.discard(out.request_id)
-
-    def _on_engine_event(self, event: EngineEvent) -> None:
-        match event:
-            case StepDone():
-                self._count_outputs(event)
-                self.on_outputs(event)
-            case Admitted():
-                self.on_admitted(event)
-            case Rejected():
-                self.on_rejected(event)
-            case StepFailed(request_ids, reason):
-                log.error("engine step failed (%s); %d requests failed", reason,
-                          len(request_ids))
-                self.on_step_failed(event)
-            case KVEventsTaken(events):
-                self.kv_seq += 1
-                self.send(subjects.KV_EVENTS, KVEvents(
-                    worker_id=self.worker_id, role=self.role, epoch=self.epoch,
-                    seq=self.kv_seq, events=events))
-            case KVSnapshotTaken(hashes, disk_hashes):
-                self.send(subjects.KV_EVENTS, KVSnapshot(
-                    worker_id=self.worker_id, role=self.role, epoch=self.epoch,
-                    seq=self.kv_seq, block_hashes=hashes, disk_block_hashes=disk_hashes))
-            case ExpertLoadTaken(version, layers, slots, counts, timing, topology):
-                steps, step_s, compute_s, wait_s, rows = timing or (0, 0.0, 0.0, 0.0, 0)
-                ep_rank, ep_size, host = topology or (-1, 0, "")
-                self.send(subjects.EXPERT_LOAD, ExpertLoad(
-                    worker_id=self.worker_id, version=version, num_layers=layers,
-                    num_slots=slots, counts=counts, role=self.role.value,
-                    group=self.config.ep_group, steps=int(steps), step_s=step_s,
-                    moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows),
-                    ep_rank=ep_rank, ep_size=ep_size, host=host))
-                if steps:
-                    self._record_rank_sample(int(steps), step_s, compute_s, wait_s, int(rows))
-            case ProfileTaken(request_id, steps, lines, trace_file, error):
-                reply = self._profiles.pop(request_id, None)
-                if reply is not None:
-                    self.send(reply, ProfileResult(
-                        request_id=request_id, worker_id=self.worker_id, steps=steps,
-                        lines=lines, trace_file=trace_file, error=error))
-            case PrefixExported():
-                self.pull_server.on_exported(event)
-            case PrefixImported():
-                self.on_prefix_imported(event)
-            case PlacementApplied(version, seconds, error):
-                if error is None:
-                    log.info("placement %d applied in %.1f ms", version, seconds * 1e3)
-                else:
-                    log.warning("placement %d not applied: %s", version, error)
-
-    # -- operator profiles (POST /admin/profile at the gateway) ----------------------------
-    def start_profile(self, request: ProfileRequest) -> None:
-        """Profile this worker's next steps; the result goes back to the asking gateway."""
-        if not self.config.profile_dir:
-            self.send(request.reply_subject, ProfileResult(
-                request_id=request.request_id, worker_id=self.worker_id, steps=0,
-                error="profiling is off on this worker (EVENFLOW_PROFILE_DIR is not set)"))
-            return
-        os.makedirs(self.config.profile_dir, exist_ok=True)
-        trace = os.path.join(self.config.profile_dir,
-                             f"{self.worker_id}-{int(time.time() * 1e3)}.trace.json")
-        self._profiles[request.request_id] = request.reply_subject
-        steps = max(1, min(request.steps, MAX_PROFILE_STEPS))
-        timeout = max(0.1, min(request.timeout_s, MAX_PROFILE_SECONDS))
-        self.engine_thread.submit(Profile(request.request_id, steps, timeout, trace))
-
-    # -- orphans: requests of a gateway that died ---------------------------------------------
-    def gateway_alive(self, reply_subject: str) -> None:
-        """A sign of life from the gateway behind reply_subject (a heartbeat or a request)."""
-        self._gateways_seen[reply_subject] = time.monotonic()
-
-    def _on_gateway_heartbeat(self, message: Message, _ctx: object) -> None:
-        if isinstance(message, WorkerHeartbeat) and message.role is Role.GATEWAY:
-            self.gateway_alive(subjects.gateway_inbox(message.worker_id))
-
-    async def _sweep_orphans(self) -> None:
-        ttl = self.config.orphan_ttl_s
-        while True:
-            await asyncio.sleep(min(1.0, ttl / 2))
-            cutoff = time.monotonic() - ttl
-            gone = {s for s, seen in self._gateways_seen.items() if seen < cutoff}
-            if gone:
-                for subject in gone:
-                    del self._gateways_seen[subject]
-                dropped = self.drop_requests_of(gone)
-                if dropped:
-                    log.warning("dropped %d requests of %d silent gateways", dropped, len(gone))
-
-    def drop_requests_of(self, reply_subjects: set[str]) -> int:
-        """Abort every request whose gateway is gone; how many (engine workers)."""
-        return 0
-
-    # -- expert placement -------------------------------------------------------------------
-    def _on_placement(self, message: Message, _ctx: object) -> None:
-        if not isinstance(message, ExpertPlacement) or message.role not in ("", self.role.value):
-            return  # another role's placement
-        if message.version == self.engine.placement_version:
-            return  # a periodic re-announcement of what we run
-        self.engine_thread.submit(ApplyPlacement(message.version, message.phy2log,
-                                                 message.shares))
-
-    def _record_rank_sample(self, steps: int, step_s: float, compute_s: float, wait_s: float,
-                            rows: int) -> None:
-        """An expert-parallel rank's steps since its last load report, as one span's
-        attributes (a sample per report, not a span per step)."""
-        self.tracer.start_span("ep.rank_steps", attributes={
-            "evenflow.ep.group": self.config.ep_group, "evenflow.ep.rank": self.config.ep_rank,
-            "evenflow.ep.steps": steps, "evenflow.ep.step_ms": step_s / steps * 1e3,
-            "evenflow.ep.moe_compute_ms": compute_s / steps * 1e3,
-            "evenflow.ep.moe_wait_ms": wait_s / steps * 1e3,
-            "evenflow.ep.rows_per_step": rows / steps}).end()
-
-    async def _report_expert_load(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.eplb_report_interval_s)
-            self.engine_thread.submit(TakeExpertLoad())
-
-    def _on_resync(self, _message: Message, _ctx: object) -> None:
-        self.engine_thread.submit(SnapshotKV())
+    async def stop_parts(self) -> None:
+        """After shutdown(): the owned tasks cancelled (engine workers stop their engine too)."""
+        for task in self._owned_tasks:
+            task.cancel()
+        await asyncio.gather(*self._owned_tasks, return_exceptions=True)
 
     # -- plumbing ---------------------------------------------------------------------------
     def send(self, subject: str, message: Message, span_context: Context | None = None) -> None:
@@ -371,21 +102,9 @@ class WorkerService:
                 if token is not None:
                     otel_context.detach(token)
 
-    def _export_engine_gauges(self) -> None:
-        engine, model = self._engine, self.config.model_name
-        if engine is None:
-            return
-        VLLM_RUNNING.labels(model).set(engine.num_running)
-        VLLM_WAITING.labels(model).set(engine.num_waiting)
-        VLLM_KV_USAGE.labels(model).set(
-            1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks))
-        disk = engine.kv_disk_counts
-        if disk is not None:
-            export_kv_disk_counts(disk, self._kv_disk_seen)
-
     async def _heartbeats(self) -> None:
         while True:
-            self._export_engine_gauges()
+            self.before_beat()
             await self._beat()
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
@@ -415,8 +134,7 @@ class WorkerService:
                  asyncio.create_task(self._heartbeats(), name="heartbeats"),
                  asyncio.create_task(watch_loop_lag(), name="loop lag")]
         self.started.set()
-        kernels = f" ({self._engine.kernel_summary()})" if self._engine is not None else ""
-        log.info("%s %s ready%s", self.role, self.worker_id, kernels)
+        log.info("%s %s ready%s", self.role, self.worker_id, self.ready_note())
         await self._stop.wait()
         self.draining = True  # heartbeats now say so; new work is refused
         await self._beat(timeout_s=1)  # now, not at the next beat: routing stops sooner
@@ -437,13 +155,7 @@ class WorkerService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.shutdown()
-        for task in self._owned_tasks:
-            task.cancel()
-        await asyncio.gather(*self._owned_tasks, return_exceptions=True)
-        if self._thread is not None:
-            self._thread.stop()
-        if self._temporary_kv_disk is not None:
-            shutil.rmtree(self._temporary_kv_disk, ignore_errors=True)
+        await self.stop_parts()
         await self.bus.close()
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.config.settings import ModelLoadError
-from evenflow.engine.quant import build
+from evenflow.engine.quant import forms
 from evenflow.engine.quant.fp8 import Fp8Stack
 from evenflow.engine.quant.panel_stack import PanelStack
 
@@ -93,7 +93,7 @@ def test_fp8_checkpoint_stays_fp8_and_generates_what_transformers_generates(
     """native: fp8 panels where the panel kernels serve (AVX-512), else the fallback; fallback:
     the torch stack (dequantized per call) everywhere."""
     if form == "fallback":
-        monkeypatch.setattr(build, "usable", lambda *args, **kwargs: False)
+        monkeypatch.setattr(forms, "usable", lambda *args, **kwargs: False)
     path, hf = fp8_checkpoint
     llm = LLM(str(path), dtype="float32", block_size=16)
     stacks = [m.weight_q for m in llm.engine.model.modules() if hasattr(m, "weight_q")]

@@ -264,7 +264,7 @@ def test_k_quant_files_load_to_their_own_values(wide_moe, tmp_path, monkeypatch,
 
 
 def test_text_in_text_out_with_the_files_tokenizer(tmp_path):
-    from evenflow.engine.weights.loader import resolve_model as engine_resolve
+    from evenflow.engine.weights.loader import model_directory as engine_resolve
 
     gguf = export_gguf(engine_resolve("tiny-moe"), tmp_path / "tiny-moe-bf16.gguf", "bf16")
     llm = LLM(str(gguf))
@@ -290,13 +290,13 @@ def test_a_gguf_is_served_under_its_general_name_with_its_chat_template(tmp_path
     or as --served-model-name says, and chat requests get the file's chat template."""
     import json
 
-    from evenflow.engine.weights.loader import resolve_model as engine_resolve
-    from evenflow.services.config import load_config
+    from evenflow.engine.weights.loader import model_directory as engine_resolve
+    from evenflow.services.config import load_mesh_config
 
     source = engine_resolve("tiny-moe")
     gguf = export_gguf(source, tmp_path / "exported-q8.gguf", "q8_0")
-    assert load_config({"model": str(gguf)}).model_name == "tiny-moe"
-    assert load_config({"model": str(gguf), "served_model_name": "mine"}).model_name == "mine"
-    served = json.loads((resolve_model(str(gguf)) / "tokenizer_config.json").read_text())
+    assert load_mesh_config({"model": str(gguf)}).model_name == "tiny-moe"
+    assert load_mesh_config({"model": str(gguf), "served_model_name": "mine"}).model_name == "mine"
+    served = json.loads((engine_resolve(str(gguf)) / "tokenizer_config.json").read_text())
     shipped = json.loads((source / "tokenizer_config.json").read_text())
     assert served["chat_template"] == shipped["chat_template"]

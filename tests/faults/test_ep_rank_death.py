@@ -17,8 +17,8 @@ import pytest
 from meshutil import supervised_mesh, wait_for
 from test_tp_rank_death import stream
 
-from evenflow.engine.config.families import load_config
-from evenflow.engine.weights.loader import resolve_model
+from evenflow.engine.config.families import load_model_config
+from evenflow.engine.weights.loader import model_directory
 from evenflow.parallel.shm import SHM_DIR
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, ExpertPlacement, decode, encode
@@ -61,7 +61,7 @@ def complete(mesh: LocalMesh, prompt: str) -> str:
 def test_a_pushed_placement_moves_experts_and_keeps_the_text(ep_mesh):
     prompts = ["count from 17 :", "reverse : q w e r t =", "count down from 90 :"]
     before = [complete(ep_mesh, p) for p in prompts]
-    cfg = load_config(resolve_model("tiny-moe"))
+    cfg = load_model_config(model_directory("tiny-moe"))
     layers, experts = cfg.num_moe_layers, cfg.num_experts
     slots = experts + ep_mesh.config.num_redundant_experts
     row = [(slots - 1 - s) % experts for s in range(slots)]  # experts change ranks

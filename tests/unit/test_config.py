@@ -9,7 +9,7 @@ import pytest
 
 from evenflow.cli import build_parser
 from evenflow.engine.config.settings import EngineConfig
-from evenflow.services.config import ConfigError, MeshConfig, load_config
+from evenflow.services.config import ConfigError, MeshConfig, load_mesh_config
 
 
 def test_the_mesh_runs_the_engine_defaults():
@@ -36,11 +36,11 @@ def test_the_mesh_runs_the_engine_defaults():
 ])
 def test_bad_settings_are_refused_with_the_variable_named(env, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(environ=env)
+        load_mesh_config(environ=env)
 
 
 def test_values_parse_by_their_type():
-    config = load_config(environ={"EVENFLOW_NATS_URL": "nats://x:1",
+    config = load_mesh_config(environ={"EVENFLOW_NATS_URL": "nats://x:1",
                                   "EVENFLOW_API_KEYS": "a,b", "EVENFLOW_ROUTER_TEMPERATURE": "2"})
     assert config.nats_url == "nats://x:1" and config.api_keys == ("a", "b")
     assert config.router_temperature == 2.0
@@ -51,7 +51,7 @@ def test_up_flags_reach_the_engine_config():
         "up", "--dtype", "float32", "--threads", "2", "--kv-cache-gb", "0.25",
         "--max-num-seqs", "8", "--max-model-len", "512", "--router", "least_load",
         "--log-level", "debug", "--num-kv-blocks", "100"])
-    config = load_config({
+    config = load_mesh_config({
         "dtype": args.dtype, "threads_per_worker": args.threads,
         "kv_cache_gb": args.kv_cache_gb, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "router": args.router,
@@ -64,12 +64,12 @@ def test_up_flags_reach_the_engine_config():
 
 def test_quantization_reaches_the_engine_and_the_bus_budget_the_bus():
     args = build_parser().parse_args(["up", "--quantization", "int4", "--quant-group-size", "32"])
-    config = load_config({"quantization": args.quantization,
+    config = load_mesh_config({"quantization": args.quantization,
                           "quant_group_size": args.quant_group_size},
                          environ={"EVENFLOW_BUS_PEER_REASSEMBLY_MB": "8"})
     engine = config.engine_config()
     assert (engine.quantization, engine.quant_group_size) == ("int4", 32)
-    assert load_config(environ={}).engine_config().quantization is None
+    assert load_mesh_config(environ={}).engine_config().quantization is None
     assert config.reassembly_budget().peer_bytes == 8 * 2**20
 
 
@@ -81,15 +81,15 @@ def test_version_flag(capsys):
 
 
 def test_engine_switches_reach_every_worker_as_their_own_variables():
-    cfg = load_config(environ={"EVENFLOW_NATIVE_PREFILL_ATTENTION": "0",
+    cfg = load_mesh_config(environ={"EVENFLOW_NATIVE_PREFILL_ATTENTION": "0",
                                "EVENFLOW_FAST_DECODE": "off"})
     assert cfg.switch_values() == {"EVENFLOW_FAST_DECODE": "off",
                                    "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"}
     env = cfg.to_env()
     assert env["EVENFLOW_NATIVE_PREFILL_ATTENTION"] == "0" and "EVENFLOW_ENGINE_SWITCHES" not in env
-    assert load_config(environ=env) == cfg  # a child process rebuilds the same config
+    assert load_mesh_config(environ=env) == cfg  # a child process rebuilds the same config
     # Ray Serve's application args name them without the prefix
-    assert load_config({"native_prefill_attention": "0", "fast_decode": "off"}) == cfg
+    assert load_mesh_config({"native_prefill_attention": "0", "fast_decode": "off"}) == cfg
 
 
 @pytest.mark.parametrize("env, message", [
@@ -98,7 +98,7 @@ def test_engine_switches_reach_every_worker_as_their_own_variables():
 ])
 def test_a_bad_engine_switch_is_refused(env, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(environ=env)
+        load_mesh_config(environ=env)
 
 
 def test_help_env_lists_the_mesh_settings_and_the_engine_switches(capsys):

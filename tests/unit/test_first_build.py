@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from evenflow.engine.kernels import build, first_build
+from evenflow.engine.kernels import first_build, native_build
 
 
 @pytest.fixture
@@ -19,8 +19,8 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.setattr(first_build, "PROGRESS_EVERY_S", 60.0)
 
     def with_status(code: int) -> None:
-        where = build.build_dir()
-        stems = [s.stem for s in build.SOURCES[:3]]
+        where = native_build.build_dir()
+        stems = [s.stem for s in native_build.SOURCES[:3]]
         monkeypatch.setattr(first_build, "_BUILD", (
             "import pathlib, time\n"
             f"for stem in {stems!r}:\n"
@@ -42,7 +42,7 @@ def test_the_build_tells_its_progress_and_its_end(fake_build):
     said: list[str] = []
     kernels = first_build.KernelBuild(said.append, then="; each worker switches").start()
     run(kernels)
-    total = len(build.SOURCES)
+    total = len(native_build.SOURCES)
     assert said[0].startswith(f"building the engine's native kernels for this machine, once "
                               f"({total} sources")
     # a line per source compiled as the launcher sees them (polling: one that lands just
@@ -52,7 +52,7 @@ def test_the_build_tells_its_progress_and_its_end(fake_build):
     assert all(f"/{total} sources compiled, " in line for line in said[1:-1])
     assert said[-1].startswith("native kernels built in ") and said[-1].endswith(
         "; each worker switches")
-    assert kernels.succeeded and not build.build_failed()
+    assert kernels.succeeded and not native_build.build_failed()
 
 
 def test_a_failed_build_is_marked_for_the_waiting_workers_and_tried_again(fake_build):
@@ -60,8 +60,8 @@ def test_a_failed_build_is_marked_for_the_waiting_workers_and_tried_again(fake_b
     said: list[str] = []
     run(first_build.KernelBuild(said.append).start())
     assert said[-1].startswith("native kernels unavailable after")
-    assert build.build_failed()
+    assert native_build.build_failed()
     fake_build(0)
     kernels = first_build.KernelBuild(said.append).start()
-    assert not build.build_failed()  # (the next start tries again)
+    assert not native_build.build_failed()  # (the next start tries again)
     run(kernels)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from evenflow.engine.kernels.build import build_lock
+from evenflow.engine.kernels.native_build import build_lock
 
 
 def _hold(where: str, held: mp.synchronize.Event, seconds: float) -> None:

@@ -91,7 +91,7 @@ def test_int4_every_form_matches_the_dequantized_weight(dtype, form, symmetric, 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_select_builds_the_slot_stack_of_an_expert_placement(method):
     values = [quantize(w, QuantConfig(method)) for w in weights(experts=4)]
-    from evenflow.engine.quant.build import build_stack
+    from evenflow.engine.quant.forms import build_stack
 
     stack = build_stack(values, torch.float32)
     slots = stack.select(torch.tensor([2, 0, 2, 3, 1]))
@@ -161,7 +161,7 @@ def test_quantize_rows_is_symmetric_per_row_and_keeps_zero_rows():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_every_form_computes_the_integer_product(dtype):
-    from evenflow.engine.quant.build import build_stack
+    from evenflow.engine.quant.forms import build_stack
 
     values = [quantize(w, QuantConfig("w8a8")) for w in weights(n=128)]
     assert all(v.int8_activations and v.q.abs().max() <= 127 for v in values)

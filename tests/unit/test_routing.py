@@ -11,7 +11,7 @@ from torch import nn
 
 from evenflow.engine.kernels import native
 from evenflow.engine.kernels.panels import PanelLinear
-from evenflow.engine.model import router as routing
+from evenflow.engine.model import routing as routing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evenflow.engine.config.families import load_config
+from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.serving.engine import Engine
@@ -57,7 +57,7 @@ class MockEngine(Engine):
     timing = MockTiming()
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
-        return load_config(self.model_dir)  # the config only: no weights
+        return load_model_config(self.model_dir)  # the config only: no weights
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:  # type: ignore[override]
         return MockRunner(self.model_config.vocab_size, self.timing)

@@ -265,7 +265,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():

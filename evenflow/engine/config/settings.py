@@ -291,7 +291,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts: none
     sparse_layers: tuple[bool, ...] = field(default=())  # per layer: MoE (True) or dense MLP
-    # Routing (model/router.py): softmax over every expert, sigmoid scores (DeepSeek-V3), or a
+    # Routing (model/routing.py): softmax over every expert, sigmoid scores (DeepSeek-V3), or a
     # softmax over the top-k logits (GPT-OSS); group-limited choice (n groups, the best
     # topk_groups by their max or top-2 sum); a per-expert bias added for the choice only
     # (DeepSeek-V3's e_score_correction_bias); the chosen weights times a scaling factor

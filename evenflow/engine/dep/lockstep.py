@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from evenflow.engine.config.families import load_config
+from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.block_manager import KVEventListener
 from evenflow.engine.model.ffn import EPTimer
@@ -55,7 +55,7 @@ from evenflow.engine.runners.rank_wire import (
     gather_meetings,
 )
 from evenflow.engine.serving.engine import Engine, StepOutput
-from evenflow.engine.weights.loader import resolve_model
+from evenflow.engine.weights.loader import model_directory
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.hierarchical import HierarchicalGroup, spanning_group
 from evenflow.parallel.rendezvous import Membership, RendezvousError, join
@@ -82,7 +82,7 @@ class LockstepEngine(Engine):
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None,
                  collect_kv_events: bool, ep_rank: int, group_name: str,
                  peers_alive: Callable[[], bool] | None = None) -> None:
-        cfg = load_config(resolve_model(config.model))
+        cfg = load_model_config(model_directory(config.model))
         if not cfg.is_moe:
             raise ModelLoadError("expert parallelism needs a MoE model")
         world = config.expert_parallel_size

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from evenflow.engine.config.families import load_config
+from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.sampling_params import SamplingParams, spec_of
 from evenflow.engine.core.sequence import FinishReason
@@ -47,7 +47,7 @@ from evenflow.engine.runners.rank_wire import (
     stop_ranks,
 )
 from evenflow.engine.serving.engine import StepOutput
-from evenflow.engine.weights.loader import resolve_model
+from evenflow.engine.weights.loader import model_directory
 
 MOE_TIMES_KEPT = 100_000
 
@@ -128,8 +128,8 @@ class DEPEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         world = config.expert_parallel_size
-        self.model_dir = resolve_model(config.model)
-        cfg = load_config(self.model_dir)
+        self.model_dir = model_directory(config.model)
+        cfg = load_model_config(self.model_dir)
         if not cfg.is_moe:
             raise ModelLoadError("expert_parallel_size needs a MoE model")
         config = dataclasses.replace(config, num_ep_ranks=world)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evenflow.engine.config.settings import switched_on
-from evenflow.engine.kernels import build
+from evenflow.engine.kernels import native_build
 
 # Runs the build (the same call a worker makes) at a lower priority than the serving workers,
 # so the first requests are not slowed by the compiler on a small machine.
@@ -30,7 +30,7 @@ PROGRESS_EVERY_S = 15.0  # a progress line at least this often, and at each sour
 
 def due() -> bool:
     """Whether this machine still needs the build (native kernels on, no finished build)."""
-    return switched_on("EVENFLOW_NATIVE_KERNELS") and not build.is_built()
+    return switched_on("EVENFLOW_NATIVE_KERNELS") and not native_build.is_built()
 
 
 @dataclass
@@ -46,12 +46,12 @@ class KernelBuild:
     _said_at: float = 0.0
 
     def start(self) -> KernelBuild:
+        sources, typical_s = len(native_build.SOURCES), native_build.TYPICAL_BUILD_S
         self.say(f"building the engine's native kernels for this machine, once "
-                 f"({len(build.SOURCES)} sources, ~{build.TYPICAL_BUILD_S} s on 2 cores; "
-                 f"later starts reuse them)")
-        where = build.build_dir()
+                 f"({sources} sources, ~{typical_s} s on 2 cores; later starts reuse them)")
+        where = native_build.build_dir()
         where.mkdir(parents=True, exist_ok=True)
-        (where / build.FAILED).unlink(missing_ok=True)  # (a failure before: tried again)
+        (where / native_build.FAILED).unlink(missing_ok=True)  # (a failure before: tried again)
         self.proc = subprocess.Popen([sys.executable, "-c", _BUILD],
                                      env={**os.environ, "EVENFLOW_NATIVE_BUILD": "wait"},
                                      start_new_session=True)
@@ -67,15 +67,15 @@ class KernelBuild:
         if code is not None:
             self.succeeded = code == 0
             if not self.succeeded:  # the waiting workers stop waiting: torch's kernels stay
-                (build.build_dir() / build.FAILED).touch()
+                (native_build.build_dir() / native_build.FAILED).touch()
             self.say(f"native kernels built in {elapsed:.0f} s{self.then}" if self.succeeded
                      else f"native kernels unavailable after {elapsed:.0f} s: torch's kernels "
                      "serve")
             return True
-        done = build.objects_done(build.build_dir())
+        done = native_build.objects_done(native_build.build_dir())
         if done != self._done_seen or elapsed - self._said_at >= PROGRESS_EVERY_S:
             if self._done_seen >= 0 or done:
-                self.say(f"native kernels: {done}/{len(build.SOURCES)} sources compiled, "
+                self.say(f"native kernels: {done}/{len(native_build.SOURCES)} sources compiled, "
                          f"{elapsed:.0f} s")
             self._done_seen, self._said_at = done, elapsed
         return False

@@ -8,8 +8,8 @@ ATEN_CPU_CAPABILITY=avx2), an AVX-512 machine runs an AVX2 machine's code paths 
 or memory) — how `evenflow bench engine` is measured for AVX2 here.
 
 A build takes ~90 s on 2 cores once per machine, source and torch version; the result is kept
-in ~/.cache/evenflow/kernels/<key> (kernels/build.py), and a file lock makes processes starting
-together wait for one build. Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0,
+in ~/.cache/evenflow/kernels/<key> (kernels/native_build.py), and a file lock makes processes
+starting together wait for one build. Without a C++ compiler, or with EVENFLOW_NATIVE_KERNELS=0,
 `ops()` is None and callers keep torch's kernels: the native ones are a speed-up, never a
 requirement.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from evenflow.engine.config.settings import engine_switch, switched_on
-from evenflow.engine.kernels.build import (
+from evenflow.engine.kernels.native_build import (
     LIBRARY,
     SOURCES,
     TYPICAL_BUILD_S,

@@ -29,7 +29,7 @@ from evenflow.engine.model.experts import (
     PlainExperts,
 )
 from evenflow.engine.model.placement import SlotPlacement
-from evenflow.engine.model.router import Routing, route
+from evenflow.engine.model.routing import Routing, route
 from evenflow.parallel.group import ProcessGroup
 
 # (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)

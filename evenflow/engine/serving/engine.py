@@ -28,7 +28,7 @@ from evenflow.engine.serving.prefix_transfer import PrefixTransfer
 from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
 from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
 from evenflow.engine.weights.form import short_dtype, weight_form
-from evenflow.engine.weights.loader import load_weights, quant_config, resolve_model, torch_dtype
+from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
@@ -75,7 +75,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
                             else config.num_threads)
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = model_directory(config.model)
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
         self.weight_form = weight_form(config, self.model_dir, dtype)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.model.transformer import CausalLM
-from evenflow.engine.quant.build import build_stack
+from evenflow.engine.quant.forms import build_stack
 from evenflow.engine.quant.stacks import QuantConfig, quantize
 from evenflow.engine.weights.hf_names import EXPERT, ROLE
 from evenflow.engine.weights.loader import checkpoint_files, tensor_names

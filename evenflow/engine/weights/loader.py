@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from evenflow import models
-from evenflow.engine.config.families import load_config
+from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import (
     EngineConfig,
     ModelConfig,
@@ -299,7 +299,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
-    cfg = load_config(model_dir)
+    cfg = load_model_config(model_dir)
     spec = read_quant_spec(json.loads((model_dir / "config.json").read_text()))
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
@@ -523,7 +523,7 @@ def _drop_covered(layer: torch.nn.Module, covered: set[str], prefix: str,
 
 # What an engine (or a rank of one) loads, from its EngineConfig
 
-def resolve_model(model: str) -> Path:
+def model_directory(model: str) -> Path:
     """A built-in model's name (`tiny-moe`) or a checkpoint directory."""
     path = models.resolve_model(model)
     if path is None:

@@ -22,7 +22,7 @@ from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.experts import QuantizedExperts
 from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
-from evenflow.engine.quant.build import build_stack
+from evenflow.engine.quant.forms import build_stack
 from evenflow.engine.quant.stacks import QuantConfig, QuantStack, QuantValues, quantize
 
 
