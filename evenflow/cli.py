@@ -230,15 +230,19 @@ def _up(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
 
-# `evenflow bench NAME ...`: each benchmark is evenflow.bench.NAME_bench, with main(argv).
-BENCHMARKS = ("engine", "serve", "routing", "eplb", "wire", "soak", "quant", "comm", "ep", "tiers",
-              "sampling", "frontend", "kernels", "hosts", "load")
+BENCHMARKS = {  # `evenflow bench NAME` -> its module (each has main(argv))
+    **{name: f"evenflow.bench.offline.{name}_bench"
+       for name in ("engine", "quant", "tiers", "sampling", "kernels", "load")},
+    **{name: f"evenflow.bench.mesh.{name}_bench"
+       for name in ("serve", "routing", "wire", "soak", "frontend", "hosts")},
+    **{name: f"evenflow.bench.experts.{name}_bench" for name in ("eplb", "comm", "ep")},
+}
 
 
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(f"evenflow.bench.{args.what}_bench")
+    module = importlib.import_module(BENCHMARKS[args.what])
     return int(module.main(args.rest))
 
 
@@ -249,7 +253,7 @@ def _dev(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from evenflow.bench import profile_bench
+    from evenflow.bench.offline import profile_bench
 
     return int(profile_bench.main(args.rest))
 
@@ -511,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("rest", nargs=argparse.REMAINDER)
     dev.set_defaults(func=_dev)
     bench = sub.add_parser("bench", help="run a benchmark: `evenflow bench engine --help`")
-    bench.add_argument("what", choices=BENCHMARKS)
+    bench.add_argument("what", choices=list(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser
@@ -520,11 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["profile"]:  # its options are profile_bench's own (argparse's REMAINDER
-        from evenflow.bench import profile_bench  # drops leading options)
+        from evenflow.bench.offline import profile_bench  # drops leading options)
 
         return int(profile_bench.main(argv[1:]))
     if argv[:1] == ["doctor"]:
-        from evenflow.bench import doctor
+        from evenflow.ops import doctor
 
         return int(doctor.main(argv[1:]))
     args = build_parser().parse_args(argv)

@@ -14,7 +14,7 @@ across gateways than through Redis.
 Workers' KV disk tiers (events and snapshot parts with medium "disk") are kept here only (the
 Redis index holds RAM): a match counts a worker's RAM run in full and the disk blocks that
 extend it at `disk_credit` each (a promotion costs less than a recompute, more than a RAM hit;
-bench/tiers_bench.py measures it).
+bench/offline/tiers_bench.py measures it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evenflow.bench.quant_bench import task_accuracy
+from evenflow.bench.offline.quant_bench import task_accuracy
 
 FILES = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
 PLAN = {"task_prompts": 40}  # each of count, count down, reverse

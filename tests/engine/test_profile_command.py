@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from evenflow.bench import profile_bench
+from evenflow.bench.offline import profile_bench
 
 
 def test_profile_prints_both_phases_and_writes_a_chrome_trace(tmp_path, capsys):

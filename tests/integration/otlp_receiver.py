@@ -1,5 +1,5 @@
-"""The OTLP/HTTP trace receiver the tests use (evenflow/bench/otlp_receiver.py)."""
+"""The OTLP/HTTP trace receiver the tests use (evenflow/ops/otlp_receiver.py)."""
 
-from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
+from evenflow.ops.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 __all__ = ["OTLPReceiver", "ReceivedSpan"]

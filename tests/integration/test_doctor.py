@@ -12,7 +12,7 @@ import time
 import pytest
 from meshutil import running_mesh
 
-from evenflow.bench import doctor
+from evenflow.ops import doctor
 from evenflow.services.config import MeshConfig
 from evenflow.services.launcher import free_port
 

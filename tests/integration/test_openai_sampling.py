@@ -172,7 +172,7 @@ def test_vllm_compatible_metrics_on_the_gateway_and_every_worker(mesh, client):
 
 
 def test_bench_serve_against_a_running_server_writes_json_and_charts(mesh, tmp_path):
-    from evenflow.bench import serve_bench
+    from evenflow.bench.mesh import serve_bench
 
     out = tmp_path / "load.json"
     assert serve_bench.main(["--base-url", mesh.url + "/v1", "--api-key", API_KEY,

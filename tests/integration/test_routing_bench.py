@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from evenflow.bench import routing_bench
+from evenflow.bench.mesh import routing_bench
 
 
 @pytest.mark.slow

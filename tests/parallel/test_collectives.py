@@ -145,7 +145,7 @@ def test_a_killed_peer_is_an_error_within_a_bounded_time_and_leaves_no_segment()
 
 @pytest.mark.slow
 def test_bench_comm_prints_shm_and_gloo_side_by_side(capsys):
-    from evenflow.bench.comm_bench import main
+    from evenflow.bench.experts.comm_bench import main
 
     assert main(["--quick", "--ranks", "2", "--meta-ranks", "2"]) == 0
     out = capsys.readouterr().out

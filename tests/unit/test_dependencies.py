@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # imported inside a guard: `evenflow bench engine` works without transformers, `bench serve
 # --plot` draws plain charts without matplotlib
 OPTIONAL = {"transformers", "matplotlib"}
-# evenflow/bench/vllm_worker.py runs in another venv (--vllm-python), never in ours
+# evenflow/bench/offline/vllm_worker.py runs in another venv (--vllm-python), never in ours
 OTHER_VENV = {"vllm"}
 
 

@@ -1,4 +1,4 @@
-"""The doctor's reading of a gateway's /metrics (bench/doctor_metrics.py) and the gateway's own
+"""The doctor's reading of a gateway's /metrics (ops/doctor_metrics.py) and the gateway's own
 split of a request's time to first token (gateway/timings.py): the phases follow each other
 with no gap, so they add up to the gateway's total, and the workers' heartbeat figures give each
 one's cost per token against its peers."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from evenflow.bench.doctor_metrics import PHASE_METRIC, PHASES, phase_rows, worker_instances
 from evenflow.gateway.timings import PHASES as GATEWAY_PHASES
 from evenflow.gateway.timings import FirstTokenTimings
+from evenflow.ops.doctor_metrics import PHASE_METRIC, PHASES, phase_rows, worker_instances
 
 
 def test_the_gateway_phases_add_up_to_its_time_to_first_token():

@@ -1,14 +1,14 @@
 """`evenflow doctor` names a straggler by comparing each worker with the median of the OTHER
-workers of its role (bench/stragglers.py): two workers, one 2x slower, name exactly that one;
+workers of its role (ops/stragglers.py): two workers, one 2x slower, name exactly that one;
 equal workers and timing noise name none. And its default workload reaches every role."""
 
 from __future__ import annotations
 
 import pytest
 
-from evenflow.bench import doctor
-from evenflow.bench.doctor_metrics import worker_instances
-from evenflow.bench.stragglers import STANDS_OUT, against_peers, stragglers
+from evenflow.ops import doctor
+from evenflow.ops.doctor_metrics import worker_instances
+from evenflow.ops.stragglers import STANDS_OUT, against_peers, stragglers
 from evenflow.services.config import MeshConfig
 
 

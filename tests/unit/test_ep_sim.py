@@ -8,7 +8,7 @@ import json
 import torch
 
 from evenflow.balancer.eplb import rebalance_experts
-from evenflow.bench.ep_sim import Shape, load_trace, simulate
+from evenflow.bench.experts.ep_sim import Shape, load_trace, simulate
 
 
 def rank_time(phy2log: torch.Tensor, rows: torch.Tensor, reads: torch.Tensor,

@@ -10,7 +10,7 @@ from evenflow.balancer.eplb import (
     static_placement,
 )
 from evenflow.balancer.policy import ThresholdTrigger, TriggerConfig
-from evenflow.bench.eplb_bench import zipf_load
+from evenflow.bench.experts.eplb_bench import zipf_load
 
 
 def zipf(layers, experts, s, seed=0):

@@ -8,7 +8,7 @@ its workload, on a mesh started with nothing set up for it (no tracing, no bus c
 - each engine worker's cost per token from its heartbeats, which the gateway re-exports
   (`evenflow_worker_*`): prefill step time per prompt token computed, decode time per output
   token as its streams saw it, against the median of its role's other workers
-  (bench/stragglers.py).
+  (ops/stragglers.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import defaultdict
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from evenflow.bench.stragglers import against_peers
+from evenflow.ops.stragglers import against_peers
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PHASE_METRIC = "evenflow_ttft_phase_seconds"

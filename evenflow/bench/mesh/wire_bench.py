@@ -1,5 +1,5 @@
 """`evenflow bench wire`: encode/decode time of the wire codec against the previous one
-(bench/legacy_codec.py), on the same messages in one run: an 8k-token PrefillRequest, a
+(bench/mesh/legacy_codec.py), on the same messages in one run: an 8k-token PrefillRequest, a
 20k-hash KVSnapshot and a WorkerHeartbeat. Prints medians and ratios."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from evenflow.bench import legacy_codec
 from evenflow.bench.machine import machine_line
+from evenflow.bench.mesh import legacy_codec
 from evenflow.proto import messages as m
 
 

@@ -24,7 +24,7 @@ int8 and int4 also run on torch's kernels alone (EVENFLOW_NATIVE_KERNELS=0, the 
 variants: quality and memory).
 
 `--vllm-python PATH`: W8A8 against vLLM's CPU build on the same compressed-tensors files
-(bench/quant_vllm.py).
+(bench/offline/quant_vllm.py).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _worker(argv: list[str]) -> int:
 
 def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits: str
            ) -> dict | None:
-    return run_worker("evenflow.bench.quant_bench",
+    return run_worker("evenflow.bench.offline.quant_bench",
                       [kind, variant, str(threads), ckpt, json.dumps(plan)], threads,
                       f"{kind} {variant}",
                       {"EVENFLOW_BENCH_LOGITS": logits, **VARIANT_ENV.get(variant, {})})
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llamacpp", default=None, metavar="DIR",
                     help="a llama.cpp build: bf16 / int8 / int4 against BF16 / Q8_0 / Q4_0 on "
                          "the same weights, and both serving one Q4_K_M file, alternating "
-                         "(bench/llamacpp.py)")
+                         "(bench/offline/llamacpp.py)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="the Python of a venv with vLLM's CPU build: W8A8 against vLLM's on "
                          "the same compressed-tensors files (README: Benchmarks)")
@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.bandwidth import stream_bandwidth
 
     bandwidth = stream_bandwidth(args.threads)
-    if args.llamacpp:  # llama.cpp beside the variants, on the same weights (bench/llamacpp.py)
-        from evenflow.bench.llamacpp import compare as beside_llamacpp
-        from evenflow.bench.llamacpp import native_variant
+    if args.llamacpp:  # llama.cpp beside the variants, on the same weights (offline/llamacpp.py)
+        from evenflow.bench.offline.llamacpp import compare as beside_llamacpp
+        from evenflow.bench.offline.llamacpp import native_variant
 
         beside_llamacpp(Path(ckpt), args.llamacpp, args.threads, {
             **dict([native_variant(dtype)]), "int8": ({"quantization": "int8"}, "q8_0"),
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for c in cells))
     if args.vllm_python:
         from evenflow.bench.checkpoint import write_family
-        from evenflow.bench.quant_vllm import compare
+        from evenflow.bench.offline.quant_vllm import compare
 
         dense = write_family(Path(ckpt).parent / ("llama-quick" if args.quick else "llama-110m"),
                              "llama", args.quick)

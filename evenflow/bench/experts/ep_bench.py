@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                          "top-6, 1 shared) whose router favours experts 2-7, instead of "
                          "tiny-moe and the skewed Mixtral")
     ap.add_argument("--simulate", action="store_true",
-                    help="the timing model of an EP step at scale instead (bench/ep_sim.py)")
+                    help="the timing model of an EP step at scale instead "
+                         "(bench/experts/ep_sim.py)")
     ap.add_argument("--ranks", default="8,32,64", help="--simulate: EP rank counts")
     ap.add_argument("--experts", type=int, default=256, help="--simulate: experts per layer")
     ap.add_argument("--layers", type=int, default=58, help="--simulate: MoE layers")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the skewed 110M model's expert load (JSON) for --simulate")
     args = ap.parse_args(argv)
     if args.simulate:
-        from evenflow.bench.ep_sim import Shape, load_trace, simulate
+        from evenflow.bench.experts.ep_sim import Shape, load_trace, simulate
 
         shape = Shape(layers=args.layers, experts=args.experts,
                       tokens_per_rank=args.tokens_per_rank)
@@ -274,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, ckpt in models:
             model_plan = (dict(plan, prefill=min(plan["prefill"], 448)) if ckpt == "tiny-moe"
                           else plan)
-            ep = run_worker("evenflow.bench.ep_bench", ["ep", ckpt, json.dumps(model_plan)], 1,
-                            name)
+            ep = run_worker("evenflow.bench.experts.ep_bench",
+                            ["ep", ckpt, json.dumps(model_plan)], 1, name)
             progress.update()
-            single = run_worker("evenflow.bench.ep_bench",
+            single = run_worker("evenflow.bench.experts.ep_bench",
                                 ["single", ckpt, json.dumps(model_plan)], 2, name)
             progress.update()
             if ep is None:

@@ -10,7 +10,7 @@ from the traces, the services' metrics and the client's own timings, prints:
   of TTFT (the phases before the first token) or of the end-to-end time;
 - the slowest instance: each worker's prefill ms per prompt token or decode ms per output token
   against the median of its role's other workers; more than 1.5x that, and it is named
-  (bench/stragglers.py);
+  (ops/stragglers.py);
 - the gateway's event-loop lag p99;
 - with expert-parallel (DEP) workers (`--expert-parallel N` here, or `--nats URL` with `--url`):
   each EP rank's MoE compute, collective wait and rows per step from the reports it sends the
@@ -42,11 +42,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.doctor_metrics import Samples, phase_rows, scrape, worker_instances
 from evenflow.bench.loadgen import LoadResult, make_prompts, percentile, run_client, run_load
 from evenflow.bench.machine import scratch_dir
-from evenflow.bench.otlp_receiver import OTLPReceiver, ReceivedSpan
-from evenflow.bench.stragglers import STANDS_OUT, against_peers
+from evenflow.ops.doctor_metrics import Samples, phase_rows, scrape, worker_instances
+from evenflow.ops.otlp_receiver import OTLPReceiver, ReceivedSpan
+from evenflow.ops.stragglers import STANDS_OUT, against_peers
 
 # A gateway prefills a prompt shorter than its local-prefill threshold (MeshConfig's
 # local_prefill_threshold, 128 tokens by default) on the decode worker itself: a workload of
@@ -82,7 +82,7 @@ def analyse(spans: list[ReceivedSpan], ttfts: list[float], e2es: list[float],
             gateway_metrics: tuple[Samples, Samples] | None = None) -> dict:
     """from_heartbeats: per-worker costs from the workers' heartbeats (WorkerStepWatch), used
     for the workers no trace covers (a mesh started without tracing); gateway_metrics: the
-    gateway's /metrics before and after the workload (bench/doctor_metrics.py): the phases
+    gateway's /metrics before and after the workload (ops/doctor_metrics.py): the phases
     before the first token and the workers, where no trace says."""
     by_name: dict[str, list[ReceivedSpan]] = defaultdict(list)
     for span in spans:
@@ -187,7 +187,7 @@ def _verdict(rows: list[dict], instances: list[dict], lag_s: float | None,
 
 
 def _loop_lag_p99(url: str, headers: dict[str, str] | None = None) -> float | None:
-    from evenflow.bench.frontend_bench import lag_buckets, quantile
+    from evenflow.bench.mesh.frontend_bench import lag_buckets, quantile
 
     buckets = lag_buckets([url + "/metrics"], headers or {})
     if not buckets:
@@ -415,7 +415,7 @@ async def _watching_ranks(nats_url: str | None, workload: Coroutine[Any, Any, Lo
     NATS meanwhile (and for one report interval after, so that the last steps are counted)."""
     if nats_url is None:
         return await workload, [], []
-    from evenflow.bench.ep_watch import RankLoadWatch, WorkerStepWatch
+    from evenflow.ops.ep_watch import RankLoadWatch, WorkerStepWatch
     from evenflow.services.bus import Bus, NatsSecurity
 
     bus = Bus("doctor")  # one connection for both watchers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from evenflow.bench.stragglers import against_peers
+from evenflow.ops.stragglers import against_peers
 from evenflow.proto import subjects
 from evenflow.proto.messages import ExpertLoad, Message, WorkerHeartbeat
 from evenflow.services.bus import MessageBus
@@ -34,7 +34,7 @@ class RankLoadWatch:
 
     def summary(self) -> list[dict]:
         """Per rank: ms per step in its experts and in the collectives, rows per step, and its
-        compute over the median of its group's other ranks (bench/stragglers.py)."""
+        compute over the median of its group's other ranks (ops/stragglers.py)."""
         out = []
         groups = sorted({group for group, _ in self.totals})
         for group in groups:

@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     for form in forms:
         path, _ = paths[form]
         if path.suffix == ".gguf":
-            run_worker("evenflow.bench.load_bench", [str(path), dtype, "convert"], args.threads,
-                       form)
-        got = run_worker("evenflow.bench.load_bench", [str(path), dtype], args.threads, form)
+            run_worker("evenflow.bench.offline.load_bench", [str(path), dtype, "convert"],
+                       args.threads, form)
+        got = run_worker("evenflow.bench.offline.load_bench", [str(path), dtype],
+                         args.threads, form)
         if got is None:
             continue
         rows.append({"form": form, "file": file_bytes(path) / 2**20, **got})
@@ -240,13 +241,13 @@ def _speed_table(paths: dict[str, tuple[Path, str]], dtype: str, args: Any) -> i
     speed = {v: SPEED[v] for v in chosen}
     for variant, (key, _, _) in speed.items():  # GGUF files: converted first, unmeasured
         if paths[key][0].suffix == ".gguf":
-            run_worker("evenflow.bench.load_bench", [str(paths[key][0]), dtype, "convert"],
+            run_worker("evenflow.bench.offline.load_bench", [str(paths[key][0]), dtype, "convert"],
                        args.threads, variant)
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
         got: dict[str, dict[str, Any]] = {}
         for variant, (key, env, _) in speed.items():
-            result = run_worker("evenflow.bench.load_bench",
+            result = run_worker("evenflow.bench.offline.load_bench",
                                 [str(paths[key][0]), dtype, "speed",
                                  *(["quick"] if args.quick else [])],
                                 args.threads, variant, env=env)

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meta-ranks", default="2,4,8", help="rank counts for the metadata line")
     ap.add_argument("--hosts", type=int, default=0,
                     help="instead: N simulated hosts x 2 ranks, hierarchical vs flat gloo "
-                         "(root; evenflow/bench/comm_hosts.py)")
+                         "(root; evenflow/bench/experts/comm_hosts.py)")
     ap.add_argument("--rate", default="10gbit", help="--hosts: each link's rate")
     ap.add_argument("--delay-ms", type=float, default=1.0,
                     help="--hosts: each link's delay (needs the kernel's netem)")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
         import sys
 
-        return subprocess.call([sys.executable, "-m", "evenflow.bench.comm_hosts",
+        return subprocess.call([sys.executable, "-m", "evenflow.bench.experts.comm_hosts",
                                 str(args.hosts), json.dumps(args.quick), args.rate or "",
                                 str(args.delay_ms)])
 

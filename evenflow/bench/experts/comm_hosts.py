@@ -14,7 +14,7 @@ import subprocess
 import sys
 import uuid
 
-from evenflow.bench.comm_bench import OPS, QUICK_SIZES, SIZES, _human, _op, _reps, _time
+from evenflow.bench.experts.comm_bench import OPS, QUICK_SIZES, SIZES, _human, _op, _reps, _time
 
 RANKS_PER_HOST = 2
 
@@ -66,8 +66,8 @@ def run(hosts: int, quick: bool, rate: str | None, delay_ms: float) -> int:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
         name = f"commh-{uuid.uuid4().hex[:6]}"
         procs = [cluster.hosts[r // RANKS_PER_HOST].popen(
-            [sys.executable, "-m", "evenflow.bench.comm_hosts", "--rank", str(r), str(world),
-             address, name, json.dumps(sizes), json.dumps(quick)],
+            [sys.executable, "-m", "evenflow.bench.experts.comm_hosts", "--rank", str(r),
+             str(world), address, name, json.dumps(sizes), json.dumps(quick)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             for r in range(world)]
         outs = [p.communicate(timeout=1800) for p in procs]

@@ -17,10 +17,10 @@ tiny-moe` works with prompts under 512 tokens.
 or a running `evenflow up` - with `--request-rate` (Poisson arrivals) and `--concurrency`;
 `--json FILE` and `--plot DIR` (TTFT / ITL CDFs, throughput over time) work in both modes.
 5. The one-message K/V hand-off against a chunk and a completion: the batch-16 first gap on two
-   meshes, alternating (bench/handoff_bench.py).
+   meshes, alternating (bench/mesh/handoff_bench.py).
 6. A chat's next turn with its history pulled from the decode worker against recomputed: TTFT
    p50 at 256 / 1,024 / 2,048 tokens of history and the measured crossover, two meshes
-   alternating (bench/pull_bench.py).
+   alternating (bench/mesh/pull_bench.py).
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-handoff-table", action="store_true",
                     help="skip the last table (the one-message K/V hand-off, two meshes)")
     ap.add_argument("--no-pull-table", action="store_true",
-                    help="skip the KV pull vs recompute table (bench/pull_bench.py)")
+                    help="skip the KV pull vs recompute table (bench/mesh/pull_bench.py)")
     ap.add_argument("--base-url", default=None,
                     help="load an already running OpenAI-compatible server instead")
     ap.add_argument("--api-key", default=None, help="--base-url: its API key")
@@ -384,11 +384,11 @@ def _local(args: argparse.Namespace, root: Path) -> int:
         print(f"  ({failed} requests failed during the overhead runs)")
     _report(args, load, "gateway")
     if not args.no_handoff_table:
-        from evenflow.bench.handoff_bench import handoff_table
+        from evenflow.bench.mesh.handoff_bench import handoff_table
 
         handoff_table(model, vocab, 6 if args.quick else 5, args.output_len)
     if not args.no_pull_table:
-        from evenflow.bench.pull_bench import pull_table
+        from evenflow.bench.mesh.pull_bench import pull_table
 
         histories = [32, 64, 128] if args.quick else [32, 64, 128, 256, 1024, 2048]
         pull_table(model, vocab, histories, 2 if args.quick else 3)

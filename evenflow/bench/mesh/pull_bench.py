@@ -22,8 +22,8 @@ import statistics
 
 import httpx
 
-from evenflow.bench.handoff_bench import side_by_side
 from evenflow.bench.loadgen import RequestTiming, make_prompts, one_request
+from evenflow.bench.mesh.handoff_bench import side_by_side
 from evenflow.bench.sse_client import SSEClient
 
 USER = 32  # tokens of each user message

@@ -117,7 +117,7 @@ def compare(ckpt: Path, directory: str, threads: int,
             ours: list[dict] = []
             theirs: list[dict] = []
             for _ in range(plan["rounds"]):
-                result = run_worker("evenflow.bench.llamacpp", [
+                result = run_worker("evenflow.bench.offline.llamacpp", [
                     served, str(threads), json.dumps(engine_args), json.dumps(plan)],
                     threads, f"evenflow {label}")
                 if result is None:

@@ -79,7 +79,7 @@ def run_quality(ckpt: str, threads: int, plan: dict) -> dict:
 
 
 def run_tasks(cache: str, threads: int, plan: dict) -> dict:
-    from evenflow.bench.quant_bench import task_accuracy
+    from evenflow.bench.offline.quant_bench import task_accuracy
 
     return task_accuracy(threads, plan, kv_cache_dtype=cache)
 
@@ -96,7 +96,7 @@ def _worker(argv: list[str]) -> int:
 
 
 def _spawn(kind: str, ckpt: str, threads: int, plan: dict) -> dict | None:
-    return run_worker("evenflow.bench.kv_cache_bench", [kind, ckpt, str(threads),
+    return run_worker("evenflow.bench.offline.kv_cache_bench", [kind, ckpt, str(threads),
                                                         json.dumps(plan)], threads, kind)
 
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from evenflow.bench.checkpoint import benchmark_checkpoint
-    from evenflow.bench.quant_bench import agreement
+    from evenflow.bench.offline.quant_bench import agreement
 
     plan = dict(QUICK if args.quick else FULL)
     if args.context:

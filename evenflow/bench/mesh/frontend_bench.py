@@ -18,7 +18,7 @@ computes for real, so `--real` gives evenflow real tiny-moe workers too (apples 
 Both get one unrecorded warm-up round first.
 
 Peers this bench starts itself, each from its own venv, on the same load generator and streams
-(bench/peers.py): `--vllm-python PATH` (vLLM's OpenAI server over its CPU build, serving
+(bench/mesh/peers.py): `--vllm-python PATH` (vLLM's OpenAI server over its CPU build, serving
 tiny-moe for real: it has no zero-compute mode) and `--dynamo-python PATH` (Dynamo's frontend
 over its mocker, zero compute like evenflow's mock). For each, req/s and tok/s at each
 concurrency and the CPU each of its processes spent per streamed token, beside evenflow's: the
@@ -188,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
                         levels: list[int], output_len: int, ours: dict[int, float],
                         our_cpu: dict[int, dict[str, float]]) -> None:
-    """A peer this bench starts (bench/peers.py) under the same streams: req/s, and CPU µs per
+    """A peer this bench starts (bench/mesh/peers.py) under the same streams: req/s, and CPU µs per
     streamed token by its process roles beside evenflow's."""
     from evenflow import models
-    from evenflow.bench import peers
+    from evenflow.bench.mesh import peers
     from evenflow.services.config import MeshConfig
 
     label = "vLLM" if starter == "start_vllm" else "Dynamo"

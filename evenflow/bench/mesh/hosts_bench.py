@@ -111,7 +111,7 @@ def run_ep(hosts: list, model_dir: str, quick: bool) -> dict:
     try:
         world = 2 * len(hosts)
         procs = [hosts[r // 2].popen(
-            [sys.executable, "-m", "evenflow.bench.hosts_bench", "--ep-rank", str(r),
+            [sys.executable, "-m", "evenflow.bench.mesh.hosts_bench", "--ep-rank", str(r),
              str(world), address, model_dir, json.dumps(quick)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
         outs = [p.communicate(timeout=1800) for p in procs]
@@ -172,7 +172,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 KV_CLIENT = """
 import asyncio, json, sys
 from evenflow.bench.machine import bench_checkpoints
-from evenflow.bench.serve_bench import kv_figures
+from evenflow.bench.mesh.serve_bench import kv_figures
 print(json.dumps(asyncio.run(kv_figures(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
                                         int(sys.argv[5])))))
 """
