@@ -94,38 +94,36 @@ def _preflight(config: Any) -> str | None:
     return None
 
 
+# `up` / `serve` flags -> MeshConfig keys: the same name, except these
+_UP_SAME = ("port", "model", "nats_url", "redis_url", "host", "api_key_file", "engine", "dtype",
+            "kv_cache_gb", "num_kv_blocks", "kv_cache_dtype", "kv_disk_gb", "kv_disk_dir",
+            "kv_disk_credit", "deterministic", "max_num_seqs", "max_model_len", "router",
+            "log_level", "served_model_name", "quantization", "quant_group_size",
+            "tensor_parallel_size", "expert_parallel_size")
+_UP_RENAMED = {"num_prefill": "prefill", "num_gateways": "gateways", "num_decode": "decode",
+               "threads_per_worker": "threads"}
+_SERVE_ONLY = ("ep_ranks", "ep_nodes", "ep_rendezvous")  # (`serve`'s flags; None for `up`)
+
+
+def _mesh_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The MeshConfig overrides the flags of `up` / `serve` give."""
+    return {**{key: getattr(args, key) for key in _UP_SAME},
+            **{key: getattr(args, flag) for key, flag in _UP_RENAMED.items()},
+            **{key: getattr(args, key, None) for key in _SERVE_ONLY}}
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from evenflow.engine.kernels import first_build
     from evenflow.services.config import ConfigError, env_help, load_mesh_config
     from evenflow.services.launcher import ROLES, LaunchError, LocalMesh
-    from evenflow.services.supervisor import GaveUp
 
     if args.help_env:
         print(env_help())
         return 0
     try:
-        config = load_mesh_config({
-            "port": args.port, "model": args.model, "num_prefill": args.prefill,
-            "num_gateways": args.gateways,
-            "num_decode": args.decode, "nats_url": args.nats_url, "redis_url": args.redis_url,
-            "host": args.host, "api_key_file": args.api_key_file, "engine": args.engine,
-            "dtype": args.dtype, "threads_per_worker": args.threads,
-            "kv_cache_gb": args.kv_cache_gb, "num_kv_blocks": args.num_kv_blocks,
-            "kv_cache_dtype": args.kv_cache_dtype, "kv_disk_gb": args.kv_disk_gb,
-            "kv_disk_dir": args.kv_disk_dir, "kv_disk_credit": args.kv_disk_credit,
-            "deterministic": args.deterministic,
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-            "router": args.router, "log_level": args.log_level,
-            "served_model_name": args.served_model_name,
-            "quantization": args.quantization, "quant_group_size": args.quant_group_size,
-            "tensor_parallel_size": args.tensor_parallel_size,
-            "expert_parallel_size": args.expert_parallel_size,
-            "ep_ranks": getattr(args, "ep_ranks", None),
-            "ep_nodes": getattr(args, "ep_nodes", None),
-            "ep_rendezvous": getattr(args, "ep_rendezvous", None)})
+        config = load_mesh_config(_mesh_settings(args))
     except ConfigError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 2
@@ -148,22 +146,12 @@ def _up(args: argparse.Namespace) -> int:
               f"{' (not ' + ', '.join(unknown) + ')' if unknown else ' runs whole meshes'}",
               file=sys.stderr)
         return 2
-    kernels = None  # the native kernels' first build on this machine, when due
-    if config.engine == "torch" and first_build.due():
-        kernels = first_build.KernelBuild(
-            lambda line: print(f"evenflow up: {line}", flush=True),
-            then="; each worker switches to them when idle").start()
-        # modes whose workers must run the same kernels from the first step wait for it
-        if config.deterministic or config.tensor_parallel_size > 1 or \
-                config.expert_parallel_size > 1 or args.ray:
-            try:
-                kernels.wait()
-            except KeyboardInterrupt:
-                kernels.stop()
-                print("evenflow up: stopped before starting (the kernels build again next "
-                      "time)", file=sys.stderr, flush=True)
-                return 0
-            kernels = None
+    try:
+        kernels = _first_build(config, args)
+    except KeyboardInterrupt:
+        print("evenflow up: stopped before starting (the kernels build again next time)",
+              file=sys.stderr, flush=True)
+        return 0
     if args.ray:
         from evenflow.rayserve.local import LocalRayMesh
 
@@ -178,43 +166,8 @@ def _up(args: argparse.Namespace) -> int:
             mesh.start(env={"EVENFLOW_NATIVE_BUILD": "background"} if kernels else None)
         else:
             mesh.start()
-        c = mesh.config
-        from evenflow.services.config import redact
-
-        if roles:
-            gateway = f" at {mesh.url}" if "gateway" in roles else ""
-            print(f"evenflow is serving {c.model_name}{gateway}: this host runs "
-                  f"{', '.join(roles)} (NATS {redact(c.nats_url)}, Redis "
-                  f"{redact(c.redis_url)})", flush=True)
-        else:
-            gateways = "gateway" if c.num_gateways == 1 else f"{c.num_gateways} gateways"
-            where = "on Ray Serve" if args.ray else f"({gateways}, {c.num_prefill} prefill, " \
-                f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
-            print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
-        if isinstance(mesh, LocalMesh):
-            print("metrics: " + ", ".join(f"{name} {url}" for name, url in
-                                          mesh.metrics_urls().items()), flush=True)
-            admin = mesh.credentials.get(("admin", ""))
-            if admin and (not roles or "gateway" in roles):
-                print(f"operators: evenflow doctor --url {mesh.url} --nats {c.nats_url} "
-                      f"--nats-credentials {admin}  (the admin user's credentials, mode 0600)",
-                      flush=True)
-        if not roles or "gateway" in roles:
-            print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: "
-                  "application/json' "
-                  f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
-                  f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'",
-                  flush=True)
-        while True:  # restart whatever dies; give up on what keeps dying
-            if kernels is not None and kernels.poll():
-                kernels = None
-            try:
-                mesh.supervise(report=lambda m: print(f"evenflow up: {m}", file=sys.stderr,
-                                                      flush=True))
-            except GaveUp as exc:
-                print(f"evenflow up: {exc}; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        _announce(mesh, roles, args.ray)
+        return _supervise(mesh, kernels)
     except LaunchError as exc:
         print(f"evenflow up: error: {exc}", file=sys.stderr)
         return 1
@@ -228,6 +181,78 @@ def _up(args: argparse.Namespace) -> int:
         stopped = mesh.stop()
         print(f"evenflow up: stopped {stopped} services in {time.monotonic() - stopping:.1f} s",
               file=sys.stderr, flush=True)
+
+
+def _first_build(config: Any, args: argparse.Namespace) -> Any:
+    """The native kernels' first build on this machine, when due: started in the background
+    (the KernelBuild to poll), or waited for (None) in the modes whose workers must run the
+    same kernels from the first step. Ctrl-C while waiting stops it (KeyboardInterrupt)."""
+    from evenflow.engine.kernels import first_build
+
+    if config.engine != "torch" or not first_build.due():
+        return None
+    kernels = first_build.KernelBuild(lambda line: print(f"evenflow up: {line}", flush=True),
+                                      then="; each worker switches to them when idle").start()
+    if config.deterministic or config.tensor_parallel_size > 1 or \
+            config.expert_parallel_size > 1 or args.ray:
+        try:
+            kernels.wait()
+        except KeyboardInterrupt:
+            kernels.stop()
+            raise
+        return None
+    return kernels
+
+
+def _announce(mesh: Any, roles: tuple[str, ...], ray: bool) -> None:
+    """What is served where, the metrics, the doctor's command and a first request."""
+    from evenflow.services.config import redact
+    from evenflow.services.launcher import LocalMesh
+
+    c = mesh.config
+    if roles:
+        gateway = f" at {mesh.url}" if "gateway" in roles else ""
+        print(f"evenflow is serving {c.model_name}{gateway}: this host runs "
+              f"{', '.join(roles)} (NATS {redact(c.nats_url)}, Redis "
+              f"{redact(c.redis_url)})", flush=True)
+    else:
+        gateways = "gateway" if c.num_gateways == 1 else f"{c.num_gateways} gateways"
+        where = "on Ray Serve" if ray else f"({gateways}, {c.num_prefill} prefill, " \
+            f"{c.num_decode} decode; NATS {redact(c.nats_url)}, Redis {redact(c.redis_url)})"
+        print(f"evenflow is serving {c.model_name} at {mesh.url}  {where}", flush=True)
+    if isinstance(mesh, LocalMesh):
+        print("metrics: " + ", ".join(f"{name} {url}" for name, url in
+                                      mesh.metrics_urls().items()), flush=True)
+        admin = mesh.credentials.get(("admin", ""))
+        if admin and (not roles or "gateway" in roles):
+            print(f"operators: evenflow doctor --url {mesh.url} --nats {c.nats_url} "
+                  f"--nats-credentials {admin}  (the admin user's credentials, mode 0600)",
+                  flush=True)
+    if not roles or "gateway" in roles:
+        print(f"try: curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: "
+              "application/json' "
+              f"-d '{{\"model\": \"{c.model_name}\", \"stream\": true, \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"count from 5\"}}]}}'",
+              flush=True)
+
+
+def _supervise(mesh: Any, kernels: Any) -> int:
+    """Restart whatever dies, give up on what keeps dying (exit status 1), until Ctrl-C;
+    meanwhile report the kernels' build (KernelBuild.poll) until it is done."""
+    import time
+
+    from evenflow.services.supervisor import GaveUp
+
+    while True:
+        if kernels is not None and kernels.poll():
+            kernels = None
+        try:
+            mesh.supervise(report=lambda m: print(f"evenflow up: {m}", file=sys.stderr,
+                                                  flush=True))
+        except GaveUp as exc:
+            print(f"evenflow up: {exc}; stopping", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 BENCHMARKS = {  # `evenflow bench NAME` -> its module (each has main(argv))
@@ -418,7 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="evenflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"evenflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_mesh_commands(sub)
+    _add_file_commands(sub)
+    _add_tools(sub)
+    return parser
 
+
+def _add_generate(sub: Any) -> None:
+    """`evenflow generate`: the offline engine."""
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
     gen.add_argument("--model", default="tiny-moe",
@@ -447,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
 
+
+def _add_mesh_commands(sub: Any) -> None:
+    """`evenflow up` (the local mesh) and `serve` (one host's share of a mesh)."""
     up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
     _mesh_arguments(up)
     up.set_defaults(func=_up)
@@ -472,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the rendezvous store here (one host of the mesh does)")
     serve.set_defaults(func=_up)
 
+
+def _add_file_commands(sub: Any) -> None:
+    """Commands that write files: `quantize`, `gguf export`, `bus-secrets`."""
     quant = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (GPTQ or "
                                             "compressed-tensors format)")
     quant.add_argument("model", help="built-in model name or checkpoint dir (bf16/fp32)")
@@ -503,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.add_argument("--host", default="0.0.0.0", help="nats-server's listen address")
     secrets.set_defaults(func=_bus_secrets)
 
+
+def _add_tools(sub: Any) -> None:
+    """`doctor`, `profile`, `dev` and `bench`: each parses its own options."""
     sub.add_parser("doctor", add_help=False,
                    help="find the straggler on a local mesh: `evenflow doctor --help`")
     prof = sub.add_parser("profile", add_help=False,
@@ -518,7 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=list(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,31 @@ class Gateway:
         if req.model != self.config.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError",
                            "model", "model_not_found")
+        prompt_ids = self._prompt_ids(req)
+        echo = isinstance(req, CompletionRequest) and req.echo
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        max_tokens = self._max_tokens(kind, req, len(prompt_ids), asked, echo)
+        logprobs = req.top_logprobs_wanted
+        spec = sampling_spec(req, max_tokens, echo)
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
+        options = req.stream_options
+        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
+                  req.stop_strings, req.stream, bool(options and options.include_usage),
+                  time.monotonic() + budget, n=req.n, logprobs=logprobs,
+                  tokens_as_ids=req.return_tokens_as_token_ids,
+                  include_stop=req.include_stop_str_in_output,
+                  continuous_usage=bool(options and options.continuous_usage_stats))
+        if isinstance(req, CompletionRequest) and req.echo:
+            job.echo_text = req.prompt if isinstance(req.prompt, str) else \
+                self.tokenizer.decode(prompt_ids)
+            job.drop_output = asked == 0
+        return job
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids (a chat through the model's template), every token id the
+        request names checked against the vocabulary; raises APIError."""
         try:
             if isinstance(req, ChatCompletionRequest):
                 prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
@@ -207,10 +232,13 @@ class Gateway:
         if any(t >= vocab for t in req.allowed_token_ids or ()):
             raise APIError(400, f"allowed_token_ids must be in [0, {vocab})",
                            param="allowed_token_ids")
-        room = self.max_model_len - len(prompt_ids)
-        echo = isinstance(req, CompletionRequest) and req.echo
-        asked = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+        return prompt_ids
+
+    def _max_tokens(self, kind: str, req: CompletionRequest | ChatCompletionRequest,
+                    prompt_len: int, asked: int | None, echo: bool) -> int:
+        """The output tokens the request may generate, checked against the context left after
+        its prompt (vLLM's wording for what does not fit); raises APIError."""
+        room = self.max_model_len - prompt_len
         if asked == 0 and not echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)",
                            param="max_tokens")
@@ -221,7 +249,7 @@ class Gateway:
         # that fits blames the output length asked for (or the completions default of 16).
         if room < 1:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                           f"tokens. However, your request has {len(prompt_ids)} input tokens, "
+                           f"tokens. However, your request has {prompt_len} input tokens, "
                            "which leaves no room for output. Please reduce the length of the "
                            f"{'messages' if kind == 'chat' else 'prompt'}.",
                            param="messages" if kind == "chat" else "prompt",
@@ -232,36 +260,12 @@ class Gateway:
             default = " (the default)" if asked is None else ""
             raise APIError(400, f"'{field}' is too large: {max_tokens}{default}. This model's "
                            f"maximum context length is {self.max_model_len} tokens and your "
-                           f"request has {len(prompt_ids)} input tokens ({max_tokens} > "
-                           f"{self.max_model_len} - {len(prompt_ids)}).", param=field,
+                           f"request has {prompt_len} input tokens ({max_tokens} > "
+                           f"{self.max_model_len} - {prompt_len}).", param=field,
                            code="context_length_exceeded")
         if req.min_tokens > max_tokens:
             raise APIError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
-        logprobs = req.top_logprobs_wanted
-        spec = SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            seed=req.seed, max_tokens=max_tokens,
-                            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                            min_p=req.min_p, presence_penalty=req.presence_penalty,
-                            frequency_penalty=req.frequency_penalty,
-                            repetition_penalty=req.repetition_penalty,
-                            min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
-                            allowed_token_ids=list(req.allowed_token_ids or ()),
-                            logprobs=-1 if logprobs is None else logprobs,
-                            prompt_logprobs=logprobs if echo and logprobs is not None else -1)
-        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-        budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
-        options = req.stream_options
-        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
-                  req.stop_strings, req.stream, bool(options and options.include_usage),
-                  time.monotonic() + budget, n=req.n, logprobs=logprobs,
-                  tokens_as_ids=req.return_tokens_as_token_ids,
-                  include_stop=req.include_stop_str_in_output,
-                  continuous_usage=bool(options and options.continuous_usage_stats))
-        if isinstance(req, CompletionRequest) and req.echo:
-            job.echo_text = req.prompt if isinstance(req.prompt, str) else \
-                self.tokenizer.decode(prompt_ids)
-            job.drop_output = asked == 0
-        return job
+        return max_tokens
 
     async def attach_guide(self, job: Job, req: CompletionRequest | ChatCompletionRequest
                            ) -> None:
@@ -371,4 +375,20 @@ def _clipped(text: str, limit: int = 1000) -> str:
     text = str(text)
     return text if len(text) <= limit else text[:limit] + "..."
 
+
+def sampling_spec(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                  echo: bool) -> SamplingSpec:
+    """The request's sampling fields as the wire carries them (one place, as vLLM's
+    to_sampling_params)."""
+    logprobs = req.top_logprobs_wanted
+    return SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                        seed=req.seed, max_tokens=max_tokens,
+                        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                        min_p=req.min_p, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty,
+                        min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
+                        allowed_token_ids=list(req.allowed_token_ids or ()),
+                        logprobs=-1 if logprobs is None else logprobs,
+                        prompt_logprobs=logprobs if echo and logprobs is not None else -1)
 

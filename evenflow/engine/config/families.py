@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,22 @@ def _layer_windows(raw: dict[str, Any], arch: str, layers: int) -> tuple[int, ..
 
 def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     """Map a config.json dict onto ModelConfig; raises ModelLoadError naming what is wrong."""
+    arch = _architecture(raw)
+    try:
+        if arch == "DbrxForCausalLM":
+            raw = dbrx_keys(raw)
+        return _BUILDERS.get(arch, _qwen_moe)(raw, _common(raw, arch, generation))
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json lacks {exc.args[0]!r} for {arch}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    """The first supported architecture config.json names; ModelLoadError for a refused one
+    (naming the layer the engine lacks) or an unknown one."""
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     refused = next((a for a in archs if a in REFUSED_ARCHITECTURES), None)
@@ -168,101 +185,107 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             f"unsupported architecture {archs or raw.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    try:
-        if arch == "DbrxForCausalLM":
-            raw = dbrx_keys(raw)
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        layers = int(raw["num_hidden_layers"])
-        theta, rope = _rope(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
-        common: dict[str, Any] = dict(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(raw.get("intermediate_size", 0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            layer_windows=_layer_windows(raw, arch, layers),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope=rope,
-            partial_rotary=_partial_rotary(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
-            bos_token_id=raw.get("bos_token_id"),
-        )
-        if arch in _DENSE:
-            return ModelConfig(
-                **common,
-                # Qwen2: q/k/v biases always
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                sparse_layers=(False,) * layers,
-            )
-        if arch == "OlmoeForCausalLM":
-            return olmoe(raw, common)
-        if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-            return deepseek(raw, common, arch == "DeepseekV3ForCausalLM")
-        if arch == "GptOssForCausalLM":
-            return gpt_oss(raw, common)
-        if arch in ("Glm4MoeForCausalLM", "SolarOpenForCausalLM", "Dots1ForCausalLM"):
-            return glm4_moe(raw, common)
-        if arch == "Glm4MoeLiteForCausalLM":
-            return glm4_moe_lite(raw, common)
-        if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):
-            return granite_moe(raw, common)
-        if arch == "FlexOlmoForCausalLM":
-            return olmoe(raw, common)
-        if arch == "DbrxForCausalLM":
-            return dbrx(raw, common)
-        if arch == "Ernie4_5_MoeForCausalLM":
-            return ernie45_moe(raw, common)
-        if arch == "HunYuanMoEV1ForCausalLM":
-            return hunyuan_moe(raw, common)
-        if arch == "MiniMaxM2ForCausalLM":
-            return minimax_m2(raw, common)
-        if arch == "MixtralForCausalLM":
-            return ModelConfig(
-                **common,
-                num_experts=int(raw["num_local_experts"]),
-                num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                moe_intermediate_size=int(raw["intermediate_size"]),
-                norm_topk_prob=True,
-                sparse_layers=(True,) * layers,
-            )
-        # Qwen2-MoE / Qwen3-MoE: some layers may be dense
-        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
-        step = int(raw.get("decoder_sparse_step", 1)) or 1
-        dense_only = set(raw.get("mlp_only_layers") or [])
-        sparse = tuple(
-            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)
-        )
-        qwen2 = arch == "Qwen2MoeForCausalLM"
-        return ModelConfig(
-            **common,
-            attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
-            qk_norm=not qwen2,
-            num_experts=experts,
-            num_experts_per_tok=int(raw["num_experts_per_tok"]),
-            moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=(
-                int(raw.get("shared_expert_intermediate_size", 0)) if qwen2 else 0
-            ),
-            sparse_layers=sparse,
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks {exc.args[0]!r} for {arch}") from exc
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
-        raise ModelLoadError(f"config.json has a bad value: {exc}") from exc
+    return arch
+
+
+def _common(raw: dict[str, Any], arch: str, generation: dict[str, Any] | None
+            ) -> dict[str, Any]:
+    """The ModelConfig keys every family shares."""
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    layers = int(raw["num_hidden_layers"])
+    theta, rope = _rope(raw)
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"activation {act!r} is not supported (silu only)")
+    return dict(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw.get("intermediate_size", 0)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        layer_windows=_layer_windows(raw, arch, layers),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope=rope,
+        partial_rotary=_partial_rotary(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def _dense(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    arch = common["architecture"]
+    return ModelConfig(
+        **common,
+        # Qwen2: q/k/v biases always
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sparse_layers=(False,) * common["num_layers"],
+    )
+
+
+def _mixtral(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(
+        **common,
+        num_experts=int(raw["num_local_experts"]),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["intermediate_size"]),
+        norm_topk_prob=True,
+        sparse_layers=(True,) * common["num_layers"],
+    )
+
+
+def _qwen_moe(raw: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Qwen2-MoE / Qwen3-MoE: some layers may be dense."""
+    experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)))
+    step = int(raw.get("decoder_sparse_step", 1)) or 1
+    dense_only = set(raw.get("mlp_only_layers") or [])
+    sparse = tuple(
+        i not in dense_only and experts > 0 and (i + 1) % step == 0
+        for i in range(common["num_layers"])
+    )
+    qwen2 = common["architecture"] == "Qwen2MoeForCausalLM"
+    return ModelConfig(
+        **common,
+        attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
+        qk_norm=not qwen2,
+        num_experts=experts,
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            int(raw.get("shared_expert_intermediate_size", 0)) if qwen2 else 0
+        ),
+        sparse_layers=sparse,
+    )
+
+
+# architecture -> its ModelConfig from (config.json, the common keys); Qwen-MoE otherwise
+_BUILDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], ModelConfig]] = {
+    **{arch: _dense for arch in _DENSE},
+    "OlmoeForCausalLM": olmoe,
+    "FlexOlmoForCausalLM": olmoe,
+    "DeepseekV2ForCausalLM": lambda raw, common: deepseek(raw, common, False),
+    "DeepseekV3ForCausalLM": lambda raw, common: deepseek(raw, common, True),
+    "GptOssForCausalLM": gpt_oss,
+    "Glm4MoeForCausalLM": glm4_moe,
+    "SolarOpenForCausalLM": glm4_moe,
+    "Dots1ForCausalLM": glm4_moe,
+    "Glm4MoeLiteForCausalLM": glm4_moe_lite,
+    "GraniteMoeForCausalLM": granite_moe,
+    "GraniteMoeSharedForCausalLM": granite_moe,
+    "DbrxForCausalLM": dbrx,
+    "Ernie4_5_MoeForCausalLM": ernie45_moe,
+    "HunYuanMoEV1ForCausalLM": hunyuan_moe,
+    "MiniMaxM2ForCausalLM": minimax_m2,
+    "MixtralForCausalLM": _mixtral,
+}
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

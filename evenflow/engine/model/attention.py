@@ -12,6 +12,8 @@ full-attention layers need them.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -167,6 +169,29 @@ class Attention(nn.Module):
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
             out = self._decode_attention(q, (k_cache, v_cache, None, None), meta)
             return self.o_proj(out.reshape(T, nh * hd))
+        q, k, v = self._rotated_qkv(qkv, cos, sin)  # (T, nh | n_kv | n_kv, hd)
+        cache = (k_cache, v_cache, k_scale, v_scale)
+        if k_scale is not None and v_scale is not None:
+            write_quantized(k, k_cache, k_scale, meta.slot_mapping)
+            write_quantized(v, v_cache, v_scale, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+        kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
+            k_cache.is_contiguous() and v_cache.is_contiguous() and \
+            native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
+        if (self.window or self.sinks is not None) and meta.prefills and kernel is None:
+            return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
+        outs = self._prefills(q, k, v, cache, meta, kernel)
+        if meta.decode_slots is not None:
+            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], cache, meta))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _rotated_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v from the fused projection: q/k norms (before or after rotary, per head or
+        whole), clipping, and rotary on the rotary dims."""
+        T, nh, n_kv, hd = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = qkv[:, : nh + n_kv], qkv[:, nh + n_kv :]  # (T, nh + n_kv, hd), (T, n_kv, hd)
         if self.qk_norm_whole:
             q, k = qk[:, :nh].reshape(T, nh * hd), qk[:, nh:].reshape(T, n_kv * hd)
@@ -189,20 +214,15 @@ class Attention(nn.Module):
             qk = torch.cat([rot, qk[..., self.rotary_dim :]], dim=-1)
         if self.qk_norm_after_rope:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
-        q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, n_kv, hd)
-        cache = (k_cache, v_cache, k_scale, v_scale)
-        if k_scale is not None and v_scale is not None:
-            write_quantized(k, k_cache, k_scale, meta.slot_mapping)
-            write_quantized(v, v_cache, v_scale, meta.slot_mapping)
-        else:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+        return qk[:, :nh], qk[:, nh:], v  # (T, nh, hd), (T, n_kv, hd), (T, n_kv, hd)
+
+    def _prefills(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCacheParts,
+                  meta: AttentionMetadata, kernel: Any) -> list[Tensor]:
+        """Each prefill segment's attention (q_len, nh, hd): the native kernel over the cache
+        where it serves, else torch's flash kernel (with a causal mask offset by the cached
+        part when the context comes from the cache)."""
+        k_cache, v_cache, k_scale, v_scale = cache
         outs: list[Tensor] = []
-        kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
-            k_cache.is_contiguous() and v_cache.is_contiguous() and \
-            native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
-        if (self.window or self.sinks is not None) and meta.prefills and kernel is None:
-            return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
         for seg in meta.prefills:
             if kernel is not None:  # over the cache, where K and V were just written
                 slots = seg.slots if seg.slots is not None else \
@@ -226,10 +246,7 @@ class Attention(nn.Module):
                 mask = torch.arange(seg.ctx_len).unsqueeze(0) <= q_pos  # (q, ctx)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             outs.append(o[0].transpose(0, 1))  # (q, nh, hd)
-        if meta.decode_slots is not None:
-            outs.append(self._decode_attention(q[meta.num_prefill_tokens :], cache, meta))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return outs
 
     def _windowed(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCacheParts,
                   meta: AttentionMetadata) -> Tensor:
