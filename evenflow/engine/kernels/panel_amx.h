@@ -79,14 +79,18 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// sums (16 x 64 float32, rows of 64) = a (16 rows of k_total bf16, `a_row` apart) @ one panel
-// w ((k_total / 2, 64, 2) bf16). k_total a multiple of 32; tiles configured.
-inline void panel_bf16_amx(const uint16_t* a, int64_t a_row, const uint16_t* w, int64_t k_total,
-                           float* sums) {
+// The accumulator tiles 0-3 (16 rows x 64 channels) zeroed; += a (16 rows of k_total bf16,
+// `a_row` apart) @ one panel w ((k_total / 2, 64, 2) bf16, k_total a multiple of 32); stored
+// into sums (rows `sums_row` floats apart). Tiles configured.
+inline void tiles_zero() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+inline void tiles_accumulate(const uint16_t* a, int64_t a_row, const uint16_t* w,
+                             int64_t k_total) {
   const int64_t a_stride = a_row * 2;  // bytes
   for (int64_t kp = 0; kp < k_total / 2; kp += 16) {
     const uint16_t* wp = w + kp * 2 * 64;
@@ -100,10 +104,23 @@ inline void panel_bf16_amx(const uint16_t* a, int64_t a_row, const uint16_t* w, 
     _tile_loadd(6, wp + 96, 256);
     _tile_dpbf16ps(3, 4, 6);
   }
-  _tile_stored(0, sums, 256);
-  _tile_stored(1, sums + 16, 256);
-  _tile_stored(2, sums + 32, 256);
-  _tile_stored(3, sums + 48, 256);
+}
+
+inline void tiles_store(float* sums, int64_t sums_row) {
+  const int64_t stride = sums_row * 4;  // bytes
+  _tile_stored(0, sums, stride);
+  _tile_stored(1, sums + 16, stride);
+  _tile_stored(2, sums + 32, stride);
+  _tile_stored(3, sums + 48, stride);
+}
+
+// sums (16 x 64 float32, rows of 64) = a (16 rows of k_total bf16, `a_row` apart) @ one panel
+// w ((k_total / 2, 64, 2) bf16). k_total a multiple of 32; tiles configured.
+inline void panel_bf16_amx(const uint16_t* a, int64_t a_row, const uint16_t* w, int64_t k_total,
+                           float* sums) {
+  tiles_zero();
+  tiles_accumulate(a, a_row, w, k_total);
+  tiles_store(sums, 64);
 }
 
 // Rows [0, m) (row(i): a bf16 row of k_total) against one plain bf16 panel, 16 at a time;
@@ -141,6 +158,9 @@ constexpr bool kHasAmx = true;
 #else
 
 inline void configure_tiles() {}
+inline void tiles_zero() {}
+inline void tiles_accumulate(const uint16_t*, int64_t, const uint16_t*, int64_t) {}
+inline void tiles_store(float*, int64_t) {}
 inline void panel_bf16_amx(const uint16_t*, int64_t, const uint16_t*, int64_t, float*) {}
 inline void release_tiles() {}
 

@@ -56,6 +56,12 @@ using evenflow_panel::store;
 constexpr int kKeys = kPanel;  // keys per block: one panel's outputs (K) or inputs (V)
 constexpr int kTileRows = 24;  // rows a task aims for (4 register blocks of kRows = 6)
 constexpr int kMaxRows = 64;   // a KV head's group of queries at one position, at most
+// AMX tiles (bf16): a task takes 32 rows (two full tiles) and walks the keys 4 blocks (256
+// keys) at a time: one softmax pass, one rescale of the output and one tile store per 256 keys
+// instead of per 64 (the tile dot products' latency, not their work, set the pace per block).
+constexpr int kTileRowsAmx = 32;
+constexpr int kChunkBlocks = 4;
+constexpr int kChunk = kChunkBlocks * 64;
 
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, uint16_t* dst) { *dst = evenflow_panel::float_to_bf16(v); }
@@ -118,47 +124,50 @@ struct Scratch {
   alignas(64) T pr[kMaxRows * kKeys];
   alignas(64) float o[kMaxRows * 256];
   alignas(64) float sums[std::max(kRows, evenflow_panel::kAmxRows) * kPanel];
+  // the AMX path's chunk of up to kChunkBlocks blocks: scores and probabilities
+  alignas(64) float s_chunk[kMaxRows * kChunk];
+  alignas(64) T p_chunk[kMaxRows * kChunk];
   float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
   int64_t pos[kMaxRows], head[kMaxRows];
 };
 
-// One task: KV head g's query heads at positions [pos0, pos0 + npos).
 template <typename T>
-void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratch<T>& w) {
+void finish_rows(const Problem<T>& p, int64_t rows, Scratch<T>& w);
+
+// A task's rows: KV head g's query heads at positions [pos0, pos0 + npos), each row's query
+// copied, its running max and sum reset, its output zeroed. How many rows.
+template <typename T>
+int64_t start_rows(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratch<T>& w) {
   const int64_t hd = p.hd, rows = npos * p.group;
-  const T* qrow[kMaxRows];
-  const T* prow[kMaxRows];
   for (int64_t r = 0; r < rows; ++r) {
     w.pos[r] = pos0 + r / p.group;
     w.head[r] = g * p.group + r % p.group;
     std::memcpy(w.q + r * hd, p.q + w.pos[r] * p.q_row + w.head[r] * p.q_head, hd * sizeof(T));
-    qrow[r] = w.q + r * hd;
-    prow[r] = w.pr + r * kKeys;
     w.m[r] = -std::numeric_limits<float>::infinity();
     w.l[r] = 0.f;
   }
   std::memset(w.o, 0, sizeof(float) * rows * hd);
+  return rows;
+}
+
+// One task: KV head g's query heads at positions [pos0, pos0 + npos).
+template <typename T>
+void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratch<T>& w) {
+  const int64_t hd = p.hd, rows = start_rows(p, g, pos0, npos, w);
+  const T* qrow[kMaxRows];
+  const T* prow[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    qrow[r] = w.q + r * hd;
+    prow[r] = w.pr + r * kKeys;
+  }
   const int64_t last_key = p.offset + pos0 + npos - 1;  // the last row's diagonal
   // the first row's window start: no earlier block is seen by any row of the tile
   const int64_t first_key = p.window ? std::max<int64_t>(0, p.offset + pos0 - p.window + 1) : 0;
-  // bf16 on AMX tiles (kernels/panel_amx.h), 16 rows a pass: q and P are rows one after
-  // another in the scratch already, and K's and V's blocks are panels (AMX's B layout). Rows
-  // past the tile's are read (the scratch has room) and their sums dropped.
-  const bool tiles = std::is_same_v<T, uint16_t> && hd % 32 == 0 && rows >= 4 &&
-                     evenflow_panel::amx_usable();
-  if (tiles) evenflow_panel::configure_tiles();
   for (int64_t b = first_key / kKeys; b <= last_key / kKeys; ++b) {
     const int64_t key0 = b * kKeys;
-    for (int64_t r0 = 0; r0 < rows; r0 += tiles ? evenflow_panel::kAmxRows : kRows) {
-      if (tiles) {  // scores: q . k for 64 keys
-        evenflow_panel::panel_bf16_amx(reinterpret_cast<const uint16_t*>(qrow[r0]), hd,
-                                       reinterpret_cast<const uint16_t*>(p.k_block(g, b)), hd,
-                                       w.s + r0 * kKeys);
-      } else {
-        panel<T>(qrow + r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)),
-                 p.k_block(g, b), hd, w.s + r0 * kKeys);
-      }
-    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows)  // scores: q . k for 64 keys
+      panel<T>(qrow + r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)),
+               p.k_block(g, b), hd, w.s + r0 * kKeys);
     for (int64_t r = 0; r < rows; ++r) {  // online softmax
       const int64_t visible = std::min<int64_t>(kKeys, p.offset + w.pos[r] - key0 + 1);
       // keys of the block before this row's window (0 without a window)
@@ -202,15 +211,9 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
     }
     const T* vb = p.v_block(g, b);
     for (int64_t c = 0; c < hd / kPanel; ++c) {  // output += P @ V, one 64-channel panel at a time
-      const int step = tiles ? evenflow_panel::kAmxRows : kRows;
-      for (int64_t r0 = 0; r0 < rows; r0 += step) {
-        const int mr = static_cast<int>(std::min<int64_t>(step, rows - r0));
-        if (tiles)
-          evenflow_panel::panel_bf16_amx(reinterpret_cast<const uint16_t*>(prow[r0]), kKeys,
-                                         reinterpret_cast<const uint16_t*>(vb) + c * kKeys * kPanel,
-                                         kKeys, w.sums);
-        else
-          panel<T>(prow + r0, mr, vb + c * kKeys * kPanel, kKeys, w.sums);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+        panel<T>(prow + r0, mr, vb + c * kKeys * kPanel, kKeys, w.sums);
         for (int r = 0; r < mr; ++r) {
           float* o = w.o + (r0 + r) * hd + c * kPanel;
           const f16v a = splat(w.alpha[r0 + r]);
@@ -220,7 +223,14 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
       }
     }
   }
-  if (tiles) evenflow_panel::release_tiles();
+  finish_rows(p, rows, w);
+}
+
+// Each row's output divided by its softmax sum (a sink's logit joining the max and the sum),
+// rounded once into the output.
+template <typename T>
+void finish_rows(const Problem<T>& p, int64_t rows, Scratch<T>& w) {
+  const int64_t hd = p.hd;
   for (int64_t r = 0; r < rows; ++r) {
     float inv = 1.f / w.l[r];
     if (p.sinks != nullptr) {  // the sink's logit joins the max and the sum, with no value
@@ -233,12 +243,94 @@ void run_tile(const Problem<T>& p, int64_t g, int64_t pos0, int64_t npos, Scratc
   }
 }
 
+// One task on AMX tiles (bf16, kernels/panel_amx.h): as run_tile, but q.K and P.V on tiles,
+// 16 rows a pass (q and P are rows one after another in the scratch, K's and V's blocks are
+// panels: AMX's B layout; rows past the task's are read and their sums dropped), and the keys
+// taken kChunkBlocks blocks at a time.
+void run_tile_tiles(const Problem<uint16_t>& p, int64_t g, int64_t pos0, int64_t npos,
+                    Scratch<uint16_t>& w) {
+  namespace ep = evenflow_panel;
+  constexpr int kT = ep::kAmxRows;
+  const int64_t hd = p.hd, rows = start_rows(p, g, pos0, npos, w);
+  const int64_t last_key = p.offset + pos0 + npos - 1;  // the last row's diagonal
+  const int64_t first_key = p.window ? std::max<int64_t>(0, p.offset + pos0 - p.window + 1) : 0;
+  const int64_t b_last = last_key / kKeys;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  ep::configure_tiles();
+  for (int64_t b0 = first_key / kKeys; b0 <= b_last; b0 += kChunkBlocks) {
+    const int64_t nb = std::min<int64_t>(kChunkBlocks, b_last - b0 + 1);
+    const int64_t width = nb * kKeys, key0 = b0 * kKeys;
+    for (int64_t r0 = 0; r0 < rows; r0 += kT) {  // scores: q . k, a block at a time
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        ep::tiles_zero();
+        ep::tiles_accumulate(w.q + r0 * hd, hd, p.k_block(g, b0 + bi), hd);
+        ep::tiles_store(w.s_chunk + r0 * kChunk + bi * kKeys, kChunk);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // online softmax over the chunk's keys
+      const int64_t visible = std::min<int64_t>(width, p.offset + w.pos[r] - key0 + 1);
+      const int64_t hidden =
+          p.window ? std::max<int64_t>(0, p.offset + w.pos[r] - p.window + 1 - key0) : 0;
+      float* s = w.s_chunk + r * kChunk;
+      uint16_t* pr = w.p_chunk + r * kChunk;
+      if (visible <= 0 || hidden >= visible) {  // past the diagonal, or before the window
+        std::memset(pr, 0, width * sizeof(uint16_t));
+        w.alpha[r] = 1.f;
+        continue;
+      }
+      __m512 top = _mm512_set1_ps(minus_inf);
+      for (int64_t v = 0; v < width; v += kLanes) {
+        f16v sv = load(s + v) * p.scale;
+        if (v + kLanes > visible || v < hidden) {
+          const f16v at = kLaneIndex + float(v);
+          sv = at < float(visible) && at >= float(hidden) ? sv : splat(minus_inf);
+        }
+        store(s + v, sv);
+        top = _mm512_max_ps(top, reinterpret_cast<__m512>(sv));
+      }
+      const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(top));
+      const float alpha = std::exp(w.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t v = 0; v < width; v += kLanes) {
+        const f16v sv = load(s + v);
+        f16v e = exp_nonpositive(sv - m_new);
+        e = sv == minus_inf ? splat(0.f) : e;
+        total = _mm512_add_ps(total, reinterpret_cast<__m512>(e));
+        store_p(pr + v, e);
+      }
+      w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(total);
+      w.m[r] = m_new;
+      w.alpha[r] = alpha;
+    }
+    for (int64_t c = 0; c < hd / kPanel; ++c) {  // output += P @ V, a 64-channel panel at a time
+      for (int64_t r0 = 0; r0 < rows; r0 += kT) {
+        ep::tiles_zero();
+        for (int64_t bi = 0; bi < nb; ++bi)
+          ep::tiles_accumulate(w.p_chunk + r0 * kChunk + bi * kKeys, kChunk,
+                               p.v_block(g, b0 + bi) + c * kKeys * kPanel, kKeys);
+        ep::tiles_store(w.sums, kPanel);
+        const int mr = static_cast<int>(std::min<int64_t>(kT, rows - r0));
+        for (int r = 0; r < mr; ++r) {
+          float* o = w.o + (r0 + r) * hd + c * kPanel;
+          const f16v a = splat(w.alpha[r0 + r]);
+          for (int v = 0; v < kPanel; v += kLanes)
+            store(o + v, load(o + v) * a + load(w.sums + r * kPanel + v));
+        }
+      }
+    }
+  }
+  ep::release_tiles();
+  finish_rows(p, rows, w);
+}
+
 template <typename T>
 void run(Problem<T>& p) {
   at::parallel_for(0, p.kv_heads * p.blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) pack_block(p, t / p.blocks, t % p.blocks);
   });
-  const int64_t per_tile = std::max<int64_t>(1, kTileRows / p.group);  // positions a task
+  const bool amx = std::is_same_v<T, uint16_t> && p.hd % 32 == 0 && evenflow_panel::amx_usable();
+  // positions a task
+  const int64_t per_tile = std::max<int64_t>(1, (amx ? kTileRowsAmx : kTileRows) / p.group);
   const int64_t tiles = (p.q_len + per_tile - 1) / per_tile;
   const int64_t tasks = tiles * p.kv_heads;
   std::atomic<int64_t> next{0};
@@ -248,7 +340,14 @@ void run(Problem<T>& p) {
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t tile = tiles - 1 - t / p.kv_heads;  // the latest positions first
       const int64_t pos0 = tile * per_tile;
-      run_tile(p, t % p.kv_heads, pos0, std::min(per_tile, p.q_len - pos0), *scratch);
+      const int64_t npos = std::min(per_tile, p.q_len - pos0);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (amx) {
+          run_tile_tiles(p, t % p.kv_heads, pos0, npos, *scratch);
+          continue;
+        }
+      }
+      run_tile(p, t % p.kv_heads, pos0, npos, *scratch);
     }
   });
 }
