@@ -1,5 +1,5 @@
 // bf16 panels on AMX tiles (Sapphire Rapids and later): from kAmxMinRows rows, blocks of 16
-// rows meets a panel of 64 output channels through four 16 x 16 float32 accumulator tiles.
+// rows meet a panel of 64 output channels through four 16 x 16 float32 accumulator tiles.
 //
 // Why: prefill and large decode batches are compute-bound, and a TDPBF16PS does 16 x 16 x 32
 // multiply-adds, 8x what AVX512-BF16's vdpbf16ps does in the same time. oneDNN and vLLM's CPU
