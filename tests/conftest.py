@@ -17,6 +17,16 @@ from evenflow.services.config import MeshConfig  # noqa: E402
 from evenflow.services.launcher import LocalMesh  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _amx_tiles_back():
+    """A deterministic engine switches the AMX tiles off process-wide until it is closed;
+    tests rarely close theirs, so each test hands the tiles back when it ends."""
+    yield
+    from evenflow.engine.kernels import native
+
+    native.release_rows_invariant(everyone=True)
+
+
 @pytest.fixture(scope="session")
 def otlp():
     receiver = OTLPReceiver()

@@ -248,10 +248,14 @@ def decode_attention_registers(head_dim: int, group: int) -> bool:
     return kernels is not None and bool(kernels.paged_attention_registers(head_dim, group))
 
 
+_rows_invariant_holds = 0  # deterministic engines alive in this process (AMX tiles off)
+
+
 def amx_tiles() -> bool:
     """Whether the bf16 panel kernels (linears from 2 rows, fused experts, prefill attention)
     run on AMX tiles (kernels/panel_amx.h): built for a CPU with AMX, permitted by the kernel,
-    and not switched off (EVENFLOW_NATIVE_AMX=0, or deterministic mode: `hold_rows_invariant`)."""
+    and not switched off (EVENFLOW_NATIVE_AMX=0, or a deterministic engine alive:
+    `hold_rows_invariant`)."""
     kernels = ops()
     if kernels is None or not hasattr(kernels, "amx_tiles"):
         return False
@@ -261,11 +265,26 @@ def amx_tiles() -> bool:
 
 
 def hold_rows_invariant() -> None:
-    """From now on, in this process, every panel kernel computes a row the same way whatever
-    its call's row count: no AMX tiles (deterministic mode's batch invariance)."""
+    """While held (by each deterministic engine, until `release_rows_invariant`), every panel
+    kernel in this process computes a row the same way whatever its call's row count: no AMX
+    tiles (deterministic mode's batch invariance; the switch is process-wide)."""
+    global _rows_invariant_holds
     kernels = ops()
     if kernels is not None and hasattr(kernels, "set_amx_tiles"):
+        _rows_invariant_holds += 1
         kernels.set_amx_tiles(False)
+
+
+def release_rows_invariant(everyone: bool = False) -> None:
+    """One hold released (`everyone`: all of them, for tests); the last one gives the tiles
+    back unless EVENFLOW_NATIVE_AMX=0."""
+    global _rows_invariant_holds
+    if _rows_invariant_holds == 0:
+        return
+    _rows_invariant_holds = 0 if everyone else _rows_invariant_holds - 1
+    kernels = ops()
+    if _rows_invariant_holds == 0 and kernels is not None:
+        kernels.set_amx_tiles(switched_on("EVENFLOW_NATIVE_AMX"))
 
 
 @functools.cache

@@ -181,6 +181,10 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         tiers = getattr(self, "tiers", None)  # (not yet when loading failed)
         if tiers is not None:
             tiers.close()
+        runner = getattr(self, "runner", None)  # (not yet when loading failed)
+        if getattr(runner, "deterministic", False) and not getattr(self, "_closed", False):
+            native.release_rows_invariant()  # (the AMX tiles come back with the last one)
+        self._closed = True
 
     def configure_current_thread(self) -> None:
         """Apply the thread setting to the calling thread: OpenMP's thread count is per thread,
