@@ -108,6 +108,29 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MB: Linux's VmHWM, which belongs to the process's
+    own address space (getrusage's ru_maxrss is inherited across fork and exec, so a worker
+    started by a bench that had grown reported the bench's peak instead of its own)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5), where the kernel allows."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def run_worker(module: str, args: list[str], threads: int, label: str,
                env: dict[str, str] | None = None, command: list[str] | None = None
                ) -> dict | None:

@@ -16,24 +16,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.machine import bench_checkpoints, run_worker, speedup_words
+from evenflow.bench.machine import bench_checkpoints, peak_rss_mb, run_worker, speedup_words
 from evenflow.bench.stepping import drive, random_prompts
 
 FULL = dict(prefill=[128, 512, 2048], batches=[1, 8, 32], prompt=128, output=128, prefix=1024,
             reps=3)
 QUICK = dict(prefill=[16, 64], batches=[1, 4], prompt=16, output=8, prefix=64, reps=1)
 
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> dict:
@@ -76,7 +71,7 @@ def run_ours(ckpt: str, threads: int, plan: dict, dtype: str, tp: int = 1) -> di
     from evenflow.bench.bandwidth import step_bytes
 
     result["step_bytes"] = step_bytes(engine, plan["prompt"] + plan["output"] // 2)
-    result["peak_rss_mb"] = _peak_rss_mb()
+    result["peak_rss_mb"] = peak_rss_mb()
     return result
 
 
@@ -117,7 +112,7 @@ def run_transformers(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
     first_p, second_p = (prefix + s for s in random_prompts(2, 64, vocab, 8))
     result["ttft_uncached_ms"] = prefill([first_p]) * 1e3
     result["ttft_cached_ms"] = prefill([second_p]) * 1e3  # no prefix cache: same work again
-    result["peak_rss_mb"] = _peak_rss_mb()
+    result["peak_rss_mb"] = peak_rss_mb()
     return result
 
 

@@ -37,7 +37,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from evenflow.bench.machine import bench_checkpoints, machine_line, run_worker
+from evenflow.bench.machine import (
+    bench_checkpoints,
+    machine_line,
+    peak_rss_mb,
+    reset_peak_rss,
+    run_worker,
+)
 
 FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q4_k_m", "gguf-q4_0")
 # --speed: variant -> (checkpoint key, extra environment, the variant it is compared with)
@@ -62,11 +68,6 @@ def _status_mb(field: str) -> float:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _reset_peak() -> None:
-    """Start the peak-RSS mark (VmHWM) again from the current RSS (Linux: clear_refs 5)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
@@ -170,10 +171,10 @@ def _worker(argv: list[str]) -> int:
         return 0
     native.ops()
     torch.zeros(1)
-    _reset_peak()
+    reset_peak_rss()
     before = _status_mb("VmRSS")
     llm = LLM(model, dtype=dtype, num_kv_blocks=8, block_size=16)
-    peak = _status_mb("VmHWM")
+    peak = peak_rss_mb()
     assert isinstance(llm.engine, Engine)
     resident = quantized_bytes(llm.engine.model) / 2**20
     print(json.dumps({"before": before, "peak": peak - before, "resident": resident,

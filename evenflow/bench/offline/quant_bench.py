@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from evenflow.bench.machine import run_worker
+from evenflow.bench.machine import peak_rss_mb, reset_peak_rss, run_worker
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "native": {}, "int8": {"quantization": "int8"},
@@ -97,8 +96,9 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
     load_model(model_directory("tiny-moe"), torch_dtype(config), quant_config(config))
     gc.collect()
     before = _rss_mb()
+    reset_peak_rss()  # (the warm-up's peak is not this load's)
     load_model(model_directory(ckpt), torch_dtype(config), quant_config(config))  # alone, first
-    load_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+    load_peak_mb = peak_rss_mb() - before
     engine = Engine(config)
     weights_mb = quantized_bytes(engine.model) / 2**20
     vocab = engine.model_config.vocab_size
