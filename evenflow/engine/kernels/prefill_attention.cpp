@@ -243,6 +243,7 @@ void finish_rows(const Problem<T>& p, int64_t rows, Scratch<T>& w) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)  // (its AVX-512 code needs AMX's CPU)
 // One task on AMX tiles (bf16, kernels/panel_amx.h): as run_tile, but q.K and P.V on tiles,
 // 16 rows a pass (q and P are rows one after another in the scratch, K's and V's blocks are
 // panels: AMX's B layout; rows past the task's are read and their sums dropped), and the keys
@@ -322,6 +323,7 @@ void run_tile_tiles(const Problem<uint16_t>& p, int64_t g, int64_t pos0, int64_t
   ep::release_tiles();
   finish_rows(p, rows, w);
 }
+#endif
 
 template <typename T>
 void run(Problem<T>& p) {
@@ -341,12 +343,14 @@ void run(Problem<T>& p) {
       const int64_t tile = tiles - 1 - t / p.kv_heads;  // the latest positions first
       const int64_t pos0 = tile * per_tile;
       const int64_t npos = std::min(per_tile, p.q_len - pos0);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
         if (amx) {
           run_tile_tiles(p, t % p.kv_heads, pos0, npos, *scratch);
           continue;
         }
       }
+#endif
       run_tile(p, t % p.kv_heads, pos0, npos, *scratch);
     }
   });
