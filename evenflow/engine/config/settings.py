@@ -52,6 +52,8 @@ ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
     EngineSwitch("EVENFLOW_NATIVE_NORM", "1", "fused RMSNorm + residual add"),
     EngineSwitch("EVENFLOW_NATIVE_ROTARY", "1", "the decode step's fused rotary + KV write"),
     EngineSwitch("EVENFLOW_NATIVE_ATTENTION", "1", "paged decode attention"),
+    EngineSwitch("EVENFLOW_NATIVE_MLA", "1", "MLA's decode (DeepSeek-V2 / -V3: absorbed "
+                 "queries, attention over the paged latents, values up) in one call"),
     EngineSwitch("EVENFLOW_NATIVE_PREFILL_ATTENTION", "1", "causal prefill attention over the "
                  "paged cache"),
     EngineSwitch("EVENFLOW_NATIVE_KV_BLOCKS", "1", "the K/V hand-off's block copies"),

@@ -154,6 +154,30 @@ def decode_attention() -> Any | None:
 
 
 @functools.cache
+def mla_decode() -> Any | None:
+    """MLA's absorbed decode over the paged latent cache in one call (kernels/mla_decode.cpp:
+    mla_decode, mla_decode_int8), or None: no native kernels, or EVENFLOW_NATIVE_MLA=0 (torch's
+    bmm's, gather and scaled_dot_product_attention: engine/model/mla.py)."""
+    kernels = ops() if switched_on("EVENFLOW_NATIVE_MLA") else None
+    return kernels if kernels is not None and hasattr(kernels, "mla_decode") else None
+
+
+# MLA's latent widths the kernel takes: kv_lora_rank and kv_lora_rank + rope, multiples of this
+MLA_LANES = 16
+
+
+def mla_decode_serves(rank: int, rope: int) -> bool:
+    """Whether MLA decode with this latent (kv_lora_rank, rope dims) runs the native kernel."""
+    if mla_decode() is None:
+        return False
+    if rank % MLA_LANES or (rank + rope) % MLA_LANES:
+        falls_back("MLA decode", f"kv_lora_rank {rank} + rope {rope} is not in multiples of "
+                   f"{MLA_LANES}")
+        return False
+    return True
+
+
+@functools.cache
 def prefill_attention() -> Any | None:
     """The causal prefill attention over the paged cache (kernels/prefill_attention.cpp), or
     None: no native kernels, or EVENFLOW_NATIVE_PREFILL_ATTENTION=0 (torch's
@@ -315,6 +339,7 @@ def route_topk() -> Any | None:
 _KERNELS = (("norm", "EVENFLOW_NATIVE_NORM", norms),
             ("rotary", "EVENFLOW_NATIVE_ROTARY", rotary_kv_write),
             ("decode_attention", "EVENFLOW_NATIVE_ATTENTION", decode_attention),
+            ("mla_decode", "EVENFLOW_NATIVE_MLA", mla_decode),
             ("prefill_attention", "EVENFLOW_NATIVE_PREFILL_ATTENTION", prefill_attention),
             ("kv_blocks", "EVENFLOW_NATIVE_KV_BLOCKS", kv_blocks),
             ("kv_int8", "EVENFLOW_NATIVE_KV_INT8", kv_int8),

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
+from evenflow.engine.kernels import native
 from evenflow.engine.model.attention import gather_cache
-from evenflow.engine.model.kv_quant import write_quantized
+from evenflow.engine.model.kv_quant import block_size_of, write_quantized
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.norm import RMSNorm
 
@@ -168,9 +169,33 @@ class LatentAttention(nn.Module):
     def _decode(self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, scales: Tensor | None,
                 meta: AttentionMetadata) -> Tensor:
         """Absorbed form: (B, nh, nope) queries into the latent space, attention over the
-        cached latents (B, L) as one shared head, the output up through W_uv -> (B, nh, v)."""
+        cached latents (B, L) as one shared head, the output up through W_uv -> (B, nh, v).
+        The native kernel (kernels/mla_decode.cpp) where the runner picked it (decode_lens),
+        else torch's."""
+        assert meta.decode_slots is not None
+        w_uk, w_uv = self.kv_b_proj.w_uk, self.kv_b_proj.w_uv
+        if meta.decode_lens is not None:
+            kernels = native.mla_decode()
+            if kernels is not None and w_uk.dtype == q_nope.dtype == cache.dtype:
+                return kernels.mla_decode(q_nope, q_pe, w_uk, w_uv, cache, meta.decode_slots,
+                                          meta.decode_lens, self.scale)
+            if kernels is not None and scales is not None and w_uk.dtype == q_nope.dtype:
+                return kernels.mla_decode_int8(q_nope, q_pe, w_uk, w_uv, cache, scales,
+                                               meta.decode_slots, meta.decode_lens, self.scale,
+                                               block_size_of(cache, scales))
+        return self._torch_decode(q_nope, q_pe, cache, scales, meta)
+
+    def _torch_decode(self, q_nope: Tensor, q_pe: Tensor, cache: Tensor, scales: Tensor | None,
+                      meta: AttentionMetadata) -> Tensor:
+        """torch's absorbed decode: two bmm's around SDPA over a gathered, padded copy."""
         assert meta.decode_slots is not None
         B, L = meta.decode_slots.shape
+        mask = meta.decode_mask
+        if mask is None:  # the runner chose the kernel, which does not take this dtype mix
+            assert meta.decode_lens is not None
+            real = torch.arange(L) < meta.decode_lens.unsqueeze(1)
+            mask = torch.zeros(B, 1, 1, L, dtype=q_nope.dtype).masked_fill_(
+                ~real.view(B, 1, 1, L), float("-inf"))
         nh, width = self.num_heads, self.rank + self.rope
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)
         q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # (B, 1, nh, r + rope)
@@ -179,7 +204,7 @@ class LatentAttention(nn.Module):
         # V is the latent itself: passed whole (the rope dims' output is dropped after), so
         # q, K and V share one width and torch's flash kernel takes them (its math path,
         # for unequal widths, upcasts everything: 60% of a batch-32 step)
-        o = F.scaled_dot_product_attention(q, ctx, ctx, attn_mask=meta.decode_mask,
+        o = F.scaled_dot_product_attention(q, ctx, ctx, attn_mask=mask,
                                            scale=self.scale)[..., : self.rank]
         o = o.reshape(B, nh, self.rank).permute(1, 2, 0).contiguous()  # (nh, r, B)
         # W_uv (nh, v, r) @ o: the weight read in place (o's transpose is the small copy)

@@ -77,11 +77,11 @@ class ModelRunner:
         # a row).
         self.null_slot = slots
         self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-        # the paged decode kernel serves grouped-query attention, with sinks and windows. (MLA's
-        # absorbed decode could pass its latent as both K and V, one KV head for every query
-        # head, but at DeepSeek-V3's width, 576, the kernel's loop ran 0.94x / 0.83x torch's
-        # SDPA at batch 1 / 8: MLA keeps torch's until a kernel of its own)
+        # the paged decode kernel serves grouped-query attention, with sinks and windows; MLA
+        # has a kernel of its own (kernels/mla_decode.cpp: the GQA kernel's loop, its latent as
+        # K and V, ran 0.94x / 0.83x torch's SDPA at batch 1 / 8)
         self.paged_attention_usable = not cfg.mla
+        self.mla_latent = (cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.mla else None
         self.forward_calls = 0  # expert-parallel ranks check that each step ran one
         # Deterministic mode (EngineConfig.deterministic): every prompt token is computed as a
         # decoded token is, so its K/V and logits do not depend on how it was scheduled
@@ -122,6 +122,15 @@ class ModelRunner:
         self.expert_counts = torch.zeros(len(moe), max(cfg.num_experts, 1), dtype=torch.int64)
         for row, layer in enumerate(moe):
             layer.counts = self.expert_counts[row]
+
+    def _paged_decode(self, batch: int) -> bool:
+        """Whether this step's decode attention reads the cache in place (a native kernel:
+        decode_lens, no padding mask) or runs torch's gathered attention (decode_mask)."""
+        if self.mla_latent is not None:
+            return native.mla_decode_serves(*self.mla_latent)
+        return self.paged_attention_usable and \
+            (not self.quantized_kv or native.kv_int8() is not None) and \
+            (self.deterministic or paged_decode_attention(batch, *self.attention_shape))
 
     @property
     def num_kv_parts(self) -> int:
@@ -235,10 +244,7 @@ class ModelRunner:
                                   for c in decodes])  # (B, blocks)
             all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
             ctx = torch.tensor(lens)  # (B,)
-            if self.paged_attention_usable and \
-                    (not self.quantized_kv or native.kv_int8() is not None) and \
-                    (self.deterministic or
-                     paged_decode_attention(len(decodes), *self.attention_shape)):
+            if self._paged_decode(len(decodes)):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
                 decode_slots, decode_lens = all_slots, ctx
             else:
