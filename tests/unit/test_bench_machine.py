@@ -53,3 +53,23 @@ def test_temporary_files_live_in_the_user_cache_and_go_at_the_end(monkeypatch, t
     with pytest.raises(KeyboardInterrupt), scratch_dir("serve") as path:
         raise KeyboardInterrupt
     assert not path.exists()
+
+
+def test_every_script_defines_what_it_runs_before_running_it():
+    """A module run as a script (a bench worker in another venv, a service's __main__) executes
+    its `if __name__ == "__main__":` block where it stands: a function defined after it does not
+    exist yet (the vLLM worker once died so, after its whole run, on its peak-RSS helper)."""
+    import ast
+    from pathlib import Path
+
+    import evenflow
+
+    late = []
+    for path in Path(evenflow.__file__).parent.rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        mains = [i for i, node in enumerate(body) if isinstance(node, ast.If)
+                 and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"']
+        if mains:
+            late += [f"{path.name}: {node.name}" for node in body[mains[0] + 1:]
+                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+    assert late == []

@@ -28,6 +28,14 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
+def _peak_rss_mb() -> float:
+    """VmHWM (this process's own peak: ru_maxrss is inherited from the bench that started it)."""
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_vllm(ckpt: str, threads: int, plan: dict, dtype: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
@@ -79,10 +87,3 @@ if __name__ == "__main__":
         sys.argv[4]
     print(json.dumps(run_vllm(ckpt, threads, plan, dtype)))
 
-
-def _peak_rss_mb() -> float:
-    """VmHWM (this process's own peak: ru_maxrss is inherited from the bench that started it)."""
-    for line in open("/proc/self/status").read().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
