@@ -151,7 +151,7 @@ def test_mxfp4_experts_stay_mxfp4_into_gguf_and_back(tmp_path, monkeypatch):
     from gguf.quants import dequantize
     from safetensors.torch import load_file, save_file
 
-    from evenflow.engine.model.ffn import MoE
+    from evenflow.engine.model.moe import MoE
     from evenflow.engine.quant import mxfp4
     from evenflow.engine.quant.mxfp4 import Mxfp4Stack
 

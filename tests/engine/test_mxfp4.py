@@ -14,7 +14,7 @@ from checkpoints import VOCAB, hf_greedy, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from evenflow import LLM, SamplingParams
-from evenflow.engine.model.ffn import MoE
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.quant import mxfp4
 from evenflow.engine.quant.mxfp4 import Mxfp4Stack
 from evenflow.engine.quant.panel_stack import PanelStack

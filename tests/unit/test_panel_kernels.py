@@ -60,8 +60,8 @@ def moe_reference(x, ids, route, gate_up, down, rows=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_moe_takes_biases_and_the_clamped_swiglu(dtype):
     """GPT-OSS's experts in the fused kernel: each slot's gate_up and down biases and the
-    clamped SwiGLU in the epilogues, as model/ffn.py computes them per expert."""
-    from evenflow.engine.model.ffn import clamped_swiglu
+    clamped SwiGLU in the epilogues, as model/moe.py computes them per expert."""
+    from evenflow.engine.model.moe import clamped_swiglu
 
     served(dtype)
     g = torch.Generator().manual_seed(7)

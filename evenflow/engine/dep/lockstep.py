@@ -45,7 +45,7 @@ import torch
 from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.block_manager import KVEventListener
-from evenflow.engine.model.ffn import EPTimer
+from evenflow.engine.model.moe_dispatch import EPTimer
 from evenflow.engine.model.placement import check_slots
 from evenflow.engine.runners.rank_wire import (
     LOAD_TIMEOUT_S,

@@ -5,7 +5,7 @@ Each rank is a `LockstepEngine` (scheduler, KV cache, sequences) in its own proc
 rank 0, which lives in the caller's process. Attention is data-parallel: a request lives on one
 rank (the one with the fewest live requests when it arrives). MoE layers are expert-parallel:
 under the expert placement (num_ep_ranks = N, slots rank-major) each rank computes only its
-slots, and tokens travel to them and back by all-to-all (engine/model/ffn.py).
+slots, and tokens travel to them and back by all-to-all (engine/model/moe_dispatch.py).
 
 Each step is one meeting of the group, then a step on every rank (a dummy forward pass where a
 rank has nothing to run). Rank 0's mail at the meeting (runners/rank_wire.py `Meeting`) carries

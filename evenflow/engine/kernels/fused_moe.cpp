@@ -55,7 +55,7 @@ inline f16v sigmoid(f16v z) {
 }
 
 // GPT-OSS's experts: gate clamped above at limit, up to [-limit, limit], then
-// (up + 1) * gate * sigmoid(alpha * gate) (model/ffn.py clamped_swiglu)
+// (up + 1) * gate * sigmoid(alpha * gate) (model/moe.py clamped_swiglu)
 inline f16v clamped_swiglu(f16v g, f16v u, float alpha, float limit) {
   g = g > limit ? splat(limit) : g;
   u = u > limit ? splat(limit) : u;

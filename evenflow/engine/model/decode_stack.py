@@ -25,9 +25,9 @@ from torch import Tensor
 
 from evenflow.engine.kernels import native, panels
 from evenflow.engine.model.attention import Attention
-from evenflow.engine.model.ffn import MoE
 from evenflow.engine.model.kv_quant import block_size_of
 from evenflow.engine.model.metadata import AttentionMetadata
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.model.norm import RMSNorm
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.panel_stack import PanelStack

@@ -12,7 +12,7 @@ how they compute (as vLLM's FusedMoEMethodBase does for its weight forms):
 Every form answers the same questions: its slots under a placement (`select`, by reference
 where the form allows), one expert's weights owning their memory (`expert`), its per-expert
 linears (`linears`), the fused kernel's arguments where the form serves it (`fused_args`) and
-its size. The MoE layer (model/ffn.py) and the native decode stack (model/decode_stack.py) ask
+its size. The MoE layer (model/moe.py) and the native decode stack (model/decode_stack.py) ask
 these objects, never the layer's fields.
 """
 

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.model.attention import Attention
-from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.metadata import AttentionMetadata
 from evenflow.engine.model.mla import LatentAttention
+from evenflow.engine.model.mlp import MLP
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.model.norm import layer_norm
 from evenflow.engine.model.rotary import rope_tables
 from evenflow.parallel.group import ProcessGroup

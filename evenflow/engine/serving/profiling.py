@@ -16,7 +16,8 @@ COMPONENTS = ("attention", "moe", "mlp", "norm", "embed+lm_head", "sampler")
 
 def _label(module) -> str | None:
     from evenflow.engine.model.attention import Attention
-    from evenflow.engine.model.ffn import MLP, MoE
+    from evenflow.engine.model.mlp import MLP
+    from evenflow.engine.model.moe import MoE
     from evenflow.engine.model.norm import LayerNorm, RMSNorm
 
     if isinstance(module, Attention):

@@ -32,7 +32,7 @@ from evenflow.engine.weights.hf_names import EXPERT, ROLE
 from evenflow.engine.weights.loader import checkpoint_files, tensor_names
 from evenflow.engine.weights.prepack import pack
 
-# One expert's (gate_up, down) weights as a MoE layer stores them (engine/model/ffn.py).
+# One expert's (gate_up, down) weights as a MoE layer stores them (engine/model/moe.py).
 ExpertWeights = tuple[Any, Any]
 
 

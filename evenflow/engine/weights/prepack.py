@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from evenflow.engine.kernels import panels
 from evenflow.engine.model.experts import FusedExperts, PackedExperts
-from evenflow.engine.model.ffn import MoE
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.model.transformer import CausalLM
 
 

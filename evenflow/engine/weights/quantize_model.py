@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from evenflow.engine.model.attention import Attention
 from evenflow.engine.model.experts import QuantizedExperts
-from evenflow.engine.model.ffn import MLP, MoE
+from evenflow.engine.model.mlp import MLP
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 from evenflow.engine.quant.forms import build_stack
 from evenflow.engine.quant.stacks import QuantConfig, QuantStack, QuantValues, quantize

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig, ModelLoadError
 from evenflow.engine.model.attention import Attention
-from evenflow.engine.model.ffn import MLP, MoE
 from evenflow.engine.model.mla import LatentAttention
+from evenflow.engine.model.mlp import MLP
+from evenflow.engine.model.moe import MoE
 from evenflow.engine.model.transformer import CausalLM, DecoderLayer
 
 

@@ -1,18 +1,17 @@
-"""The feed-forward half of a decoder layer: the dense MLP and the routed-expert MoE.
+"""The routed-expert MoE half of a decoder layer.
 
 MoE layers route each token to its top-k experts (through physical slots under an expert
-placement). Where the fused kernel serves (engine/kernels/panels.py: bf16 with AVX512-BF16, or fp32)
-all routed experts run in one native call; otherwise tokens are grouped by expert and each
+placement). Where the fused kernel serves (engine/kernels/panels.py: bf16 with AVX512-BF16, or
+fp32) all routed experts run in one native call; otherwise tokens are grouped by expert and each
 expert runs its own matmuls, over plain stacks, weights packed per expert for oneDNN
-(engine/weights/prepack.py) or quantized ones (engine/quant/stacks.py).
+(engine/weights/prepack.py) or quantized ones (engine/quant/stacks.py). Under expert
+parallelism the pairs travel to the ranks holding their slots (engine/model/moe_dispatch.py).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,44 +27,11 @@ from evenflow.engine.model.experts import (
     LocalExperts,
     PlainExperts,
 )
+from evenflow.engine.model.mlp import MLP
+from evenflow.engine.model.moe_dispatch import EPTimer, dispatch_and_combine
 from evenflow.engine.model.placement import SlotPlacement
 from evenflow.engine.model.routing import Routing, route
 from evenflow.parallel.group import ProcessGroup
-
-# (rows, expert) -> rows @ that expert's weight.T: dense or quantized (QuantStack.linear)
-
-
-@dataclass
-class EPTimer:
-    """One expert-parallel rank's MoE time, split into its own experts' compute and the
-    dispatch/combine collectives (which include waiting for the slowest rank), and the
-    (token, expert) rows it computed; summed over layers until taken."""
-
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-    rows: int = 0
-
-    def add(self, compute_s: float, wait_s: float, rows: int) -> None:
-        self.compute_s += compute_s
-        self.wait_s += wait_s
-        self.rows += rows
-
-    def take(self) -> list[float]:
-        values = [self.compute_s, self.wait_s, float(self.rows)]
-        self.compute_s = self.wait_s = 0.0
-        self.rows = 0
-        return values
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -308,39 +274,26 @@ class MoE(nn.Module):
 
     def _expert_parallel(self, x: Tensor, groups: Tensor, weights: Tensor,
                          gate_up: ExpertLinear, down: ExpertLinear) -> Tensor:
-        """Each (token, slot) pair goes to the rank holding the slot (all-to-all), runs there
-        grouped by slot, comes back (all-to-all) and is weighted and summed here. Every rank
-        calls this once per layer and step, with or without tokens (collectives must meet)."""
+        """The pairs through the ranks holding their slots (engine/model/moe_dispatch.py);
+        this rank's own slots run grouped by slot."""
         ep = self.ep
         assert ep is not None
-        started = time.perf_counter()
-        per_rank = self.num_slots // ep.world_size
-        first = ep.rank * per_rank
-        dest = groups // per_rank
-        order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=ep.world_size)
-        receive = ep.all_gather(send)[:, ep.rank].tolist()  # rows each rank sends here
-        sent = send.tolist()
-        rows = ep.all_to_all(x[order // self.top_k], sent)
-        local = ep.all_to_all(groups[order], sent) - first
-        dispatched = time.perf_counter()
+        first = ep.rank * (self.num_slots // ep.world_size)
         base = 0 if self.resident is not None else first  # own-slot weights start at 0
-        ys = torch.empty_like(rows)
-        if len(rows):
+        mlp = self._expert_mlp(lambda h, e: gate_up(h, base + e),
+                               lambda h, e: down(h, base + e), offset=first)
+
+        def own_experts(rows: Tensor, local: Tensor, per_rank: int) -> Tensor:
+            ys = torch.empty_like(rows)
             by_slot = torch.argsort(local, stable=True)
             counts = torch.bincount(local, minlength=per_rank)
-            mlp = self._expert_mlp(lambda h, e: gate_up(h, base + e),
-                                   lambda h, e: down(h, base + e), offset=first)
             ys[by_slot] = self._experts_looped(
                 rows[by_slot], local[by_slot], counts, counts.tolist(),
                 functools.partial(self._run_experts, mlp=mlp))
-        computed = time.perf_counter()
-        back = ep.all_to_all(ys, receive)
-        if self.ep_timer is not None:
-            self.ep_timer.add(computed - dispatched, dispatched - started
-                              + time.perf_counter() - computed, len(rows))
-        back = (back.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, order // self.top_k, back)
+            return ys
+
+        return dispatch_and_combine(ep, x, groups, weights, self.top_k, self.num_slots,
+                                    own_experts, self.ep_timer)
 
     def _grouped(self, x: Tensor, groups: Tensor, counts: Tensor, weights: Tensor,
                  in_use: ExpertWeights) -> Tensor:
