@@ -255,10 +255,10 @@ def int8_wire_line(model: str, itemsize: int, transfer_bytes: float, prompt_len:
     import torch
 
     from evenflow.engine.config.families import load_model_config
-    from evenflow.engine.model.kv_quant import kv_block_bytes
+    from evenflow.engine.model.kv_spec import KVCacheSpec
 
     cfg = load_model_config(model)
-    int8 = kv_block_bytes(cfg, block_size, torch.int8, "int8") / block_size
+    int8 = KVCacheSpec.of(cfg, block_size, torch.bfloat16, "int8").bytes_per_block / block_size
     full = cfg.kv_elements_per_token * itemsize
     measured = transfer_bytes / prompt_len
     return (f"{'KV per token, int8 cache (bytes)':34} {measured:10.0f} {int8:10.0f}   "

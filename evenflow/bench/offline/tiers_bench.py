@@ -58,7 +58,6 @@ def _turn(engine: Any, rid: str, prompt: list[int], answer: int) -> tuple[float,
 
 def run(ckpt: str, threads: int, plan: dict, ram_share: float) -> dict:
     from evenflow.bench.stepping import random_prompts
-    from evenflow.engine.model.kv_quant import kv_block_bytes
 
     working_set = plan["conversations"] * _final_blocks(plan)
     ram_blocks = max(_final_blocks(plan) + 2, int(working_set * ram_share))
@@ -66,7 +65,7 @@ def run(ckpt: str, threads: int, plan: dict, ram_share: float) -> dict:
     try:
         engines = {"ram only": _engine(ckpt, threads, ram_blocks, None, 0)}
         probe = engines["ram only"]
-        block_bytes = kv_block_bytes(probe.model_config, BLOCK, probe.runner.dtype, "auto")
+        block_bytes = probe.runner.kv_spec.bytes_per_block
         disk_gb = 2 * working_set * block_bytes / 2**30  # room for all of it
         engines["ram + disk"] = _engine(ckpt, threads, ram_blocks, root, disk_gb)
         vocab = probe.model_config.vocab_size

@@ -19,19 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.kernels import native
 
 QMAX = 127
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
-                   ) -> int:
-    """Bytes one block of the whole cache takes (every layer's parts, and int8's scales)."""
-    if kv_cache_dtype == "int8":
-        return cfg.kv_elements_per_token * block_size + 4 * sum(
-            heads for heads, _ in cfg.kv_parts()) * cfg.num_layers
-    return cfg.kv_elements_per_token * block_size * dtype.itemsize
 
 
 def block_size_of(cache: Tensor, scales: Tensor) -> int:

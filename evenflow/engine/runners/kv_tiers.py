@@ -24,10 +24,9 @@ class KVTiers:
                  capacity_gb: float, model_dir: Path, salt: bytes) -> None:
         self.runner, self.blocks = runner, blocks
         self.block_shape = runner.kv_shape(1)
-        block_bytes = int(torch.Size(self.block_shape).numel()) * \
-            runner.kv_caches[0][0].element_size()
+        block_bytes = int(torch.Size(self.block_shape).numel()) * runner.kv_spec.dtype.itemsize
         self.disk = DiskTier(directory, int(capacity_gb * 2**30), block_bytes, {
-            **model_fingerprint(model_dir), "kv_dtype": str(runner.kv_caches[0][0].dtype),
+            **model_fingerprint(model_dir), "kv_dtype": str(runner.kv_spec.dtype),
             "block_size": runner.block_size, "salt": salt.hex()})
         blocks.lower_tier = self.disk
         self.counts = blocks.tier_counts
@@ -73,7 +72,7 @@ class KVTiers:
             self._write(new, raw)
         t3 = time.perf_counter()
         if promotions:
-            dtype = self.runner.kv_caches[0][0].dtype
+            dtype = self.runner.kv_spec.dtype
             kv = torch.frombuffer(bytearray(b"".join(payload)), dtype=torch.uint8).view(
                 dtype).view(len(promotions), *self.block_shape[1:])
             self.runner.write_kv([b for b, _ in promotions], kv)

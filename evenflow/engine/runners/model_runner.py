@@ -13,6 +13,7 @@ from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
 from evenflow.engine.model.attention import Attention, paged_decode_attention
 from evenflow.engine.model.decode_stack import fast_stack
+from evenflow.engine.model.kv_spec import KVCacheSpec
 from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
 from evenflow.engine.model.placement import SlotPlacement
 from evenflow.engine.model.transformer import CausalLM
@@ -69,13 +70,13 @@ class ModelRunner:
         self.model, self.block_size, self.dtype = model, block_size, dtype
         self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
         self.guides: Guides | None = None  # the engine's grammar matchers (structured output)
-        slots = num_blocks * block_size
         # Per layer a (K, V) pair, (num_slots + 1, n_kv, hd) each, or MLA's one latent
-        # (num_slots + 1, 1, kv_lora_rank + rope): ModelConfig.kv_parts. torch.empty: pages are
-        # only touched (and counted in RSS) as blocks are used. The extra last slot stays zero:
-        # padded attention positions read it, never uninitialised memory (0 * NaN would poison
-        # a row).
-        self.null_slot = slots
+        # (num_slots + 1, 1, kv_lora_rank + rope), of this rank's KV heads (all of them without
+        # TP); int8 (kv_cache_dtype="int8"): the parts, then their scales (engine/model/
+        # kv_spec.py). The last slot is the null slot padded positions read.
+        self.kv_spec = KVCacheSpec.of(cfg, block_size, dtype, kv_cache_dtype, model.num_kv_heads)
+        self.kv_caches: list[tuple[Tensor, ...]] = self.kv_spec.allocate(num_blocks)
+        self.null_slot = num_blocks * block_size
         self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
         # the paged decode kernel serves grouped-query attention, with sinks and windows; MLA
         # has a kernel of its own (kernels/mla_decode.cpp: the GQA kernel's loop, its latent as
@@ -86,21 +87,6 @@ class ModelRunner:
         # Deterministic mode (EngineConfig.deterministic): every prompt token is computed as a
         # decoded token is, so its K/V and logits do not depend on how it was scheduled
         self.deterministic = False
-        # kv_cache_dtype="int8": the parts are int8, followed by their scales, (num_blocks + 1,
-        # heads) float32 each (engine/model/kv_quant.py); the null slot's block scales by 0.
-        # (MLA's latent is one part of one head: its values, then its scales)
-        self.quantized_kv = kv_cache_dtype == "int8"
-        self.kv_caches: list[tuple[Tensor, ...]] = []
-        for _ in range(cfg.num_layers):  # this rank's KV heads (all of them without TP)
-            shapes = cfg.kv_parts(model.num_kv_heads)
-            parts = tuple(torch.empty(slots + 1, heads, dims,
-                                      dtype=torch.int8 if self.quantized_kv else dtype)
-                          for heads, dims in shapes)
-            for part in parts:
-                part[slots].zero_()
-            if self.quantized_kv:
-                parts += tuple(torch.zeros(num_blocks + 1, heads) for heads, _ in shapes)
-            self.kv_caches.append(parts)
         self.max_model_len = max_model_len
         self.attach(model)
 
@@ -128,15 +114,12 @@ class ModelRunner:
         decode_lens, no padding mask) or runs torch's gathered attention (decode_mask)."""
         if self.mla_latent is not None:
             return native.mla_decode_serves(*self.mla_latent)
-        return self.paged_attention_usable and \
-            (not self.quantized_kv or native.kv_int8() is not None) and \
+        return self.paged_attention_usable and self.kv_spec.kernels_serve() and \
             (self.deterministic or paged_decode_attention(batch, *self.attention_shape))
 
     @property
-    def num_kv_parts(self) -> int:
-        """K and V (2), or MLA's latent (1): a layer's cache tensors, its scales not counted."""
-        parts = len(self.kv_caches[0])
-        return parts // 2 if self.quantized_kv else parts
+    def quantized_kv(self) -> bool:
+        return self.kv_spec.quantized
 
     def _blocks_view(self, cache: Tensor) -> Tensor:
         """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache."""
@@ -158,7 +141,7 @@ class ModelRunner:
         (proto/kv_handoff.py)."""
         index = torch.tensor(block_ids, dtype=torch.long)
         if self.quantized_kv:
-            n = self.num_kv_parts
+            n = self.kv_spec.num_parts
             return torch.stack([torch.stack([torch.cat([
                 self._blocks_view(parts[j]).index_select(0, index).flatten(1),
                 parts[n + j].index_select(0, index).view(torch.int8)], dim=1)
@@ -178,7 +161,7 @@ class ModelRunner:
         if self.quantized_kv:
             block_shape = self._blocks_view(self.kv_caches[0][0]).shape[1:]
             values = block_shape.numel()
-            n = self.num_kv_parts
+            n = self.kv_spec.num_parts
             for layer, parts in enumerate(self.kv_caches):
                 for j in range(n):
                     raw = kv[:, layer, j]  # (blocks, values + 4 * heads)
@@ -197,13 +180,7 @@ class ModelRunner:
                 self._blocks_view(part).index_copy_(0, index, kv[:, layer, j].to(part.dtype))
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        parts = self.kv_caches[0]
-        if self.quantized_kv:  # values then scales, as bytes
-            heads, dims = parts[0].shape[1:]
-            return (num_blocks, len(self.kv_caches), self.num_kv_parts,
-                    self.block_size * heads * dims + 4 * heads)
-        return (num_blocks, len(self.kv_caches), len(parts), self.block_size,
-                *parts[0].shape[1:])
+        return self.kv_spec.transfer_shape(num_blocks)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)

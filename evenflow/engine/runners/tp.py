@@ -153,7 +153,7 @@ class TPLeaderRunner(ModelRunner):
         return gather_heads(parts, self.model.config)
 
     def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
-        kv = kv.to(self.kv_caches[0][0].dtype).contiguous()
+        kv = kv.to(self.kv_spec.dtype).contiguous()
         self._guard(self.tp.send, WriteKV(block_ids=block_ids, shape=list(kv.shape)))
         self._guard(self.tp.group.broadcast, kv)
         super().write_kv(block_ids, own_heads(kv, self._shard, self.model.config))
@@ -228,7 +228,7 @@ def _serve(group: ShmGroup, model: CausalLM, shard: TPShard, dtype: torch.dtype)
             case ReadKV(block_ids=block_ids):
                 group.all_gather(runner.read_kv(block_ids))
             case WriteKV(block_ids=block_ids, shape=shape):
-                kv = group.broadcast(torch.empty(shape, dtype=runner.kv_caches[0][0].dtype))
+                kv = group.broadcast(torch.empty(shape, dtype=runner.kv_spec.dtype))
                 runner.write_kv(block_ids, own_heads(kv, shard, model.config))
             case Placement(num_ep_ranks=num_ep_ranks):
                 runner.apply_placement(*command.tensors(), num_ep_ranks)

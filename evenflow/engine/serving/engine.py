@@ -18,7 +18,7 @@ from evenflow.engine.core.sampling_params import SamplingParams, sampling_params
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.kernels import native, plan
-from evenflow.engine.model.kv_quant import kv_block_bytes
+from evenflow.engine.model.kv_spec import KVCacheSpec
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
@@ -86,7 +86,9 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             read_missing_experts(self.model, self.model_dir, dtype, quant_config(config))
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
-        bytes_per_block = kv_block_bytes(cfg, config.block_size, dtype, config.kv_cache_dtype)
+        # (sized on the whole model's KV heads: under TP every rank holds as many blocks)
+        bytes_per_block = KVCacheSpec.of(cfg, config.block_size, dtype,
+                                         config.kv_cache_dtype).bytes_per_block
         wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
         num_blocks = config.num_kv_blocks or max(
             1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
@@ -159,7 +161,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         runner = self.runner
         serves = (runner.paged_attention_usable and native.decode_attention() is not None
                   and native.decode_attention_serves(cfg.head_dim)
-                  and (not runner.quantized_kv or native.kv_int8() is not None))
+                  and runner.kv_spec.kernels_serve())
         if not serves:
             raise ValueError("deterministic mode needs the native paged decode attention for "
                              "this model (plain grouped-query attention, head_dim a multiple of "
@@ -298,7 +300,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.runner.kv_caches[0][0].dtype
+        return self.runner.kv_spec.dtype  # type: ignore[no-any-return]
 
     @property
     def kv_dtype_name(self) -> str:
