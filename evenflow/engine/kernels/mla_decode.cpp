@@ -286,6 +286,17 @@ void absorb_queries(const T* q_nope, const T* q_pe, const T* w_uk, const Shape& 
   });
 }
 
+// A head's scores (`padded` of them, padding at -1e30) -> e^(score - m) in place; their sum
+inline float exponentiate(float* scores, int64_t padded, float m) {
+  f16v sum = {};
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const f16v p = exp_nonpositive(load(scores + t) - m);
+    sum += p;
+    store(scores + t, p);
+  }
+  return hsum(sum);
+}
+
 // the most heads a pass-2 task takes (its stack arrays)
 constexpr int64_t kMaxGroup = 64;
 
@@ -346,15 +357,8 @@ void attend_latents(const float* q_full, const C* cache, const CacheScales& scal
   }
   float inv[kMaxGroup];
   for (int64_t i = 0; i < heads; ++i) {  // probabilities (times the row's scale), their sum
-    const float m = hsum_max(top[i]);
     float* si = scores + i * padded;
-    f16v sum = {};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const f16v p = exp_nonpositive(load(si + t) - m);
-      sum += p;
-      store(si + t, p);
-    }
-    const float total = hsum(sum);
+    const float total = exponentiate(si, padded, hsum_max(top[i]));
     inv[i] = total > 0.f && i < count ? 1.f / total : 0.f;
     if constexpr (std::is_same_v<C, int8_t>)
       for (int64_t t = 0; t < len; ++t) si[t] *= scales.of(scales.v, ctx[t]);
@@ -451,15 +455,8 @@ void attend_latents_bf16(const float* q_full, const c10::BFloat16* cache, const 
   }
   float inv[kMaxGroup];
   for (int64_t i = 0; i < heads; ++i) {  // probabilities, their sum, and their bf16 pairs
-    const float m = hsum_max(top[i]);
     float* si = scores + i * padded;
-    f16v sum = {};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const f16v p = exp_nonpositive(load(si + t) - m);
-      sum += p;
-      store(si + t, p);
-    }
-    const float total = hsum(sum);
+    const float total = exponentiate(si, padded, hsum_max(top[i]));
     inv[i] = total > 0.f && i < count ? 1.f / total : 0.f;
     uint16_t* pi = probs + i * half * 2;
     for (int64_t t = 0; t < len; ++t) pi[t] = evenflow_panel::float_to_bf16(si[t]);
@@ -540,14 +537,8 @@ void attend_latents_amx(const float* q_full, const c10::BFloat16* cache, const i
     float* sh = scores + h * padded;
     float m = -1e30f;
     for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
-    f16v sum = {};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const f16v p = exp_nonpositive(load(sh + t) - m);
-      store(sh + t, p);
-    }
-    for (int64_t t = len; t < padded; ++t) sh[t] = 0.f;
-    for (int64_t t = 0; t < padded; t += kLanes) sum += load(sh + t);
-    const float total = hsum(sum);
+    for (int64_t t = len; t < padded; ++t) sh[t] = -1e30f;  // padding: e^(-1e30 - max) = 0
+    const float total = exponentiate(sh, padded, m);
     inv[h] = total > 0.f ? 1.f / total : 0.f;
     for (int64_t t = 0; t < padded; ++t) probs[h * padded + t] = evenflow_panel::float_to_bf16(sh[t]);
   }
