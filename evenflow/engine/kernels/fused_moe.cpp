@@ -158,7 +158,6 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   // gate_up, then silu(gate) * up: tasks (panel, expert), panel-major
   const int64_t panels13 = inter / (kPanel / 2);
   at::parallel_for(0, panels13 * n_active, 1, [&](int64_t begin, int64_t end) {
-    const HeldTiles tiles(std::is_same_v<T, uint16_t>);  // (one configure for all its tasks)
     alignas(64) float out[std::max(kRows, kAmxRows) * kPanel / 2];  // (a block's rows)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
@@ -199,7 +198,6 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
   at::parallel_for(0, panels2 * n_active, 1, [&](int64_t begin, int64_t end) {
-    const HeldTiles tiles(std::is_same_v<T, uint16_t>);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / n_active, e = active[t % n_active];
       const int64_t first = start[e];

@@ -60,13 +60,6 @@ inline bool amx_usable() {
   return amx_switched_on().load(std::memory_order_relaxed) && amx_permitted();
 }
 
-// Whether this thread's tiles are configured for a run of panel calls (HeldTiles): each
-// run_panel_amx then skips its own configure and release.
-inline bool& tiles_held() {
-  static thread_local bool held = false;
-  return held;
-}
-
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -89,30 +82,6 @@ inline void configure_tiles() {
 // The accumulator tiles 0-3 (16 rows x 64 channels) zeroed; += a (16 rows of k_total bf16,
 // `a_row` apart) @ one panel w ((k_total / 2, 64, 2) bf16, k_total a multiple of 32); stored
 // into sums (rows `sums_row` floats apart). Tiles configured.
-// Tiles configured once for a loop of panel calls on this thread (a fused MoE's tasks: one
-// configure and release per thread, not per (panel, expert)), released when it ends. Nothing
-// else may run AMX code on the thread meanwhile (ATen's kernels would load their own config).
-class HeldTiles {
- public:
-  explicit HeldTiles(bool want) : on_(want && amx_usable() && !tiles_held()) {
-    if (on_) {
-      configure_tiles();
-      tiles_held() = true;
-    }
-  }
-  ~HeldTiles() {
-    if (on_) {
-      tiles_held() = false;
-      _tile_release();
-    }
-  }
-  HeldTiles(const HeldTiles&) = delete;
-  HeldTiles& operator=(const HeldTiles&) = delete;
-
- private:
-  bool on_;
-};
-
 inline void tiles_zero() {
   _tile_zero(0);
   _tile_zero(1);
@@ -167,8 +136,7 @@ bool run_panel_amx(const uint16_t* panel_w, int64_t k_total, int64_t m, const Ro
     rows.reset(new uint16_t[capacity]);
   }
   alignas(64) float sums[kAmxRows * 64];
-  const bool held = tiles_held();
-  if (!held) configure_tiles();  // (each call: ATen's own AMX kernels may load another config)
+  configure_tiles();  // (each call: ATen's own AMX kernels may have loaded another config)
   for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
     const int mm = static_cast<int>(std::min<int64_t>(kAmxRows, m - r0));
     const uint16_t* first = row(r0);
@@ -179,7 +147,7 @@ bool run_panel_amx(const uint16_t* panel_w, int64_t k_total, int64_t m, const Ro
     panel_bf16_amx(in_place ? first : rows.get(), k_total, panel_w, k_total, sums);
     epilogue(r0, mm, sums);
   }
-  if (!held) _tile_release();
+  _tile_release();
   return true;
 }
 
@@ -190,14 +158,6 @@ constexpr bool kHasAmx = true;
 #else
 
 inline void configure_tiles() {}
-inline bool& tiles_held() {
-  static thread_local bool held = false;
-  return held;
-}
-class HeldTiles {
- public:
-  explicit HeldTiles(bool) {}
-};
 inline void tiles_zero() {}
 inline void tiles_accumulate(const uint16_t*, int64_t, const uint16_t*, int64_t) {}
 inline void tiles_store(float*, int64_t) {}
