@@ -22,37 +22,47 @@ _LIVE: weakref.WeakSet[logging.Handler] = weakref.WeakSet()
 class _QueuedHandler(logging.handlers.QueueHandler):
     """A QueueHandler that owns its writer thread: closing it writes what is queued and stops
     the thread; a record that comes after (the handler still attached) starts it again, as
-    logging.config.dictConfig closes every existing handler - uvicorn calls it at start."""
+    logging.config.dictConfig closes every existing handler - uvicorn calls it at start.
+    Each writer thread reads a queue of its own: with one shared queue, a record logged while
+    close() ran (another thread's) started the next writer on that queue, which could take the
+    stopping writer's end marker - and close(), joining a writer that never saw it, hung the
+    process on its way out (a worker that lost its tensor-parallel rank never ended)."""
 
     def __init__(self, target: logging.Handler) -> None:
-        records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-        super().__init__(records)
+        super().__init__(queue.SimpleQueue())
         # the record's own text (and traceback) made here; the stderr format in the writer
         self.setFormatter(logging.Formatter("%(message)s"))
         self.target = target
         self.listener: logging.handlers.QueueListener | None = None
-        self._starting = threading.Lock()
-        self._start()
+        self._starting = threading.Lock()  # held while the writer (and its queue) changes
+        with self._starting:
+            self._start()
         _LIVE.add(self)
 
     def _start(self) -> None:
-        with self._starting:
-            if self.listener is None:
-                listener = logging.handlers.QueueListener(self.queue, self.target,
-                                                          respect_handler_level=True)
-                listener.start()
-                self.listener = listener
+        """A writer on a fresh queue (the caller holds self._starting)."""
+        records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+        listener = logging.handlers.QueueListener(records, self.target,
+                                                  respect_handler_level=True)
+        listener.start()
+        self.queue, self.listener = records, listener
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.listener is None:
-            self._start()
-        super().emit(record)
+        try:
+            prepared = self.prepare(record)  # the formatting, outside the lock
+        except Exception:
+            self.handleError(record)
+            return
+        with self._starting:  # never onto a queue whose writer is stopping
+            if self.listener is None:
+                self._start()
+            self.enqueue(prepared)
 
     def close(self) -> None:
         with self._starting:
             listener, self.listener = self.listener, None
         if listener is not None:
-            listener.stop()  # writes the queued records, then joins the writer thread
+            listener.stop()  # writes its queue's records, then joins its writer thread
         self.target.flush()
         super().close()
 

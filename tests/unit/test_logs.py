@@ -39,3 +39,39 @@ def test_records_are_written_in_order_and_drained_before_exit() -> None:
     assert any(" WARNING [decode/d7] evenflow.test from a thread" in line for line in lines)
     assert "ZeroDivisionError: division by zero" in proc.stderr
     assert "the last words" in lines[-1] and " CRITICAL [decode/d7] " in lines[-1]
+
+
+def test_closing_while_another_thread_logs_never_hangs() -> None:
+    """A worker's engine thread drains the logs on its way out (exit_worker) while its event
+    loop thread still logs: each close must end, every record written."""
+    import io
+    import logging
+    import threading
+
+    from evenflow.services import logs
+
+    out = io.StringIO()
+    handler = logs._QueuedHandler(logging.StreamHandler(out))
+    record = logging.LogRecord("evenflow.test", logging.INFO, __file__, 1, "busy", None, None)
+    stop, written = threading.Event(), [0]
+
+    def busy() -> None:
+        while not stop.is_set():
+            handler.handle(record)
+            written[0] += 1
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(300):
+            closing = threading.Thread(target=handler.close, daemon=True)
+            closing.start()
+            closing.join(10)
+            assert not closing.is_alive(), "close() hung while another thread logged"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        handler.close()
+    assert out.getvalue().count("busy\n") == written[0]
