@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from evenflow.engine.api.llm import LLM
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from evenflow.engine.core.sampling_params import SamplingParams
+        from evenflow.proto.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'evenflow' has no attribute {name!r}")

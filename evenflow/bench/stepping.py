@@ -20,7 +20,7 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: int, ids: Iterator[
           params: Any = None) -> list[float]:
     """Add the prompts (greedy, ignore_eos, `max_tokens` each, unless `params`), step until
     every request finished; each step's seconds."""
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
     params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for p in prompts:
@@ -45,7 +45,7 @@ def alternating_decode(engines: dict[str, Any], batch: int, context: int, rounds
     `steps` steps: per engine, each round's median ms/step."""
     import statistics
 
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=rounds * steps + 4)
     for engine in engines.values():

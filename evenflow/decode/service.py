@@ -31,11 +31,11 @@ from evenflow.proto.messages import (
     Message,
     ProfileRequest,
     Role,
-    SamplingSpec,
     TokenDelta,
     TokenDeltas,
     WorkerHeartbeat,
 )
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.engine_api import logprob_fields
 from evenflow.services.engine_thread import (
     Abort,
@@ -177,7 +177,7 @@ class DecodeWorker(EngineWorker):
                                       done.first_token_id, done.sampling, kv,
                                       done.num_cached_tokens))
 
-    def _admit(self, request_id: str, prompt: list[int], spec: SamplingSpec,
+    def _admit(self, request_id: str, prompt: list[int], spec: SamplingParams,
                reply_subject: str, ctx: Context, prefilled: AddPrefilled | None) -> None:
         """Admission control, then the engine thread adds it (prefilled: with its K/V)."""
         self.gateway_alive(reply_subject)

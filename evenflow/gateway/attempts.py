@@ -25,7 +25,8 @@ from evenflow.gateway.flight import Flight, RequestFailed, Served
 from evenflow.gateway.replies import Ordering
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
-from evenflow.proto.messages import ErrorMessage, SamplingSpec, TokenDelta
+from evenflow.proto.messages import ErrorMessage, TokenDelta
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.metrics import RETRIES
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the req
 
 class Attempts:
     def __init__(self, fleet: Fleet, dispatch: Dispatcher, prompt: list[int],
-                 spec: SamplingSpec, request_id: str, deadline_of: Callable[[], float],
+                 spec: SamplingParams, request_id: str, deadline_of: Callable[[], float],
                  timings: FirstTokenTimings | None, served: Served | None) -> None:
         self.fleet, self.dispatch = fleet, dispatch
         self.prompt, self.spec, self.request_id = prompt, spec, request_id

@@ -20,7 +20,8 @@ from evenflow.gateway.fleet import Fleet
 from evenflow.gateway.flight import RequestFailed, Served
 from evenflow.gateway.router import WorkerRegistry
 from evenflow.gateway.timings import FirstTokenTimings
-from evenflow.proto.messages import ProfileResult, SamplingSpec, TokenDelta
+from evenflow.proto.messages import ProfileResult, TokenDelta
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.bus import Bus, MessageBus
 from evenflow.services.config import MeshConfig
 
@@ -55,7 +56,7 @@ class GatewayClient:
     async def profile(self, worker_id: str, steps: int, timeout_s: float) -> ProfileResult:
         return await self.fleet.profile(worker_id, steps, timeout_s)
 
-    def generate(self, prompt: list[int], spec: SamplingSpec, request_id: str | None = None,
+    def generate(self, prompt: list[int], spec: SamplingParams, request_id: str | None = None,
                  deadline: float | Callable[[], float] | None = None,
                  timings: FirstTokenTimings | None = None,
                  served: Served | None = None) -> AsyncIterator[TokenDelta]:

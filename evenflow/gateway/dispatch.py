@@ -16,7 +16,8 @@ from evenflow.gateway.flight import Flight, RequestFailed
 from evenflow.gateway.router import WorkerState
 from evenflow.proto import errors, subjects
 from evenflow.proto.hashing import chain_hashes
-from evenflow.proto.messages import Cancel, DecodeRequest, PrefillRequest, Role, SamplingSpec
+from evenflow.proto.messages import Cancel, DecodeRequest, PrefillRequest, Role
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
     CACHED_TOKENS,
@@ -101,7 +102,7 @@ class Dispatcher:
             flight.waited_s += time.perf_counter() - slept
 
     async def send(self, request_id: str, flight: Flight, prompt: list[int],
-                    spec: SamplingSpec, exclude: set[str], force_local: bool,
+                    spec: SamplingParams, exclude: set[str], force_local: bool,
                     deadline: float | None) -> None:
         """Route the request and publish it; raises RequestFailed when nothing can take it."""
         bs = self.config.block_size

@@ -39,7 +39,7 @@ from evenflow.gateway.structured import (
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
-from evenflow.proto.messages import SamplingSpec
+from evenflow.proto.sampling import SamplingParams
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
@@ -64,15 +64,13 @@ class Job:
     request_id: str
     model: str
     prompt_ids: list[int]
-    spec: SamplingSpec
-    stop: list[str]
+    spec: SamplingParams  # stop strings and include_stop_str_in_output included
     stream: bool
     include_usage: bool
     deadline: float  # time.monotonic() by which the request must be done
     n: int = 1
     logprobs: int | None = None  # top logprobs per token wanted (0: the chosen's only)
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
-    include_stop: bool = False
     continuous_usage: bool = False
     usage: Usage = field(init=False)
     served: Served = field(init=False)  # where it ran (each choice its own)
@@ -188,15 +186,17 @@ class Gateway:
             else req.max_tokens
         max_tokens = self._max_tokens(kind, req, len(prompt_ids), asked, echo)
         logprobs = req.top_logprobs_wanted
-        spec = sampling_spec(req, max_tokens, echo)
+        try:
+            spec = req.to_sampling_params(max_tokens, echo)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=_param_of(exc)) from None
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         options = req.stream_options
-        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec,
-                  req.stop_strings, req.stream, bool(options and options.include_usage),
+        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec, req.stream,
+                  bool(options and options.include_usage),
                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
                   tokens_as_ids=req.return_tokens_as_token_ids,
-                  include_stop=req.include_stop_str_in_output,
                   continuous_usage=bool(options and options.continuous_usage_stats))
         if isinstance(req, CompletionRequest) and req.echo:
             job.echo_text = req.prompt if isinstance(req.prompt, str) else \
@@ -284,8 +284,8 @@ class Gateway:
 
     async def run(self, job: Job) -> AsyncIterator[Piece]:
         """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""
-        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop,
-                                       job.include_stop)
+        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, list(job.spec.stop),
+                                       job.spec.include_stop_str_in_output)
         started = time.monotonic()
         try:
             async with aclosing(self._deltas(job, detok, started)) as deltas:
@@ -376,19 +376,7 @@ def _clipped(text: str, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def sampling_spec(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  echo: bool) -> SamplingSpec:
-    """The request's sampling fields as the wire carries them (one place, as vLLM's
-    to_sampling_params)."""
-    logprobs = req.top_logprobs_wanted
-    return SamplingSpec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=req.seed, max_tokens=max_tokens,
-                        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                        min_p=req.min_p, presence_penalty=req.presence_penalty,
-                        frequency_penalty=req.frequency_penalty,
-                        repetition_penalty=req.repetition_penalty,
-                        min_tokens=req.min_tokens, logit_bias=req.bias_pairs,
-                        allowed_token_ids=list(req.allowed_token_ids or ()),
-                        logprobs=-1 if logprobs is None else logprobs,
-                        prompt_logprobs=logprobs if echo and logprobs is not None else -1)
-
+def _param_of(exc: ValueError) -> str | None:
+    """The request field a SamplingParams check names ("SamplingParams.top_p must be ...")."""
+    head = str(exc).split(" ", 1)[0]
+    return head.removeprefix("SamplingParams.") if head.startswith("SamplingParams.") else None

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from evenflow.proto.sampling import SamplingParams
+
 
 class APIError(Exception):
     """An error answered as {"error": {message, type, param, code}} with an HTTP status."""
@@ -170,8 +172,8 @@ class _Common(BaseModel):
         return v
 
     @property
-    def bias_pairs(self) -> list[list[float]]:
-        return [[int(k), float(b)] for k, b in (self.logit_bias or {}).items()]
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("stream_options")
     @classmethod
@@ -184,6 +186,28 @@ class _Common(BaseModel):
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        raise NotImplementedError  # (each request type names its own field)
+
+    def to_sampling_params(self, max_tokens: int, echo: bool = False) -> SamplingParams:
+        """The request's sampling as the engine takes it and the wire carries it (the one place
+        it is built, as vLLM's to_sampling_params); ValueError names a field out of range.
+        max_tokens: as the gateway settled it against the context; echo: the prompt's logprobs
+        too (completions)."""
+        logprobs = self.top_logprobs_wanted
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            max_tokens=max_tokens, stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            logit_bias=self.bias_pairs,
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            stop=tuple(self.stop_strings),
+            include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(_Common):

@@ -1,7 +1,7 @@
 """The wire codec: typed messages <-> msgpack bytes, with one compiled schema per message type.
 
 Envelope: a msgpack map {"t": type tag, "v": version, "d": [field values in declaration order]}.
-Plain values (ints, floats, strings, bytes, lists of ints or hashes, str->int maps) go to
+Plain values (ints, floats, strings, bytes, lists or tuples of them, str->int maps) go to
 msgpack's C packer as they are: no per-element Python work on encode. Nested structs are packed
 as arrays of their fields; members of a tagged union (the KV events) as `[tag, *fields]`, which
 is how msgspec's `tag=True, array_like=True` structs (vLLM's KV events) look on the wire.
@@ -105,6 +105,21 @@ def _list_check(item: Any) -> Check:
     return check_items
 
 
+def _tuple_check(items: tuple[Any, ...]) -> Check:
+    """tuple[X, ...] (an array of X) or tuple[A, B] (an array of exactly an A and a B), made a
+    tuple again on decode (msgpack packs a tuple as an array)."""
+    if len(items) == 2 and items[1] is Ellipsis:
+        as_list = _list_check(items[0])
+        return lambda v: tuple(as_list(v))
+    checks = tuple(_compile_check(item) for item in items)
+
+    def check_fixed(v: Any) -> Any:
+        if type(v) is not list or len(v) != len(checks):
+            raise _Invalid(f"must be an array of {len(checks)}")
+        return tuple(c(x) for c, x in zip(checks, v, strict=True))
+    return check_fixed
+
+
 def _dict_check(key: Any, value: Any) -> Check:
     assert key is str and value is int, "only str -> int maps cross the wire"
 
@@ -166,6 +181,8 @@ def _compile_check(hint: Any) -> Check:
         return check_struct
     if origin is list:
         return _list_check(typing.get_args(hint)[0])
+    if origin is tuple:
+        return _tuple_check(typing.get_args(hint))
     if origin is dict:
         return _dict_check(*typing.get_args(hint))
     if _is_union(hint):

@@ -27,7 +27,7 @@ from typing import Any
 import llguidance
 
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_GUIDE_CHARS = 1 << 17  # a grammar's text, as it travels in SamplingSpec
+MAX_GUIDE_CHARS = 1 << 17  # a grammar's text, as it travels in SamplingParams
 
 
 class GrammarError(ValueError):

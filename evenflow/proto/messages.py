@@ -28,6 +28,7 @@ from enum import StrEnum
 from typing import ClassVar
 
 from evenflow.proto.codec import MAX_MESSAGE_BYTES, Codec, WireError
+from evenflow.proto.sampling import SamplingParams
 
 __all__ = ["MAX_MESSAGE_BYTES", "WireError", "encode", "decode"]
 
@@ -46,39 +47,13 @@ WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # the roles that serve requests and 
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingSpec:
-    """Sampling settings as they cross the wire (mirrors engine SamplingParams, token-level)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    # appended later (a decoder fills them from these defaults for older senders)
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logit_bias: list[list[float]] = field(default_factory=list)  # [[token id, bias], ...]
-    allowed_token_ids: list[int] = field(default_factory=list)  # empty: every token
-    logprobs: int = -1  # top logprobs per token; -1: none at all
-    prompt_logprobs: int = -1  # the same for the prompt's tokens (echo); -1: none
-    guide: str = ""  # structured output: an llguidance grammar (proto/grammar.py); "": none
-    # the prompt's last N tokens are this request's own output from an earlier attempt (a
-    # gateway retry): a grammar has already consumed them
-    resumed_output_tokens: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
 class PrefillRequest:
     TYPE: ClassVar[str] = "prefill_request"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: sampling is SamplingParams (None, not -1 / [] / "", for unset)
+    MIN_VERSION: ClassVar[int] = 2
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     reply_subject: str  # where TokenDeltas for this request go (the gateway's inbox)
     decode_worker: str  # the decode worker that continues the request
     enqueued_at: float  # gateway clock, seconds
@@ -94,10 +69,11 @@ class DecodeRequest:
     """Prefill and decode on the decode worker itself (conditional disaggregation)."""
 
     TYPE: ClassVar[str] = "decode_request"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: sampling is SamplingParams
+    MIN_VERSION: ClassVar[int] = 2
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     reply_subject: str
     enqueued_at: float
 
@@ -125,14 +101,15 @@ class KVTransferComplete:
     and the completion — in one message instead of two."""
 
     TYPE: ClassVar[str] = "kv_complete"
-    VERSION: ClassVar[int] = 2  # 2: inline K/V (inline, data, first_block)
+    VERSION: ClassVar[int] = 3  # 2: inline K/V (inline, data, first_block); 3: SamplingParams
+    MIN_VERSION: ClassVar[int] = 3
     request_id: str
     num_chunks: int
     num_blocks: int
     dtype: str
     prompt_token_ids: list[int]
     first_token_id: int
-    sampling: SamplingSpec
+    sampling: SamplingParams
     reply_subject: str
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
     enqueued_at: float

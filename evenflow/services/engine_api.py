@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from evenflow.proto.kv_handoff import KVPayload
-from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+from evenflow.proto.messages import KVCacheEvent
+from evenflow.proto.sampling import SamplingParams
 
 
 class FinishReasonLike(Protocol):
@@ -88,12 +89,12 @@ class ServingEngine(Protocol):
     def num_free_kv_blocks(self) -> int: ...
 
     # -- requests (engine thread) --------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingSpec,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     export_kv: bool = False) -> None:
         """Queue a request; ValueError naming the problem if it cannot be served."""
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
-                              first_token_id: int, params: SamplingSpec, kv: KVPayload,
+                              first_token_id: int, params: SamplingParams, kv: KVPayload,
                               num_cached_tokens: int = 0) -> None:
         """Continue a request another engine prefilled; ValueError (KVHandoffError) if not."""
 

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from evenflow.proto.kv_handoff import KVPayload
-from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+from evenflow.proto.messages import KVCacheEvent
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services import logs
 from evenflow.services.engine_api import EngineOutput, ServingEngine
 from evenflow.services.supervisor import EXIT_PLANNED_RESTART
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     export_kv: bool = False
 
 
@@ -40,7 +41,7 @@ class AddPrefilled:
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int
-    sampling: SamplingSpec
+    sampling: SamplingParams
     kv: KVPayload
     num_cached_tokens: int
 

@@ -11,7 +11,7 @@ import torch
 
 from evenflow.engine.config.settings import EngineConfig
 from evenflow.engine.dep.lockstep import LockstepEngine
-from evenflow.proto.messages import SamplingSpec
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.engine_thread import AddRequest, ApplyPlacement, EngineThread, StepDone
 
 
@@ -52,7 +52,7 @@ def test_a_placement_switches_one_moe_layer_per_step():
             thread = EngineThread(engine, asyncio.get_running_loop())
             thread.start()
             thread.submit(placement)
-            thread.submit(AddRequest("r1", [1, 2, 3, 4, 5], SamplingSpec(
+            thread.submit(AddRequest("r1", [1, 2, 3, 4, 5], SamplingParams(
                 temperature=0, max_tokens=layers + 4, ignore_eos=True)))
             try:
                 while True:

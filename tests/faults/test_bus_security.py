@@ -17,12 +17,12 @@ from evenflow.proto.messages import (
     ExpertPlacement,
     PrefillRequest,
     Role,
-    SamplingSpec,
     TokenDelta,
     TokenDeltas,
     WorkerHeartbeat,
     encode,
 )
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.nats_auth import read_credentials
 
 
@@ -77,7 +77,7 @@ def refused(mesh, role: str, worker_id: str, subject: str, message) -> tuple[boo
 
 
 PLACEMENT = ExpertPlacement(version=99, num_layers=1, num_slots=1, phy2log=[0], shares=[1.0])
-REQUEST = PrefillRequest(request_id="forged", prompt_token_ids=[1, 2], sampling=SamplingSpec(),
+REQUEST = PrefillRequest(request_id="forged", prompt_token_ids=[1, 2], sampling=SamplingParams(),
                          reply_subject=subjects.gateway_inbox("x"), decode_worker="d0",
                          enqueued_at=0.0)
 

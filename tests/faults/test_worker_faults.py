@@ -5,8 +5,11 @@ the in-memory bus with the mock engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import msgpack
 
 from evenflow.decode.service import DecodeWorker
 from evenflow.proto import errors, subjects
@@ -15,10 +18,11 @@ from evenflow.proto.messages import (
     ErrorMessage,
     Message,
     Role,
-    SamplingSpec,
     TokenDeltas,
     WorkerHeartbeat,
+    encode,
 )
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.config import MeshConfig
 from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
 
@@ -48,7 +52,7 @@ async def with_decode_worker(scenario: Callable[[DecodeWorker, InMemoryBus, asyn
 
 
 async def send(gateway: InMemoryBus, request_id: str, prompt: list[int],
-               sampling: SamplingSpec) -> None:
+               sampling: SamplingParams) -> None:
     await gateway.publish(subjects.decode_worker("d0"), DecodeRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, reply_subject=INBOX,
         enqueued_at=0.0))
@@ -82,24 +86,28 @@ async def heartbeat(inbox: asyncio.Queue) -> WorkerHeartbeat:
             await asyncio.sleep(0.01)
 
 
-GREEDY = SamplingSpec(temperature=0, max_tokens=3, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
-def test_invalid_sampling_on_the_wire_fails_only_that_request():
-    """Values the gateway would refuse (a forged or buggy sender): the engine refuses them with
-    an error reply and keeps no block or load for them."""
+def test_invalid_sampling_on_the_wire_is_dropped_and_counted():
+    """Values the gateway would refuse (a forged or buggy sender): SamplingParams refuses them
+    as the message is decoded, so the worker drops the message, counts it, keeps no block or
+    load for it, and serves the next request."""
     async def scenario(worker, gateway, inbox) -> None:
-        bad = [SamplingSpec(stop_token_ids=[-1]), SamplingSpec(top_p=0.0),
-               SamplingSpec(temperature=-1.0), SamplingSpec(max_tokens=0),
-               SamplingSpec(seed=(1 << 64) - 1)]
-        for i, spec in enumerate(bad):
-            await send(gateway, f"bad{i}", [5] * 20, spec)
-            kind, error = await outcome(inbox, f"bad{i}")
-            assert kind == "error" and error.code == errors.BAD_REQUEST, spec
+        names = [f.name for f in dataclasses.fields(SamplingParams)]
+        bad = [("stop_token_ids", [-1]), ("top_p", 0.0), ("temperature", -1.0),
+               ("max_tokens", 0), ("seed", (1 << 64) - 1), ("logprobs", 21)]
+        for i, (name, value) in enumerate(bad):
+            envelope = msgpack.unpackb(encode(DecodeRequest(
+                request_id=f"bad{i}", prompt_token_ids=[5] * 20, sampling=GREEDY,
+                reply_subject=INBOX, enqueued_at=0.0)))
+            envelope["d"][2][names.index(name)] = value  # (field 2: sampling)
+            gateway.broker.publish_raw(subjects.decode_worker("d0"), msgpack.packb(envelope))
         # A huge top_k is legal (all tokens) and is served.
-        await send(gateway, "topk", [5] * 20, SamplingSpec(top_k=(1 << 31) - 1, max_tokens=3,
-                                                            temperature=1.0, seed=1))
+        await send(gateway, "topk", [5] * 20, SamplingParams(top_k=(1 << 31) - 1, max_tokens=3,
+                                                              temperature=1.0, seed=1))
         assert (await outcome(inbox, "topk"))[0] == "finished"
+        assert worker.bus.dropped == len(bad)
         await asyncio.sleep(0.1)
         hb = await heartbeat(inbox)
         assert hb.free_kv_blocks == hb.total_kv_blocks and not hb.load_by_gateway
@@ -156,7 +164,7 @@ def test_requests_of_a_silent_gateway_are_dropped():
     async def scenario(worker, gateway, inbox) -> None:
         alive = WorkerHeartbeat(worker_id="faults", role=Role.GATEWAY, model="tiny-moe")
         await gateway.publish(subjects.heartbeat(Role.GATEWAY, "faults"), alive)
-        await send(gateway, "long", [5] * 20, SamplingSpec(temperature=0, max_tokens=450,
+        await send(gateway, "long", [5] * 20, SamplingParams(temperature=0, max_tokens=450,
                                                             ignore_eos=True))
         await asyncio.sleep(0.3)
         assert "long" in worker.active

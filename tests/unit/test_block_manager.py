@@ -1,7 +1,7 @@
 from evenflow.engine.core.block_manager import BlockManager
-from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.core.sequence import Sequence
 from evenflow.proto.messages import BlockRemoved, BlockStored
+from evenflow.proto.sampling import SamplingParams
 
 
 def seq(tokens, rid="r"):

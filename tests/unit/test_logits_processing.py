@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.sample.sampler import sample
+from evenflow.proto.sampling import SamplingParams
 
 GREEDY = dict(temperature=0)
 

@@ -9,11 +9,11 @@ from evenflow.proto.messages import (
     BlockRemoved,
     BlockStored,
     Cancel,
+    DecodeRequest,
     KVBlockChunk,
     KVEvents,
     PrefillRequest,
     Role,
-    SamplingSpec,
     TokenDelta,
     TokenDeltas,
     WireError,
@@ -21,12 +21,13 @@ from evenflow.proto.messages import (
     decode,
     encode,
 )
+from evenflow.proto.sampling import SamplingParams
 
 
 def test_round_trip_keeps_every_field():
     msgs = [
         PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
-                       sampling=SamplingSpec(temperature=0.5, seed=3, stop_token_ids=[7]),
+                       sampling=SamplingParams(temperature=0.5, seed=3, stop_token_ids=[7]),
                        reply_subject="evenflow.gateway.g", decode_worker="d0", enqueued_at=12.5),
         KVBlockChunk(request_id="r1", seq=0, first_block=0, num_blocks=2,
                      data=b"\x00\x01" * 100),
@@ -47,6 +48,23 @@ def test_round_trip_keeps_every_field():
     ]
     for m in msgs:
         assert decode(encode(m)) == m
+
+
+def test_sampling_params_cross_the_wire_as_the_engine_takes_them():
+    """The one sampling type: what the gateway builds is what the engine receives, sequences
+    as tuples and unset fields as None; a value out of range is a dropped message."""
+    sampling = SamplingParams(temperature=0.7, top_k=5, max_tokens=9, stop_token_ids=[2, 3],
+                              logit_bias={4: -1.5}, allowed_token_ids=[4, 5, 6], logprobs=2,
+                              guide="start: /a+/", stop=["END"], min_tokens=1)
+    message = DecodeRequest(request_id="r", prompt_token_ids=[1], sampling=sampling,
+                            reply_subject="s", enqueued_at=0.0)
+    got = decode(encode(message))
+    assert got == message and got.sampling.logit_bias == ((4, -1.5),)
+    assert got.sampling.stop_token_ids == (2, 3) and got.sampling.prompt_logprobs is None
+    envelope = msgpack.unpackb(encode(message))
+    envelope["d"][2][0] = -0.5  # temperature
+    rejected = decode(msgpack.packb(envelope))
+    assert isinstance(rejected, WireError) and "temperature" in rejected.reason
 
 
 def test_kv_events_are_packed_like_vllm_tagged_array_structs():

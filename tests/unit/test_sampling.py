@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.sample.sampler import sample
+from evenflow.proto.sampling import SamplingParams
 
 
 def seqs(*params):

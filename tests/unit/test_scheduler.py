@@ -4,9 +4,9 @@ the running cap, prefix hits, deferral of a shared prefix in flight, preemption,
 from __future__ import annotations
 
 from evenflow.engine.core.block_manager import BlockManager
-from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from evenflow.proto.sampling import SamplingParams
 
 BS = 4  # block size
 

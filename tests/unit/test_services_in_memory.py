@@ -29,17 +29,17 @@ from evenflow.proto.messages import (
     Message,
     PrefillRequest,
     Role,
-    SamplingSpec,
     TokenDelta,
     TokenDeltas,
     WorkerHeartbeat,
 )
+from evenflow.proto.sampling import SamplingParams
 from evenflow.services.config import MeshConfig
 from evenflow.services.memory_bus import InMemoryBroker, InMemoryBus
 from evenflow.services.worker import WorkerService
 
 INBOX = "evenflow.gateway.test"
-GREEDY = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 class Inbox:
@@ -379,7 +379,7 @@ def test_a_lost_delta_is_a_gap_the_gateway_fills_instead_of_skipping_tokens():
 
     async def scenario() -> None:
         worker, client = await one_worker_and_a_gateway(GappyDecodeWorker, config)
-        spec = SamplingSpec(temperature=0, max_tokens=4, ignore_eos=True)
+        spec = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         deltas = [d async for d in client.generate([1, 2, 10], spec, "r1")]
         # 11 arrived, 12 was lost, 13 showed the gap: sent again from 11, the stream goes on
         # with 12 and never skips a token.
@@ -428,7 +428,7 @@ def test_the_request_log_line_names_the_worker_that_served_it():
 
     async def scenario() -> None:
         client, workers = await a_full_worker_and_a_free_one()
-        job = Job("chat", "r1", "tiny-moe", [1, 2, 3], GREEDY, [], False, False, math.inf)
+        job = Job("chat", "r1", "tiny-moe", [1, 2, 3], GREEDY, False, False, math.inf)
         async for _ in client.generate(job.prompt_ids, job.spec, "r1", served=job.served):
             pass
         assert (job.served.prefill, job.served.decode) == ("", "d1")

@@ -10,10 +10,11 @@ from typing import Any
 import msgpack
 
 from evenflow.proto import messages as m
+from evenflow.proto.sampling import SamplingParams
 
 _NESTED: dict[tuple[type, str], type] = {
-    (m.PrefillRequest, "sampling"): m.SamplingSpec, (m.DecodeRequest, "sampling"): m.SamplingSpec,
-    (m.KVTransferComplete, "sampling"): m.SamplingSpec}
+    (m.PrefillRequest, "sampling"): SamplingParams, (m.DecodeRequest, "sampling"): SamplingParams,
+    (m.KVTransferComplete, "sampling"): SamplingParams}
 _NESTED_LISTS: dict[tuple[type, str], type] = {(m.TokenDeltas, "deltas"): m.TokenDelta}
 _SCALARS: dict[str, Any] = {"str": str, "int": int, "float": (int, float), "bool": bool,
                             "bytes": bytes}

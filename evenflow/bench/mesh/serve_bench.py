@@ -64,7 +64,7 @@ class OfflineEngine:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
         """(seconds to the first token, seconds of each step) for these prompts at once."""
-        from evenflow.engine.core.sampling_params import SamplingParams
+        from evenflow.proto.sampling import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Any
 from evenflow.bench.machine import machine_line
 from evenflow.bench.mesh import legacy_codec
 from evenflow.proto import messages as m
+from evenflow.proto.sampling import SamplingParams
 
 
 def sample_messages(seed: int = 0) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def sample_messages(seed: int = 0) -> dict[str, Any]:
         "PrefillRequest 8k tokens": m.PrefillRequest(
             request_id="req-0123456789abcdef", prompt_token_ids=[rng.randrange(32000)
                                                                 for _ in range(8192)],
-            sampling=m.SamplingSpec(temperature=0.7, max_tokens=256, stop_token_ids=[2]),
+            sampling=SamplingParams(temperature=0.7, max_tokens=256, stop_token_ids=(2,)),
             reply_subject="evenflow.gateway.g1", decode_worker="d-1", enqueued_at=time.time()),
         "KVSnapshot 20k hashes": m.KVSnapshot(
             worker_id="p-1", role=m.Role.PREFILL, epoch="0123456789ab", seq=42,

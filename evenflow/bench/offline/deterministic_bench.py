@@ -33,7 +33,7 @@ def _engine(ckpt: str, threads: int, mode: str, blocks: int) -> Any:
 
 def run(ckpt: str, threads: int, plan: dict) -> dict:
     from evenflow.bench.stepping import alternating_decode, decode_blocks, random_prompts
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
     ids = iter(range(10**9))
     result: dict[str, Any] = {"decode": {}, "prefill": {}}

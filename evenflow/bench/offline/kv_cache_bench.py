@@ -57,7 +57,7 @@ def run_speed(ckpt: str, threads: int, plan: dict) -> dict:
 
 def run_quality(ckpt: str, threads: int, plan: dict) -> dict:
     """Greedy tokens of the model-dtype cache, the int8 cache and float32 (model-dtype cache)."""
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
     out: dict[str, list[list[int]]] = {}
     for name, cache, dtype in (("auto", "auto", "auto"), ("int8", "int8", "auto"),

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config.settings import cpu_has_bf16
-    from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.serving.engine import Engine, EngineConfig
+    from evenflow.proto.sampling import SamplingParams
 
     dtype = args.dtype or ("bfloat16" if cpu_has_bf16() else "float32")
     print(machine_line(dtype, args.threads))

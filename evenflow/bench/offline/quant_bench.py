@@ -79,7 +79,6 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
 def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> dict:
     import torch
 
-    from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.engine.weights.loader import (
         load_model,
@@ -88,6 +87,7 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
         torch_dtype,
     )
     from evenflow.engine.weights.quantize_model import quantized_bytes
+    from evenflow.proto.sampling import SamplingParams
 
     config = EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
                           max_num_batched_tokens=4096, num_kv_blocks=2048, **VARIANTS[variant])

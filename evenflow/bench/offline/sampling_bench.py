@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from evenflow.bench.checkpoint import write_random_mixtral
     from evenflow.bench.machine import machine_line
     from evenflow.engine.config.settings import cpu_has_bf16
-    from evenflow.engine.core.sampling_params import SamplingParams
     from evenflow.engine.core.sequence import Sequence
     from evenflow.engine.sample.logits_processing import process, record_logprobs
     from evenflow.engine.serving.engine import Engine, EngineConfig
     from evenflow.proto.grammar import guide_grammar
+    from evenflow.proto.sampling import SamplingParams
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     print(machine_line(dtype, 2))
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     featured = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True,
                               presence_penalty=0.5, frequency_penalty=0.5,
-                              repetition_penalty=1.1, logit_bias={5: 1.0, 9: -1.0},
+                              repetition_penalty=1.1, logit_bias=((5, 1.0), (9, -1.0)),
                               min_tokens=4, logprobs=5)
     guided = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True,
                             guide=guide_grammar("regex", r"( [a-z0-9]+)+"))

@@ -42,7 +42,7 @@ def _engine(ckpt: str, threads: int, ram_blocks: int, tier: str | None, disk_gb:
 
 def _turn(engine: Any, rid: str, prompt: list[int], answer: int) -> tuple[float, int, list[int]]:
     """(TTFT seconds, cached prompt tokens, generated tokens) of one request run alone."""
-    from evenflow.engine.core.sampling_params import SamplingParams
+    from evenflow.proto.sampling import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(temperature=0, ignore_eos=True,

@@ -11,10 +11,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
-from evenflow.engine.core.sampling_params import SamplingParams
 from evenflow.engine.dep.offline import DEPEngine
 from evenflow.engine.serving.engine import Engine, EngineConfig
 from evenflow.progress import on_terminal
+from evenflow.proto.sampling import SamplingParams
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

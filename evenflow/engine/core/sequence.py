@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from evenflow.engine.core.sampling_params import SamplingParams
+from evenflow.proto.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

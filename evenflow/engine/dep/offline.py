@@ -34,7 +34,6 @@ import torch
 
 from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import EngineConfig, ModelLoadError
-from evenflow.engine.core.sampling_params import SamplingParams, spec_of
 from evenflow.engine.core.sequence import FinishReason
 from evenflow.engine.dep.lockstep import LockstepEngine
 from evenflow.engine.runners.rank_wire import (
@@ -48,6 +47,7 @@ from evenflow.engine.runners.rank_wire import (
 )
 from evenflow.engine.serving.engine import StepOutput
 from evenflow.engine.weights.loader import model_directory
+from evenflow.proto.sampling import SamplingParams
 
 MOE_TIMES_KEPT = 100_000
 
@@ -196,7 +196,7 @@ class DEPEngine:
         self._owner[request_id] = rank
         self._adds.append(RankAdd(rank=rank, request_id=request_id,
                                   prompt_token_ids=list(prompt_token_ids),
-                                  sampling=spec_of(params)))
+                                  sampling=params))
 
     def abort(self, request_id: str) -> bool:
         if self._owner.pop(request_id, None) is None:

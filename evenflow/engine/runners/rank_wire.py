@@ -24,7 +24,7 @@ import torch
 from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.codec import Codec, WireError
-from evenflow.proto.messages import SamplingSpec
+from evenflow.proto.sampling import SamplingParams
 
 LOAD_TIMEOUT_S = 600.0  # every rank of a group started, joined and loaded its weights
 STEP_TIMEOUT_S = 60.0  # any one collective once serving
@@ -104,7 +104,7 @@ class RankAdd:
     rank: int  # the rank whose engine takes the request
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True)

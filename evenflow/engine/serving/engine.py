@@ -14,7 +14,6 @@ import torch
 from evenflow import models
 from evenflow.engine.config.settings import EngineConfig, ModelConfig
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener, TierCounts
-from evenflow.engine.core.sampling_params import SamplingParams, sampling_params_of
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.kernels import native, plan
@@ -33,7 +32,8 @@ from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
-from evenflow.proto.messages import KVCacheEvent, SamplingSpec
+from evenflow.proto.messages import KVCacheEvent
+from evenflow.proto.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | SamplingSpec, export_kv: bool = False) -> None:
+                    params: SamplingParams, export_kv: bool = False) -> None:
         """Queue a request; raises ValueError naming the problem if it cannot be served.
         With export_kv, its finishing StepOutput says kv_follows, and the next step() returns
         the prompt's K/V (see read_kv) for it, before any new forward pass."""
@@ -264,13 +264,13 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             raise ValueError(f"the prompt needs more KV blocks than the cache has "
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
-                       sampling_params_of(params), export_kv=export_kv)
+                       params, export_kv=export_kv)
         self.guides.start(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
-                              first_token_id: int, params: SamplingParams | SamplingSpec,
+                              first_token_id: int, params: SamplingParams,
                               kv: KVPayload, num_cached_tokens: int = 0) -> None:
         """Continue a request another engine prefilled: its prompt's K/V (as exported by
         add_request(export_kv=True)) and the first token it sampled. Decoding starts at the next
@@ -290,7 +290,7 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         tensor = torch.frombuffer(kv.data, dtype=torch.uint8) if len(kv.data) else torch.empty(
             0, dtype=torch.uint8)
         seq = Sequence(request_id, [*prompt_token_ids, first_token_id], len(prompt_token_ids),
-                       sampling_params_of(params),
+                       params,
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
