@@ -4,22 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from evenflow import __version__
-from evenflow.engine.config.settings import (
-    DTYPES,
-    INT4_GROUP_SIZES,
-    KV_CACHE_DTYPES,
-    QUANT_METHODS,
-    EngineConfig,
-)
+from evenflow.engine.config.fields import add_flags, flag_values
+from evenflow.engine.config.settings import INT4_GROUP_SIZES, QUANT_METHODS, EngineConfig
 from evenflow.models.gguf_export import TYPES as GGUF_TYPES
-from evenflow.services.config import LOG_LEVELS
-
-_ENGINE_DEFAULTS = EngineConfig()
+from evenflow.services.config import MeshConfig
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -40,11 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
             max_tokens=args.max_tokens, stop=args.stop or (), ignore_eos=args.ignore_eos,
             guide=guide)
-        quant = {"quant_group_size": args.quant_group_size} if args.quant_group_size else {}
-        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
-                  quantization=args.quantization, tensor_parallel_size=args.tp,
-                  kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
-                  **quant)
+        llm = LLM(**flag_values(args, args.setting_flags))
         if args.chat:
             outputs = [llm.chat([{"role": "user", "content": p}], params) for p in args.prompts]
         else:
@@ -94,22 +84,10 @@ def _preflight(config: Any) -> str | None:
     return None
 
 
-# `up` / `serve` flags -> MeshConfig keys: the same name, except these
-_UP_SAME = ("port", "model", "nats_url", "redis_url", "host", "api_key_file", "engine", "dtype",
-            "kv_cache_gb", "num_kv_blocks", "kv_cache_dtype", "kv_disk_gb", "kv_disk_dir",
-            "kv_disk_credit", "deterministic", "max_num_seqs", "max_model_len", "router",
-            "log_level", "served_model_name", "quantization", "quant_group_size",
-            "tensor_parallel_size", "expert_parallel_size")
-_UP_RENAMED = {"num_prefill": "prefill", "num_gateways": "gateways", "num_decode": "decode",
-               "threads_per_worker": "threads"}
-_SERVE_ONLY = ("ep_ranks", "ep_nodes", "ep_rendezvous")  # (`serve`'s flags; None for `up`)
-
-
 def _mesh_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The MeshConfig overrides the flags of `up` / `serve` give."""
-    return {**{key: getattr(args, key) for key in _UP_SAME},
-            **{key: getattr(args, flag) for key, flag in _UP_RENAMED.items()},
-            **{key: getattr(args, key, None) for key in _SERVE_ONLY}}
+    """The MeshConfig settings the flags of `up` / `serve` give (each flag's dest is its
+    setting's name: engine/config/fields.py add_flags)."""
+    return flag_values(args, args.setting_flags)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -283,23 +261,6 @@ def _profile(args: argparse.Namespace) -> int:
     return int(profile_bench.main(args.rest))
 
 
-def _kv_cache_dtype_arg(parser: argparse._ActionsContainer, default: str | None) -> None:
-    parser.add_argument("--kv-cache-dtype", default=default, choices=list(KV_CACHE_DTYPES),
-                        help="the KV cache's storage: auto (the model's dtype) or int8 (per-block "
-                             "scales: twice the blocks in the same memory, half the hand-off's "
-                             "bytes); fp8_e4m3 needs a CPU with native fp8")
-
-
-def _quantization_args(parser: argparse._ActionsContainer) -> None:
-    parser.add_argument("--quantization", default=None, choices=list(QUANT_METHODS),
-                        help="quantization at load: int8 (weight-only, per output channel), "
-                             "int4 (weight-only, groups, with zero points) or w8a8 (int8 weights "
-                             "and per-token int8 activations, on VNNI); a GPTQ or "
-                             "compressed-tensors checkpoint needs none")
-    parser.add_argument("--quant-group-size", type=int, default=None,
-                        choices=list(INT4_GROUP_SIZES), help="int4 group size (default 64)")
-
-
 def _quantize(args: argparse.Namespace) -> int:
     from evenflow import models
     from evenflow.engine.config.settings import ModelLoadError
@@ -368,75 +329,23 @@ def _bus_secrets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mesh_arguments(up: argparse.ArgumentParser) -> None:
-    """`evenflow up`'s and `evenflow serve`'s options."""
-    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
-    up.add_argument("--host", default=None)
-    up.add_argument("--model", default=None,
-                    help="built-in model name, checkpoint dir or Hugging Face id (org/name)")
-    up.add_argument("--served-model-name", default=None,
-                    help="the model name clients send (default: from --model)")
-    up.add_argument("--gateways", type=int, default=None,
-                    help="gateway processes sharing the HTTP port (SO_REUSEPORT; default 1)")
-    up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
-    up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
-    up.add_argument("--nats-url", default=None,
-                    help="use this NATS instead of starting one (a cluster: its servers, "
-                         "comma-separated)")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--api-key-file", default=None,
-                    help="require a Bearer key: one per line in this file (or set "
-                         "EVENFLOW_API_KEYS; keys never go on the command line)")
+def _mesh_arguments(up: argparse.ArgumentParser, command: str) -> None:
+    """`evenflow up`'s and `evenflow serve`'s options: the settings' flags (declared with the
+    settings, engine/config/fields.py) and the commands' own."""
     up.add_argument("--ray", action="store_true",
                     help="run the services as Ray Serve applications on a local Ray")
     up.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                     help="with --ray: deploy on this Ray cluster (its nodes on several hosts) "
                          "instead of a local Ray; needs --nats-url and --redis-url")
-    up.add_argument("--ep-nodes", type=int, default=None,
-                    help="with --ray and --ep N: spread each DEP group over this many nodes "
-                         "(a placement group, N / K ranks on each)")
     up.add_argument("--help-env", action="store_true",
                     help="list every EVENFLOW_* setting and engine switch with its default")
-    up.add_argument("--engine", default=None, choices=["torch", "mock"],
-                    help="mock: a timing model over the real block manager (for routing tests)")
-    engine = up.add_argument_group(
-        "engine and routing (each also an EVENFLOW_* variable; unset: the engine's default)")
-    engine.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
-                        help="auto: bfloat16 where the CPU has native bf16 math, else float32")
-    engine.add_argument("--threads", type=int, default=None,
-                        help="torch threads per worker (per rank with --tp; default 1)")
-    engine.add_argument("--tp", type=int, default=None, dest="tensor_parallel_size",
-                        help="tensor parallelism: each worker is this many rank processes "
-                             "(default 1)")
-    engine.add_argument("--ep", type=int, default=None, dest="expert_parallel_size",
-                        help="DEP: each worker is a group of this many rank processes, each a "
-                             "worker of its own, with expert-parallel MoE layers (default 1)")
-    engine.add_argument("--kv-cache-gb", type=float, default=None,
-                        help=f"KV cache per worker (default {_ENGINE_DEFAULTS.kv_cache_gb})")
-    _kv_cache_dtype_arg(engine, None)
-    engine.add_argument("--deterministic", action="store_true", default=None,
-                        help="batch-invariant engines: a position's K/V and logits do not depend "
-                             "on how it was scheduled, so a migrated stream continues "
-                             "text-identically (prefill costs more)")
-    engine.add_argument("--kv-disk-gb", type=float, default=None,
-                        help="a KV disk tier per worker of this many GiB: blocks evicted from "
-                             "RAM go there and come back on a prefix hit (default 0: none)")
-    engine.add_argument("--kv-disk-dir", default=None,
-                        help="where the disk tiers live (DIR/<worker id>), kept across restarts; "
-                             "without it each worker's tier is temporary, removed on exit")
-    engine.add_argument("--kv-disk-credit", type=float, default=None,
-                        help="the router's credit for a block on a disk tier, in RAM blocks "
-                             "(default 0.9; `evenflow bench tiers` measures it)")
-    engine.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV blocks per worker (overrides --kv-cache-gb)")
-    engine.add_argument("--max-num-seqs", type=int, default=None,
-                        help=f"sequences per batch (default {_ENGINE_DEFAULTS.max_num_seqs})")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="context length (default: the model's, at most 8192)")
-    engine.add_argument("--router", default=None, choices=["kv", "least_load", "round_robin"],
-                        help="how the gateway picks workers (default kv)")
-    engine.add_argument("--log-level", default=None, choices=list(LOG_LEVELS))
-    _quantization_args(engine)
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    mesh_group = up.add_argument_group("mesh (each also an EVENFLOW_* variable: `--help-env`)")
+    engine_group = up.add_argument_group(
+        "engine (each also an EVENFLOW_* variable; unset: the engine's default)")
+    names = add_flags(mesh_group, MeshConfig, command, skip=engine)
+    names += add_flags(engine_group, MeshConfig, command, only=engine)
+    up.set_defaults(setting_flags=names)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -454,9 +363,6 @@ def _add_generate(sub: Any) -> None:
     """`evenflow generate`: the offline engine."""
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompts", nargs="+", help="prompt text(s); several are batched together")
-    gen.add_argument("--model", default="tiny-moe",
-                     help="built-in model name, checkpoint dir or Hugging Face id")
-    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -471,12 +377,7 @@ def _add_generate(sub: Any) -> None:
     guided.add_argument("--regex", default=None, help="structured output: matching this regex")
     guided.add_argument("--choice", action="append", help="structured output: one of these "
                         "strings (repeatable)")
-    gen.add_argument("--threads", type=int, default=None, help="torch threads (per rank)")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel rank processes")
-    _quantization_args(gen)
-    _kv_cache_dtype_arg(gen, "auto")
-    gen.add_argument("--deterministic", action="store_true",
-                     help="batch-invariant: the output does not depend on batching or chunking")
+    gen.set_defaults(setting_flags=add_flags(gen, EngineConfig, "generate"))
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
 
@@ -484,7 +385,7 @@ def _add_generate(sub: Any) -> None:
 def _add_mesh_commands(sub: Any) -> None:
     """`evenflow up` (the local mesh) and `serve` (one host's share of a mesh)."""
     up = sub.add_parser("up", help="run the local mesh: NATS, Redis, gateway, workers")
-    _mesh_arguments(up)
+    _mesh_arguments(up, "up")
     up.set_defaults(func=_up)
     serve = sub.add_parser(
         "serve", help="run one host's share of a mesh spanning several hosts",
@@ -492,18 +393,11 @@ def _add_mesh_commands(sub: Any) -> None:
                     "comma-separated: a NATS cluster) and Redis; number this host's workers "
                     "from --index so every worker id is unique in the mesh. The gateway "
                     "listens on --host (an address of this host other hosts and clients reach).")
-    _mesh_arguments(serve)
+    _mesh_arguments(serve, "serve")
     serve.add_argument("--roles", required=True,
                        help="comma-separated: gateway, prefill, decode, kv_index, balancer")
     serve.add_argument("--index", type=int, default=0,
                        help="first worker number on this host (p<index>, d<index>, ...)")
-    serve.add_argument("--ep-ranks", default=None,
-                       help="with --ep N: the ranks of each DEP group this host runs, e.g. "
-                            "0,1 (default: all); the other hosts run the rest with the same "
-                            "--index")
-    serve.add_argument("--ep-rendezvous", default=None, metavar="HOST:PORT",
-                       help="the DEP groups' rendezvous store; groups then span hosts and are "
-                            "elastic (they re-form without a lost rank and take it back)")
     serve.add_argument("--ep-rendezvous-serve", action="store_true",
                        help="serve the rendezvous store here (one host of the mesh does)")
     serve.set_defaults(func=_up)

@@ -334,7 +334,7 @@ def _run_local(args: argparse.Namespace, receiver: OTLPReceiver, scratch: Path,
     model = args.model or str(write_random_mixtral(scratch / "mixtral-110m"))
     mesh = LocalMesh(MeshConfig(model=model, port=0, num_prefill=args.prefill,
                                 num_decode=args.decode, local_prefill_threshold=0,
-                                threads_per_worker=1, kv_cache_gb=0.5, stats_log_interval_s=0,
+                                num_threads=1, kv_cache_gb=0.5, stats_log_interval_s=0,
                                 num_ep_ranks=args.expert_parallel if args.expert_parallel > 1
                                 else 0, expert_parallel_size=args.expert_parallel))
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}

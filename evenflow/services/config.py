@@ -3,8 +3,10 @@ environment variables and CLI overrides. This is the only module that reads the 
 (besides OpenTelemetry's own OTEL_* variables). An unknown EVENFLOW_ key is an error, and so is
 a value out of its range (the error names the variable).
 
-Engine settings take their defaults from the engine's own EngineConfig (torch-free), so the
-offline engine and the mesh cannot disagree; `engine_config()` maps them across."""
+MeshConfig inherits the engine's settings from EngineConfig (torch-free), so the offline engine
+and the mesh cannot disagree; every setting of both is declared once, with its range, choices,
+flag and help (engine/config/fields.py), and the variables, flags, checks, `--help-env` and
+docs/configuration.md come from those declarations."""
 
 from __future__ import annotations
 
@@ -17,12 +19,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from evenflow import models
+from evenflow.engine.config.fields import (
+    ENV_PREFIX,
+    check_settings,
+    default_of,
+    env_name,
+    overridden,
+    setting,
+    settings_of,
+)
 from evenflow.engine.config.settings import ENGINE_SWITCHES, EngineConfig, check_engine_switch
 from evenflow.services import logs
 from evenflow.services.bus import NatsSecurity
 from evenflow.services.reassembly import ReassemblyBudget
 
-ENV_PREFIX = "EVENFLOW_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -30,219 +40,168 @@ class ConfigError(ValueError):
     pass
 
 
-# Numeric settings' ranges: (low, high or None, low inclusive). Engine settings are checked by
-# EngineConfig itself.
-_RANGES: dict[str, tuple[float, float | None, bool]] = {
-    "port": (0, 65535, True), "threads_per_worker": (1, None, True),
-    "max_model_len": (0, None, True), "num_kv_blocks": (0, None, True),
-    "local_prefill_threshold": (0, None, True), "decode_retries": (0, 100, True),
-    "kv_overlap_weight": (0, None, True), "decode_load_weight": (0, None, True),
-    "load_cap_blocks": (0, None, False), "router_temperature": (0, None, True),
-    "prediction_ttl_ms": (0, None, True), "kv_lookup_timeout_s": (0, None, False),
-    "heartbeat_interval_s": (0, None, False), "worker_timeout_s": (0, None, False),
-    "request_timeout_s": (0, None, False), "kv_transfer_timeout_s": (0, None, False),
-    "kv_pull_min_tokens": (0, None, True), "kv_pull_timeout_s": (0, None, False),
-    "stall_timeout_s": (0, None, False), "drain_timeout_s": (0, None, True),
-    "orphan_ttl_s": (0, None, False), "queue_timeout_s": (0, None, True),
-    "migration_wait_s": (0, None, True),
-    "max_body_bytes": (1024, None, True), "max_header_bytes": (1024, None, True),
-    "max_inflight": (1, None, True), "max_queued": (0, None, True),
-    "kv_chunk_bytes": (4096, None, True), "bus_peer_reassembly_mb": (1, None, True),
-    "bus_total_reassembly_mb": (1, None, True), "num_ep_ranks": (0, None, True),
-    "num_redundant_experts": (0, None, True), "eplb_report_interval_s": (0, None, False),
-    "eplb_threshold": (0, 1, True), "eplb_min_interval_reports": (1, None, True),
-    "eplb_window_reports": (1, None, True), "balancer_metrics_port": (0, 65535, True),
-    "num_prefill": (0, None, True), "num_decode": (1, None, True),
-    "num_gateways": (1, 64, True), "kv_disk_gb": (0, None, True), "kv_disk_credit": (0, 1, True),
-}
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "router": ("kv", "least_load", "round_robin"), "engine": ("torch", "mock"),
-    "log_level": LOG_LEVELS,
-}
-
-
-_ENGINE = EngineConfig()  # the engine's defaults are the mesh's: one source
-
-
 @dataclass(frozen=True)
-class MeshConfig:
-    # Data plane; None means `evenflow up` starts a local server on a free port.
-    nats_url: str | None = None
-    redis_url: str | None = None
-    mesh_name: str = "default"  # Redis keys are per (model, mesh): meshes can share a Redis
-    # NATS security. `evenflow up` (starting its own nats-server) creates a user per service
-    # with subject permissions (services/nats_auth.py) unless nats_auth is off; a service
-    # connects with the credentials file it is given, and over TLS when certificates are set.
-    nats_auth: bool = True
-    nats_credentials_file: str | None = None
-    nats_tls_ca: str | None = None
-    nats_tls_cert: str | None = None
-    nats_tls_key: str | None = None
-    # Model and engine (every worker uses the same); defaults are EngineConfig's.
-    model: str = _ENGINE.model
-    engine: str = "torch"  # "torch", or "mock": a timing model over the real block manager
-    mock_timing_scale: float = 1.0  # the mock engine's step times x this (0: no compute)
-    dtype: str = _ENGINE.dtype
-    block_size: int = _ENGINE.block_size
-    max_num_seqs: int = _ENGINE.max_num_seqs
-    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
-    max_model_len: int = 0  # 0: the model's, at most 8192
-    kv_cache_gb: float = _ENGINE.kv_cache_gb
-    num_kv_blocks: int = 0  # 0: derived from kv_cache_gb
-    # the KV cache's storage: auto (the model's dtype) or int8 (engine/model/kv_quant.py); the
-    # hand-off then carries int8 blocks with their scales
-    kv_cache_dtype: str = _ENGINE.kv_cache_dtype
-    # A KV disk tier per worker (engine/runners/kv_tiers.py): blocks evicted from RAM go to
-    # disk, kv_disk_gb at most, and come back on a prefix hit. Without kv_disk_dir each worker's
-    # tier is a temporary directory, removed when the worker exits; with it, the tier is
-    # persistent at kv_disk_dir/<worker id> and a restarted worker finds it warm.
-    kv_disk_gb: float = 0.0
-    kv_disk_dir: str = ""
-    # The router's credit for a block a worker holds on its disk tier, in RAM blocks (a RAM hit
-    # is 1, a recompute 0): 1 - promotion time / recompute time per block, which `evenflow bench
-    # tiers` measures (0.99 on the 110M model here, the pool in the page cache; 0.9 leaves room
-    # for a tier read from the device itself. Dynamo's KVBM gives disk 0.25).
-    kv_disk_credit: float = 0.9
-    threads_per_worker: int = 1  # torch threads of each worker's engine
-    # Deterministic (batch-invariant) engines (EngineConfig.deterministic): a stream migrated
-    # to another worker continues text-identically, in bf16 too; prefill costs more
-    deterministic: bool = _ENGINE.deterministic
-    # Weight-only quantization at load: "" (none), int8 or int4 (engine/quant/stacks.py;
-    # EngineConfig checks the value)
-    quantization: str = ""
-    quant_group_size: int = _ENGINE.quant_group_size
-    quant_symmetric: bool = _ENGINE.quant_symmetric
-    # Tensor parallelism: every worker is this many rank processes (threads_per_worker each)
-    tensor_parallel_size: int = _ENGINE.tensor_parallel_size
-    log_level: str = "info"
-    served_model_name: str = ""  # the `model` clients send (default: from --model)
-    stats_log_interval_s: float = 10.0  # each engine worker logs a stats line this often (0: off)
-    # Test knob: engine workers sleep this long after every step, to make a straggler on
-    # purpose (`evenflow doctor` must name it): "25" for every worker, "d1=25,p0=5" for some
-    debug_step_delay_ms: str = ""
+class MeshConfig(EngineConfig):
+    """The mesh's settings: the engine's (inherited from EngineConfig, declared there once;
+    every worker runs them) and the mesh's own, each declared once with setting()."""
+
+    # The engine's settings whose mesh default differs from the offline engine's
+    num_threads: int | None = overridden(EngineConfig, "num_threads", 1)  # workers share cores
+    num_ep_ranks: int = overridden(EngineConfig, "num_ep_ranks", 4)
+    num_redundant_experts: int = overridden(EngineConfig, "num_redundant_experts", 4)
+    # Data plane
+    nats_url: str | None = setting(
+        None, flag=True, help="use this NATS instead of starting one (a cluster: its servers, "
+                              "comma-separated); unset: `evenflow up` starts one on a free port")
+    redis_url: str | None = setting(None, flag=True, help="use this Redis instead of starting "
+                                                          "one")
+    mesh_name: str = setting("default", help="Redis keys are per (model, mesh): meshes can "
+                                             "share a Redis")
+    # NATS security (services/nats_auth.py)
+    nats_auth: bool = setting(True, help="`evenflow up`, starting its own nats-server, creates "
+                                         "a NATS user per service with subject permissions")
+    nats_credentials_file: str | None = setting(None, help="the credentials a service connects "
+                                                           "with")
+    nats_tls_ca: str | None = setting(None, help="TLS to NATS: the CA certificate")
+    nats_tls_cert: str | None = setting(None, help="TLS to NATS: this service's certificate")
+    nats_tls_key: str | None = setting(None, help="TLS to NATS: this service's key")
+    # Workers
+    engine: str = setting("torch", choices=("torch", "mock"), flag=True,
+                          help="mock: a timing model over the real block manager (for routing "
+                               "tests)")
+    mock_timing_scale: float = setting(1.0, ge=0, help="the mock engine's step times x this "
+                                                       "(0: no compute)")
+    kv_disk_credit: float = setting(
+        0.9, ge=0, le=1, flag=True,
+        help="the router's credit for a block on a disk tier, in RAM blocks (a RAM hit is 1, a "
+             "recompute 0): 1 - promotion time / recompute time per block, which `evenflow "
+             "bench tiers` measures")
+    log_level: str = setting("info", choices=LOG_LEVELS, flag=True, help="log level of every "
+                                                                         "service")
+    served_model_name: str = setting("", flag=True, help="the model name clients send "
+                                                         "(default: from --model)")
+    stats_log_interval_s: float = setting(10.0, ge=0, help="each engine worker logs a stats "
+                                                           "line this often (0: off)")
+    debug_step_delay_ms: str = setting(
+        "", help="test knob: engine workers sleep this long after every step, a straggler on "
+                 "purpose (`evenflow doctor` must name it): MS for every worker, or "
+                 "WORKER=MS,...")
     # Gateway
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()  # empty: no authentication (see api_key_file)
-    api_key_file: str | None = None  # keys, one per line; read by the gateway at start
-    public_metrics: bool = False  # with keys set, /metrics and /docs need a key unless True
-    # Limits at the HTTP edge (README "Limits")
-    max_body_bytes: int = 4 * 2**20  # larger bodies: 413
-    max_header_bytes: int = 64 * 1024  # larger header sections: 431
-    max_inflight: int = 256  # requests running at once at this gateway
-    max_queued: int = 512  # requests waiting for a slot; beyond: 429 with Retry-After
-    # Conditional disaggregation (as Dynamo's max_local_prefill_length): a prompt whose part not
-    # cached on its decode worker is shorter than this many tokens is prefilled there, not
-    # shipped; a chat's next turn thus reuses the previous answer, which only the decode worker
-    # holds. 0 disables (every prompt goes to a prefill worker).
-    local_prefill_threshold: int = 128
-    # Each gateway keeps its own copy of the KV block index from the KV-event stream and routes
-    # from it; Redis answers while the copy is behind (kv_index/local_copy.py). False: Redis only.
-    kv_index_local_copy: bool = True
-    # K/V that fits in one chunk goes inside the hand-off's completion message (one message, not
-    # two); off only to measure what it saves (bench serve)
-    kv_inline_handoff: bool = True
-    decode_retries: int = 2  # other workers tried when one fails or stops responding
-    # A request no live decode worker has KV room for waits this long for one (as in vLLM's
-    # waiting queue), then fails with 503.
-    queue_timeout_s: float = 60.0
-    # A stream whose decode worker died, when no decode worker is live at all, waits this long
-    # for one to come back (an elastic DEP group re-forming, a supervised restart) before it
-    # ends with an error
-    migration_wait_s: float = 10.0
-    # Routing: "kv" (cost = w * blocks to prefill + load), "least_load" or "round_robin".
-    router: str = "kv"
-    # w: cost of one block to prefill against one block of queued work. At 1 the cost is the
-    # expected time to first token in block units; above 1 reuse wins over balance (a burst
-    # sharing a prefix sticks together longer).
-    kv_overlap_weight: float = 1.0
-    decode_load_weight: float = 4.0  # one running decode sequence, in blocks
-    load_cap_blocks: float = 256.0  # never route to a worker this much busier than the idlest
-    router_temperature: float = 0.0  # > 0: sample workers by softmax(-cost / T)
-    prediction_ttl_ms: int = 2000  # requests just routed count as cached this long
-    kv_lookup_timeout_s: float = 0.05  # Redis slower than this: route by load alone
+    host: str = setting("127.0.0.1", flag=True, help="the gateway's address")
+    port: int = setting(8000, ge=0, le=65535, flag=True, help="the gateway's port")
+    api_keys: tuple[str, ...] = setting(
+        (), help="Bearer keys clients must send, comma-separated (empty: no authentication); "
+                 "keys never go on the command line")
+    api_key_file: str | None = setting(None, flag=True, help="require a Bearer key: one per "
+                                                             "line in this file")
+    public_metrics: bool = setting(False, help="with keys set, /metrics and /docs need a key "
+                                               "unless this is on")
+    max_body_bytes: int = setting(4 * 2**20, ge=1024, help="larger request bodies: 413")
+    max_header_bytes: int = setting(64 * 1024, ge=1024, help="larger header sections: 431")
+    max_inflight: int = setting(256, ge=1, help="requests running at once at a gateway")
+    max_queued: int = setting(512, ge=0, help="requests waiting for a slot; beyond: 429 with "
+                                              "Retry-After")
+    local_prefill_threshold: int = setting(
+        128, ge=0, help="a prompt whose part not cached on its decode worker is shorter than "
+                        "this many tokens is prefilled there, not shipped (Dynamo's "
+                        "max_local_prefill_length; 0: every prompt goes to a prefill worker)")
+    kv_index_local_copy: bool = setting(
+        True, help="each gateway routes from its own copy of the KV block index, kept from the "
+                   "KV-event stream; Redis answers while it is behind (off: Redis only)")
+    kv_inline_handoff: bool = setting(
+        True, help="K/V that fits in one chunk goes inside the hand-off's completion message; "
+                   "off only to measure what it saves")
+    decode_retries: int = setting(2, ge=0, le=100, help="other workers tried when one fails or "
+                                                        "stops responding")
+    queue_timeout_s: float = setting(
+        60.0, ge=0, help="a request no live decode worker has KV room for waits this long for "
+                         "one, then fails with 503")
+    migration_wait_s: float = setting(
+        10.0, ge=0, help="a stream whose decode worker died, with no decode worker live at all, "
+                         "waits this long for one to come back")
+    # Routing
+    router: str = setting("kv", choices=("kv", "least_load", "round_robin"), flag=True,
+                          help="how the gateway picks workers: kv (cost = w x blocks to prefill "
+                               "+ load), least_load or round_robin")
+    kv_overlap_weight: float = setting(
+        1.0, ge=0, help="w: the cost of one block to prefill against one block of queued work "
+                        "(above 1 reuse wins over balance)")
+    decode_load_weight: float = setting(4.0, ge=0, help="one running decode sequence, in "
+                                                        "blocks")
+    load_cap_blocks: float = setting(256.0, gt=0, help="never route to a worker this much "
+                                                       "busier than the idlest")
+    router_temperature: float = setting(0.0, ge=0, help="> 0: sample workers by "
+                                                        "softmax(-cost / T)")
+    prediction_ttl_ms: int = setting(2000, ge=0, help="requests just routed count as cached "
+                                                      "this long")
+    kv_lookup_timeout_s: float = setting(0.05, gt=0, help="Redis slower than this: route by "
+                                                          "load alone")
     # Timing
-    heartbeat_interval_s: float = 0.5
-    worker_timeout_s: float = 3.0  # a worker silent this long is dead
-    # A request's deadline (a request may ask for less with its `timeout` field): past it the
-    # stream ends with a 504 error event and the workers drop the request.
-    request_timeout_s: float = 600.0
-    stall_timeout_s: float = 120.0  # a request with no progress this long fails (504)
-    drain_timeout_s: float = 30.0  # gateway SIGTERM: streams get this long to finish
-    # Workers drop the requests of a gateway silent this long (its clients are gone with it).
-    orphan_ttl_s: float = 10.0
-    kv_transfer_timeout_s: float = 10.0
-    # KV pulls (services/kv_pull.py): a prefill worker lacking at least this many of a prompt's
-    # leading tokens which another live worker holds (the decode worker holding a chat's
-    # history) pulls their blocks from it over NATS instead of recomputing them; below it,
-    # recomputing is faster. `evenflow bench serve` measures the crossover (pull time against
-    # recompute time per token): 26 tokens on the 110M model here (a pull's fixed cost ~4 ms,
-    # then 10 us a token against recompute's 173), so 32: two blocks of 16. 0: never pull.
-    # A pull that takes longer than kv_pull_timeout_s is given up, and the prompt recomputed.
-    kv_pull_min_tokens: int = 32
-    kv_pull_timeout_s: float = 1.0
-    kv_chunk_bytes: int = 512 * 1024  # below NATS' default 1 MiB max_payload
-    # Incomplete framed bus messages a process holds, per sending peer and in total
-    bus_peer_reassembly_mb: int = 64
-    bus_total_reassembly_mb: int = 256
-    # Expert parallelism and the balancer (MoE models; virtual EP ranks inside each worker)
-    num_ep_ranks: int = 4  # 0: no expert placement, no balancer
-    num_redundant_experts: int = 4  # extra slots for replicas of hot experts
-    eplb_report_interval_s: float = 1.0  # workers report per-slot load this often
-    eplb_threshold: float = 0.9  # rebalance when windowed rank balancedness drops below
-    eplb_min_interval_reports: int = 5  # reports between two rebalances, at least
-    eplb_window_reports: int = 10  # reports of load a decision looks at
-    balancer_metrics_port: int = 0  # > 0: the balancer serves Prometheus metrics there
-    # Every worker process (prefill, decode, kv_index, balancer) serves its own Prometheus
-    # /metrics here when > 0 (`evenflow up` gives each one a free port and prints them)
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    # Operator profiles: with a directory set, the gateway serves POST /admin/profile and
-    # workers write their Chrome traces there (off by default, as vLLM's profiler dir)
-    profile_dir: str = ""
-    eplb_per_role: bool = True  # a placement per role (prefill, decode); False: one for all
-    # Fleet (for `evenflow up`)
-    # Gateway processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections
-    # over them); each has its own NATS inbox and, with more than one, its own metrics port.
-    num_gateways: int = 1
-    num_prefill: int = 1
-    num_decode: int = 1
-    # DEP (engine/dep/lockstep.py): every worker is a group of this many rank processes, each a
-    # worker of its own (d0r0, d0r1, ...) whose MoE layers are expert-parallel over the group;
-    # then num_ep_ranks is the group size. ep_rank / ep_group are set per process by the
-    # launcher (EVENFLOW_EP_RANK, EVENFLOW_EP_GROUP).
-    expert_parallel_size: int = 1
-    ep_rank: int = 0
-    ep_group: str = ""
-    # DEP groups across hosts (`evenflow serve --ep-ranks 0,1 --ep-rendezvous HOST:PORT`): the
-    # planned ranks this host runs of each group ("" = all), and the groups' rendezvous store;
-    # with a rendezvous, groups are elastic (engine/dep/lockstep.py).
-    ep_ranks: str = ""
-    ep_rendezvous: str = ""
-    ep_settle_s: float = 3.0
-    # Under Ray (`evenflow up --ray --ep N --ep-nodes K`): each DEP group's ranks spread over
-    # K nodes (N / K on each) through a placement group, meeting through a rendezvous store
-    # its replica serves (evenflow/rayserve/app.py).
-    ep_nodes: int = 1
-    # The engine's process-wide switches (engine/config/settings.py ENGINE_SWITCHES:
-    # EVENFLOW_NATIVE_*, EVENFLOW_FAST_DECODE), as "NAME=value", from their own variables; every
-    # worker gets them.
-    engine_switches: tuple[str, ...] = ()
+    heartbeat_interval_s: float = setting(0.5, gt=0, help="every service's heartbeat period")
+    worker_timeout_s: float = setting(3.0, gt=0, help="a worker silent this long is dead")
+    request_timeout_s: float = setting(
+        600.0, gt=0, help="a request's deadline (it may ask for less with `timeout`): past it "
+                          "the stream ends with a 504 and the workers drop the request")
+    stall_timeout_s: float = setting(120.0, gt=0, help="a request with no progress this long "
+                                                       "fails (504)")
+    drain_timeout_s: float = setting(30.0, ge=0, help="on SIGTERM, a gateway's streams get "
+                                                      "this long to finish")
+    orphan_ttl_s: float = setting(10.0, gt=0, help="workers drop the requests of a gateway "
+                                                   "silent this long")
+    kv_transfer_timeout_s: float = setting(10.0, gt=0, help="a K/V hand-off's time limit")
+    # KV pulls (services/kv_pull.py): `evenflow bench serve` measures the crossover (pull time
+    # against recompute time per token): 26 tokens on the 110M model here, so 32
+    kv_pull_min_tokens: int = setting(
+        32, ge=0, help="a prefill worker lacking at least this many of a prompt's leading "
+                       "tokens which another live worker holds pulls their blocks over NATS "
+                       "instead of recomputing them (0: never pull)")
+    kv_pull_timeout_s: float = setting(1.0, gt=0, help="a pull taking longer is given up and "
+                                                       "the prompt recomputed")
+    kv_chunk_bytes: int = setting(512 * 1024, ge=4096, help="K/V chunk size on the bus (below "
+                                                            "NATS' 1 MiB max_payload)")
+    bus_peer_reassembly_mb: int = setting(64, ge=1, help="incomplete framed bus messages a "
+                                                         "process holds per sending peer")
+    bus_total_reassembly_mb: int = setting(256, ge=1, help="... and in total")
+    # The balancer (MoE models)
+    eplb_report_interval_s: float = setting(1.0, gt=0, help="workers report per-slot expert "
+                                                            "load this often")
+    eplb_threshold: float = setting(0.9, ge=0, le=1, help="rebalance when the windowed rank "
+                                                          "balancedness drops below this")
+    eplb_min_interval_reports: int = setting(5, ge=1, help="reports between two rebalances, "
+                                                           "at least")
+    eplb_window_reports: int = setting(10, ge=1, help="reports of load a decision looks at")
+    balancer_metrics_port: int = setting(0, ge=0, le=65535, help="> 0: the balancer serves "
+                                                                 "Prometheus metrics there")
+    metrics_port: int = setting(0, ge=0, le=65535, help="> 0: every worker process serves its "
+                                                        "Prometheus /metrics here (`evenflow "
+                                                        "up` gives each a free port)")
+    metrics_host: str = setting("127.0.0.1", help="where /metrics listens")
+    profile_dir: str = setting("", help="with a directory, the gateway serves POST "
+                                        "/admin/profile and workers write Chrome traces there")
+    eplb_per_role: bool = setting(True, help="a placement per role (prefill, decode); off: one "
+                                             "for all")
+    # Fleet (`evenflow up`)
+    num_gateways: int = setting(1, ge=1, le=64, flag="--gateways",
+                                help="gateway processes sharing the HTTP port (SO_REUSEPORT)")
+    num_prefill: int = setting(1, ge=0, flag="--prefill", help="prefill workers")
+    num_decode: int = setting(1, ge=1, flag="--decode", help="decode workers")
+    # DEP (engine/dep/lockstep.py): the launcher sets ep_rank / ep_group per process
+    ep_rank: int = setting(0, ge=0, hidden=True, help="this process's rank in its DEP group")
+    ep_group: str = setting("", hidden=True, help="this process's DEP group")
+    ep_ranks: str = setting("", flag=True, commands=("serve",),
+                            help="with --ep N: the ranks of each DEP group this host runs, e.g. "
+                                 "0,1 (default: all); the other hosts run the rest with the "
+                                 "same --index")
+    ep_nodes: int = setting(1, ge=1, flag=True,
+                            help="with --ray and --ep N: spread each DEP group over this many "
+                                 "nodes (a placement group, N / K ranks on each)")
+    # The engine's process-wide switches (engine/config/settings.py ENGINE_SWITCHES), as
+    # "NAME=value", from their own variables; every worker gets them.
+    engine_switches: tuple[str, ...] = setting((), hidden=True,
+                                               help="the engine switches, NAME=value")
 
     def __post_init__(self) -> None:
-        for name, (low, high, inclusive) in _RANGES.items():
-            value = getattr(self, name)
-            if value < low or (high is not None and value > high) or (
-                    not inclusive and value == low):
-                bound = f">= {low}" if inclusive else f"> {low}"
-                if high is not None:
-                    bound += f" and <= {high}"
-                raise ConfigError(f"{name} ({ENV_PREFIX}{name.upper()}) must be {bound}, "
-                                  f"got {value!r}")
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} ({ENV_PREFIX}{name.upper()}) must be one of "
-                                  f"{', '.join(allowed)}, got {getattr(self, name)!r}")
+        check_settings(self, ConfigError)
         if self.expert_parallel_size > 1 and self.num_ep_ranks != self.expert_parallel_size:
             object.__setattr__(self, "num_ep_ranks", self.expert_parallel_size)
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
@@ -253,7 +212,7 @@ class MeshConfig:
             raise ConfigError("debug_step_delay_ms (EVENFLOW_DEBUG_STEP_DELAY_MS) must be MS or "
                               f"WORKER=MS,..., got {self.debug_step_delay_ms!r}") from None
         try:
-            self.engine_config()
+            self.check_combinations()
             for name, value in self.switch_values().items():
                 check_engine_switch(name, value)
         except KeyError as exc:
@@ -318,19 +277,10 @@ class MeshConfig:
         return os.path.basename(self.model.rstrip("/")) or self.model
 
     def engine_config(self, kv_disk_dir: str = "") -> EngineConfig:
-        """The engine settings every worker runs with: the fields both configs share by name,
-        with 0 meaning "unset" where the engine takes None. The KV disk tier is per worker:
-        only with its directory (services/engine_worker.py EngineWorker.engine_config)."""
-        shared = {f.name for f in dataclasses.fields(EngineConfig)} & {
-            f.name for f in dataclasses.fields(self)}
-        values: dict[str, Any] = {name: getattr(self, name) for name in shared}
-        values["num_kv_blocks"] = self.num_kv_blocks or None
-        values["max_model_len"] = self.max_model_len or None
-        values["num_threads"] = self.threads_per_worker
-        values["quantization"] = self.quantization or None
-        values["kv_disk_dir"] = kv_disk_dir
-        values["kv_disk_gb"] = self.kv_disk_gb if kv_disk_dir else 0.0
-        return EngineConfig(**values)
+        """The engine settings every worker runs with (its KV disk tier's own directory given:
+        services/engine_worker.py EngineWorker.engine_config)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**values | {"kv_disk_dir": kv_disk_dir})
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""
@@ -367,6 +317,8 @@ def _coerce(name: str, hint: Any, raw: Any) -> Any:
     base = hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None -> X
         base = next(a for a in typing.get_args(hint) if a is not type(None))
+        if raw == "":
+            return None  # unset
     try:
         if base is bool:
             if raw.lower() not in _TRUE + _FALSE:
@@ -414,15 +366,28 @@ def load_mesh_config(overrides: Mapping[str, Any] | None = None,
 
 
 def env_help() -> str:
-    """Every EVENFLOW_* setting with its default: the mesh's, then the engine's switches."""
-    lines = ["Mesh settings (each also a flag where `evenflow up --help` lists one):"]
-    for f in dataclasses.fields(MeshConfig):
-        if f.name in ("engine_switches", "ep_rank", "ep_group"):
-            continue
-        default = f.default
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        lines.append(f"  {ENV_PREFIX}{f.name.upper()}={'' if shown is None else shown}")
+    """Every EVENFLOW_* setting with its default and what it does (the engine's, then the
+    mesh's own), then the engine's switches."""
+    lines = []
+    for title, rows in settings_sections():
+        lines.append(f"{title}:")
+        for f, s in rows:
+            if s.hidden:
+                continue
+            default = default_of(f)
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            lines.append(f"  {env_name(f.name)}={'' if shown is None else shown}  {s.help}")
     lines.append("Engine switches (the same offline, under `evenflow up`, Ray Serve and compose):")
     for switch in ENGINE_SWITCHES.values():
         lines.append(f"  {switch.name}={switch.default}  {switch.help}")
     return "\n".join(lines)
+
+
+def settings_sections() -> list[tuple[str, list]]:
+    """The mesh's settings in two groups: the engine's (with the mesh's defaults) and the
+    mesh's own (docs/configuration.md, --help-env)."""
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    rows = settings_of(MeshConfig)
+    return [("Engine settings (every worker's; `evenflow generate` and the offline LLM take "
+             "them as arguments)", [(f, s) for f, s in rows if f.name in engine]),
+            ("Mesh settings", [(f, s) for f, s in rows if f.name not in engine])]

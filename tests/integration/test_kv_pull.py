@@ -50,7 +50,7 @@ def worker_metric(mesh, worker_id: str, name: str, **labels: str) -> float:
 def config(**overrides) -> MeshConfig:
     settings = dict(model=MODEL, port=0, dtype="float32", num_prefill=1, num_decode=1,
                     local_prefill_threshold=0, kv_pull_min_tokens=16, num_ep_ranks=0,
-                    threads_per_worker=1, kv_cache_gb=0.05, heartbeat_interval_s=0.2)
+                    num_threads=1, kv_cache_gb=0.05, heartbeat_interval_s=0.2)
     return MeshConfig(**{**settings, **overrides})
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from evenflow.cli import build_parser
+from evenflow.cli import _mesh_settings, build_parser
 from evenflow.engine.config.settings import EngineConfig
 from evenflow.services.config import ConfigError, MeshConfig, load_mesh_config
 
@@ -26,8 +26,9 @@ def test_the_mesh_runs_the_engine_defaults():
     ({"EVENFLOW_EPLB_THRESHOLD": "1.5"}, "<= 1"),
     ({"EVENFLOW_PORT": "70000"}, "EVENFLOW_PORT"),
     ({"EVENFLOW_ROUTER": "fastest"}, "must be one of kv, least_load, round_robin"),
-    ({"EVENFLOW_KV_CACHE_GB": "0"}, "kv_cache_gb must be > 0"),
-    ({"EVENFLOW_DTYPE": "int3"}, "dtype must be auto or one of"),
+    ({"EVENFLOW_KV_CACHE_GB": "0"}, r"kv_cache_gb \(EVENFLOW_KV_CACHE_GB\) must be > 0"),
+    ({"EVENFLOW_DTYPE": "int3"}, r"dtype \(EVENFLOW_DTYPE\) must be one of auto, float32"),
+    ({"EVENFLOW_NUM_KV_BLOCKS": "0"}, r"\(EVENFLOW_NUM_KV_BLOCKS\) must be >= 1"),
     ({"EVENFLOW_MAX_NUM_SEQS": "abc"}, "cannot parse 'abc' as int"),
     ({"EVENFLOW_ENABLE_TURBO": "1"}, "unknown setting EVENFLOW_ENABLE_TURBO"),
     ({"EVENFLOW_QUANTIZATION": "int3"}, "quantization"),
@@ -51,11 +52,7 @@ def test_up_flags_reach_the_engine_config():
         "up", "--dtype", "float32", "--threads", "2", "--kv-cache-gb", "0.25",
         "--max-num-seqs", "8", "--max-model-len", "512", "--router", "least_load",
         "--log-level", "debug", "--num-kv-blocks", "100"])
-    config = load_mesh_config({
-        "dtype": args.dtype, "threads_per_worker": args.threads,
-        "kv_cache_gb": args.kv_cache_gb, "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len, "router": args.router,
-        "log_level": args.log_level, "num_kv_blocks": args.num_kv_blocks}, environ={})
+    config = load_mesh_config(_mesh_settings(args), environ={})
     engine = config.engine_config()
     assert (engine.dtype, engine.num_threads, engine.kv_cache_gb, engine.max_num_seqs,
             engine.max_model_len, engine.num_kv_blocks) == ("float32", 2, 0.25, 8, 512, 100)
@@ -64,9 +61,8 @@ def test_up_flags_reach_the_engine_config():
 
 def test_quantization_reaches_the_engine_and_the_bus_budget_the_bus():
     args = build_parser().parse_args(["up", "--quantization", "int4", "--quant-group-size", "32"])
-    config = load_mesh_config({"quantization": args.quantization,
-                          "quant_group_size": args.quant_group_size},
-                         environ={"EVENFLOW_BUS_PEER_REASSEMBLY_MB": "8"})
+    config = load_mesh_config(_mesh_settings(args),
+                              environ={"EVENFLOW_BUS_PEER_REASSEMBLY_MB": "8"})
     engine = config.engine_config()
     assert (engine.quantization, engine.quant_group_size) == ("int4", 32)
     assert load_mesh_config(environ={}).engine_config().quantization is None
@@ -109,3 +105,47 @@ def test_help_env_lists_the_mesh_settings_and_the_engine_switches(capsys):
     out = capsys.readouterr().out
     assert "EVENFLOW_DRAIN_TIMEOUT_S=" in out
     assert all(f"{name}=" in out for name in ENGINE_SWITCHES)
+
+
+def test_every_setting_is_declared_once_with_its_help():
+    """EngineConfig's settings reach the mesh by inheritance (no second declaration), and each
+    setting of both has its help; the flags name real settings."""
+    from evenflow.engine.config.fields import settings_of
+
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    mesh = [f.name for f in dataclasses.fields(MeshConfig)]
+    assert engine <= set(mesh) and len(mesh) == len(set(mesh))
+    declared = settings_of(MeshConfig)
+    assert [f.name for f, _ in declared] == mesh  # every field is a setting
+    assert all(s.help for _, s in declared)
+
+
+def test_an_unset_optional_setting_stays_unset_from_the_environment():
+    config = load_mesh_config(environ={"EVENFLOW_NUM_KV_BLOCKS": "", "EVENFLOW_QUANTIZATION": ""})
+    assert config.num_kv_blocks is None and config.quantization is None
+    assert load_mesh_config(environ=config.to_env()) == config
+
+
+def test_serve_has_its_own_flags_and_generate_the_engines():
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--roles", "decode", "--ep", "2", "--ep-ranks", "1",
+                               "--ep-rendezvous", "h:1", "--no-deterministic"])
+    assert _mesh_settings(serve) == {"expert_parallel_size": 2, "ep_ranks": "1",
+                                     "ep_rendezvous": "h:1", "deterministic": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--ep-ranks", "1"])  # serve's alone
+    gen = parser.parse_args(["generate", "hi", "--threads", "2", "--kv-cache-dtype", "int8"])
+    from evenflow.engine.config.fields import flag_values
+
+    assert flag_values(gen, gen.setting_flags) == {"num_threads": 2, "kv_cache_dtype": "int8"}
+
+
+def test_docs_configuration_table_is_current():
+    """docs/configuration.md is generated from the declarations: `python -m
+    evenflow.ops.settings_doc` rewrites it."""
+    from pathlib import Path
+
+    from evenflow.ops.settings_doc import render
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert path.read_text() == render(), "run `python -m evenflow.ops.settings_doc`"

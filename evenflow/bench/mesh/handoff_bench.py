@@ -57,7 +57,7 @@ def side_by_side(model: str, variants: dict[str, dict[str, Any]],
         for name, settings in variants.items():
             mesh = LocalMesh(MeshConfig(**{
                 "model": model, "port": 0, "num_prefill": 1, "num_decode": 1,
-                "local_prefill_threshold": 0, "threads_per_worker": 1, "kv_cache_gb": 0.5,
+                "local_prefill_threshold": 0, "num_threads": 1, "kv_cache_gb": 0.5,
                 "num_ep_ranks": 0, **settings}))
             meshes[name] = mesh
             mesh.start(health_timeout_s=300)

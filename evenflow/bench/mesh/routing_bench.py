@@ -151,7 +151,7 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload,
         ("decode_load_weight", args.decode_load_weight)) if value is not None}
     config = MeshConfig(port=0, model=args.model, engine="torch" if args.real else "mock",
                         router=policy, num_prefill=args.prefill, num_decode=args.decode,
-                        kv_cache_gb=0.25, threads_per_worker=1,
+                        kv_cache_gb=0.25, num_threads=1,
                         kv_index_local_copy=local_copy, **overrides)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)

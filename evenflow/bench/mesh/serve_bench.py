@@ -328,7 +328,7 @@ def _local(args: argparse.Namespace, root: Path) -> int:
     offline_engine = OfflineEngine(model)
     print(machine_line(offline_engine.engine.kv_dtype_name, 1))
     # No expert placement: the offline engine runs without it, and this measures the mesh.
-    config = MeshConfig(model=model, port=0, local_prefill_threshold=0, threads_per_worker=1,
+    config = MeshConfig(model=model, port=0, local_prefill_threshold=0, num_threads=1,
                         kv_cache_gb=0.5, num_ep_ranks=0, kv_cache_dtype=args.kv_cache_dtype)
     mesh = LocalMesh(config)
     mesh.start(health_timeout_s=300)

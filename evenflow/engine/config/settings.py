@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evenflow import models
+from evenflow.engine.config.fields import ALL_COMMANDS, check_settings, setting
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The KV cache's storage (vLLM's names): auto = the model's dtype; int8 = int8 values with a
@@ -120,85 +121,109 @@ def check_kv_cache_dtype(kv_cache_dtype: str, tensor_parallel_size: int = 1) -> 
                          "yet")
 
 
+_ENGINE_FLAGS = ALL_COMMANDS  # the engine's flags: on `up`, `serve` and `generate`
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = models.DEFAULT_MODEL
-    dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 math, else float32
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: as many as kv_cache_gb holds (capped below)
-    kv_cache_gb: float = 0.5
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    """How one engine runs. Each field is a setting (engine/config/fields.py): its range,
+    choices, flag and help are declared here once, and the mesh inherits them
+    (services/config.py MeshConfig)."""
+
+    model: str = setting(models.DEFAULT_MODEL, flag=True, commands=_ENGINE_FLAGS,
+                         help="built-in model name, checkpoint dir, GGUF file or Hugging Face "
+                              "id (org/name)")
+    dtype: str = setting("auto", choices=("auto", *DTYPES), flag=True, commands=_ENGINE_FLAGS,
+                         help="auto: bfloat16 where the CPU has native bf16 math, else float32")
+    block_size: int = setting(16, ge=1, help="tokens per KV block")
+    num_kv_blocks: int | None = setting(None, ge=1, flag=True,
+                                        help="KV blocks per worker (unset: as many as "
+                                             "kv_cache_gb holds)")
+    kv_cache_gb: float = setting(0.5, gt=0, flag=True, help="KV cache per worker, in GiB")
+    kv_cache_dtype: str = setting(
+        "auto", choices=KV_CACHE_DTYPES, flag=True, commands=_ENGINE_FLAGS,
+        help="the KV cache's storage: auto (the model's dtype) or int8 (per-block scales: twice "
+             "the blocks in the same memory, half the hand-off's bytes); fp8_e4m3 needs a CPU "
+             "with native fp8")
     # The KV cache's disk tier (engine/runners/disk_tier.py): blocks evicted from RAM kept in
-    # this directory, up to kv_disk_gb, promoted back on a prefix hit. "" or 0: no disk tier.
-    kv_disk_dir: str = ""
-    kv_disk_gb: float = 0.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's, at most 8192
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's choice
-    enable_prefix_caching: bool = True
-    # A request whose next block another request is computing waits a step and hits the cache
-    # (a burst sharing a new prefix computes it once); off only to measure what it saves.
-    defer_shared_prefill: bool = True
-    # Expert parallelism (virtual ranks inside this process): 0 ranks = no placement; slots =
-    # experts + redundant slots for replicas of hot experts, spread evenly over the ranks.
-    num_ep_ranks: int = 0
-    num_redundant_experts: int = 0
-    # Quantization at load (engine/quant/stacks.py): None, "int8" (weight-only, per output
-    # channel), "int4" (weight-only, groups of quant_group_size input channels, with zero points
-    # unless symmetric) or "w8a8" (int8 weights per channel and int8 activations per token, on
-    # VNNI's integer dot product). A GPTQ or compressed-tensors checkpoint is loaded quantized as
-    # it is, whatever this says.
-    quantization: str | None = None
-    quant_group_size: int = 64
-    quant_symmetric: bool = False
-    quantize_lm_head: bool = False
-    # Tensor parallelism: this many rank processes on this host, each holding 1/N of every
-    # layer's heads and MLP/expert columns (engine/tensor_parallel.py). Rank 0 is this process.
-    # num_threads is then per rank (default: cores / N).
-    tensor_parallel_size: int = 1
-    # Expert parallelism with data-parallel attention (engine/dep/offline.py, offline LLM only
-    # for now): N lockstep rank processes, each with its own requests and KV cache, each
-    # computing its share of the expert slots; implies num_ep_ranks = N.
-    expert_parallel_size: int = 1
-    # A DEP group across hosts: HOST:PORT of its rendezvous store (parallel/rendezvous.py). The
-    # group is then elastic: it forms from the ranks that arrive within ep_settle_s (all of
-    # them, when they do), re-forms without a lost rank, and takes it back when it returns.
-    ep_rendezvous: str = ""
-    ep_settle_s: float = 3.0
-    show_progress: bool = False  # a loading bar on stderr (the offline API: on a terminal)
-    # Reorder float weights once into oneDNN's blocked layout (engine/weights/prepack.py): decode's
-    # skinny matmuls read them up to 2x faster; False keeps plain nn.Linear (for comparisons).
-    prepack_weights: bool = True
-    # Deterministic (batch-invariant) mode: every position's K/V and logits come from the same
-    # kernels in the same reduction order, whether it was prefilled, chunk-prefilled, decoded or
-    # re-prefilled after a migration, and whatever else is in the batch (prompt tokens run as
-    # decoded tokens do: engine/runners/model_runner.py one_token_rows). A migrated stream then
-    # continues text-identically in bf16. Costs prefill speed (`evenflow bench engine
-    # --deterministic`); refused with quantization, tensor or expert parallelism.
-    deterministic: bool = False
+    # this directory, up to kv_disk_gb, promoted back on a prefix hit
+    kv_disk_dir: str = setting("", flag=True,
+                               help="where the KV disk tier lives, kept across restarts (under "
+                                    "a mesh: DIR/WORKER_ID); unset with kv_disk_gb > 0: a "
+                                    "temporary directory, removed on exit")
+    kv_disk_gb: float = setting(0.0, ge=0, flag=True,
+                                help="a KV disk tier of this many GiB: blocks evicted from RAM "
+                                     "go there and come back on a prefix hit (0: none)")
+    max_num_seqs: int = setting(64, ge=1, flag=True, help="sequences per batch")
+    max_num_batched_tokens: int = setting(2048, ge=1, help="tokens per step (chunked prefill)")
+    max_model_len: int | None = setting(None, ge=1, flag=True,
+                                        help="context length (unset: the model's, at most 8192)")
+    num_threads: int | None = setting(None, ge=1, flag="--threads", commands=_ENGINE_FLAGS,
+                                      help="torch threads of each engine (per rank with "
+                                           "tensor parallelism; unset: torch's choice)")
+    enable_prefix_caching: bool = setting(True, help="reuse cached KV blocks of a shared prefix")
+    defer_shared_prefill: bool = setting(
+        True, help="a request whose next block another request is computing waits a step and "
+                   "hits the cache (a burst sharing a new prefix computes it once); off only to "
+                   "measure what it saves")
+    num_ep_ranks: int = setting(
+        0, ge=0, help="expert placement over this many (virtual) EP ranks: slots = experts + "
+                      "redundant slots for replicas of hot experts (0: no placement, no "
+                      "balancer)")
+    num_redundant_experts: int = setting(0, ge=0, help="extra expert slots for replicas of hot "
+                                                       "experts")
+    # engine/quant/stacks.py: a GPTQ, AWQ or compressed-tensors checkpoint is loaded quantized
+    # as it is, whatever this says
+    quantization: str | None = setting(
+        None, choices=QUANT_METHODS, flag=True, commands=_ENGINE_FLAGS,
+        help="quantization at load: int8 (weight-only, per output channel), int4 (weight-only, "
+             "groups, with zero points) or w8a8 (int8 weights and per-token int8 activations, "
+             "on VNNI); a GPTQ or compressed-tensors checkpoint needs none")
+    quant_group_size: int = setting(64, flag=True, commands=_ENGINE_FLAGS,
+                                    help="int4 group size (32, 64 or 128)")
+    quant_symmetric: bool = setting(False, help="int4 without zero points")
+    quantize_lm_head: bool = setting(False, help="quantize the output head too")
+    tensor_parallel_size: int = setting(
+        1, ge=1, flag="--tp", commands=_ENGINE_FLAGS,
+        help="tensor parallelism: each engine is this many rank processes on this host, each "
+             "holding 1/N of every layer's heads and MLP / expert columns")
+    expert_parallel_size: int = setting(
+        1, ge=1, flag="--ep",
+        help="DEP: each worker is a group of this many rank processes, each a worker of its "
+             "own with its own requests and KV cache, with expert-parallel MoE layers")
+    ep_rendezvous: str = setting(
+        "", flag=True, commands=("serve",),
+        help="HOST:PORT of the DEP groups' rendezvous store: groups then span hosts and are "
+             "elastic (they re-form without a lost rank and take it back)")
+    ep_settle_s: float = setting(3.0, ge=0, help="a DEP group forms from the ranks that arrive "
+                                                 "within this long (all of them, when they do)")
+    show_progress: bool = setting(False, hidden=True,
+                                  help="a loading bar on stderr (the offline API: on a terminal)")
+    prepack_weights: bool = setting(
+        True, help="reorder float weights once into oneDNN's blocked layout "
+                   "(engine/weights/prepack.py): decode's skinny matmuls read them up to 2x "
+                   "faster; off keeps plain nn.Linear (for comparisons)")
+    # Every position's K/V and logits come from the same kernels in the same reduction order,
+    # whether it was prefilled, chunk-prefilled, decoded or re-prefilled after a migration, and
+    # whatever else is in the batch (prompt tokens run as decoded tokens do:
+    # engine/runners/model_runner.py one_token_rows)
+    deterministic: bool = setting(
+        False, flag=True, commands=_ENGINE_FLAGS,
+        help="batch-invariant engines: a position's K/V and logits do not depend on how it was "
+             "scheduled, so a migrated stream continues text-identically (prefill costs more; "
+             "not with quantization, tensor or expert parallelism)")
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {list(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        check_settings(self)
+        self.check_combinations()
+
+    def check_combinations(self) -> None:
+        """The checks that involve several settings (each one's own range is declared)."""
         check_kv_cache_dtype(self.kv_cache_dtype, self.tensor_parallel_size)
-        if self.kv_disk_gb < 0 or (self.kv_disk_gb > 0) != bool(self.kv_disk_dir):
-            raise ValueError("the KV disk tier needs both kv_disk_dir and kv_disk_gb > 0")
-        if self.num_ep_ranks < 0 or self.num_redundant_experts < 0:
-            raise ValueError("num_ep_ranks and num_redundant_experts must be >= 0")
+        if self.kv_disk_dir and self.kv_disk_gb <= 0:
+            raise ValueError("kv_disk_dir needs kv_disk_gb > 0 (the disk tier's size)")
         if self.quantization is not None:
             check_quantization(self.quantization, self.quant_group_size)
-        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and expert_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.expert_parallel_size > 1:
             raise ValueError("tensor and expert parallelism together are not supported yet")
         if self.deterministic and (self.quantization or self.tensor_parallel_size > 1

@@ -7,6 +7,9 @@ Token ids in, token ids out: tokenization and stop strings belong to the caller.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +109,11 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         self.runner = self._make_runner(num_blocks, dtype)
         if config.deterministic:
             self._make_deterministic(cfg)
-        self.tiers = KVTiers(self.runner, self.blocks, config.kv_disk_dir, config.kv_disk_gb,
-                             self.model_dir, salt) if config.kv_disk_dir else None
+        self.tiers = None
+        if config.kv_disk_gb > 0:
+            tier_dir = config.kv_disk_dir or _temporary_directory(self, "evenflow-kv-disk-")
+            self.tiers = KVTiers(self.runner, self.blocks, tier_dir, config.kv_disk_gb,
+                                 self.model_dir, salt)
         self.placement_version = 0
         self._staged = None  # a placement being taken layer by layer
         self.placement_moves = PlacementMoves()
@@ -468,3 +474,10 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
                           seq.step_logprobs if new else None,
                           seq.prompt_logprobs if new and seq.params.prompt_logprobs is not None
                           and seq.num_output_tokens == 1 else None)
+
+
+def _temporary_directory(owner: object, prefix: str) -> str:
+    """A directory removed when `owner` is collected or the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    weakref.finalize(owner, shutil.rmtree, path, True)
+    return path
