@@ -94,7 +94,8 @@ class DecodeWorker(EngineWorker):
         return dataclasses.replace(
             super().heartbeat(), running=self.engine.num_running,
             waiting=self.engine.num_waiting, free_kv_blocks=self._free_blocks(),
-            total_kv_blocks=self.engine.num_kv_blocks, kv_bytes_received=self.kv_bytes_received,
+            total_kv_blocks=self.engine.layout.num_kv_blocks,
+            kv_bytes_received=self.kv_bytes_received,
             kv_transfer_seconds=self.kv_transfer_seconds,
             load_by_gateway=dict(Counter(a.reply_subject for a in self.active.values())))
 
@@ -103,7 +104,7 @@ class DecodeWorker(EngineWorker):
 
     def autoscaling_stats(self) -> dict[str, float]:
         return {"running_sequences": float(self.engine.num_running + self.engine.num_waiting),
-                "free_kv_fraction": self._free_blocks() / max(1, self.engine.num_kv_blocks)}
+                "free_kv_fraction": self._free_blocks() / max(1, self.engine.layout.num_kv_blocks)}
 
     async def shutdown(self) -> None:
         self._sweeper.cancel()
@@ -165,7 +166,7 @@ class DecodeWorker(EngineWorker):
         transfer.span.end()
         try:
             kv = transfer.assembler.finish(done.num_chunks, done.num_blocks, done.dtype,
-                                           self.engine.kv_block_shape)
+                                           self.engine.layout.kv_block_shape)
         except kv_handoff.KVHandoffError as exc:
             self._error(done.reply_subject, done.request_id, errors.KV_TRANSFER_FAILED,
                         str(exc), ctx)
@@ -185,7 +186,7 @@ class DecodeWorker(EngineWorker):
             self._error(reply_subject, request_id, errors.DRAINING, "decode worker is draining",
                         ctx)
             return
-        needed = self.engine.blocks_needed(len(prompt) + 1)
+        needed = self.engine.layout.blocks_needed(len(prompt) + 1)
         seqs = self.engine.num_running + self.engine.num_waiting + len(self.active)
         if self._free_blocks() < needed or seqs >= 2 * self.config.max_num_seqs:
             self._error(reply_subject, request_id, errors.NO_CAPACITY,

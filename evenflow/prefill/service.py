@@ -77,7 +77,7 @@ class PrefillWorker(EngineWorker):
                                ep_group=self.config.ep_group,
                                mock_timing_scale=self.config.mock_timing_scale)
         self.pending: dict[str, _Pending] = {}
-        self.puller = KVPuller(self.send, self.worker_id, lambda: self.engine.kv_block_shape,
+        self.puller = KVPuller(self.send, self.worker_id, lambda: self.engine.layout.kv_block_shape,
                                self.config.kv_pull_timeout_s)
         self._pull_tasks: set[asyncio.Task] = set()
         await self.serve_engine(engine)
@@ -101,7 +101,7 @@ class PrefillWorker(EngineWorker):
         return dataclasses.replace(
             super().heartbeat(), running=self.engine.num_running,
             waiting=self.engine.num_waiting, free_kv_blocks=self.engine.num_free_kv_blocks,
-            total_kv_blocks=self.engine.num_kv_blocks,
+            total_kv_blocks=self.engine.layout.num_kv_blocks,
             queued_prompt_tokens=sum(by_gateway.values()), load_by_gateway=by_gateway)
 
     def busy(self) -> bool:
@@ -161,9 +161,9 @@ class PrefillWorker(EngineWorker):
         min_tokens = self.config.kv_pull_min_tokens
         if not req.kv_source or req.kv_source == self.worker_id or min_tokens <= 0:
             return 0, 0
-        bs = self.engine.block_size
+        bs = self.engine.layout.block_size
         last = (len(req.prompt_token_ids) - 1) // bs
-        first = self.engine.cached_prefix_blocks(req.prompt_token_ids)
+        first = self.engine.prefix.cached_prefix_blocks(req.prompt_token_ids)
         credited = min(req.kv_source_blocks, last) - first
         return (first, last) if credited * bs >= min_tokens else (0, 0)
 
@@ -176,7 +176,7 @@ class PrefillWorker(EngineWorker):
             attributes={"evenflow.kv_pull.source": req.kv_source,
                         "evenflow.kv_pull.first_block": first_block,
                         "evenflow.kv_pull.blocks_wanted": last_block - first_block})
-        bs = self.engine.block_size
+        bs = self.engine.layout.block_size
         try:
             kv = await self.puller.pull(req.request_id, req.kv_source,
                                         req.prompt_token_ids[: last_block * bs], first_block)
@@ -264,7 +264,7 @@ class PrefillWorker(EngineWorker):
         if reason == "stop":
             finish = "stop"
         elif (req.sampling.max_tokens == 1
-              or len(req.prompt_token_ids) + 1 >= self.engine.max_model_len):
+              or len(req.prompt_token_ids) + 1 >= self.engine.layout.max_model_len):
             finish = "length"
         if finish is None and out.kv_follows:
             pending.awaiting_kv, pending.compute_span = True, compute

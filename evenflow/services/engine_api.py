@@ -66,8 +66,9 @@ class KVDiskCounts(Protocol):
     def misses(self) -> Mapping[str, int]: ...  # lookups it could not serve, by reason
 
 
-class ServingEngine(Protocol):
-    # -- sizes (fixed at construction) --------------------------------------------------------
+class EngineLayout(Protocol):
+    """The engine's sizes, fixed at construction."""
+
     @property
     def max_model_len(self) -> int: ...
     @property
@@ -79,6 +80,79 @@ class ServingEngine(Protocol):
     @property
     def kv_dtype_name(self) -> str: ...
     def blocks_needed(self, num_tokens: int) -> int: ...
+
+
+class PrefixCachePort(Protocol):
+    """The prefix cache (engine thread, but for the reads marked loop-safe)."""
+
+    def take_kv_events(self) -> list[KVCacheEvent]: ...
+    def cached_block_hashes(self) -> list[int]: ...
+    def disk_block_hashes(self) -> list[int]: ...
+    @property
+    def disk_counts(self) -> KVDiskCounts | None:
+        """The KV disk tier's counts (None: no disk tier); a read the event loop may make."""
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many of the prompt's leading blocks the RAM cache holds: a read the event loop
+        may make too (a step stale at most)."""
+    def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
+        """The full blocks of token_ids from first_block on, as far as this engine holds them
+        in RAM or on its disk tier (a KV pull's holder side)."""
+    def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
+        """Pulled blocks into the prefix cache; how many were written. KVHandoffError (a
+        ValueError) when they do not fit."""
+
+
+class PlacementPort(Protocol):
+    """Expert placement (engine thread)."""
+
+    @property
+    def active(self) -> bool: ...  # the engine runs MoE layers under a placement
+    @property
+    def version(self) -> int: ...
+    def apply_expert_placement(self, version: int, phy2log: list[int],
+                               shares: list[float]) -> None: ...
+    def take_expert_load(self) -> tuple[int, int, list[int]]:
+        """(MoE layers, slots, row-major token counts) since the last call."""
+    def take_rank_timing(self) -> list[float] | None:
+        """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
+        collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
+    def ep_topology(self) -> tuple[int, int, str] | None:
+        """An expert-parallel rank's (rank in its group, group size, host id); None
+        elsewhere."""
+
+
+class ProfilePort(Protocol):
+    """Operator profiles (engine thread)."""
+
+    def start(self) -> None:
+        """Profile the steps from now on (torch.profiler)."""
+    def stop(self, steps: int, trace_file: str = "") -> list[str]:
+        """Stop; the operator table over those steps as text lines (trace written if asked)."""
+
+
+class KernelsPort(Protocol):
+    """Which kernels run, and the switch onto the native ones built after the start."""
+
+    def summary(self) -> str:
+        """Which kernels this engine runs (native or torch, and the switch that chose), for
+        the worker's ready line."""
+    def serving_form(self) -> tuple[str, str, str]:
+        """(weight form, KV cache dtype, kernels), e.g. ("int4-g32 W4A8 (bf16 rest)", "int8",
+        "native kernels ..."): heartbeats carry it to /v1/models."""
+    @property
+    def pending(self) -> bool:
+        """Serving on torch's kernels while the native ones build elsewhere (a machine's first
+        start): the engine thread then calls switch_when_ready while idle."""
+    def switch_when_ready(self) -> str | None:
+        """Called while idle: reload onto the native kernels once built. The new kernel summary
+        when it switched, else None."""
+
+
+class ServingEngine(Protocol):
+    """The core a worker drives, and one port per part the engine holds."""
+
+    @property
+    def layout(self) -> EngineLayout: ...
 
     # -- load (read from the event loop) -------------------------------------------------------
     @property
@@ -108,20 +182,6 @@ class ServingEngine(Protocol):
         advances by one MoE layer)."""
     def step(self) -> Sequence[EngineOutput]: ...
     def configure_current_thread(self) -> None: ...
-    def kernel_summary(self) -> str:
-        """Which kernels this engine runs (native or torch, and the switch that chose), for
-        the worker's ready line."""
-    def serving_form(self) -> tuple[str, str, str]:
-        """(weight form, KV cache dtype, kernels), e.g. ("int4-g32 W4A8 (bf16 rest)", "int8",
-        "native kernels ..."): heartbeats carry it to /v1/models."""
-    @property
-    def kernels_pending(self) -> bool:
-        """Serving on torch's kernels while the native ones build elsewhere (a machine's first
-        start): the engine thread then calls switch_kernels_when_ready while idle."""
-    def switch_kernels_when_ready(self) -> str | None:
-        """Called while idle: serving on torch's kernels while the native ones build
-        elsewhere (a machine's first start), reload onto them once built. The new kernel summary
-        when it switched, else None."""
     @property
     def idle_poll_s(self) -> float:
         """How long the engine thread may wait for commands when idle."""
@@ -133,44 +193,15 @@ class ServingEngine(Protocol):
         """With fatal_error set: a restart is the plan, not a crash (an elastic
         expert-parallel group re-forming)."""
 
-    # -- the prefix cache (engine thread) ------------------------------------------------------
-    def take_kv_events(self) -> list[KVCacheEvent]: ...
-    def cached_block_hashes(self) -> list[int]: ...
-    def disk_block_hashes(self) -> list[int]: ...
+    # -- the parts ----------------------------------------------------------------------------
     @property
-    def kv_disk_counts(self) -> KVDiskCounts | None:
-        """The KV disk tier's counts (None: no disk tier); a read the event loop may make."""
-    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """How many of the prompt's leading blocks the RAM cache holds: a read the event loop
-        may make too (a step stale at most)."""
-    def export_prefix(self, token_ids: list[int], first_block: int) -> KVPayload:
-        """The full blocks of token_ids from first_block on, as far as this engine holds them
-        in RAM or on its disk tier (a KV pull's holder side)."""
-    def import_prefix(self, token_ids: list[int], first_block: int, kv: KVPayload) -> int:
-        """Pulled blocks into the prefix cache; how many were written. KVHandoffError (a
-        ValueError) when they do not fit."""
-
-    # -- operator profiles (engine thread) -----------------------------------------------------
-    def start_profile(self) -> None:
-        """Profile the steps from now on (torch.profiler)."""
-    def stop_profile(self, steps: int, trace_file: str = "") -> list[str]:
-        """Stop; the operator table over those steps as text lines (trace written if asked)."""
-
-    # -- expert placement (engine thread) ------------------------------------------------------
+    def prefix(self) -> PrefixCachePort: ...
     @property
-    def uses_placement(self) -> bool: ...
+    def placement(self) -> PlacementPort: ...
     @property
-    def placement_version(self) -> int: ...
-    def apply_expert_placement(self, version: int, phy2log: list[int],
-                               shares: list[float]) -> None: ...
-    def take_expert_load(self) -> tuple[int, int, list[int]]:
-        """(MoE layers, slots, row-major token counts) since the last call."""
-    def take_rank_timing(self) -> list[float] | None:
-        """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
-        collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
-    def ep_topology(self) -> tuple[int, int, str] | None:
-        """An expert-parallel rank's (rank in its group, group size, host id); None
-        elsewhere."""
+    def profile(self) -> ProfilePort: ...
+    @property
+    def kernels(self) -> KernelsPort: ...
 
 
 def logprob_fields(out: EngineOutput) -> dict[str, Any]:

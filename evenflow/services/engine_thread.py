@@ -253,9 +253,9 @@ class EngineThread:
         self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
         self._last_step_end = 0.0
         self._kernels_checked_at = 0.0
-        self._kernels_pending = engine.kernels_pending  # (checked while idle until it is not)
+        self._kernels_pending = engine.kernels.pending  # (checked while idle until it is not)
         # (weights, KV cache dtype, kernels), read by heartbeats; rewritten here on a switch
-        self.serving_form = engine.serving_form()
+        self.serving_form = engine.kernels.serving_form()
 
     def start(self) -> None:
         self._thread.start()
@@ -285,22 +285,23 @@ class EngineThread:
             case ApplyPlacement(version, phy2log, shares):
                 started = time.monotonic()
                 try:
-                    engine.apply_expert_placement(version, phy2log, shares)
+                    engine.placement.apply_expert_placement(version, phy2log, shares)
                 except (AssertionError, RuntimeError, ValueError) as exc:
                     self._emit(PlacementApplied(version, 0.0, str(exc) or type(exc).__name__))
                 else:
                     self._emit(PlacementApplied(version, time.monotonic() - started))
             case TakeExpertLoad():
-                version = engine.placement_version
-                self._emit(ExpertLoadTaken(version, *engine.take_expert_load(),
-                                           engine.take_rank_timing(), engine.ep_topology()))
+                placement = engine.placement
+                self._emit(ExpertLoadTaken(placement.version, *placement.take_expert_load(),
+                                           placement.take_rank_timing(),
+                                           placement.ep_topology()))
             case SnapshotKV():
                 self._flush_kv_events()  # the snapshot's sequence number covers these
-                self._emit(KVSnapshotTaken(engine.cached_block_hashes(),
-                                               engine.disk_block_hashes()))
+                self._emit(KVSnapshotTaken(engine.prefix.cached_block_hashes(),
+                                               engine.prefix.disk_block_hashes()))
             case ExportPrefix(request_id, prompt, first_block, reply_subject):
                 try:
-                    kv = engine.export_prefix(prompt, first_block)
+                    kv = engine.prefix.export_prefix(prompt, first_block)
                 except Exception as exc:  # a bad request must not stop the engine
                     self._emit(PrefixExported(request_id, reply_subject, first_block, None,
                                               _reason(exc)))
@@ -308,7 +309,7 @@ class EngineThread:
                     self._emit(PrefixExported(request_id, reply_subject, first_block, kv))
             case ImportPrefix(request_id, prompt, first_block, kv):
                 try:
-                    written = engine.import_prefix(prompt, first_block, kv)
+                    written = engine.prefix.import_prefix(prompt, first_block, kv)
                 except Exception as exc:
                     self._emit(PrefixImported(request_id, 0, _reason(exc)))
                 else:
@@ -318,7 +319,7 @@ class EngineThread:
                     self._emit(ProfileTaken(request_id, 0, [], trace_file,
                                             "a profile is already running on this worker"))
                     return
-                engine.start_profile()
+                engine.profile.start()
                 self._profile, self._profile_steps = command, 0
                 self._profile_until = time.monotonic() + timeout_s
 
@@ -330,7 +331,7 @@ class EngineThread:
             return
         self._profile = None
         try:
-            lines = self.engine.stop_profile(self._profile_steps, profile.trace_file)
+            lines = self.engine.profile.stop(self._profile_steps, profile.trace_file)
         except Exception as exc:  # a failed export must not stop the engine
             log.exception("profile failed")
             self._emit(ProfileTaken(profile.request_id, self._profile_steps, [], "",
@@ -349,7 +350,7 @@ class EngineThread:
             self._emit(Admitted(request_id, time.time_ns()))
 
     def _flush_kv_events(self) -> None:
-        events = self.engine.take_kv_events()
+        events = self.engine.prefix.take_kv_events()
         if events:
             self._emit(KVEventsTaken(events))
 
@@ -397,14 +398,14 @@ class EngineThread:
             return
         self._kernels_checked_at = now
         try:
-            summary = self.engine.switch_kernels_when_ready()
+            summary = self.engine.kernels.switch_when_ready()
         except Exception:  # torch's kernels keep serving what the engine still holds
             log.exception("switching to the native kernels failed")
             self._kernels_pending = False
             return
-        self._kernels_pending = self.engine.kernels_pending
+        self._kernels_pending = self.engine.kernels.pending
         if not self._kernels_pending:  # switched, or the build failed: torch's kernels stay
-            self.serving_form = self.engine.serving_form()
+            self.serving_form = self.engine.kernels.serving_form()
         if summary is not None:
             log.info("switched to the native kernels in %.1f s (%s)",
                      time.monotonic() - now, summary)

@@ -102,7 +102,7 @@ class EngineWorker(WorkerService):
         return self._thread.problem if self._thread is not None else None
 
     def ready_note(self) -> str:
-        return f" ({self._engine.kernel_summary()})" if self._engine is not None else ""
+        return f" ({self._engine.kernels.summary()})" if self._engine is not None else ""
 
     def before_beat(self) -> None:
         self._export_engine_gauges()
@@ -170,7 +170,7 @@ class EngineWorker(WorkerService):
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
         if self.config.stats_log_interval_s > 0:
             self._owned_tasks.append(asyncio.create_task(self._log_stats(), name="stats"))
-        if engine.uses_placement:
+        if engine.placement.active:
             await self.bus.subscribe(subjects.EXPERT_PLACEMENT, self._on_placement)
             self._owned_tasks.append(asyncio.create_task(self._report_expert_load(),
                                                          name="eplb"))
@@ -193,7 +193,7 @@ class EngineWorker(WorkerService):
             self._stat_tokens = self._stat_prompt_tokens = 0
             if not (tokens or prompts or engine.num_running or engine.num_waiting):
                 continue
-            used = 1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks)
+            used = 1 - engine.num_free_kv_blocks / max(1, engine.layout.num_kv_blocks)
             log.info("stats: %.1f output tok/s, %.1f prompt tok/s, %d running, %d waiting, "
                      "KV cache %.1f%% used, %d%% of prompt tokens cached", tokens / interval,
                      prompts / interval, engine.num_running, engine.num_waiting, 100 * used,
@@ -307,7 +307,7 @@ class EngineWorker(WorkerService):
     def _on_placement(self, message: Message, _ctx: object) -> None:
         if not isinstance(message, ExpertPlacement) or message.role not in ("", self.role.value):
             return  # another role's placement
-        if message.version == self.engine.placement_version:
+        if message.version == self.engine.placement.version:
             return  # a periodic re-announcement of what we run
         self.engine_thread.submit(ApplyPlacement(message.version, message.phy2log,
                                                  message.shares))
@@ -338,7 +338,7 @@ class EngineWorker(WorkerService):
         VLLM_RUNNING.labels(model).set(engine.num_running)
         VLLM_WAITING.labels(model).set(engine.num_waiting)
         VLLM_KV_USAGE.labels(model).set(
-            1 - engine.num_free_kv_blocks / max(1, engine.num_kv_blocks))
-        disk = engine.kv_disk_counts
+            1 - engine.num_free_kv_blocks / max(1, engine.layout.num_kv_blocks))
+        disk = engine.prefix.disk_counts
         if disk is not None:
             export_kv_disk_counts(disk, self._kv_disk_seen)

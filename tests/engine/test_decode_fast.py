@@ -79,14 +79,14 @@ def _run_placed(fast: bool) -> tuple[list[torch.Tensor], list[list[int]], torch.
     logits = _recorded(llm, fast)
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = [o.token_ids for o in llm.generate(["count from 17 :", "json ="], params)]
-    layers, slots = engine.slot_counts.shape
+    layers, slots = engine.placement.slot_counts.shape
     phy2log = (torch.arange(slots) * 3 % 8).repeat(layers, 1)  # experts 0, 3, 6, 1, ... 8 x2+
     shares = torch.where(torch.arange(slots) < 8, 0.7, 0.3).repeat(layers, 1)
-    engine.apply_placement(phy2log, shares, version=1)
+    engine.placement.apply_placement(phy2log, shares, version=1)
     tokens += [o.token_ids for o in llm.generate(["reverse : q w e r =", "count down from 90 :"],
                                                  params)]
     used = model._fast is not None and all(f.held[1] is not None for f in model._fast.layers)
-    return logits, tokens, engine.slot_counts.clone(), used
+    return logits, tokens, engine.placement.slot_counts.clone(), used
 
 
 def test_fast_decode_under_an_expert_placement_is_bit_identical():

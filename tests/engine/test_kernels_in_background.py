@@ -41,19 +41,19 @@ def test_an_idle_engine_switches_to_the_native_kernels_once_they_are_built(
     e = Engine(EngineConfig(model=str(tmp_path / "ckpt"), dtype="float32", block_size=4,
                             num_kv_blocks=64))
     assert native.pending()
-    assert "torch kernels only" in e.kernel_summary()
-    assert e.switch_kernels_when_ready() is None  # not built yet: torch's kernels serve
+    assert "torch kernels only" in e.kernels.summary()
+    assert e.kernels.switch_when_ready() is None  # not built yet: torch's kernels serve
     on_torch, _ = generate(e, "a", PROMPT)
 
     build_in_background[0] = True
     e.add_request("busy", [5, 6, 7], GREEDY)
-    assert e.switch_kernels_when_ready() is None  # never under a running request
+    assert e.kernels.switch_when_ready() is None  # never under a running request
     while e.has_unfinished():
         e.step()
-    summary = e.switch_kernels_when_ready()
+    summary = e.kernels.switch_when_ready()
     assert summary is not None and "native kernels" in summary and "moe" in summary
     assert not native.pending()
-    assert e.switch_kernels_when_ready() is None  # once
+    assert e.kernels.switch_when_ready() is None  # once
 
     on_native, cached = generate(e, "b", PROMPT)
     assert cached == 36  # the blocks computed before the switch serve after it
@@ -69,8 +69,8 @@ def test_a_failed_background_build_leaves_torch_serving_and_says_so(
     make_checkpoint("qwen3_moe", tmp_path / "ckpt")
     e = Engine(EngineConfig(model=str(tmp_path / "ckpt"), dtype="float32", block_size=4,
                             num_kv_blocks=16))
-    assert "until the native ones are built" in e.kernel_summary()
+    assert "until the native ones are built" in e.kernels.summary()
     monkeypatch.setattr(native, "build_failed", lambda: True)
     native.refresh()
-    assert not native.pending() and e.switch_kernels_when_ready() is None
-    assert "the native kernels could not be built" in e.kernel_summary()
+    assert not native.pending() and e.kernels.switch_when_ready() is None
+    assert "the native kernels could not be built" in e.kernels.summary()

@@ -54,7 +54,7 @@ def test_evicted_blocks_come_back_from_disk_with_the_same_output(ckpt, tmp_path,
     again, cached = generate(e, "b", PROMPT)
     assert e.tiers.promoted >= 9 and cached >= 36  # the prompt's full blocks, from disk
     assert again == first
-    events = e.take_kv_events()
+    events = e.prefix.take_kv_events()
     assert any(isinstance(ev, BlockStored) and ev.medium == "disk" for ev in events)
     no_tier = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
                                   num_kv_blocks=24, kv_cache_dtype=kv_cache_dtype))
@@ -67,7 +67,7 @@ def test_restart_keeps_the_tier_warm_and_a_mismatch_wipes_it(ckpt, tmp_path):
     e = engine(ckpt, tier)
     first, _ = generate(e, "a", PROMPT)
     fill_ram(e)
-    held = len(e.disk_block_hashes())
+    held = len(e.prefix.disk_block_hashes())
     e.close()
     warm = engine(ckpt, tier)
     assert warm.tiers.disk.warm_blocks == held > 0
@@ -85,17 +85,17 @@ def test_a_pull_reads_blocks_from_the_disk_tier_too(ckpt, tmp_path):
     holder = engine(ckpt, tmp_path / "tier")
     first, _ = generate(holder, "a", PROMPT)
     fill_ram(holder)
-    assert holder.cached_prefix_blocks(PROMPT) == 0  # RAM no longer has them
-    kv = holder.export_prefix(PROMPT[:36], 0)  # what a puller asks: the blocks it can use
+    assert holder.prefix.cached_prefix_blocks(PROMPT) == 0  # RAM no longer has them
+    kv = holder.prefix.export_prefix(PROMPT[:36], 0)  # what a puller asks: the blocks it can use
     assert kv.num_blocks == 9  # all from disk
     puller = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
                                  num_kv_blocks=24))
-    assert puller.import_prefix(PROMPT, 0, kv) == 9
+    assert puller.prefix.import_prefix(PROMPT, 0, kv) == 9
     again, cached = generate(puller, "b", PROMPT)
     assert cached == 36 and again == first
     generate(holder, "c", PROMPT[:20])  # blocks 0-3 promoted to RAM, block 4 recomputed
-    assert holder.cached_prefix_blocks(PROMPT) == 5
-    mixed = holder.export_prefix(PROMPT[:36], 0)  # 5 from RAM, 4 from disk, in order
+    assert holder.prefix.cached_prefix_blocks(PROMPT) == 5
+    mixed = holder.prefix.export_prefix(PROMPT[:36], 0)  # 5 from RAM, 4 from disk, in order
     per_block = len(kv.data) // 9
     assert mixed.num_blocks == 9 and bytes(mixed.data)[: 4 * per_block] == \
         bytes(kv.data)[: 4 * per_block] and bytes(mixed.data)[5 * per_block:] == \
@@ -113,7 +113,7 @@ def test_a_block_evicted_in_the_same_schedule_is_still_a_hit(ckpt, tmp_path):
     index = LocalIndex()
     index.apply(KVSnapshot(worker_id="w", role="prefill", epoch="e", seq=1, block_hashes=[]))
     index.apply(KVEvents(worker_id="w", role="prefill", epoch="e", seq=2,
-                         events=e.take_kv_events()))
+                         events=e.prefix.take_kv_events()))
     hashes = chain_hashes(PROMPT, 4, e.blocks.salt)
     assert index.match(hashes, {"w": "e"}, 0.9) == {"w": 10}  # routed as a hit
     # x's admission takes the 14 unused blocks and all of a's (oldest first); b comes next
@@ -121,7 +121,7 @@ def test_a_block_evicted_in_the_same_schedule_is_still_a_hit(ckpt, tmp_path):
     e.add_request("b", PROMPT, GREEDY)
     out, cached = run_to_end(e)
     assert cached["b"] == 36 and out["b"] == first
-    assert e.kv_disk_counts.promotions >= 9
+    assert e.prefix.disk_counts.promotions >= 9
     e.close()
 
 
@@ -138,14 +138,14 @@ def test_blocks_promoted_while_the_tier_makes_room_are_read_first(ckpt, tmp_path
     generate(e, "x", list(range(100, 180)))  # a's blocks but its first go down to disk
     index = LocalIndex()
     index.apply(KVSnapshot(worker_id="w", role="prefill", epoch="e", seq=1,
-                           block_hashes=e.cached_block_hashes(),
-                           disk_block_hashes=e.disk_block_hashes()))
+                           block_hashes=e.prefix.cached_block_hashes(),
+                           disk_block_hashes=e.prefix.disk_block_hashes()))
     again, cached = generate(e, "b", PROMPT)
     assert cached == 36 and again == first
     index.apply(KVEvents(worker_id="w", role="prefill", epoch="e", seq=2,
-                         events=e.take_kv_events()))
-    assert index.workers["w"].disk == set(e.disk_block_hashes())
-    assert index.workers["w"].blocks == set(e.cached_block_hashes())
+                         events=e.prefix.take_kv_events()))
+    assert index.workers["w"].disk == set(e.prefix.disk_block_hashes())
+    assert index.workers["w"].blocks == set(e.prefix.cached_block_hashes())
     e.close()
 
 
@@ -159,7 +159,7 @@ def test_a_request_waits_for_room_to_promote_and_then_gets_every_block(ckpt, tmp
     e.add_request("b", PROMPT, GREEDY)  # 4 blocks left to promote into: b waits for x
     out, cached = run_to_end(e)
     assert cached["b"] == 36 and out["b"] == first
-    assert e.kv_disk_counts.misses == {"evicted": 0, "no_room": 1}
+    assert e.prefix.disk_counts.misses == {"evicted": 0, "no_room": 1}
     e.close()
 
 
@@ -172,8 +172,8 @@ def test_the_disk_tier_counts_reach_the_worker_metrics(ckpt, tmp_path):
     e = engine(ckpt, tmp_path / "tier", kv_disk_gb=12.5 * slot / 2**30)  # 12 blocks
     no_tier = Engine(EngineConfig(model=str(ckpt), dtype="float32", block_size=4,
                                   num_kv_blocks=24))
-    assert no_tier.kv_disk_counts is None
-    counts = e.kv_disk_counts
+    assert no_tier.prefix.disk_counts is None
+    counts = e.prefix.disk_counts
     generate(e, "a", PROMPT)
     generate(e, "x", list(range(100, 180)))  # a's blocks but its first go down to disk
     assert generate(e, "b", PROMPT)[1] == 36  # and come back

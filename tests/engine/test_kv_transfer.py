@@ -103,14 +103,15 @@ def test_pulled_prefix_is_a_prefix_hit_with_identical_output(ckpt, kv_cache_dtyp
     puller.add_request("own", history[:9], SamplingParams(max_tokens=1))  # 2 blocks of its own
     run_all(puller)
     turn2 = history + answer["turn1"] + [7, 8, 9]
-    own = puller.cached_prefix_blocks(turn2)
-    assert own == 2 and holder.cached_prefix_blocks(turn2) == (len(turn2) - 1) // 4 - 1
+    own = puller.prefix.cached_prefix_blocks(turn2)
+    assert own == 2 and holder.prefix.cached_prefix_blocks(turn2) == (len(turn2) - 1) // 4 - 1
     usable = (len(turn2) - 1) // 4  # blocks the prompt can take from a cache
-    kv = holder.export_prefix(turn2[: usable * 4], own)  # as a puller asks
-    assert kv.num_blocks == holder.cached_prefix_blocks(turn2) - own
-    assert puller.import_prefix(turn2, own, kv) == kv.num_blocks
-    assert puller.cached_prefix_blocks(turn2) == own + kv.num_blocks
-    events = puller.take_kv_events() if puller.collect_kv_events else puller.blocks.take_events()
+    kv = holder.prefix.export_prefix(turn2[: usable * 4], own)  # as a puller asks
+    assert kv.num_blocks == holder.prefix.cached_prefix_blocks(turn2) - own
+    assert puller.prefix.import_prefix(turn2, own, kv) == kv.num_blocks
+    assert puller.prefix.cached_prefix_blocks(turn2) == own + kv.num_blocks
+    events = puller.prefix.take_kv_events() if puller.prefix.collect_events \
+        else puller.blocks.take_events()
     assert any(getattr(e, "block_hashes", None) for e in events)  # the index hears of them
     holder.add_request("turn2", turn2, greedy)
     puller.add_request("turn2", turn2, greedy)
@@ -119,8 +120,8 @@ def test_pulled_prefix_is_a_prefix_hit_with_identical_output(ckpt, kv_cache_dtyp
     assert first.num_cached_tokens == (own + kv.num_blocks) * 4  # computed only the rest
     got, _ = run_all(puller)
     assert first.new_token_ids + got["turn2"] == expected["turn2"]
-    assert holder.export_prefix(turn2, 10**6).num_blocks == 0  # past the end: nothing
-    assert holder.export_prefix(history[:24], 0).num_blocks == 6  # every block asked for
+    assert holder.prefix.export_prefix(turn2, 10**6).num_blocks == 0  # past the end: nothing
+    assert holder.prefix.export_prefix(history[:24], 0).num_blocks == 6  # every block asked for
 
 
 def test_pulled_kv_of_another_layout_is_refused(ckpt):
@@ -131,7 +132,7 @@ def test_pulled_kv_of_another_layout_is_refused(ckpt):
     a.add_request("x", prompt, SamplingParams(max_tokens=1))
     run_all(a)
     with pytest.raises(ValueError, match="does not match"):
-        b.import_prefix(prompt, 0, a.export_prefix(prompt, 0))
-    assert b.cached_prefix_blocks(prompt) == 0
+        b.prefix.import_prefix(prompt, 0, a.prefix.export_prefix(prompt, 0))
+    assert b.prefix.cached_prefix_blocks(prompt) == 0
     with pytest.raises(ValueError, match="negative"):  # never blocks counted from the end
-        a.export_prefix(prompt, -2)
+        a.prefix.export_prefix(prompt, -2)

@@ -21,7 +21,7 @@ def test_a_placement_switches_one_moe_layer_per_step():
                           prepack_weights=False)  # (a group of one: experts kept unfused)
     engine = LockstepEngine(config, None, False, ep_rank=0, group_name=f"t-{uuid.uuid4().hex[:8]}")
     try:
-        layers, slots = engine.slot_counts.shape
+        layers, slots = engine.placement.slot_counts.shape
         assert layers >= 2
         steps, switched_before_step, group_calls = [0], [], [0]
         step, apply_layer = engine.step, engine.runner.apply_layer_placement
@@ -67,7 +67,7 @@ def test_a_placement_switches_one_moe_layer_per_step():
         assert len(switched_before_step) == layers
         assert switched_before_step == list(range(switched_before_step[0],
                                                   switched_before_step[0] + layers))
-        assert engine.placement_version == 1
+        assert engine.placement.version == 1
         assert torch.equal(engine.runner.model.moe_layers()[-1].placement.phy2log.cpu(),
                            torch.tensor(row))
     finally:

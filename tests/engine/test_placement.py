@@ -16,7 +16,7 @@ def test_greedy_output_is_unchanged_across_placements():
     plain = [o.token_ids for o in LLM("tiny-moe").generate(PROMPTS, GREEDY)]
     llm = LLM("tiny-moe", num_ep_ranks=4, num_redundant_experts=4)  # 12 slots, 3 per rank
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
-    counts = llm.engine.take_slot_counts()
+    counts = llm.engine.placement.take_slot_counts()
     assert counts.shape == (4, 12) and int(counts.sum()) > 0
     before = rank_balancedness(counts, 4)
     # Replicate each layer's hottest experts and spread them: a real placement change.
@@ -25,7 +25,7 @@ def test_greedy_output_is_unchanged_across_placements():
     logical = torch.zeros(4, 8).scatter_add_(
         1, llm.engine.model.moe_layers()[0].placement.phy2log.repeat(4, 1), counts.float())
     placement = rebalance_experts(logical, 12, 1, 1, 4)
-    llm.engine.apply_placement(placement.phy2log, None, version=1)
+    llm.engine.placement.apply_placement(placement.phy2log, None, version=1)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
-    after = rank_balancedness(llm.engine.take_slot_counts(), 4)
+    after = rank_balancedness(llm.engine.placement.take_slot_counts(), 4)
     assert after > before

@@ -163,9 +163,9 @@ def test_expert_placement_runs_on_quantized_experts():
     before = llm.generate([text], GREEDY)[0].token_ids
     layers, experts = llm.engine.model_config.num_moe_layers, llm.engine.model_config.num_experts
     phy2log = torch.tensor([list(range(experts)) + [0, 1]] * layers)
-    llm.engine.apply_placement(phy2log, None, 1)
+    llm.engine.placement.apply_placement(phy2log, None, 1)
     assert llm.generate([text], GREEDY)[0].token_ids == before
-    assert llm.engine.take_slot_counts()[:, experts:].sum() > 0  # replicas took tokens
+    assert llm.engine.placement.take_slot_counts()[:, experts:].sum() > 0  # replicas took tokens
 
 
 def test_unsupported_checkpoint_quantization_is_a_clear_error(tmp_path):

@@ -105,11 +105,11 @@ def test_a_placement_change_mid_generation_keeps_the_tokens(tmp_path, form):
                 tokens[out.request_id] += out.new_token_ids
             steps += 1
         assert [tokens[str(i)] for i in range(len(batch))] == expected
-        assert engine.engine.placement_version == 1
+        assert engine.engine.placement.version == 1
         # rank 0 now holds its new slots' experts and nothing else; the ones it lacked were
         # read from the checkpoint, one layer per step
         assert set(first_moe.resident) == set(row[:5])
-        moves = engine.engine.placement_moves
+        moves = engine.engine.placement.moves
         assert moves.layers == layers and moves.experts_read == 3 * layers  # 5, 6, 7 are new
     finally:
         engine.close()

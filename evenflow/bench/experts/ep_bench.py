@@ -83,7 +83,7 @@ def run_ep(ckpt: str, plan: dict) -> dict:
         shares = replica_shares(load, placement.phy2log, plan["ranks"])
         engine.apply_placement(placement.phy2log, shares, version=1)
         balanced = _phase(engine, plan, vocab, ids, 200)
-        moves = dataclasses.replace(engine.engine.placement_moves)
+        moves = dataclasses.replace(engine.engine.placement.moves)
         moes = engine.engine.model.moe_layers()
         held = sum(m.resident_bytes() for m in moes)
         every = sum(m.resident_bytes() / len(m.resident or [0]) * m.num_experts for m in moes)

@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     while engine.has_unfinished():
         engine.step()
     add("p")
-    engine.start_profile()  # component ranges, the sampler's included (engine/serving/profiling.py)
+    engine.profile.start()  # component ranges, the sampler's included (engine/serving/profiling.py)
     engine.step()
-    prefill = engine.stop_profile(1, phase="prefill", top=args.top)
-    engine.start_profile()
+    prefill = engine.profile.stop(1, phase="prefill", top=args.top)
+    engine.profile.start()
     for _ in range(args.steps):
         engine.step()
-    decode = engine.stop_profile(args.steps, args.trace or "", phase="decode", top=args.top)
+    decode = engine.profile.stop(args.steps, args.trace or "", phase="decode", top=args.top)
     print(f"{model}: batch {args.batch}, {args.prompt_len}-token prompts, {dtype}, "
           f"quantization {args.quantization or 'none'}, "
           f"{args.threads} threads")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,19 +63,30 @@ class MockEngine(Engine):
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:  # type: ignore[override]
         return MockRunner(self.model_config.vocab_size, self.timing)
 
-    def kernel_summary(self) -> str:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = MockKernels(self.kv_dtype_name)  # type: ignore[assignment]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+
+class MockKernels:
+    """The mock engine's kernels part: none to run, none to switch to."""
+
+    def __init__(self, kv_dtype_name: str) -> None:
+        self.kv_dtype_name = kv_dtype_name
+
+    def summary(self) -> str:
         return "mock engine: a timing model, no kernels"
 
     def serving_form(self) -> tuple[str, str, str]:
         return "none (mock engine)", self.kv_dtype_name, "none: a timing model"
 
     @property
-    def kernels_pending(self) -> bool:
+    def pending(self) -> bool:
         return False  # (no kernels to switch)
 
-    def switch_kernels_when_ready(self) -> str | None:
+    def switch_when_ready(self) -> str | None:
         return None
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        return torch.uint8

@@ -55,6 +55,7 @@ from evenflow.engine.runners.rank_wire import (
     gather_meetings,
 )
 from evenflow.engine.serving.engine import Engine, StepOutput
+from evenflow.engine.serving.placement_control import ExpertPlacement
 from evenflow.engine.weights.loader import model_directory
 from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.hierarchical import HierarchicalGroup, spanning_group
@@ -111,7 +112,7 @@ class LockstepEngine(Engine):
         self.group.barrier()  # every rank loaded
         self.group.timeout_s = STEP_TIMEOUT_S
         # a placement this rank holds, not yet agreed: (version, phy2log, share or None)
-        self._pending: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+        self.pending_placement: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
         self.inbox: list[Meeting | None] = []  # every rank's mail at the last meeting, by rank
         self.last_pause_s = 0.0  # switching a placement's layer at the last meeting
         self._fatal: str | None = None
@@ -149,7 +150,7 @@ class LockstepEngine(Engine):
         limit (an offline follower waiting for rank 0)."""
         if self._fatal is not None:
             return False
-        pending = self._pending[0] if self._pending else -1
+        pending = self.pending_placement[0] if self.pending_placement else -1
         data = encode(mail) if mail is not None else b""
         try:
             # (new requests in the mail count as work: they are added right after the meeting)
@@ -162,13 +163,13 @@ class LockstepEngine(Engine):
         except CollectiveError as exc:
             self._lost(exc)
             return False
-        if self._pending and bool((every[:, 1] == pending).all()):
-            version, phy2log, share = self._pending
-            self._pending = None
-            self.begin_placement(phy2log, share, version)
+        if self.pending_placement and bool((every[:, 1] == pending).all()):
+            version, phy2log, share = self.pending_placement
+            self.pending_placement = None
+            self.placement.begin_placement(phy2log, share, version)
         # every rank calls this equally often: one layer of a placement switches everywhere
         started = time.perf_counter()
-        self.advance_placement()
+        self.placement.advance_placement()
         self.last_pause_s = time.perf_counter() - started
         busy = self._group_busy = bool(every[:, 0].any())
         if busy:
@@ -223,19 +224,40 @@ class LockstepEngine(Engine):
         self._step_s += time.perf_counter() - started
         return outputs
 
-    def ep_topology(self) -> tuple[int, int, str] | None:
-        """(this rank in its group, the group's size, its host's id: ranks sharing one share
-        it), for the balancer's topology-aware placement."""
-        hosts = getattr(self.group, "hosts", None)
-        host = hosts[self.group.rank] if hosts else "one-host"
-        return self.group.rank, self.group.world_size, host
+    def _new_placement(self, moe_layers: int, slots: int) -> ExpertPlacement:
+        return LockstepPlacement(self, moe_layers, slots)
 
-    def take_rank_timing(self) -> list[float] | None:
+    def take_timing(self) -> list[float]:
         """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
         compute_s, wait_s, rows = self.ep_timer.take()
         timing = [float(self._steps), self._step_s, compute_s, wait_s, rows]
         self._steps, self._step_s = 0, 0.0
         return timing
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class LockstepPlacement(ExpertPlacement):
+    """A rank's expert placement: one is taken when every rank of the group holds it (the
+    group's meeting begins it, one MoE layer switches per meeting: LockstepEngine.decide_step),
+    and the rank reports its timing and topology to the balancer."""
+
+    def __init__(self, rank: LockstepEngine, moe_layers: int, slots: int) -> None:
+        super().__init__(rank, moe_layers, slots)
+        self._rank = rank
+
+    def ep_topology(self) -> tuple[int, int, str] | None:
+        """(this rank in its group, the group's size, its host's id: ranks sharing one share
+        it), for the balancer's topology-aware placement."""
+        group = self._rank.group
+        hosts = getattr(group, "hosts", None)
+        host = hosts[group.rank] if hosts else "one-host"
+        return group.rank, group.world_size, host
+
+    def take_rank_timing(self) -> list[float] | None:
+        """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
+        return self._rank.take_timing()
 
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None:
@@ -255,9 +277,7 @@ class LockstepEngine(Engine):
             raise ValueError(f"placement of shape {tuple(phy2log.shape)}, this engine "
                              f"{tuple(self.slot_counts.shape)}")
         for row in phy2log:
-            check_slots(row, self.model_config.num_experts, self.config.num_ep_ranks)
-        if version > max(self.placement_version, self._staged.version if self._staged else -1):
-            self._pending = (version, phy2log, share)
+            check_slots(row, self._rank.model_config.num_experts, self.config.num_ep_ranks)
+        if version > max(self.version, self.staged_version):
+            self._rank.pending_placement = (version, phy2log, share)
 
-    def close(self) -> None:
-        self.group.close()

@@ -35,7 +35,7 @@ import torch
 from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import EngineConfig, ModelLoadError
 from evenflow.engine.core.sequence import FinishReason
-from evenflow.engine.dep.lockstep import LockstepEngine
+from evenflow.engine.dep.lockstep import LockstepEngine, LockstepPlacement
 from evenflow.engine.runners.rank_wire import (
     Meeting,
     Placement,
@@ -108,9 +108,10 @@ def take_mail(engine: LockstepEngine, rank: int) -> Mail:
                 except ValueError as exc:
                     refused.append(RankOutput(request_id=add.request_id, refused=str(exc)))
         if mail.placement is not None:
-            engine.hold_placement(mail.placement.version, *mail.placement.tensors())
+            assert isinstance(engine.placement, LockstepPlacement)
+            engine.placement.hold_placement(mail.placement.version, *mail.placement.tensors())
         if mail.take_load:
-            counts = engine.group.all_reduce(engine.take_slot_counts())
+            counts = engine.group.all_reduce(engine.placement.take_slot_counts())
         if mail.done is not None and sender != rank:
             done.append(mail.done)
     return Mail(stop, refused, done, counts)

@@ -16,26 +16,27 @@ import torch
 
 from evenflow import models
 from evenflow.engine.config.settings import EngineConfig, ModelConfig
-from evenflow.engine.core.block_manager import BlockManager, KVEventListener, TierCounts
+from evenflow.engine.core.block_manager import BlockManager, KVEventListener
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
-from evenflow.engine.kernels import native, plan
+from evenflow.engine.kernels import native
 from evenflow.engine.model.kv_spec import KVCacheSpec
+from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
-from evenflow.engine.serving.placement_control import ExpertPlacementControl
-from evenflow.engine.serving.prefix_transfer import PrefixTransfer
-from evenflow.engine.serving.profiling import ProfileControl, StepProfiler
-from evenflow.engine.weights.expert_store import PlacementMoves, read_missing_experts
-from evenflow.engine.weights.form import short_dtype, weight_form
+from evenflow.engine.serving.kernel_switch import KernelSwitch
+from evenflow.engine.serving.placement_control import ExpertPlacement
+from evenflow.engine.serving.prefix_transfer import PrefixCache
+from evenflow.engine.serving.profiling import ProfileControl
+from evenflow.engine.weights.expert_store import read_missing_experts
+from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
-from evenflow.proto.messages import KVCacheEvent
 from evenflow.proto.sampling import SamplingParams
 
 
@@ -58,10 +59,27 @@ class StepOutput:
     prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
-class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
-    """The real engine; it implements services/engine_api.py's ServingEngine (what services may
-    ask of it). The offline `LLM` and the benchmarks also use its tensor-level methods."""
+@dataclass(frozen=True)
+class EngineLayout:
+    """The engine's sizes, fixed at construction (services/engine_api.py EngineLayout)."""
 
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_block_shape: tuple[int, ...]  # one block, hand-off layout
+    kv_dtype_name: str
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class Engine:
+    """The real engine; it implements services/engine_api.py's ServingEngine (what services may
+    ask of it): the core here, and the parts it holds - `prefix` (the prefix cache and KV
+    pulls), `placement` (expert placement), `profile` and `kernels`. The offline `LLM` and the
+    benchmarks also use its tensor-level methods."""
+
+    model: CausalLM
     idle_poll_s = 0.5  # how long its thread waits for work when idle
     # with fatal_error set: the worker should restart at once, not as a crash (an elastic
     # expert-parallel group re-forming to take a rank back: engine/dep/lockstep.py)
@@ -73,7 +91,8 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             raise ValueError("expert_parallel_size > 1 runs through LLM (engine/dep/offline.py)")
         self.config = config
         self._tp: TPGroup | None = None
-        self._profiler: StepProfiler | None = None
+        self.profile = ProfileControl(self)
+        self.kernels = KernelSwitch(self)
         self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
                             else config.num_threads)
         if self.num_threads:
@@ -114,25 +133,22 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             tier_dir = config.kv_disk_dir or _temporary_directory(self, "evenflow-kv-disk-")
             self.tiers = KVTiers(self.runner, self.blocks, tier_dir, config.kv_disk_gb,
                                  self.model_dir, salt)
-        self.placement_version = 0
-        self._staged = None  # a placement being taken layer by layer
-        self.placement_moves = PlacementMoves()
-        self.slot_counts = torch.zeros(0, 0, dtype=torch.int64)
+        self.placement = self._new_placement(0, 0)
         if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
             slots = cfg.num_experts + config.num_redundant_experts
             initial = (torch.arange(slots) % cfg.num_experts).repeat(cfg.num_moe_layers, 1)
-            self.slot_counts = torch.zeros(cfg.num_moe_layers, slots, dtype=torch.int64)
+            self.placement = self._new_placement(cfg.num_moe_layers, slots)
             for row, layer in enumerate(self.model.moe_layers()):
-                layer.slot_counts = self.slot_counts[row]
-            self.apply_placement(initial, None, version=0)
+                layer.slot_counts = self.placement.slot_counts[row]
+            self.placement.apply_placement(initial, None, version=0)
         self.eos_token_ids = set(cfg.eos_token_ids)
         native.ops()  # built (first time on a machine: ~30 s) or loaded now, not in a request
         self.guides = self.runner.guides = Guides(self.model_dir, cfg.eos_token_ids,
                                                   cfg.vocab_size)
         self.kv_event_listener = kv_event_listener
-        # Without a listener, a serving engine keeps its cache's events for take_kv_events().
-        self.collect_kv_events = collect_kv_events
-        self._kv_events: list[KVCacheEvent] = []
+        self.prefix = PrefixCache(self, collect_events=collect_kv_events)
+        self.layout = EngineLayout(self.max_model_len, config.block_size, num_blocks,
+                                   self.kv_block_shape, self.kv_dtype_name)
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._exports: list[Sequence] = []  # finished export_kv requests, blocks still held
@@ -153,6 +169,9 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
             self._tp.wait_loaded()
             self.model.set_tensor_parallel(self._tp.group)
         return self.model.config
+
+    def _new_placement(self, moe_layers: int, slots: int) -> ExpertPlacement:
+        return ExpertPlacement(self, moe_layers, slots)
 
     def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
         if self._tp is not None:
@@ -200,54 +219,9 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
 
-    def kernel_summary(self) -> str:
-        """What runs, for the worker's ready line: weights, KV cache, kernels."""
-        weights, kv, kernels = self.serving_form()
-        return f"weights {weights}; KV cache {kv}; {kernels}"
-
     @property
-    def kernels_pending(self) -> bool:
-        """Serving on torch's kernels while the native ones build elsewhere (see below)."""
-        return native.pending()
-
-    def serving_form(self) -> tuple[str, str, str]:
-        """(weight form, KV cache dtype, kernels): what /v1/models reports per worker."""
-        # (what the runner decided when it built the model's forward, not the environment now)
-        fast = "" if self.model.decode_stack_builder is not None else "; fast decode off " \
-            "(EVENFLOW_FAST_DECODE=0)"
-        return self.weight_form, short_dtype(self.kv_dtype), native.summary() + fast
-
-    def switch_kernels_when_ready(self) -> str | None:
-        """On a machine's first start the native kernels build in another process while this
-        engine serves on torch's (EVENFLOW_NATIVE_BUILD=background). Called by the engine thread
-        while idle: once the build is done, reload the weights so that every layer takes the
-        native kernels' forms (panel-packed, fused experts), over the same KV cache (its
-        blocks, prefix cache and disk tier stay valid). Returns the new kernel summary when it
-        switched, else None. A tensor-parallel or expert-parallel engine never defers (its ranks
-        would have to switch together): `evenflow up` builds first for those."""
-        if not native.pending() or self.has_unfinished() or not native.is_built() or \
-                self._tp is not None:
-            return None
-        old_layers = self.model.moe_layers()
-        if any(layer.ep is not None for layer in old_layers):
-            return None
-        native.refresh()
-        plan.forget_choices()  # (measured without the native kernels)
-        if native.ops() is None:  # the build would not load here: torch's kernels stay
-            return None
-        placements = [layer.placement for layer in old_layers]  # (EPLB's virtual ranks)
-        del old_layers
-        dtype = torch_dtype(self.config)
-        self.model = self.runner.model = None  # type: ignore[assignment]  # (freed first)
-        self.model = load_weights(self.model_dir, dtype, self.config, None)
-        self.runner.attach(self.model)
-        for row, (layer, placement) in enumerate(zip(self.model.moe_layers(), placements,
-                                                     strict=True)):
-            if self.slot_counts.numel():
-                layer.slot_counts = self.slot_counts[row]
-            if placement is not None:
-                layer.set_placement(placement)
-        return self.kernel_summary()
+    def tensor_parallel(self) -> bool:
+        return self._tp is not None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -332,24 +306,6 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
     def blocks_needed(self, num_tokens: int) -> int:
         return self.blocks.blocks_needed(num_tokens)
 
-    def cached_block_hashes(self) -> list[int]:
-        """Every block hash the prefix cache holds, for a KV-index resync."""
-        return self.blocks.cached_hashes()
-
-    def disk_block_hashes(self) -> list[int]:
-        """Every block hash the disk tier holds (none without one), for a KV-index resync."""
-        return self.tiers.hashes() if self.tiers is not None else []
-
-    @property
-    def kv_disk_counts(self) -> TierCounts | None:
-        """The disk tier's counts so far (None without one); a read the event loop may make."""
-        return self.blocks.tier_counts if self.tiers is not None else None
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        """The cache's changes since the last call (collect_kv_events engines)."""
-        events, self._kv_events = self._kv_events, []
-        return events
-
     def abort(self, request_id: str) -> bool:
         """Stop a request at the next step boundary; False if it is unknown or done."""
         seq = self._requests.pop(request_id, None)
@@ -430,8 +386,8 @@ class Engine(ExpertPlacementControl, ProfileControl, PrefixTransfer):
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)
-        elif events and self.collect_kv_events:
-            self._kv_events.extend(events)
+        elif events:
+            self.prefix.keep_events(events)
         return outputs
 
     def step_in_lockstep(self) -> list[StepOutput]:

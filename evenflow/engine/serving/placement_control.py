@@ -1,11 +1,12 @@
-"""The engine's side of expert placement (a mixin of Engine): apply a placement at once
-(virtual ranks), or stage one and take it one MoE layer per call between steps (real
-expert-parallel ranks, engine/dep/lockstep.py and engine/dep/offline.py), and hand out the per-slot
-token counts the balancer balances on."""
+"""The engine's side of expert placement (a part Engine holds, `engine.placement`): apply a
+placement at once (virtual ranks), or stage one and take it one MoE layer per call between
+steps (real expert-parallel ranks, engine/dep/lockstep.py and engine/dep/offline.py), and hand
+out the per-slot token counts the balancer balances on."""
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
@@ -14,13 +15,34 @@ from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.weights.expert_store import PlacementMoves, StagedPlacement
 
 
-class ExpertPlacementControl:
+class PlacementOwner(Protocol):
+    """What the part reads of its engine (each call: a kernel switch replaces the runner)."""
+
     config: EngineConfig
     runner: ModelRunner
-    slot_counts: torch.Tensor  # (moe_layers, slots) tokens routed since the last take
-    placement_version: int
-    placement_moves: PlacementMoves
-    _staged: StagedPlacement | None
+
+
+class ExpertPlacement:
+    def __init__(self, owner: PlacementOwner, moe_layers: int = 0, slots: int = 0) -> None:
+        self._owner = owner
+        # (moe_layers, slots) tokens routed since the last take; empty: no placement
+        self.slot_counts = torch.zeros(moe_layers, slots, dtype=torch.int64)
+        self.version = 0
+        self.moves = PlacementMoves()  # the layers' switches, timed
+        self._staged: StagedPlacement | None = None  # a placement being taken layer by layer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._owner.config
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._owner.runner
+
+    @property
+    def staged_version(self) -> int:
+        """The version of the placement being taken layer by layer (-1: none)."""
+        return self._staged.version if self._staged is not None else -1
 
     def apply_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
                         version: int) -> None:
@@ -30,7 +52,7 @@ class ExpertPlacementControl:
         assert phy2log.shape == self.slot_counts.shape, "placement shape does not fit"
         assert isinstance(self.runner, ModelRunner)
         self.runner.apply_placement(phy2log, share, self.config.num_ep_ranks)
-        self.placement_version = version
+        self.version = version
 
     def begin_placement(self, phy2log: torch.Tensor, share: torch.Tensor | None,
                         version: int) -> None:
@@ -50,13 +72,13 @@ class ExpertPlacementControl:
         read = self.runner.apply_layer_placement(
             row, staged.phy2log[row], None if staged.share is None else staged.share[row],
             self.config.num_ep_ranks)
-        self.placement_moves.add(time.perf_counter() - started, read)
+        self.moves.add(time.perf_counter() - started, read)
         staged.next_row += 1
         if staged.next_row == staged.phy2log.shape[0]:
-            self.placement_version, self._staged = staged.version, None
+            self.version, self._staged = staged.version, None
 
     @property
-    def uses_placement(self) -> bool:
+    def active(self) -> bool:
         return self.slot_counts.numel() > 0
 
     def apply_expert_placement(self, version: int, phy2log: list[int],

@@ -1,32 +1,87 @@
-"""The engine's side of KV pulls (a mixin of Engine): a prompt's leading blocks that this engine
-holds (in RAM or on its disk tier), read out in the hand-off layout for another worker
-(`export_prefix`), and blocks pulled
-from another worker put into this prefix cache (`import_prefix`), so the request that follows
-finds them as prefix hits and computes only the rest. Both run on the engine thread, between
-steps; `cached_prefix_blocks` is a read the event loop may make (a step stale at most)."""
+"""The engine's prefix cache as a worker sees it (a part Engine holds, `engine.prefix`): its
+block events for the KV index, its hashes for a resync, and the two sides of KV pulls - a
+prompt's leading blocks that this engine holds (in RAM or on its disk tier), read out in the
+hand-off layout for another worker (`export_prefix`), and blocks pulled from another worker put
+into this prefix cache (`import_prefix`), so the request that follows finds them as prefix hits
+and computes only the rest. All run on the engine thread, between steps; `cached_prefix_blocks`
+and `disk_counts` are reads the event loop may make (a step stale at most)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from evenflow.engine.core.block_manager import BlockManager
+from evenflow.engine.core.block_manager import BlockManager, TierCounts
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.proto.hashing import chain_hashes
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
+from evenflow.proto.messages import KVCacheEvent
 
 
-class PrefixTransfer:
+class PrefixOwner(Protocol):
+    """What the part reads of its engine (each call: a kernel switch replaces the runner)."""
+
     blocks: BlockManager
     runner: Any  # the model runner, a TP leader or the mock's: read_kv, write_kv, kv_shape
     tiers: KVTiers | None
 
-    if TYPE_CHECKING:
-        @property
-        def kv_dtype(self) -> torch.dtype: ...
-        @property
-        def kv_dtype_name(self) -> str: ...
+    @property
+    def kv_dtype(self) -> torch.dtype: ...
+    @property
+    def kv_dtype_name(self) -> str: ...
+
+
+class PrefixCache:
+    def __init__(self, owner: PrefixOwner, collect_events: bool = False) -> None:
+        self._owner = owner
+        # Without a KV event listener, a serving engine keeps its cache's events here for
+        # take_kv_events()
+        self.collect_events = collect_events
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self._owner.blocks
+
+    @property
+    def runner(self) -> Any:
+        return self._owner.runner
+
+    @property
+    def tiers(self) -> KVTiers | None:
+        return self._owner.tiers
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self._owner.kv_dtype
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self._owner.kv_dtype_name
+
+    def keep_events(self, events: list[KVCacheEvent]) -> None:
+        """A step's cache events, kept for take_kv_events (collecting engines)."""
+        if self.collect_events:
+            self._events.extend(events)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The cache's changes since the last call (collecting engines)."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds, for a KV-index resync."""
+        return self.blocks.cached_hashes()
+
+    def disk_block_hashes(self) -> list[int]:
+        """Every block hash the disk tier holds (none without one), for a KV-index resync."""
+        return self.tiers.hashes() if self.tiers is not None else []
+
+    @property
+    def disk_counts(self) -> TierCounts | None:
+        """The disk tier's counts so far (None without one); a read the event loop may make."""
+        return self.blocks.tier_counts if self.tiers is not None else None
 
     def _prefix_hashes(self, token_ids: list[int]) -> list[int]:
         """Chained hashes of the prompt's full blocks that a prefill may take from a cache

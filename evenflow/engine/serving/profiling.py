@@ -144,17 +144,23 @@ class StepProfiler:
 
 
 class ProfileControl:
-    """The engine's profile methods (a mixin of Engine: `model`, `_profiler`)."""
+    """The engine's operator profiles (a part Engine holds, `engine.profile`)."""
 
-    _profiler: StepProfiler | None
+    def __init__(self, owner: object) -> None:
+        self._owner = owner  # its `model` (none in the mock engine), read when a profile starts
+        self._profiler: StepProfiler | None = None
 
-    def start_profile(self) -> None:
-        """torch.profiler over the steps until stop_profile (component ranges included)."""
-        self._profiler = StepProfiler(getattr(self, "model", None))  # none in the mock engine
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        """torch.profiler over the steps until stop (component ranges included)."""
+        self._profiler = StepProfiler(getattr(self._owner, "model", None))
         self._profiler.start()
 
-    def stop_profile(self, steps: int, trace_file: str = "", phase: str = "steps",
-                     top: int = 25) -> list[str]:
+    def stop(self, steps: int, trace_file: str = "", phase: str = "steps",
+             top: int = 25) -> list[str]:
         """The operator table over those `steps` steps; the Chrome trace written if asked."""
         profiler, self._profiler = self._profiler, None
         if profiler is None:
