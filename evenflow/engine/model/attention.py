@@ -12,6 +12,7 @@ full-attention layers need them.)"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,30 @@ PAGED_ATTENTION_MAX_BATCH = 8
 
 # A layer's cache as attention takes it: K, V, and an int8 cache's K and V scales (else None)
 KVCacheParts = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The native kernels one attention layer runs, chosen once when the runner is built (and
+    again when it re-attaches a model after a kernel switch): forward asks nothing of native.*
+    per call. None: torch's path serves."""
+
+    rotary_kv_write: Any = None  # a decode-only step's rotary + K/V write + q's layout
+    prefill: Any = None  # causal prefill attention over the paged cache
+    decode: Any = None  # paged decode attention (where the runner picks it: decode_lens)
+
+    @staticmethod
+    def choose(layer: Attention, dtype: torch.dtype, cache_dtype: torch.dtype
+               ) -> AttentionKernels:
+        """What serves this layer in this dtype over a cache of `cache_dtype` (an int8 cache
+        has kernels of its own: engine/model/kv_quant.py)."""
+        hd, group = layer.head_dim, layer.num_heads // layer.num_kv_heads
+        plain = not layer.qk_norm and layer.clip_qkv is None and layer.rotary_dim == hd
+        same = cache_dtype == dtype
+        prefill = native.prefill_attention() if same and native.prefill_attention_serves(
+            dtype, hd, group) else None
+        return AttentionKernels(native.rotary_kv_write() if plain and same else None, prefill,
+                                native.decode_attention())
 
 
 def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
@@ -148,6 +173,7 @@ class Attention(nn.Module):
         # Tensor parallel (engine/weights/tp_shard.py): a norm over the whole projection sums
         # its squares over every rank's heads
         self.tp: ProcessGroup | None = None
+        self.kernels = AttentionKernels()  # torch's until a runner chooses (ModelRunner.attach)
 
     def forward(
         self,
@@ -162,8 +188,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
-        plain = not self.qk_norm and self.clip_qkv is None and self.rotary_dim == hd
-        fused = native.rotary_kv_write() if not meta.prefills and plain else None
+        fused = self.kernels.rotary_kv_write if not meta.prefills else None
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:
             # a decode-only step: rotary, the K/V write and q's layout in one pass
             q = fused(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, nh, n_kv)
@@ -177,9 +202,8 @@ class Attention(nn.Module):
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
-        kernel = native.prefill_attention() if meta.prefills and q.dtype == k_cache.dtype and \
-            k_cache.is_contiguous() and v_cache.is_contiguous() and \
-            native.prefill_attention_serves(q.dtype, hd, nh // n_kv) else None
+        kernel = self.kernels.prefill if meta.prefills and q.dtype == k_cache.dtype and \
+            k_cache.is_contiguous() and v_cache.is_contiguous() else None
         if (self.window or self.sinks is not None) and meta.prefills and kernel is None:
             return self.o_proj(self._windowed(q, k, v, cache, meta).reshape(T, nh * hd))
         outs = self._prefills(q, k, v, cache, meta, kernel)
@@ -322,8 +346,8 @@ class Attention(nn.Module):
             if k_scale is not None and v_scale is not None:
                 return paged_decode_attention_int8(q.contiguous(), k_cache, v_cache, k_scale,
                                                    v_scale, slots, lens, self.scale, sinks)
-            paged = native.decode_attention()
-            assert paged is not None
+            paged = self.kernels.decode
+            assert paged is not None, "the runner picked the paged kernel: it chose one"
             return paged(q.contiguous(), k_cache, v_cache, slots, lens, self.scale, sinks)
         if self.window or self.sinks is not None:
             return self._windowed_decode(q, cache, meta)

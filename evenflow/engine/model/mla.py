@@ -24,12 +24,13 @@ attention, and a rank's cache would still need every dim to score its heads).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
-from evenflow.engine.kernels import native
 from evenflow.engine.model.attention import gather_cache
 from evenflow.engine.model.kv_quant import block_size_of, write_quantized
 from evenflow.engine.model.metadata import AttentionMetadata
@@ -110,6 +111,8 @@ class LatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = LatentUpProjection(self.rank, nh, self.nope, self.v_dim)
+        # the native absorbed decode (kernels/mla_decode.cpp), chosen by the runner (attach)
+        self.decode_kernels: Any = None
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=cfg.o_proj_bias)
         self.scale = cfg.scale
         self.interleaved = cfg.rope_interleave
@@ -175,7 +178,7 @@ class LatentAttention(nn.Module):
         assert meta.decode_slots is not None
         w_uk, w_uv = self.kv_b_proj.w_uk, self.kv_b_proj.w_uv
         if meta.decode_lens is not None:
-            kernels = native.mla_decode()
+            kernels = self.decode_kernels
             if kernels is not None and w_uk.dtype == q_nope.dtype == cache.dtype:
                 return kernels.mla_decode(q_nope, q_pe, w_uk, w_uv, cache, meta.decode_slots,
                                           meta.decode_lens, self.scale)

@@ -11,10 +11,11 @@ from torch import Tensor
 from evenflow.engine.config.settings import switched_on
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
-from evenflow.engine.model.attention import Attention, paged_decode_attention
+from evenflow.engine.model.attention import Attention, AttentionKernels, paged_decode_attention
 from evenflow.engine.model.decode_stack import fast_stack
 from evenflow.engine.model.kv_spec import KVCacheSpec
 from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
+from evenflow.engine.model.mla import LatentAttention
 from evenflow.engine.model.placement import SlotPlacement
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.sample.guided import Guides
@@ -90,6 +91,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.attach(model)
 
+    def choose_attention_kernels(self, model: CausalLM) -> None:
+        """Each attention layer's kernels, chosen once for this dtype and cache (a layer's
+        forward then asks nothing of native.*): GQA layers' rotary write, prefill and paged
+        decode (AttentionKernels), MLA layers' absorbed decode."""
+        cache_dtype = self.kv_spec.dtype
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.kernels = AttentionKernels.choose(module, self.dtype, cache_dtype)
+            elif isinstance(module, LatentAttention):
+                module.decode_kernels = native.mla_decode()
+
     def attach(self, model: CausalLM) -> None:
         """Run `model` over this runner's KV cache: at construction, and when the engine
         reloads its weights onto kernels built since (the cache's blocks stay valid)."""
@@ -101,6 +113,7 @@ class ModelRunner:
             if isinstance(module, Attention) and module.window >= self.max_model_len:
                 module.window = 0
         model.init_rope(self.max_model_len, self.dtype)
+        self.choose_attention_kernels(model)
         if switched_on("EVENFLOW_FAST_DECODE"):
             model.decode_stack_builder = fast_stack
         moe = model.moe_layers()
