@@ -339,7 +339,7 @@ def _local(args: argparse.Namespace, root: Path) -> int:
             args.output_len, tpot_rounds))
         neighbours = busy_neighbour_tpot(offline_engine, args.output_len)
         vocab = offline_engine.vocab
-        offline_itemsize = offline_engine.engine.runner.kv_caches[0][0].element_size()
+        offline_itemsize = offline_engine.engine.model_runner().kv_caches[0][0].element_size()
         del offline_engine  # (its memory, before the load run)
         admin_url = mesh.admin_nats_url or mesh.config.nats_url or ""
         figures = asyncio.run(kv_figures(mesh.url, name, admin_url, vocab, args.kv_prompt_len))

@@ -14,6 +14,7 @@ import torch
 from evenflow.engine.config.families import load_model_config
 from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.core.scheduler import ScheduledChunk
+from evenflow.engine.sample.guided import Guides
 from evenflow.engine.serving.engine import Engine
 
 
@@ -30,6 +31,7 @@ class MockRunner:
 
     def __init__(self, vocab_size: int, timing: MockTiming) -> None:
         self.vocab_size, self.timing = vocab_size, timing
+        self.guides: Guides | None = None
         self.expert_counts = torch.zeros(0, 1, dtype=torch.int64)
         self.computed_tokens = 0  # prefill tokens "computed" so far (cache misses)
 
@@ -60,7 +62,7 @@ class MockEngine(Engine):
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         return load_model_config(self.model_dir)  # the config only: no weights
 
-    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:  # type: ignore[override]
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:
         return MockRunner(self.model_config.vocab_size, self.timing)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ from evenflow.engine.model.kv_spec import KVCacheSpec
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
+from evenflow.engine.runners.protocol import Runner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
 from evenflow.engine.serving.kernel_switch import KernelSwitch
@@ -80,6 +81,7 @@ class Engine:
     benchmarks also use its tensor-level methods."""
 
     model: CausalLM
+    runner: Runner
     idle_poll_s = 0.5  # how long its thread waits for work when idle
     # with fatal_error set: the worker should restart at once, not as a crash (an elastic
     # expert-parallel group re-forming to take a rank back: engine/dep/lockstep.py)
@@ -131,7 +133,7 @@ class Engine:
         self.tiers = None
         if config.kv_disk_gb > 0:
             tier_dir = config.kv_disk_dir or _temporary_directory(self, "evenflow-kv-disk-")
-            self.tiers = KVTiers(self.runner, self.blocks, tier_dir, config.kv_disk_gb,
+            self.tiers = KVTiers(self.model_runner(), self.blocks, tier_dir, config.kv_disk_gb,
                                  self.model_dir, salt)
         self.placement = self._new_placement(0, 0)
         if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
@@ -173,7 +175,7 @@ class Engine:
     def _new_placement(self, moe_layers: int, slots: int) -> ExpertPlacement:
         return ExpertPlacement(self, moe_layers, slots)
 
-    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> ModelRunner:
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> Runner:
         if self._tp is not None:
             return TPLeaderRunner(self._tp, self.model, num_blocks, self.config.block_size,
                                   self.max_model_len, dtype)
@@ -183,7 +185,7 @@ class Engine:
     def _make_deterministic(self, cfg: ModelConfig) -> None:
         """Deterministic mode needs every attention on the paged decode kernel (each row on its
         own; torch's gathered attention pads rows to the batch's longest context)."""
-        runner = self.runner
+        runner = self.model_runner()
         serves = (runner.paged_attention_usable and native.decode_attention() is not None
                   and native.decode_attention_serves(cfg.head_dim)
                   and runner.kv_spec.kernels_serve())
@@ -218,6 +220,11 @@ class Engine:
         so an engine stepped from a thread other than its creator's must call this there."""
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+
+    def model_runner(self) -> ModelRunner:
+        """The runner as the model's own (what a mock's lacks: its cache spec, placements)."""
+        assert isinstance(self.runner, ModelRunner), "the mock engine runs no model"
+        return self.runner
 
     @property
     def tensor_parallel(self) -> bool:
@@ -280,7 +287,7 @@ class Engine:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.runner.kv_spec.dtype  # type: ignore[no-any-return]
+        return self.model_runner().kv_spec.dtype  # type: ignore[no-any-return]
 
     @property
     def kv_dtype_name(self) -> str:
@@ -394,10 +401,11 @@ class Engine:
         """A step that runs exactly one forward pass, a dummy one when this engine has nothing
         to run: expert-parallel ranks' MoE collectives must meet every step. (Engine's own
         has_unfinished/step, whatever a subclass makes of them.)"""
-        before = self.runner.forward_calls
+        runner = self.model_runner()
+        before = runner.forward_calls
         outputs = Engine.step(self) if Engine.has_unfinished(self) else []
-        if self.runner.forward_calls == before:
-            self.runner.forward_dummy()
+        if runner.forward_calls == before:
+            runner.forward_dummy()
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -19,7 +19,8 @@ class PlacementOwner(Protocol):
     """What the part reads of its engine (each call: a kernel switch replaces the runner)."""
 
     config: EngineConfig
-    runner: ModelRunner
+
+    def model_runner(self) -> ModelRunner: ...
 
 
 class ExpertPlacement:
@@ -37,7 +38,7 @@ class ExpertPlacement:
 
     @property
     def runner(self) -> ModelRunner:
-        return self._owner.runner
+        return self._owner.model_runner()
 
     @property
     def staged_version(self) -> int:
