@@ -315,7 +315,8 @@ class Gateway:
                 if first and delta.prompt_logprobs:
                     ids = job.prompt_ids
                     job.prompt_logprobs = [
-                        TokenLogprob(ids[i + 1], lp, top_ids, top_lps, ids[i])
+                        TokenLogprob(lp, top_ids, top_lps, token_id=ids[i + 1],
+                                     previous_id=ids[i])
                         for i, (lp, top_ids, top_lps) in enumerate(zip(
                             delta.prompt_logprobs, delta.prompt_top_logprob_ids,
                             delta.prompt_top_logprobs, strict=False))]
@@ -333,10 +334,12 @@ class Gateway:
                 job.usage.completion_tokens += len(delta.token_ids)
                 logprobs = []
                 if job.logprobs is not None:
-                    for item in zip(delta.token_ids, delta.logprobs, delta.top_logprob_ids,
-                                    delta.top_logprobs, strict=False):
-                        logprobs.append(TokenLogprob(*item, previous_id=previous))
-                        previous = item[0]
+                    for token, lp, top_ids, top_lps in zip(
+                            delta.token_ids, delta.logprobs, delta.top_logprob_ids,
+                            delta.top_logprobs, strict=False):
+                        logprobs.append(TokenLogprob(lp, top_ids, top_lps, token_id=token,
+                                                     previous_id=previous))
+                        previous = token
                 text = detok.add(delta.token_ids)
                 if detok.stopped:  # a stop string: cut here; client.generate cancels downstream
                     yield Piece(text, "stop", logprobs)

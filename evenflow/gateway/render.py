@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evenflow import __version__
+from evenflow.proto.sampling import TokenLogprobs
 from evenflow.proto.tokenizer import Tokenizer
 
 # One fingerprint per build: what produced the tokens (OpenAI's system_fingerprint).
@@ -29,11 +30,10 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(TokenLogprobs):
+    """A token's logprobs (the engine's TokenLogprobs) with what rendering it needs."""
+
     token_id: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
     previous_id: int  # the token before it: its text depends on it (spaces, merges)
 
 

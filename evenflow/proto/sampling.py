@@ -130,6 +130,17 @@ class SamplingParams:
                     or self.allowed_token_ids)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs, the one form from the sampler to the renderer (the engine's
+    outputs, the expert-parallel ranks' wire; TokenDelta flattens a step's into lists): the
+    chosen token's logprob and the top ones, best first (ids and values)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 def _bias_pairs(bias: Mapping[Any, Any] | Iterable[Any]) -> tuple[tuple[int, float], ...]:
     """{token: bias} or [(token, bias), ...] -> ((token, bias), ...), token ids as ints (a
     float that is a whole number is taken: JSON numbers)."""

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from evenflow.proto.engine_values import EPTopology, ExpertLoadCounts, RankTiming, ServingForm
 from evenflow.proto.kv_handoff import KVPayload
 from evenflow.proto.messages import KVCacheEvent
-from evenflow.proto.sampling import SamplingParams
+from evenflow.proto.sampling import SamplingParams, TokenLogprobs
 
 
 class FinishReasonLike(Protocol):
@@ -40,9 +41,9 @@ class EngineOutput(Protocol):
     @property
     def num_cached_tokens(self) -> int: ...
     @property
-    def logprobs(self) -> tuple[float, list[int], list[float]] | None: ...
+    def logprobs(self) -> TokenLogprobs | None: ...
     @property
-    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None: ...
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None: ...
     @property
     def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
     @property
@@ -111,14 +112,13 @@ class PlacementPort(Protocol):
     def version(self) -> int: ...
     def apply_expert_placement(self, version: int, phy2log: list[int],
                                shares: list[float]) -> None: ...
-    def take_expert_load(self) -> tuple[int, int, list[int]]:
-        """(MoE layers, slots, row-major token counts) since the last call."""
-    def take_rank_timing(self) -> list[float] | None:
-        """An expert-parallel rank's [steps, step seconds, MoE compute seconds, MoE
-        collective seconds (incl. waiting), rows computed] since the last call; None elsewhere."""
-    def ep_topology(self) -> tuple[int, int, str] | None:
-        """An expert-parallel rank's (rank in its group, group size, host id); None
+    def take_expert_load(self) -> ExpertLoadCounts:
+        """Token counts per (MoE layer, slot) since the last call."""
+    def take_rank_timing(self) -> RankTiming | None:
+        """An expert-parallel rank's steps and MoE times since the last call; None
         elsewhere."""
+    def ep_topology(self) -> EPTopology | None:
+        """An expert-parallel rank's place in its group; None elsewhere."""
 
 
 class ProfilePort(Protocol):
@@ -136,9 +136,8 @@ class KernelsPort(Protocol):
     def summary(self) -> str:
         """Which kernels this engine runs (native or torch, and the switch that chose), for
         the worker's ready line."""
-    def serving_form(self) -> tuple[str, str, str]:
-        """(weight form, KV cache dtype, kernels), e.g. ("int4-g32 W4A8 (bf16 rest)", "int8",
-        "native kernels ..."): heartbeats carry it to /v1/models."""
+    def serving_form(self) -> ServingForm:
+        """Weight form, KV cache dtype and kernels: heartbeats carry it to /v1/models."""
     @property
     def pending(self) -> bool:
         """Serving on torch's kernels while the native ones build elsewhere (a machine's first
@@ -209,11 +208,11 @@ def logprob_fields(out: EngineOutput) -> dict[str, Any]:
     (none if absent)."""
     fields: dict[str, Any] = {}
     if out.logprobs is not None:
-        chosen, ids, values = out.logprobs
+        chosen, ids, values = out.logprobs.logprob, out.logprobs.top_ids, out.logprobs.top_logprobs
         fields |= {"logprobs": [chosen], "top_logprob_ids": [list(ids)],
                    "top_logprobs": [list(values)]}
     if out.prompt_logprobs is not None:
-        fields |= {"prompt_logprobs": [p[0] for p in out.prompt_logprobs],
-                   "prompt_top_logprob_ids": [list(p[1]) for p in out.prompt_logprobs],
-                   "prompt_top_logprobs": [list(p[2]) for p in out.prompt_logprobs]}
+        fields |= {"prompt_logprobs": [p.logprob for p in out.prompt_logprobs],
+                   "prompt_top_logprob_ids": [list(p.top_ids) for p in out.prompt_logprobs],
+                   "prompt_top_logprobs": [list(p.top_logprobs) for p in out.prompt_logprobs]}
     return fields

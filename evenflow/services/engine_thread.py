@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from evenflow.proto.engine_values import EPTopology, ExpertLoadCounts, RankTiming
 from evenflow.proto.kv_handoff import KVPayload
 from evenflow.proto.messages import KVCacheEvent
 from evenflow.proto.sampling import SamplingParams
@@ -153,11 +154,9 @@ class KVSnapshotTaken:
 @dataclass(frozen=True)
 class ExpertLoadTaken:
     version: int
-    num_layers: int
-    num_slots: int
-    counts: list[int]
-    timing: list[float] | None = None  # an expert-parallel rank's (ServingEngine)
-    topology: tuple[int, int, str] | None = None  # its (rank, group size, host)
+    load: ExpertLoadCounts
+    timing: RankTiming | None = None  # an expert-parallel rank's (ServingEngine)
+    topology: EPTopology | None = None
 
 
 @dataclass(frozen=True)
@@ -292,7 +291,7 @@ class EngineThread:
                     self._emit(PlacementApplied(version, time.monotonic() - started))
             case TakeExpertLoad():
                 placement = engine.placement
-                self._emit(ExpertLoadTaken(placement.version, *placement.take_expert_load(),
+                self._emit(ExpertLoadTaken(placement.version, placement.take_expert_load(),
                                            placement.take_rank_timing(),
                                            placement.ep_topology()))
             case SnapshotKV():

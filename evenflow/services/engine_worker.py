@@ -16,6 +16,7 @@ import time
 
 from evenflow.engine.config.settings import EngineConfig
 from evenflow.proto import subjects
+from evenflow.proto.engine_values import EPTopology, RankTiming, ServingForm
 from evenflow.proto.messages import (
     ExpertLoad,
     ExpertPlacement,
@@ -83,7 +84,7 @@ class EngineWorker(WorkerService):
     def heartbeat(self) -> WorkerHeartbeat:
         """The heartbeat with the engine's load, speed and serving form."""
         thread = self._thread
-        form = thread.serving_form if thread else ("", "", "")
+        form = thread.serving_form if thread else ServingForm()
         return WorkerHeartbeat(worker_id=self.worker_id, role=self.role,
                                model=self.config.model_name, sent_at=time.time(),
                                epoch=self.epoch, draining=self.draining,
@@ -95,7 +96,8 @@ class EngineWorker(WorkerService):
                                output_tokens=thread.output_tokens if thread else 0,
                                stream_seconds=thread.stream_seconds if thread else 0.0,
                                stream_tokens=thread.stream_tokens if thread else 0,
-                               weights=form[0], kv_cache_dtype=form[1], kernels=form[2])
+                               weights=form.weights, kv_cache_dtype=form.kv_cache,
+                               kernels=form.kernels)
 
     def healthy(self) -> str | None:
         """An engine whose steps keep failing makes its worker unhealthy."""
@@ -234,17 +236,17 @@ class EngineWorker(WorkerService):
                 self.send(subjects.KV_EVENTS, KVSnapshot(
                     worker_id=self.worker_id, role=self.role, epoch=self.epoch,
                     seq=self.kv_seq, block_hashes=hashes, disk_block_hashes=disk_hashes))
-            case ExpertLoadTaken(version, layers, slots, counts, timing, topology):
-                steps, step_s, compute_s, wait_s, rows = timing or (0, 0.0, 0.0, 0.0, 0)
-                ep_rank, ep_size, host = topology or (-1, 0, "")
+            case ExpertLoadTaken(version, load, timing, topology):
+                t, place = timing or RankTiming(), topology or EPTopology()
                 self.send(subjects.EXPERT_LOAD, ExpertLoad(
-                    worker_id=self.worker_id, version=version, num_layers=layers,
-                    num_slots=slots, counts=counts, role=self.role.value,
-                    group=self.config.ep_group, steps=int(steps), step_s=step_s,
-                    moe_compute_s=compute_s, moe_wait_s=wait_s, moe_rows=int(rows),
-                    ep_rank=ep_rank, ep_size=ep_size, host=host))
-                if steps:
-                    self._record_rank_sample(int(steps), step_s, compute_s, wait_s, int(rows))
+                    worker_id=self.worker_id, version=version, num_layers=load.num_layers,
+                    num_slots=load.num_slots, counts=load.counts, role=self.role.value,
+                    group=self.config.ep_group, steps=t.steps, step_s=t.step_s,
+                    moe_compute_s=t.moe_compute_s, moe_wait_s=t.moe_wait_s, moe_rows=t.rows,
+                    ep_rank=place.rank, ep_size=place.group_size, host=place.host))
+                if t.steps:
+                    self._record_rank_sample(t.steps, t.step_s, t.moe_compute_s, t.moe_wait_s,
+                                             t.rows)
             case ProfileTaken(request_id, steps, lines, trace_file, error):
                 reply = self._profiles.pop(request_id, None)
                 if reply is not None:

@@ -59,7 +59,8 @@ def test_logprobs_are_consistent_with_the_greedy_choice():
     quiet = seq(SamplingParams(**GREEDY), [1], [])
     (token, _) = sample(logits, [asks, quiet])
     assert asks.step_logprobs is not None and quiet.step_logprobs is None
-    chosen, top_ids, top_values = asks.step_logprobs
+    lp = asks.step_logprobs
+    chosen, top_ids, top_values = lp.logprob, lp.top_ids, lp.top_logprobs
     assert top_ids[0] == token and len(top_ids) == 3
     assert math.isclose(chosen, top_values[0], rel_tol=1e-6)
     assert math.isclose(chosen, torch.log_softmax(logits[0], -1)[token].item(), rel_tol=1e-5)

@@ -16,6 +16,7 @@ from evenflow.engine.config.settings import ModelConfig
 from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.sample.guided import Guides
 from evenflow.engine.serving.engine import Engine
+from evenflow.proto.engine_values import ServingForm
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class MockKernels:
     def summary(self) -> str:
         return "mock engine: a timing model, no kernels"
 
-    def serving_form(self) -> tuple[str, str, str]:
-        return "none (mock engine)", self.kv_dtype_name, "none: a timing model"
+    def serving_form(self) -> ServingForm:
+        return ServingForm("none (mock engine)", self.kv_dtype_name, "none: a timing model")
 
     @property
     def pending(self) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from evenflow.proto.sampling import SamplingParams
+from evenflow.proto.sampling import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -43,9 +43,9 @@ class Sequence:
     export_kv: bool = False  # hand the prompt's K/V to the caller when it finishes
     pending_kv: torch.Tensor | None = None  # imported prompt K/V, written in at admission
     # The last sampled token's (logprob, top ids, top logprobs) when params.logprobs is set
-    step_logprobs: tuple[float, list[int], list[float]] | None = None
+    step_logprobs: TokenLogprobs | None = None
     # params.prompt_logprobs: (logprob, top ids, top logprobs) of prompt tokens 1, 2, ...
-    prompt_logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # params.guide: its grammar matcher (a Future while it builds; False if the build failed;
     # engine/sample/guided.py)
     guide: Any = None

@@ -61,6 +61,7 @@ from evenflow.parallel.group import CollectiveError
 from evenflow.parallel.hierarchical import HierarchicalGroup, spanning_group
 from evenflow.parallel.rendezvous import Membership, RendezvousError, join
 from evenflow.parallel.shm import ShmGroup
+from evenflow.proto.engine_values import EPTopology, RankTiming
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +228,10 @@ class LockstepEngine(Engine):
     def _new_placement(self, moe_layers: int, slots: int) -> ExpertPlacement:
         return LockstepPlacement(self, moe_layers, slots)
 
-    def take_timing(self) -> list[float]:
-        """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
+    def take_timing(self) -> RankTiming:
+        """This rank's steps and MoE times since the last call."""
         compute_s, wait_s, rows = self.ep_timer.take()
-        timing = [float(self._steps), self._step_s, compute_s, wait_s, rows]
+        timing = RankTiming(self._steps, self._step_s, compute_s, wait_s, int(rows))
         self._steps, self._step_s = 0, 0.0
         return timing
 
@@ -247,16 +248,16 @@ class LockstepPlacement(ExpertPlacement):
         super().__init__(rank, moe_layers, slots)
         self._rank = rank
 
-    def ep_topology(self) -> tuple[int, int, str] | None:
+    def ep_topology(self) -> EPTopology | None:
         """(this rank in its group, the group's size, its host's id: ranks sharing one share
         it), for the balancer's topology-aware placement."""
         group = self._rank.group
         hosts = getattr(group, "hosts", None)
         host = hosts[group.rank] if hosts else "one-host"
-        return group.rank, group.world_size, host
+        return EPTopology(group.rank, group.world_size, host)
 
-    def take_rank_timing(self) -> list[float] | None:
-        """[steps, step s, MoE compute s, MoE collective s, rows] since the last call."""
+    def take_rank_timing(self) -> RankTiming | None:
+        """This rank's steps and MoE times since the last call."""
         return self._rank.take_timing()
 
     def apply_expert_placement(self, version: int, phy2log: list[int],

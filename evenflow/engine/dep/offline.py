@@ -42,7 +42,6 @@ from evenflow.engine.runners.rank_wire import (
     RankAdd,
     RankOutput,
     RankStepDone,
-    TokenLogprobs,
     stop_ranks,
 )
 from evenflow.engine.serving.engine import StepOutput
@@ -52,31 +51,19 @@ from evenflow.proto.sampling import SamplingParams
 MOE_TIMES_KEPT = 100_000
 
 
-def _logprobs(entry: tuple[float, list[int], list[float]] | None) -> TokenLogprobs | None:
-    return None if entry is None else TokenLogprobs(logprob=entry[0], top_ids=list(entry[1]),
-                                                    top_logprobs=list(entry[2]))
-
-
 def _rank_output(s: StepOutput) -> RankOutput:
     return RankOutput(
         request_id=s.request_id, new_token_ids=list(s.new_token_ids), finished=s.finished,
         finish_reason=s.finish_reason.value if s.finish_reason else "",
         num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.num_cached_tokens,
-        logprobs=_logprobs(s.logprobs),
-        prompt_logprobs=None if s.prompt_logprobs is None
-        else [lp for lp in map(_logprobs, s.prompt_logprobs) if lp is not None])
+        logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs)
 
 
 def _step_output(o: RankOutput) -> StepOutput:
-    def entry(lp: TokenLogprobs) -> tuple[float, list[int], list[float]]:
-        return lp.logprob, lp.top_ids, lp.top_logprobs
-
     return StepOutput(o.request_id, o.new_token_ids, o.finished,
                       FinishReason(o.finish_reason) if o.finish_reason else None,
                       o.num_prompt_tokens, o.num_cached_tokens,
-                      logprobs=entry(o.logprobs) if o.logprobs else None,
-                      prompt_logprobs=None if o.prompt_logprobs is None
-                      else [entry(lp) for lp in o.prompt_logprobs])
+                      logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs)
 
 
 class Mail(NamedTuple):

@@ -24,7 +24,7 @@ import torch
 from evenflow.engine.runners.model_runner import ChunkInput
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.codec import Codec, WireError
-from evenflow.proto.sampling import SamplingParams
+from evenflow.proto.sampling import SamplingParams, TokenLogprobs
 
 LOAD_TIMEOUT_S = 600.0  # every rank of a group started, joined and loaded its weights
 STEP_TIMEOUT_S = 60.0  # any one collective once serving
@@ -105,13 +105,6 @@ class RankAdd:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenLogprobs:
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass(frozen=True, kw_only=True)

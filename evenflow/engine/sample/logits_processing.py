@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from evenflow.engine.core.sequence import Sequence
+from evenflow.proto.sampling import TokenLogprobs
 
 
 def _pairs(lists: list[list[int]], rows: list[int], vocab: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -86,7 +87,7 @@ def process(logits: Tensor, seqs: list[Sequence], eos_ids: frozenset[int] | set[
 
 
 def record_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
-    """Set `seq.step_logprobs` = (chosen token's logprob, top ids, top logprobs) for every
+    """Set `seq.step_logprobs` (the chosen token's logprob, top ids, top logprobs) for every
     sequence that asks for logprobs (params.logprobs = how many top ones, 0: the chosen only)."""
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
@@ -99,12 +100,12 @@ def record_logprobs(logits: Tensor, seqs: list[Sequence], tokens: list[int]) -> 
     values, ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         n = seqs[i].params.logprobs or 0
-        seqs[i].step_logprobs = (picked[j], ids[j][:n], values[j][:n])
+        seqs[i].step_logprobs = TokenLogprobs(picked[j], ids[j][:n], values[j][:n])
 
 
 def record_prompt_logprobs(seq: Sequence, chunk: Any, logits: Tensor) -> None:
     """From a prompt chunk's every-row logits (row i predicts the token after chunk.start + i),
-    append each not yet recorded prompt token's (logprob, top ids, top logprobs) to
+    append each not yet recorded prompt token's TokenLogprobs to
     seq.prompt_logprobs (a recomputation after preemption adds nothing twice)."""
     first = len(seq.prompt_logprobs) + 1  # the next prompt position without a logprob
     positions = [chunk.start + i + 1 for i in range(logits.shape[0])]
@@ -120,4 +121,5 @@ def record_prompt_logprobs(seq: Sequence, chunk: Any, logits: Tensor) -> None:
         top_v, top_i = values.tolist(), ids.tolist()
     else:
         top_v = top_i = [[] for _ in rows]
-    seq.prompt_logprobs += list(zip(picked, top_i, top_v, strict=True))
+    seq.prompt_logprobs += [TokenLogprobs(p, i, v) for p, i, v in zip(picked, top_i, top_v,
+                                                                        strict=True)]

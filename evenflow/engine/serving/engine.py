@@ -38,7 +38,7 @@ from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
-from evenflow.proto.sampling import SamplingParams
+from evenflow.proto.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ class StepOutput:
     kv: KVPayload | None = None
     kv_follows: bool = False
     # (logprob, top ids, top logprobs) of new_token_ids[0], when the request asked for them
-    logprobs: tuple[float, list[int], list[float]] | None = None
+    logprobs: TokenLogprobs | None = None
     # with the first output token, when asked: every prompt token's after the first
-    prompt_logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from evenflow.engine.kernels import native, plan
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.weights.form import short_dtype
 from evenflow.engine.weights.loader import load_weights, torch_dtype
+from evenflow.proto.engine_values import ServingForm
 
 
 class KernelOwner(Protocol):
@@ -42,21 +43,22 @@ class KernelSwitch:
 
     def summary(self) -> str:
         """What runs, for the worker's ready line: weights, KV cache, kernels."""
-        weights, kv, kernels = self.serving_form()
-        return f"weights {weights}; KV cache {kv}; {kernels}"
+        form = self.serving_form()
+        return f"weights {form.weights}; KV cache {form.kv_cache}; {form.kernels}"
 
     @property
     def pending(self) -> bool:
         """Serving on torch's kernels while the native ones build elsewhere."""
         return native.pending()
 
-    def serving_form(self) -> tuple[str, str, str]:
+    def serving_form(self) -> ServingForm:
         """(weight form, KV cache dtype, kernels): what /v1/models reports per worker."""
         engine = self._owner
         # (what the runner decided when it built the model's forward, not the environment now)
         fast = "" if engine.model.decode_stack_builder is not None else "; fast decode off " \
             "(EVENFLOW_FAST_DECODE=0)"
-        return engine.weight_form, short_dtype(engine.kv_dtype), native.summary() + fast
+        return ServingForm(engine.weight_form, short_dtype(engine.kv_dtype),
+                           native.summary() + fast)
 
     def switch_when_ready(self) -> str | None:
         """Reload onto the native kernels once their build is done (called while idle).

@@ -13,6 +13,7 @@ import torch
 from evenflow.engine.config.settings import EngineConfig
 from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.weights.expert_store import PlacementMoves, StagedPlacement
+from evenflow.proto.engine_values import EPTopology, ExpertLoadCounts, RankTiming
 
 
 class PlacementOwner(Protocol):
@@ -89,15 +90,15 @@ class ExpertPlacement:
         self.apply_placement(torch.tensor(phy2log).view(shape),
                              torch.tensor(shares, dtype=torch.float32).view(shape), version)
 
-    def take_expert_load(self) -> tuple[int, int, list[int]]:
-        """(layers, slots, row-major counts) since the last call."""
+    def take_expert_load(self) -> ExpertLoadCounts:
+        """Token counts per (MoE layer, slot) since the last call."""
         counts = self.take_slot_counts()
-        return counts.shape[0], counts.shape[1], counts.flatten().tolist()
+        return ExpertLoadCounts(counts.shape[0], counts.shape[1], counts.flatten().tolist())
 
-    def take_rank_timing(self) -> list[float] | None:
+    def take_rank_timing(self) -> RankTiming | None:
         return None  # not an expert-parallel rank (engine/dep/lockstep.py is)
 
-    def ep_topology(self) -> tuple[int, int, str] | None:
+    def ep_topology(self) -> EPTopology | None:
         return None  # not an expert-parallel rank
 
     def take_slot_counts(self) -> torch.Tensor:
