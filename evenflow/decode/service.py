@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from evenflow.engine import create_engine
+from evenflow.engine import build_engine
 from evenflow.proto import errors, kv_handoff, subjects
 from evenflow.proto.messages import (
     Cancel,
@@ -77,7 +77,7 @@ class DecodeWorker(EngineWorker):
 
     async def start(self) -> None:
         self.config.apply_engine_switches()
-        engine = create_engine(self.config.engine, self.engine_config(),
+        engine = build_engine(self.config.engine, self.engine_config(),
                                collect_kv_events=True, ep_rank=self.config.ep_rank,
                                ep_group=self.config.ep_group,
                                mock_timing_scale=self.config.mock_timing_scale)

@@ -1,6 +1,6 @@
 """The model in PyTorch: HF checkpoint loading, MoE transformer, paged KV cache with prefix
 caching, continuous-batching scheduler, sampler and the offline `LLM` API. Every module lives in
-a sub-package; this file only names the entry point (`create_engine`, api/factory.py).
+a sub-package; this file only names the entry point (`build_engine`, api/factory.py).
 
 Floors, lowest first; a module imports only from its own floor and those below it, with no
 circles (tests/unit/test_import_rules.py; `python scripts/import_graph.py` prints the graph):
@@ -21,11 +21,11 @@ circles (tests/unit/test_import_rules.py; `python scripts/import_graph.py` print
                 expert placement, KV pulls, operator profiles
  9. dep/        expert parallelism with data-parallel attention: several Engines in lockstep
                 (above serving/ because each rank is one)
-10. api/, this file   the offline LLM API, the mock engine, create_engine
+10. api/, this file   the offline LLM API, the mock engine, build_engine
 """
 
 from __future__ import annotations
 
-from evenflow.engine.api.factory import create_engine
+from evenflow.engine.api.factory import build_engine
 
-__all__ = ["create_engine"]
+__all__ = ["build_engine"]

@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "evenflow"
 SERVICE_DIRS = ["services", "prefill", "decode", "kv_index", "balancer", "gateway"]
 # the constructor, the config and the registry of its process-wide switches
 # (engine/config/settings.py)
-ENGINE_CONSTRUCTION = {"create_engine", "EngineConfig", "ENGINE_SWITCHES", "check_engine_switch"}
+ENGINE_CONSTRUCTION = {"build_engine", "EngineConfig", "ENGINE_SWITCHES", "check_engine_switch"}
 
 
 # each port of the seam, and the engines' parts that implement it

@@ -1,2 +1,2 @@
 """What callers construct: the offline `LLM` API (llm.py), the mock engine (mock.py) and
-`create_engine` (factory.py)."""
+`build_engine` (factory.py)."""

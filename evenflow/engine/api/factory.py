@@ -1,4 +1,4 @@
-"""`create_engine`: the one way services (and tests) make an engine by kind: the real one, an
+"""`build_engine`: the one way services (and tests) make an engine by kind: the real one, an
 expert-parallel rank of a DEP group, or the mock. Engine modules are imported when asked for,
 so importing this costs nothing (the gateway, torch-free, imports evenflow.engine.config)."""
 
@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from evenflow.engine.serving.engine import Engine, EngineConfig
 
 
-def create_engine(kind: str, config: EngineConfig,
+def build_engine(kind: str, config: EngineConfig,
                   kv_event_listener: KVEventListener | None = None,
                   collect_kv_events: bool = False, ep_rank: int = 0,
                   ep_group: str = "", mock_timing_scale: float = 1.0) -> Engine:

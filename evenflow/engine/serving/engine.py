@@ -89,60 +89,33 @@ class Engine:
 
     def __init__(self, config: EngineConfig, kv_event_listener: KVEventListener | None = None,
                  collect_kv_events: bool = False, ep_group: ProcessGroup | None = None):
+        """The engine, step by step: threads, weights, cache and scheduler, runner, then the
+        parts it holds (engine/api/factory.py build_engine picks the kind)."""
         if config.expert_parallel_size > 1 and ep_group is None:
             raise ValueError("expert_parallel_size > 1 runs through LLM (engine/dep/offline.py)")
         self.config = config
         self._tp: TPGroup | None = None
         self.profile = ProfileControl(self)
         self.kernels = KernelSwitch(self)
-        self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
-                            else config.num_threads)
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        self._set_threads()
         self.model_dir = model_directory(config.model)
         dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
         self.weight_form = weight_form(config, self.model_dir, dtype)
         if ep_group is not None:
-            for layer in self.model.moe_layers():
-                layer.ep = ep_group
-            # each rank keeps only its own slots' experts (from the initial placement on)
-            read_missing_experts(self.model, self.model_dir, dtype, quant_config(config))
+            self._join_expert_parallel(ep_group, dtype)
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
-        # (sized on the whole model's KV heads: under TP every rank holds as many blocks)
-        bytes_per_block = KVCacheSpec.of(cfg, config.block_size, dtype,
-                                         config.kv_cache_dtype).bytes_per_block
-        wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
-        num_blocks = config.num_kv_blocks or max(
-            1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
+        num_blocks = self._num_kv_blocks(dtype)
         salt = namespace_salt(os.path.basename(str(self.model_dir)))
         self.blocks = BlockManager(num_blocks, config.block_size, salt,
                                    config.enable_prefix_caching)
-        max_seqs, max_tokens = config.max_num_seqs, config.max_num_batched_tokens
-        if config.deterministic and not native.built_for_avx512():
-            # AVX2 builds hand float32 linears of 64 rows and more to BLAS, whose reduction
-            # order depends on the row count: a step stays below that
-            max_seqs, max_tokens = min(max_seqs, 63), min(max_tokens, 63)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_seqs, max_tokens, self.max_model_len, config.defer_shared_prefill),
-            self.blocks)
+        self.scheduler = self._make_scheduler()
         self.runner = self._make_runner(num_blocks, dtype)
         if config.deterministic:
             self._make_deterministic(cfg)
-        self.tiers = None
-        if config.kv_disk_gb > 0:
-            tier_dir = config.kv_disk_dir or _temporary_directory(self, "evenflow-kv-disk-")
-            self.tiers = KVTiers(self.model_runner(), self.blocks, tier_dir, config.kv_disk_gb,
-                                 self.model_dir, salt)
-        self.placement = self._new_placement(0, 0)
-        if config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner):
-            slots = cfg.num_experts + config.num_redundant_experts
-            initial = (torch.arange(slots) % cfg.num_experts).repeat(cfg.num_moe_layers, 1)
-            self.placement = self._new_placement(cfg.num_moe_layers, slots)
-            for row, layer in enumerate(self.model.moe_layers()):
-                layer.slot_counts = self.placement.slot_counts[row]
-            self.placement.apply_placement(initial, None, version=0)
+        self.tiers = self._disk_tier(salt)
+        self.placement = self._initial_placement()
         self.eos_token_ids = set(cfg.eos_token_ids)
         native.ops()  # built (first time on a machine: ~30 s) or loaded now, not in a request
         self.guides = self.runner.guides = Guides(self.model_dir, cfg.eos_token_ids,
@@ -154,6 +127,65 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._exports: list[Sequence] = []  # finished export_kv requests, blocks still held
+
+    # -- construction's steps -----------------------------------------------------------------
+    def _set_threads(self) -> None:
+        config = self.config
+        self.num_threads = (threads_per_rank(config) if config.tensor_parallel_size > 1
+                            else config.num_threads)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+    def _join_expert_parallel(self, ep_group: ProcessGroup, dtype: torch.dtype) -> None:
+        """A DEP rank's MoE layers: their collectives, and only this rank's slots' experts (from
+        the initial placement on)."""
+        for layer in self.model.moe_layers():
+            layer.ep = ep_group
+        read_missing_experts(self.model, self.model_dir, dtype, quant_config(self.config))
+
+    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
+        """As configured, else as many as kv_cache_gb holds, at most what max_num_seqs full
+        contexts need (sized on the whole model's KV heads: under TP every rank holds as many
+        blocks)."""
+        config = self.config
+        bytes_per_block = KVCacheSpec.of(self.model_config, config.block_size, dtype,
+                                         config.kv_cache_dtype).bytes_per_block
+        wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
+        return config.num_kv_blocks or max(
+            1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
+
+    def _make_scheduler(self) -> Scheduler:
+        config = self.config
+        max_seqs, max_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        if config.deterministic and not native.built_for_avx512():
+            # AVX2 builds hand float32 linears of 64 rows and more to BLAS, whose reduction
+            # order depends on the row count: a step stays below that
+            max_seqs, max_tokens = min(max_seqs, 63), min(max_tokens, 63)
+        return Scheduler(SchedulerConfig(max_seqs, max_tokens, self.max_model_len,
+                                         config.defer_shared_prefill), self.blocks)
+
+    def _disk_tier(self, salt: bytes) -> KVTiers | None:
+        """The KV disk tier (kv_disk_gb > 0): in kv_disk_dir, else a temporary directory."""
+        config = self.config
+        if config.kv_disk_gb <= 0:
+            return None
+        tier_dir = config.kv_disk_dir or _temporary_directory(self, "evenflow-kv-disk-")
+        return KVTiers(self.model_runner(), self.blocks, tier_dir, config.kv_disk_gb,
+                       self.model_dir, salt)
+
+    def _initial_placement(self) -> ExpertPlacement:
+        """Expert placement over num_ep_ranks (virtual) ranks: slot s holds expert s mod E at
+        first; none without ranks, for a dense model or the mock."""
+        config, cfg = self.config, self.model_config
+        if not (config.num_ep_ranks and cfg.is_moe and isinstance(self.runner, ModelRunner)):
+            return self._new_placement(0, 0)
+        slots = cfg.num_experts + config.num_redundant_experts
+        placement = self._new_placement(cfg.num_moe_layers, slots)
+        for row, layer in enumerate(self.model.moe_layers()):
+            layer.slot_counts = placement.slot_counts[row]
+        initial = (torch.arange(slots) % cfg.num_experts).repeat(cfg.num_moe_layers, 1)
+        placement.apply_placement(initial, None, version=0)
+        return placement
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         """Load the weights (this rank's shard, starting the other ranks, under tensor
