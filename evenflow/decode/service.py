@@ -76,11 +76,7 @@ class DecodeWorker(EngineWorker):
     role = Role.DECODE
 
     async def start(self) -> None:
-        self.config.apply_engine_switches()
-        engine = build_engine(self.config.engine, self.engine_config(),
-                               collect_kv_events=True, ep_rank=self.config.ep_rank,
-                               ep_group=self.config.ep_group,
-                               mock_timing_scale=self.config.mock_timing_scale)
+        engine = build_engine(**self.engine_build_args())
         self.transfers: dict[str, _Transfer] = {}
         self.kv_bytes_received = 0
         self.kv_transfer_seconds = 0.0

@@ -71,11 +71,7 @@ class PrefillWorker(EngineWorker):
     role = Role.PREFILL
 
     async def start(self) -> None:
-        self.config.apply_engine_switches()
-        engine = build_engine(self.config.engine, self.engine_config(),
-                               collect_kv_events=True, ep_rank=self.config.ep_rank,
-                               ep_group=self.config.ep_group,
-                               mock_timing_scale=self.config.mock_timing_scale)
+        engine = build_engine(**self.engine_build_args())
         self.pending: dict[str, _Pending] = {}
         self.puller = KVPuller(self.send, self.worker_id, lambda: self.engine.layout.kv_block_shape,
                                self.config.kv_pull_timeout_s)

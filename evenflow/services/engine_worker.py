@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 from evenflow.engine.config.settings import EngineConfig
 from evenflow.proto import subjects
@@ -153,6 +154,15 @@ class EngineWorker(WorkerService):
                                                           self.worker_id))
         self._temporary_kv_disk = tempfile.mkdtemp(prefix=f"evenflow-kv-disk-{self.worker_id}-")
         return self.config.engine_config(self._temporary_kv_disk)
+
+    def engine_build_args(self) -> dict[str, Any]:
+        """evenflow.engine.build_engine's arguments for this worker (prefill and decode
+        workers' start()): its kind, settings and switches, and a DEP rank's place."""
+        self.config.apply_engine_switches()
+        config = self.config
+        return {"kind": config.engine, "config": self.engine_config(),
+                "collect_kv_events": True, "ep_rank": config.ep_rank,
+                "ep_group": config.ep_group, "mock_timing_scale": config.mock_timing_scale}
 
     async def serve_engine(self, engine: ServingEngine) -> None:
         """Run `engine` on its own thread, drain its events, answer the KV index's resync
