@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from evenflow.engine.config.settings import ModelConfig
-from evenflow.engine.kernels import native
+from evenflow.engine.kernels import native, panels
 from evenflow.engine.model.attention import (
     Attention,
     AttentionKernels,
@@ -31,8 +31,6 @@ KERNELS = Path(__file__).resolve().parents[2] / "evenflow" / "engine" / "kernels
 G = torch.Generator().manual_seed(0)
 # Covered by a test of their own (a packed weight layout or a whole layer to set up)
 ELSEWHERE = {
-    "panel_linear": "tests/unit/test_panel_kernels.py",
-    "fused_moe": "tests/unit/test_panel_kernels.py",
     "int4_mm": "tests/unit/test_panel_kernels.py", "mla_decode": "tests/unit/test_mla_decode.py",
     "mla_decode_int8": "tests/unit/test_mla_decode.py",
     "decode_stack": "tests/engine/test_decode_fast.py",
@@ -212,6 +210,33 @@ def kv_blocks(case: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     return got, want
 
 
+def panel_linear(case: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = torch.nn.Linear(case["k"], case["n"], bias=True).to(dtype)
+    x = rand(case["rows"], case["k"], dtype=dtype)
+    return panels.PanelLinear(layer)(x), F.linear(x.float(), layer.weight.float(),
+                                                  layer.bias.float())
+
+
+def fused_moe(case: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    E, k, H, inter, T = case["experts"], case["k"], case["hidden"], case["inter"], case["tokens"]
+    gate_up = [rand(2 * inter, H, dtype=dtype, scale=0.1) for _ in range(E)]
+    down = [rand(H, inter, dtype=dtype, scale=0.1) for _ in range(E)]
+    x = rand(T, H, dtype=dtype)
+    ids = torch.stack([torch.randperm(E, generator=G)[:k] for _ in range(T)])
+    route = torch.rand(T, k, generator=G)
+    got = panels.run_experts(x, ids, route, [panels.pack_weight(w, gate_up=True)
+                                             for w in gate_up],
+                             [panels.pack_weight(w) for w in down])
+    want = torch.zeros(T, H)  # per token, per chosen expert: down(silu(gate) * up), weighted
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            gate, up = (x[t].float() @ gate_up[e].float().T).chunk(2)
+            act = (F.silu(gate) * up).to(dtype).float()  # (the kernel keeps it in x's dtype)
+            want[t] += act @ down[e].float().T * route[t, j]
+    return got, want
+
+
 GQA = [dict(heads=8, kv_heads=2, hd=64), dict(heads=4, kv_heads=4, hd=32),
        dict(heads=16, kv_heads=2, hd=128), dict(heads=8, kv_heads=2, hd=64, sinks=True)]
 TABLE = [
@@ -240,6 +265,12 @@ TABLE = [
         route_topk, {torch.float32: 1e-5, torch.bfloat16: 1e-5}),
     Row("int8_mm", [dict(rows=1, k=256, n=96), dict(rows=5, k=512, n=64)], int8_mm,
         {torch.float32: 1e-3, torch.bfloat16: 3e-2}),
+    Row("panel_linear", [dict(rows=r, k=128, n=n) for r, n in ((1, 192), (7, 8), (200, 192))],
+        panel_linear, {torch.float32: 1e-4, torch.bfloat16: 3e-2},
+        served=lambda case, dtype: panels.usable(dtype, case["k"], 64)),
+    Row("fused_moe", [dict(tokens=t, experts=6, k=2, hidden=128, inter=192) for t in (1, 40)],
+        fused_moe, {torch.float32: 1e-3, torch.bfloat16: 3e-2},
+        served=lambda case, dtype: panels.usable(dtype, case["hidden"], 64)),
     Row("kv_blocks_read", [dict(kv_heads=2, hd=64), dict(kv_heads=1, hd=576)], kv_blocks,
         {torch.float32: 0, torch.bfloat16: 0}),
 ]
