@@ -47,7 +47,8 @@ def fill(write, block_size=16, kv_heads=4, head_dim=64, blocks=10):
 def test_native_int8_write_and_attention_equal_torch():
     if native.kv_int8() is None:
         pytest.skip("native kernels unavailable")
-    c1, s1, slots, x = fill(kv_quant.write_quantized)
+    kernels = native.kv_int8()
+    c1, s1, slots, x = fill(lambda *a: kv_quant.write_quantized(*a, kernels))
     c2, s2, _, _ = fill(lambda *a: kv_quant.write_quantized_torch(*a, 16))
     assert torch.equal(s1, s2) and torch.equal(c1[slots], c2[slots])
     back = kv_quant.gather_dequantized(c1, s1, slots, torch.float32)
@@ -55,8 +56,8 @@ def test_native_int8_write_and_attention_equal_torch():
     assert (back - x.float()).abs().max() <= x.float().abs().max() / 127 * 1.5
     q = torch.randn(2, 8, 64).to(torch.bfloat16)
     both = torch.stack([slots, slots])
-    out = kv_quant.paged_decode_attention_int8(q, c1, c1, s1, s1, both, torch.tensor([40, 33]),
-                                               0.125)
+    out = kv_quant.paged_decode_attention_int8(kernels, q, c1, c1, s1, s1, both,
+                                               torch.tensor([40, 33]), 0.125)
     mask = torch.zeros(2, 1, 1, 40, dtype=torch.bfloat16)
     mask[1, ..., 33:] = float("-inf")
     ref = gathered_decode_attention(q, c1, c1, both, mask, s1, s1)

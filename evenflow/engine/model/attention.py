@@ -53,6 +53,7 @@ class AttentionKernels:
     rotary_kv_write: Any = None  # a decode-only step's rotary + K/V write + q's layout
     prefill: Any = None  # causal prefill attention over the paged cache
     decode: Any = None  # paged decode attention (where the runner picks it: decode_lens)
+    kv_int8: Any = None  # an int8 cache's write and paged decode (kernels/kv_quant.cpp)
 
     @staticmethod
     def choose(layer: Attention, dtype: torch.dtype, cache_dtype: torch.dtype
@@ -65,7 +66,8 @@ class AttentionKernels:
         prefill = native.prefill_attention() if same and native.prefill_attention_serves(
             dtype, hd, group) else None
         return AttentionKernels(native.rotary_kv_write() if plain and same else None, prefill,
-                                native.decode_attention())
+                                native.decode_attention(),
+                                native.kv_int8() if cache_dtype == torch.int8 else None)
 
 
 def paged_decode_attention(batch: int, head_dim: int, group: int) -> bool:
@@ -197,8 +199,8 @@ class Attention(nn.Module):
         q, k, v = self._rotated_qkv(qkv, cos, sin)  # (T, nh | n_kv | n_kv, hd)
         cache = (k_cache, v_cache, k_scale, v_scale)
         if k_scale is not None and v_scale is not None:
-            write_quantized(k, k_cache, k_scale, meta.slot_mapping)
-            write_quantized(v, v_cache, v_scale, meta.slot_mapping)
+            write_quantized(k, k_cache, k_scale, meta.slot_mapping, self.kernels.kv_int8)
+            write_quantized(v, v_cache, v_scale, meta.slot_mapping, self.kernels.kv_int8)
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -344,8 +346,9 @@ class Attention(nn.Module):
             slots, lens = window_view(meta, self.window)
             sinks = self._sinks_f32()
             if k_scale is not None and v_scale is not None:
-                return paged_decode_attention_int8(q.contiguous(), k_cache, v_cache, k_scale,
-                                                   v_scale, slots, lens, self.scale, sinks)
+                return paged_decode_attention_int8(self.kernels.kv_int8, q.contiguous(), k_cache,
+                                                   v_cache, k_scale, v_scale, slots, lens,
+                                                   self.scale, sinks)
             paged = self.kernels.decode
             assert paged is not None, "the runner picked the paged kernel: it chose one"
             return paged(q.contiguous(), k_cache, v_cache, slots, lens, self.scale, sinks)

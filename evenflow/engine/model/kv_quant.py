@@ -16,10 +16,10 @@ cache, the disk tier) moves anyway: a block and its scales travel together.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
-
-from evenflow.engine.kernels import native
 
 QMAX = 127
 
@@ -29,10 +29,11 @@ def block_size_of(cache: Tensor, scales: Tensor) -> int:
     return (cache.shape[0] - 1) // max(1, scales.shape[0] - 1)
 
 
-def write_quantized(x: Tensor, cache: Tensor, scales: Tensor, slots: Tensor) -> None:
-    """New values x (T, kv_heads, hd) into their slots (T,) of an int8 cache and its scales."""
+def write_quantized(x: Tensor, cache: Tensor, scales: Tensor, slots: Tensor,
+                    kernels: Any = None) -> None:
+    """New values x (T, kv_heads, hd) into their slots (T,) of an int8 cache and its scales:
+    through `kernels` (native.kv_int8(), as the layer's runner chose it) where given."""
     block_size = block_size_of(cache, scales)
-    kernels = native.kv_int8()
     if kernels is not None and x.dtype in (torch.float32, torch.bfloat16):
         kernels.kv_write_int8(x.contiguous(), cache, scales, slots, block_size)
         return
@@ -78,11 +79,11 @@ def gather_dequantized(cache: Tensor, scales: Tensor, slots: Tensor, dtype: torc
     return values.to(dtype).view(*slots.shape, *cache.shape[1:])
 
 
-def paged_decode_attention_int8(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Tensor,
-                                v_scales: Tensor, slots: Tensor, lens: Tensor, scale: float,
-                                sinks: Tensor | None = None) -> Tensor:
-    """The paged decode kernel over the int8 cache (kernels/paged_attention.cpp)."""
-    kernels = native.kv_int8()
+def paged_decode_attention_int8(kernels: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                k_scales: Tensor, v_scales: Tensor, slots: Tensor, lens: Tensor,
+                                scale: float, sinks: Tensor | None = None) -> Tensor:
+    """The paged decode kernel over the int8 cache (kernels/paged_attention.cpp), from the
+    kernels the layer's runner chose (native.kv_int8())."""
     assert kernels is not None, "the runner picks the paged path only with the kernels built"
     return kernels.paged_decode_attention_int8(  # type: ignore[no-any-return]
         q, k_cache, v_cache, k_scales, v_scales, slots, lens, scale,

@@ -113,6 +113,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = LatentUpProjection(self.rank, nh, self.nope, self.v_dim)
         # the native absorbed decode (kernels/mla_decode.cpp), chosen by the runner (attach)
         self.decode_kernels: Any = None
+        self.kv_int8_kernels: Any = None  # an int8 latent cache's write (kernels/kv_quant.cpp)
         self.o_proj = nn.Linear(nh * self.v_dim, H, bias=cfg.o_proj_bias)
         self.scale = cfg.scale
         self.interleaved = cfg.rope_interleave
@@ -135,7 +136,7 @@ class LatentAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(kv[:, : self.rank]).unsqueeze(1),
                             self._rotate(kv[:, self.rank :].unsqueeze(1), cos, sin)], dim=-1)
         if scales is not None:
-            write_quantized(latent, cache, scales, meta.slot_mapping)
+            write_quantized(latent, cache, scales, meta.slot_mapping, self.kv_int8_kernels)
         else:
             cache.index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
         outs = [self._prefill(q_nope[s.q_start : s.q_start + s.q_len],

@@ -101,6 +101,7 @@ class ModelRunner:
                 module.kernels = AttentionKernels.choose(module, self.dtype, cache_dtype)
             elif isinstance(module, LatentAttention):
                 module.decode_kernels = native.mla_decode()
+                module.kv_int8_kernels = native.kv_int8() if cache_dtype == torch.int8 else None
 
     def attach(self, model: CausalLM) -> None:
         """Run `model` over this runner's KV cache: at construction, and when the engine
