@@ -34,16 +34,16 @@ def test_native_routing_matches_torch(dtype, tokens, experts, top_k, renormalize
     assert torch.equal(counts, torch.bincount(want_e.flatten(), minlength=experts))
 
 
-def test_route_through_a_padded_panel_router_matches_the_plain_router(monkeypatch):
+def test_route_through_a_padded_panel_router_matches_the_plain_router():
     if native.route_topk() is None or native.panel_linear() is None:
         pytest.skip("native kernels unavailable")
     torch.manual_seed(0)
     gate = nn.Linear(128, 8, bias=False)
     x = torch.randn(6, 128)
     counts = torch.zeros(8, dtype=torch.long)
-    weights, chosen = routing.route(PanelLinear(gate), x, routing.Routing(8, 2, True), counts)
-    monkeypatch.setattr(native, "route_topk", lambda: None)  # torch's ops instead
-    torch_counts = torch.zeros(8, dtype=torch.long)
+    weights, chosen = routing.route(PanelLinear(gate), x, routing.Routing(8, 2, True), counts,
+                                    kernel=native.route_topk())
+    torch_counts = torch.zeros(8, dtype=torch.long)  # (no kernel: torch's ops)
     want_w, want_e = routing.route(gate, x, routing.Routing(8, 2, True), torch_counts)
     assert torch.equal(chosen, want_e)
     torch.testing.assert_close(weights, want_w)  # (the panel linear sums in its own order)

@@ -59,6 +59,7 @@ class MoE(nn.Module):
         E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
         self.routing = Routing.of(cfg)
+        self.route_kernel: Any = None  # kernels/routing.cpp, as the runner chose (None: torch)
         self.gate = nn.Linear(H, E, bias=cfg.router_bias)  # the router
         # DeepSeek-V3's e_score_correction_bias: added to the scores for the choice only
         self.score_bias = nn.Parameter(torch.empty(E)) if cfg.score_correction_bias else None
@@ -201,7 +202,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
         weights, experts = route(self.gate, x, self.routing, self.counts,
-                                 self.score_bias)  # (T, k) each
+                                 self.score_bias, self.route_kernel)  # (T, k) each
         groups = flat_experts = experts.flatten()  # (T*k,)
         counts: Tensor | None = None
         if self.placement is not None:  # each pair goes to one physical slot of its expert

@@ -1,13 +1,14 @@
-"""RMSNorm, with the residual add fused into it where the native kernel serves
-(kernels/norm.cpp); LayerNorm without a bias (DBRX), in torch, with the same two calls."""
+"""RMSNorm, with the residual add fused into it where the native kernel serves (kernels/norm.cpp,
+chosen by the runner when it attaches the model: ModelRunner.choose_kernels); LayerNorm without
+a bias (DBRX), in torch, with the same two calls."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from evenflow.engine.kernels import native
 
 
 class RMSNorm(nn.Module):
@@ -15,16 +16,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: Any = None  # kernels/norm.cpp, as the runner chose (None: torch's)
 
     def forward(self, x: Tensor) -> Tensor:
-        kernels = native.norms()
+        kernels = self.kernels
         if kernels is not None and x.dtype == self.weight.dtype and x.is_contiguous():
             return kernels.rms_norm(x, self.weight, self.eps)  # one pass (kernels/norm.cpp)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + residual, its norm), in one pass when the native kernel is there."""
-        kernels = native.norms()
+        """(x + residual, its norm), in one pass when the runner chose the native kernel."""
+        kernels = self.kernels
         if kernels is not None and x.dtype == residual.dtype == self.weight.dtype and \
                 x.is_contiguous() and residual.is_contiguous():
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)

@@ -16,13 +16,13 @@ float32, as transformers computes it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
-from evenflow.engine.kernels import native
 from evenflow.engine.kernels.panels import PanelLinear
 
 
@@ -50,11 +50,12 @@ class Routing:
 
 
 def route(gate: nn.Module, x: Tensor, routing: Routing, counts: Tensor | None,
-          score_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          score_bias: Tensor | None = None, kernel: Any = None) -> tuple[Tensor, Tensor]:
     """(weights (T, k) float32, experts (T, k) int64) for x (T, H); `counts` (E,) int64, if
-    given, gets each expert's pairs added; `score_bias` (E,): DeepSeek-V3's correction bias."""
+    given, gets each expert's pairs added; `score_bias` (E,): DeepSeek-V3's correction bias;
+    `kernel`: native.route_topk() as the runner chose it (plain routing only)."""
     E, k = routing.num_experts, routing.top_k
-    kernel = native.route_topk() if routing.plain and score_bias is None else None
+    kernel = kernel if routing.plain and score_bias is None else None
     if kernel is not None:
         # The panel router's whole padded panel goes in: the kernel reads the first E columns.
         logits = gate.padded(x) if isinstance(gate, PanelLinear) else gate(x)

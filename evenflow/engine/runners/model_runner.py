@@ -16,6 +16,8 @@ from evenflow.engine.model.decode_stack import fast_stack
 from evenflow.engine.model.kv_spec import KVCacheSpec
 from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
 from evenflow.engine.model.mla import LatentAttention
+from evenflow.engine.model.moe import MoE
+from evenflow.engine.model.norm import RMSNorm
 from evenflow.engine.model.placement import SlotPlacement
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.sample.guided import Guides
@@ -91,12 +93,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.attach(model)
 
-    def choose_attention_kernels(self, model: CausalLM) -> None:
-        """Each attention layer's kernels, chosen once for this dtype and cache (a layer's
-        forward then asks nothing of native.*): GQA layers' rotary write, prefill and paged
-        decode (AttentionKernels), MLA layers' absorbed decode."""
+    def choose_kernels(self, model: CausalLM) -> None:
+        """Each layer's native kernels, chosen once for this dtype and cache (a forward then
+        asks nothing of native.*): GQA layers' rotary write, prefill, paged decode and int8
+        cache (AttentionKernels), MLA layers' absorbed decode, the norms, MoE routing."""
         cache_dtype = self.kv_spec.dtype
+        norms, route_topk = native.norms(), native.route_topk()
         for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.kernels = norms
+            elif isinstance(module, MoE):
+                module.route_kernel = route_topk
             if isinstance(module, Attention):
                 module.kernels = AttentionKernels.choose(module, self.dtype, cache_dtype)
             elif isinstance(module, LatentAttention):
@@ -114,7 +121,7 @@ class ModelRunner:
             if isinstance(module, Attention) and module.window >= self.max_model_len:
                 module.window = 0
         model.init_rope(self.max_model_len, self.dtype)
-        self.choose_attention_kernels(model)
+        self.choose_kernels(model)
         if switched_on("EVENFLOW_FAST_DECODE"):
             model.decode_stack_builder = fast_stack
         moe = model.moe_layers()
