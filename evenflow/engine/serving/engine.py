@@ -121,7 +121,8 @@ class Engine:
         self.guides = self.runner.guides = Guides(self.model_dir, cfg.eos_token_ids,
                                                   cfg.vocab_size)
         self.kv_event_listener = kv_event_listener
-        self.prefix = PrefixCache(self, collect_events=collect_kv_events)
+        self.prefix = PrefixCache(self.blocks, self.runner, self.tiers, self.kv_dtype,
+                                  collect_events=collect_kv_events)
         self.layout = EngineLayout(self.max_model_len, config.block_size, num_blocks,
                                    self.kv_block_shape, self.kv_dtype_name)
         self._requests: dict[str, Sequence] = {}

@@ -8,7 +8,7 @@ and `disk_counts` are reads the event loop may make (a step stale at most)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -19,46 +19,17 @@ from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.messages import KVCacheEvent
 
 
-class PrefixOwner(Protocol):
-    """What the part reads of its engine (each call: a kernel switch replaces the runner)."""
-
-    blocks: BlockManager
-    runner: Any  # the model runner, a TP leader or the mock's: read_kv, write_kv, kv_shape
-    tiers: KVTiers | None
-
-    @property
-    def kv_dtype(self) -> torch.dtype: ...
-    @property
-    def kv_dtype_name(self) -> str: ...
-
-
 class PrefixCache:
-    def __init__(self, owner: PrefixOwner, collect_events: bool = False) -> None:
-        self._owner = owner
+    def __init__(self, blocks: BlockManager, runner: Any, tiers: KVTiers | None,
+                 kv_dtype: torch.dtype, collect_events: bool = False) -> None:
+        # (all fixed for the engine's life: a kernel switch re-attaches the model to the same
+        # runner); runner: the model's, a TP leader's or the mock's (read_kv, write_kv, kv_shape)
+        self.blocks, self.runner, self.tiers, self.kv_dtype = blocks, runner, tiers, kv_dtype
+        self.kv_dtype_name = str(kv_dtype).removeprefix("torch.")
         # Without a KV event listener, a serving engine keeps its cache's events here for
         # take_kv_events()
         self.collect_events = collect_events
         self._events: list[KVCacheEvent] = []
-
-    @property
-    def blocks(self) -> BlockManager:
-        return self._owner.blocks
-
-    @property
-    def runner(self) -> Any:
-        return self._owner.runner
-
-    @property
-    def tiers(self) -> KVTiers | None:
-        return self._owner.tiers
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        return self._owner.kv_dtype
-
-    @property
-    def kv_dtype_name(self) -> str:
-        return self._owner.kv_dtype_name
 
     def keep_events(self, events: list[KVCacheEvent]) -> None:
         """A step's cache events, kept for take_kv_events (collecting engines)."""
