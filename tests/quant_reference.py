@@ -23,19 +23,20 @@ def w4a8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def seen_rows(stack: object, x: torch.Tensor) -> torch.Tensor:
     """The rows as a panel stack's kernel multiplies them: W4A8-quantized when the stack is
-    int4 in the VNNI layout and x has few rows, else x in float32."""
-    if isinstance(stack, PanelStack) and stack.bits == 4 and x.shape[0] < W4A8_MAX_ROWS and \
+    int4 (or 5-bit codes) in the VNNI layout and x has few rows, else x in float32."""
+    if isinstance(stack, PanelStack) and stack.bits in (4, 5) and x.shape[0] < W4A8_MAX_ROWS and \
             w4a8_layout(stack.group_size, stack.in_features):
         return w4a8_rows(x, stack.group_size)
     return x.float()
 
 
 def seen_weight(stack: object, values) -> torch.Tensor:
-    """The weight as a panel stack's kernel holds it (float32): int4 in the VNNI layout keeps
-    its scale and offset (-zero * scale) in float16; MXFP4 is exact either way."""
+    """The weight as a panel stack's kernel holds it (float32): int4 (and 5-bit codes) in the
+    VNNI layout keep their scale and offset (-zero * scale) in float16; MXFP4 is exact either
+    way."""
     if not hasattr(values, "zero"):  # MXFP4, FP8 (engine/quant/mxfp4.py, fp8.py)
         return values.dequantize()
-    if not (isinstance(stack, PanelStack) and stack.bits == 4 and
+    if not (isinstance(stack, PanelStack) and stack.bits in (4, 5) and
             w4a8_layout(stack.group_size, stack.in_features)):
         return values.dequantize()
     g = values.group_size

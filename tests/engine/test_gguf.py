@@ -2,7 +2,8 @@
 checkpoints of each family served (Llama-style dense, Mixtral-style MoE, Qwen2, Qwen3,
 Qwen3-MoE, DeepSeek-V3, GPT-OSS) by our exporter (models/gguf_export.py, llama.cpp's layout):
 float files load to the same model as the safetensors, Q4_0 and Q4_K to exactly their own
-values (int4 groups of 32), Q8_0, Q5_K and Q6_K to evenflow's int8 within that requantization's
+values (int4 groups of 32), Q5_K to its own 5-bit codes where the VNNI panels serve, Q8_0, Q6_K
+(and Q5_K elsewhere) to evenflow's int8 within that requantization's
 rounding (which stays below the formats' own error), the K-quant mixes likewise; MXFP4 experts
 stay MXFP4 both ways; older deepseek2 files (one attn_kv_b) load too; the block decoders agree
 with gguf-py's; the tokenizer and chat template come along; what cannot be served is said
@@ -261,6 +262,23 @@ def test_k_quant_files_load_to_their_own_values(wide_moe, tmp_path, monkeypatch,
     assert quantized_bits(llm) == bits
     want = logits(reference)
     assert (logits(gguf) - want).abs().max() < tolerance * want.abs().max(), kind
+
+
+@pytest.mark.parametrize("kind, bits", [("q5_k", {5}), ("q5_k_m", {5, 8})])
+def test_5_bit_files_stay_5_bit_where_the_vnni_panels_serve(wide_moe, tmp_path, kind, bits):
+    """Q5_K's codes held as stored (6 bits a weight, not int8's 8): the file's own values, up
+    to the float16 scale and offset the W4A8 panels keep (Q5_K_M's Q6_K parts stay int8)."""
+    from evenflow.engine.quant.panel_stack import w4a8_layout
+
+    if not w4a8_layout(32, 256):
+        pytest.skip("5-bit panels need AVX-512 VNNI")
+    gguf = export_gguf(wide_moe, tmp_path / f"model-{kind}.gguf", kind)
+    reference = tmp_path / "dequantized"
+    reference.mkdir()
+    convert(gguf, reference, dequantize_all=True)
+    assert quantized_bits(LLM(str(gguf), dtype="float32")) == bits
+    want = logits(reference)
+    assert (logits(gguf) - want).abs().max() < 1e-2 * want.abs().max(), kind
 
 
 def test_text_in_text_out_with_the_files_tokenizer(tmp_path):

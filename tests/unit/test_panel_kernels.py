@@ -1,8 +1,8 @@
 """The panel kernels compute what the weights say: the fused MoE kernel (every routed expert of
 a layer in one call, engine/kernels/fused_moe.cpp) and the panel linear (panel_linear.cpp), over
-plain fp32 / bf16 weights and int8 / int4 ones, for few rows (quantized panels read directly)
-and many (dequantized first); the packing reorders without changing a value; and the engine's
-greedy output is the same with them as with oneDNN's per-expert path."""
+plain fp32 / bf16 weights and int8 / int4 / 5-bit / MXFP4 / FP8 ones, for few rows (quantized
+panels read directly) and many (dequantized first); the packing reorders without changing a
+value; and the engine's greedy output is the same with them as with oneDNN's per-expert path."""
 
 from __future__ import annotations
 
@@ -136,10 +136,18 @@ def random_fp8(n: int, k: int, g: torch.Generator) -> Fp8Values:
     return Fp8Values(q, torch.rand(n, -(-k // 128), generator=g) * 2e-4)
 
 
+def random_int5(n: int, k: int, g: torch.Generator) -> QuantValues:
+    """5-bit codes in groups of 32 as GGUF's Q5 types hold them: w = (q - zero) * scale."""
+    return QuantValues(5, torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8),
+                       torch.rand(n, k // 32, generator=g) * 4e-3 + 1e-3,
+                       torch.rand(n, k // 32, generator=g) * 31)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 64),
-                                    QuantConfig("int4", 32, symmetric=True), "mxfp4", "fp8"],
-                         ids=["int8", "int4-g64", "int4-g32-sym", "mxfp4", "fp8"])
+                                    QuantConfig("int4", 32, symmetric=True), "int5", "mxfp4",
+                                    "fp8"],
+                         ids=["int8", "int4-g64", "int4-g32-sym", "int5", "mxfp4", "fp8"])
 def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     served(dtype)
     g = torch.Generator().manual_seed(1)
@@ -148,6 +156,11 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         downs = [random_mxfp4(H, INTER, g) for _ in range(EXPERTS)]
         if not usable(values, dtype, gate_up=True):
             pytest.skip("MXFP4 panels need AVX-512 VNNI (and EVENFLOW_NATIVE_W4A8 on)")
+    elif config == "int5":
+        values = [random_int5(2 * INTER, H, g) for _ in range(EXPERTS)]
+        downs = [random_int5(H, INTER, g) for _ in range(EXPERTS)]
+        if not usable(values, dtype, gate_up=True):
+            pytest.skip("5-bit panels need AVX-512 VNNI (and EVENFLOW_NATIVE_W4A8 on)")
     elif config == "fp8":  # (K = 192: a block of 128 and a partial one)
         values = [random_fp8(2 * INTER, H, g) for _ in range(EXPERTS)]
         downs = [random_fp8(H, INTER, g) for _ in range(EXPERTS)]

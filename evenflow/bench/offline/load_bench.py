@@ -1,7 +1,7 @@
 """`evenflow bench load`: what each stored form costs to load and to hold. For every form a
 checkpoint ships in (bf16 safetensors, GPT-OSS's MXFP4 experts, DeepSeek-V3's FP8 block-wise,
-GGUF Q8_0 / Q6_K / Q4_K_M / Q4_0), one process loads it (the engine's dtype, a KV cache of a few
-blocks) and reports:
+GGUF Q8_0 / Q6_K / Q5_K_M / Q4_K_M / Q4_0), one process loads it (the engine's dtype, a KV cache
+of a few blocks) and reports:
 
 - file: the checkpoint's weight bytes on disk (safetensors or the .gguf);
 - resident: the loaded model's weight bytes as held (engine/weights/quantize_model.py's
@@ -45,11 +45,16 @@ from evenflow.bench.machine import (
     run_worker,
 )
 
-FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q4_k_m", "gguf-q4_0")
+FORMS = ("bf16", "mxfp4", "fp8", "gguf-q8_0", "gguf-q6_k", "gguf-q5_k_m", "gguf-q4_k_m",
+         "gguf-q4_0")
 # --speed: variant -> (checkpoint key, extra environment, the variant it is compared with)
 SPEED: dict[str, tuple[str, dict[str, str], str]] = {
     "mixtral-bf16": ("bf16", {}, "mixtral-bf16"),
     "mixtral-q8_0": ("gguf-q8_0", {}, "mixtral-bf16"),
+    "mixtral-q5_k_m": ("gguf-q5_k_m", {}, "mixtral-bf16"),
+    # (its 5-bit tensors as int8 per channel, as they were held before the 5-bit panels, and are
+    # where VNNI is not)
+    "mixtral-q5_k_m-as-int8": ("gguf-q5_k_m", {"EVENFLOW_NATIVE_W4A8": "0"}, "mixtral-q5_k_m"),
     "mixtral-q4_k_m": ("gguf-q4_k_m", {}, "mixtral-bf16"),
     "gpt_oss-bf16-unfused": ("gpt_oss", {"EVENFLOW_NATIVE_MOE": "0"}, "gpt_oss-bf16-unfused"),
     "gpt_oss-bf16-torch-attention": ("gpt_oss", {"EVENFLOW_NATIVE_ATTENTION": "0",
@@ -114,7 +119,7 @@ def checkpoints(root: Path, quick: bool) -> dict[str, tuple[Path, str]]:
     out["mxfp4"] = (_write_mxfp4_gpt_oss(gpt_oss, root / f"gpt_oss-mxfp4-{tag}"), "dir")
     fp8 = root / f"deepseek_v3-fp8-{tag}"
     out["fp8"] = (fp8 if (fp8 / "config.json").is_file() else write_fp8(deepseek, fp8), "dir")
-    for kind in ("q8_0", "q6_k", "q4_k_m", "q4_0"):
+    for kind in ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0"):
         path = root / f"mixtral-{tag}-{kind}.gguf"
         if not path.is_file():
             export_gguf(mixtral, path, kind)

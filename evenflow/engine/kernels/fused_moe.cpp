@@ -57,11 +57,7 @@ struct ExpertEpilogue {
 constexpr int64_t kNextPanelBytes = 64 * 1024;  // at most this much of it
 
 inline void prefetch_panel(const Weight& w, int64_t p, int64_t k_total, int64_t elem) {
-  int64_t bytes = k_total * kPanel;  // int8, fp8, w8a8: a byte a weight
-  if (w.format == Format::kPlain) bytes *= elem;
-  else if (w.format == Format::kInt4 || w.format == Format::kInt4Vnni ||
-           w.format == Format::kMxfp4)
-    bytes /= 2;
+  int64_t bytes = panel_bytes(w.format, k_total, elem);
   const char* at = static_cast<const char*>(w.data) + p * bytes;
   bytes = std::min(bytes, kNextPanelBytes);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T1);
@@ -272,8 +268,10 @@ Weight slot_weight(const at::Tensor& data, at::TensorList scales, at::TensorList
     return weight_of(data, &scales[e], nullptr, group);
   }
   if (type == at::kChar || type == at::kByte) {
-    const bool int4 = type == at::kByte;
-    TORCH_CHECK(data.numel() == (int4 ? n * k / 2 : n * k) && e < scales.size(),
+    const bool int4 = type == at::kByte;  // (or 5-bit codes: the VNNI layout, third dim 5)
+    const bool five = int4 && data.dim() == 4 && data.size(2) == 5;
+    TORCH_CHECK(data.numel() == (five ? n * k / 8 * 5 : int4 ? n * k / 2 : n * k) &&
+                    e < scales.size(),
                 "slot ", e, ": quantized weights of the wrong size, or no scales");
     const int64_t per_channel = int4 ? k / group : 1;
     // int4 in the VNNI layout keeps its scales and offsets in float16
@@ -322,7 +320,11 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   TORCH_CHECK(!bf16 || kHasBf16Dot, "bfloat16 fused MoE needs AVX512-BF16");
   const int64_t hidden = x.size(1);
-  const int64_t inter = w2[0].numel() * (w2[0].scalar_type() == at::kByte ? 2 : 1) / hidden;
+  // (bytes a weight: int4 codes 1/2, 5-bit codes (the VNNI layout's third dim 5) 5/8)
+  const at::Tensor& d0 = w2[0];
+  const bool five = d0.scalar_type() == at::kByte && d0.dim() == 4 && d0.size(2) == 5;
+  const int64_t inter = five ? d0.numel() * 8 / 5 / hidden
+                             : d0.numel() * (d0.scalar_type() == at::kByte ? 2 : 1) / hidden;
   TORCH_CHECK(hidden % kPanel == 0 && inter % kPanel == 0,
               "hidden and intermediate sizes must be multiples of 64");
   std::vector<Weight> gate_up, down;

@@ -61,7 +61,8 @@ namespace evenflow_ops {
 
 // x (M, K); w: the packed weight in a panel layout — (N/64, K/2, 64, 2) bf16 or (N/64, K, 64)
 // f32 in x's dtype, (N/64, K, 64) int8 with scale (N,), (N/64, K/2, 64) uint8 int4 nibbles
-// (or (N/64, K/8, 64, 4): their VNNI layout, panel_quant.h) with scale and offset
+// (or (N/64, K/8, 64, 4): their VNNI layout, panel_quant.h; (N/64, K/8, 5, 64): 5-bit codes in
+// it) with scale and offset
 // (N/64, K/group, 64), MXFP4 codes in that VNNI layout with their E8M0 exponents (N/64, K/32,
 // 64) uint8 as `scale` and no offset (group 32), fp8: (N/64, K, 64) float8_e4m3fn with scale
 // (N/64, ceil(K/128), 64) float32 (group 128), or w8a8: (N/64, K/4, 64, 4) int8 with scale (N,)
@@ -87,9 +88,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     layout = w.dim() == 4 && w.size(1) * 4 == k_total && w.size(2) == kPanel && w.size(3) == 4;
   } else if (type == at::kChar) {
     layout = w.dim() == 3 && w.size(1) == k_total && w.size(2) == kPanel;
-  } else if (type == at::kByte) {  // int4 nibbles, or their VNNI layout (N/64, K/8, 64, 4)
+  } else if (type == at::kByte) {  // int4 nibbles, their VNNI layout (N/64, K/8, 64, 4), or
+                                   // 5-bit codes (N/64, K/8, 5, 64)
     layout = (w.dim() == 3 && w.size(1) * 2 == k_total && w.size(2) == kPanel) ||
-             (w.dim() == 4 && w.size(1) * 8 == k_total && w.size(2) == kPanel && w.size(3) == 4);
+             (w.dim() == 4 && w.size(1) * 8 == k_total && w.size(2) == kPanel && w.size(3) == 4) ||
+             (w.dim() == 4 && w.size(1) * 8 == k_total && w.size(2) == 5 && w.size(3) == kPanel);
   } else {
     TORCH_CHECK(type == x.scalar_type(), "a plain packed weight must be in x's dtype");
     layout = bf16 ? (w.dim() == 4 && w.size(1) * 2 == k_total && w.size(2) == kPanel &&

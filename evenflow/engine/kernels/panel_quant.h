@@ -10,6 +10,10 @@
 //         (block j, channel c) holding k = 8j + i in byte i's low nibble and 8j + 4 + i in its
 //         high one; scale and offset shaped as int4's, in float16. Few rows are quantized per group and meet it
 //         on vpdpbusd (panel_w8a8.h's panel_w4a8), more rows a dequantized panel.
+//   int5 for int8 rows (kInt5Vnni, where VNNI is): (N/64, K/8, 5, 64) uint8: per block j of 8
+//         inputs, kInt4Vnni's 64 dwords (the codes' low four bits), then a byte per channel whose
+//         bit i is the fifth bit of k = 8j + i; codes 0..31, scale and offset as kInt4Vnni's
+//         (GGUF's 5-bit types as stored: 6 bits a weight).
 //   mxfp4 (kMxfp4, where VNNI is): MXFP4's E2M1 codes in kInt4Vnni's layout, groups of 32,
 //         with each (group, channel)'s E8M0 exponent byte (N/64, G, 64) uint8 and no offset:
 //         4.25 bits a weight, as checkpoints ship them. Few rows meet it on vpdpbusd through a
@@ -41,7 +45,7 @@ namespace evenflow_panel {
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kMxfp4, kFp8, kW8A8 };
+enum class Format { kPlain, kInt8, kInt4, kInt4Vnni, kInt5Vnni, kMxfp4, kFp8, kW8A8 };
 
 // One weight (a dense layer's, or one expert's gate_up or down) as stored.
 struct Weight {
@@ -49,14 +53,28 @@ struct Weight {
   const void* data = nullptr;
   const float* scale = nullptr;   // int8: (N,); int4: (N/64, G, 64); fp8: (N/64, B, 64)
   const float* offset = nullptr;  // int4 only
-  // kInt4Vnni: scale and offset (N/64, G, 64) in float16 (half the bytes of float32, where a
+  // kInt4Vnni, kInt5Vnni: scale and offset (N/64, G, 64) in float16 (half the bytes of float32, where a
   // batch-1 step reads them all)
   const uint16_t* scale_h = nullptr;
   const uint16_t* offset_h = nullptr;
   const int32_t* comp = nullptr;  // w8a8 only
   const uint8_t* exps = nullptr;  // kMxfp4 only: E8M0 exponents (N/64, G, 64)
-  int64_t group = 0;              // int4 and mxfp4
+  int64_t group = 0;              // int4, int5 and mxfp4
 };
+
+// the codes 0..15 / 0..31 in the VNNI layout (kInt4Vnni, kInt5Vnni), MXFP4's E2M1 codes in it
+inline bool vnni_codes(Format f) {
+  return f == Format::kInt4Vnni || f == Format::kInt5Vnni || f == Format::kMxfp4;
+}
+
+// bytes of one panel's weights (64 channels x k_total inputs; plain: `elem` bytes a weight)
+inline int64_t panel_bytes(Format f, int64_t k_total, int64_t elem) {
+  const int64_t weights = k_total * kPanel;
+  if (f == Format::kPlain) return weights * elem;
+  if (f == Format::kInt5Vnni) return weights / 8 * 5;
+  if (f == Format::kInt4 || f == Format::kInt4Vnni || f == Format::kMxfp4) return weights / 2;
+  return weights;  // int8, fp8, w8a8
+}
 
 
 #if defined(__AVX512F__)
@@ -370,6 +388,15 @@ inline f16v vnni_nibbles(const uint8_t* dwords, int i) {
   return __builtin_convertvector(q, f16v);
 }
 
+// 16 for each of 16 channels whose code for k = 8j + i has its fifth bit set (a kInt5Vnni
+// block's bit bytes), else 0
+inline f16v fifth_value(const uint8_t* bits, int i) {
+  u8x16 b;
+  std::memcpy(&b, bits, sizeof b);
+  const i16v set = __builtin_convertvector((b >> static_cast<uint8_t>(i)) & 1, i16v) << 4;
+  return __builtin_convertvector(set, f16v);
+}
+
 // the E2M1 values (not yet scaled) of k = 8j + i (i in 0..7) of 16 channels of a kMxfp4 panel
 inline f16v mx_values(const uint8_t* dwords, int i) {
   u16v d;
@@ -408,10 +435,8 @@ inline f16v mx_scale(const uint8_t* exps) {
 
 template <typename T>
 void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
-  const int64_t groups = wt.format == Format::kInt4 || wt.format == Format::kInt4Vnni ||
-                                 wt.format == Format::kMxfp4
-                             ? k_total / wt.group
-                             : 1;
+  const int64_t groups =
+      wt.format == Format::kInt4 || vnni_codes(wt.format) ? k_total / wt.group : 1;
   for (int64_t kp = 0; kp < k_total / 2; ++kp) {
     for (int v = 0; v < 4; ++v) {
       f16v low, high;
@@ -423,14 +448,22 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
         const f16v s = mx_scale(wt.exps + at);
         low = mx_values(dwords, i) * s;
         high = mx_values(dwords, i + 1) * s;
-      } else if (wt.format == Format::kInt4Vnni) {
+      } else if (wt.format == Format::kInt4Vnni || wt.format == Format::kInt5Vnni) {
+        const bool five = wt.format == Format::kInt5Vnni;
         const int64_t j = kp / 4, g = 8 * j / wt.group, at = (p * groups + g) * kPanel + v * kLanes;
-        const uint8_t* dwords = static_cast<const uint8_t*>(wt.data) +
-                                (p * k_total / 8 + j) * 4 * kPanel + v * 4 * kLanes;
+        const uint8_t* block = static_cast<const uint8_t*>(wt.data) +
+                               (p * k_total / 8 + j) * (five ? 5 : 4) * kPanel;
+        const uint8_t* dwords = block + v * 4 * kLanes;
         const int i = 2 * static_cast<int>(kp % 4);
         const f16v s = load_half(wt.scale_h + at), o = load_half(wt.offset_h + at);
-        low = vnni_nibbles(dwords, i) * s + o;
-        high = vnni_nibbles(dwords, i + 1) * s + o;
+        low = vnni_nibbles(dwords, i);
+        high = vnni_nibbles(dwords, i + 1);
+        if (five) {
+          low += fifth_value(block + 4 * kPanel + v * kLanes, i);
+          high += fifth_value(block + 4 * kPanel + v * kLanes, i + 1);
+        }
+        low = low * s + o;
+        high = high * s + o;
       } else if (wt.format == Format::kFp8) {  // (2kp and 2kp + 1 share a block of 128)
         const uint8_t* q = static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total;
         const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
@@ -507,17 +540,18 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     }
     return;
   }
-  const bool vnni4 = wt.format == Format::kInt4Vnni || wt.format == Format::kMxfp4;
+  const bool vnni4 = vnni_codes(wt.format);
   if (vnni4 && m < kDequantRowsW4A8 && row_q(0).gscale != nullptr) {
     const int64_t groups = k_total / wt.group;
     for (int64_t r0 = 0; r0 < m; r0 += kW4A8Rows) {
       const int mm = static_cast<int>(std::min<int64_t>(kW4A8Rows, m - r0));
       QuantRow rows[kW4A8Rows];
       for (int r = 0; r < mm; ++r) rows[r] = row_q(r0 + r);
-      panel_w4a8_rows(static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total / 2,
-                      wt.scale_h + p * groups * kPanel, wt.offset_h + p * groups * kPanel,
+      const uint8_t* codes =
+          static_cast<const uint8_t*>(wt.data) + p * panel_bytes(wt.format, k_total, 1);
+      panel_w4a8_rows(codes, wt.scale_h + p * groups * kPanel, wt.offset_h + p * groups * kPanel,
                       wt.exps != nullptr ? wt.exps + p * groups * kPanel : nullptr, rows, mm,
-                      k_total, wt.group, sums);
+                      k_total, wt.group, sums, wt.format == Format::kInt5Vnni);
       epilogue(r0, mm, sums);
     }
     return;
@@ -577,7 +611,7 @@ void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool 
                        QuantRows& out) {
   if (wt.format == Format::kW8A8)
     quantize_rows(x, m, k, out);
-  else if ((wt.format == Format::kInt4Vnni || wt.format == Format::kMxfp4) && few)
+  else if (vnni_codes(wt.format) && few)
     quantize_rows_grouped(x, m, k, wt.group, out);
 }
 
@@ -604,8 +638,8 @@ const float* float_rows(const T* x, int64_t n, std::vector<float>& copy) {
 }
 
 // A weight from its tensors: plain in x's dtype, int8 (kChar), int4 nibbles (kByte; 4-D: the
-// VNNI layout, with float16 scale and offset; with a uint8 scale and no offset: MXFP4 codes and
-// exponents), or w8a8 (kChar with an int32 `offset`: its comp).
+// VNNI layout, with float16 scale and offset, 5-bit codes where its third dim is 5; with a uint8
+// scale and no offset: MXFP4 codes and exponents), or w8a8 (kChar with an int32 `offset`: its comp).
 inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const at::Tensor* offset,
                         int64_t group) {
   Weight wt;
@@ -630,7 +664,8 @@ inline Weight weight_of(const at::Tensor& data, const at::Tensor* scale, const a
     wt.exps = scale->data_ptr<uint8_t>();
     wt.group = group;
   } else if (data.scalar_type() == at::kByte && data.dim() == 4) {
-    wt.format = Format::kInt4Vnni;
+    wt.format = data.size(2) == 5 && data.size(3) == kPanel ? Format::kInt5Vnni
+                                                             : Format::kInt4Vnni;
     wt.scale_h = reinterpret_cast<const uint16_t*>(scale->data_ptr());
     wt.offset_h = reinterpret_cast<const uint16_t*>(offset->data_ptr());
     wt.group = group;

@@ -235,6 +235,11 @@ inline void panel_w8a8_rows(const int8_t* w, const float* s, const int32_t* c,
 // masks give vpdpbusd's operands (weights unsigned 0..15, rows signed). Per group:
 // sum(w x) = s_w * s_x * sum(q_w q_x) + o_w * s_x * sum(q_x).
 //
+// kFive (kInt5Vnni): 5-bit codes 0..31 (GGUF's Q5_0 / Q5_1 / Q5_K values as stored). Each block
+// j of a panel is 320 bytes: the 64 channels' nibble dwords as above, then a byte per channel
+// whose bit i is the fifth bit of k = 8j + i. Two byte-mask tests add 16 where it is set, so
+// the codes stay unsigned for vpdpbusd: 6 bits a weight with the float16 scale and offset.
+//
 // kMx: the nibbles are MXFP4's E2M1 codes (same layout, groups of 32) and `exps` holds each
 // (group, channel)'s E8M0 exponent byte (N/64, G, 64): 4.25 bits a weight, as checkpoints
 // ship them. One vpshufb per nibble vector looks each code up as u = 2 * e2m1 + 12 (0..24,
@@ -251,12 +256,25 @@ inline __m512 mx_scales(const uint8_t* exps) {
       _mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
 }
 
-template <int MR, bool kMx>
+// The fifth bits of 16 channels' codes, each channel's byte copied to the four bytes of its
+// dword (byte i then tests bit i for the low nibbles, bit 4 + i for the high ones)
+inline __m512i fifth_bits(const uint8_t* bits) {
+  const __m512i spread = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  return _mm512_shuffle_epi8(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits))), spread);
+}
+
+template <int MR, bool kMx, bool kFive = false>
 void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
                 const uint16_t* offset, const uint8_t* exps, int64_t k_total, int64_t group,
                 float* sums) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i table = mx_codes_table();
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  const __m512i low_bit = _mm512_set1_epi32(0x08040201), high_bit = _mm512_set1_epi32(
+      static_cast<int32_t>(0x80402010u));
+  constexpr int kLines = kFive ? 5 : 4;  // 64-byte lines a block of 8 inputs
   // the totals live in `sums` (updated once a group): registers hold the group's int32 sums
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < 4; ++v)
@@ -266,8 +284,9 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
     for (int64_t j = g * group / 8; j < (g + 1) * group / 8; ++j) {
-      const uint8_t* wp = w + j * 4 * kPanel;
-      for (int line = 0; line < 4; ++line) __builtin_prefetch(wp + kPrefetchW8A8 + 64 * line);
+      const uint8_t* wp = w + j * kLines * kPanel;
+      for (int line = 0; line < kLines; ++line)
+        __builtin_prefetch(wp + kPrefetchW8A8 + 64 * line);
       __m512i xlo[MR], xhi[MR];
       for (int r = 0; r < MR; ++r) {
         int32_t lo, hi;
@@ -283,6 +302,12 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
         if constexpr (kMx) {
           low = _mm512_shuffle_epi8(table, low);
           high = _mm512_shuffle_epi8(table, high);
+        }
+        if constexpr (kFive) {
+          const __m512i bits = fifth_bits(wp + 4 * kPanel + v * kLanes);
+          low = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(bits, low_bit), low, sixteen);
+          high = _mm512_mask_add_epi8(high, _mm512_test_epi8_mask(bits, high_bit), high,
+                                      sixteen);
         }
         for (int r = 0; r < MR; ++r) {
           acc[r][v] = dpbusd(acc[r][v], low, xlo[r]);
@@ -311,11 +336,19 @@ void panel_w4a8(const QuantRow* rows, const uint8_t* w, const uint16_t* scale,
   }
 }
 
-// m (1..kW4A8Rows) grouped rows against one int4 panel (scale `s`, offset `o`), or an MXFP4
-// panel (`exps` set: its exponents; s and o unused)
+// m (1..kW4A8Rows) grouped rows against one int4 panel (scale `s`, offset `o`), a 5-bit one
+// (`five`), or an MXFP4 panel (`exps` set: its exponents; s and o unused)
 inline void panel_w4a8_rows(const uint8_t* w, const uint16_t* s, const uint16_t* o,
                             const uint8_t* exps, const QuantRow* rows, int m, int64_t k_total,
-                            int64_t group, float* sums) {
+                            int64_t group, float* sums, bool five = false) {
+  if (five) {
+    switch (m) {
+      case 1: return panel_w4a8<1, false, true>(rows, w, s, o, exps, k_total, group, sums);
+      case 2: return panel_w4a8<2, false, true>(rows, w, s, o, exps, k_total, group, sums);
+      case 3: return panel_w4a8<3, false, true>(rows, w, s, o, exps, k_total, group, sums);
+      default: return panel_w4a8<4, false, true>(rows, w, s, o, exps, k_total, group, sums);
+    }
+  }
   if (exps != nullptr) {
     switch (m) {
       case 1: return panel_w4a8<1, true>(rows, w, s, o, exps, k_total, group, sums);
@@ -337,7 +370,7 @@ inline void panel_w8a8_rows(const int8_t*, const float*, const int32_t*, const u
   TORCH_CHECK(false, "w8a8 panels need AVX512-VNNI");
 }
 inline void panel_w4a8_rows(const uint8_t*, const uint16_t*, const uint16_t*, const uint8_t*,
-                            const QuantRow*, int, int64_t, int64_t, float*) {
+                            const QuantRow*, int, int64_t, int64_t, float*, bool = false) {
   TORCH_CHECK(false, "int4 panels for int8 rows need AVX512-VNNI");
 }
 #endif

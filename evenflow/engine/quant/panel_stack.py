@@ -10,6 +10,10 @@ slots by reference, without copies):
   holds k = 8j + i in byte i's low nibble and 8j + 4 + i in its high one, for the W4A8 kernel
   (rows quantized to int8 per group meet it on vpdpbusd: panel_w8a8.h), with the scale and
   offset in float16;
+- int5 (GGUF's 5-bit types as stored; only where the W4A8 layout is): (N/64, K/8, 5, 64) uint8,
+  per block j of 8 inputs int4's 64 dwords of the codes' low four bits, then a byte per channel
+  whose bit i is the fifth bit of k = 8j + i; scale and offset as int4's VNNI layout: 6 bits a
+  weight;
 - mxfp4 (engine/quant/mxfp4.py; where VNNI is and EVENFLOW_NATIVE_W4A8 is on): the E2M1 codes
   in int4's VNNI layout, with each (group of 32, channel)'s E8M0 exponent byte (N/64, G, 64)
   uint8 in the scale's place and no offset: 4.25 bits a weight, as the checkpoint ships it;
@@ -57,6 +61,8 @@ def usable(values: list[Values], dtype: torch.dtype, gate_up: bool = False) -> b
         return False
     if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
         return False
+    if values[0].bits == 5 and not w4a8_layout(values[0].group_size, k):
+        return False
     return panels.usable(dtype, PANEL, PANEL) and panels.linear_usable(dtype, n, k)
 
 
@@ -79,6 +85,18 @@ def _vnni_nibbles(q: Tensor) -> Tensor:
     n, k = q.shape
     eights = q.view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, c, j, half, i]
     return (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+
+
+def _vnni_five(q: Tensor) -> Tensor:
+    """(N, K) values 0..31 -> (N/64, K/8, 5, 64) uint8: per block of 8 inputs, the low four
+    bits as `_vnni_nibbles` lays them out (256 bytes), then a byte per channel whose bit i is
+    the fifth bit of k = 8j + i."""
+    n, k = q.shape
+    dwords = _vnni_nibbles(q & 0xF).view(n // PANEL, k // 8, 4, PANEL)
+    fifth = (q >> 4).view(n // PANEL, PANEL, k // 8, 8).permute(0, 2, 1, 3)  # [panel, j, c, i]
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    bits = (fifth * weights).sum(dim=-1, dtype=torch.uint8).unsqueeze(2)  # distinct bits: OR
+    return torch.cat([dwords, bits], dim=2).contiguous()
 
 
 def _pack_mxfp4(v: Mxfp4Values, gate_up: bool) -> tuple[Tensor, Tensor, None]:
@@ -120,7 +138,9 @@ def _pack(v: Values, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
             scale[:, 0].contiguous(), None
     groups = scale.shape[1]
     w4a8 = w4a8_layout(v.group_size, k)
-    if w4a8:
+    if v.bits == 5:  # (`usable` checked the layout)
+        nibbles = _vnni_five(q)
+    elif w4a8:
         nibbles = _vnni_nibbles(q)
     else:
         pairs = q.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3)  # (N/64, K/2, 64, 2)
@@ -149,7 +169,7 @@ class PanelStack(QuantStack):
         first = values[0]
         n, k = first.shape if isinstance(first, Mxfp4Values) else first.q.shape
         bits = first.bits
-        group_size = first.group_size if bits == 4 or isinstance(first, Fp8Values) else 0
+        group_size = first.group_size if bits in (4, 5) or isinstance(first, Fp8Values) else 0
         if consume:
             packed = []
             while values:

@@ -79,7 +79,7 @@ class QuantValues:
     quantized per token too (w8a8)."""
 
     bits: int
-    q: Tensor  # (N, K) int8 (bits 8) or uint8 holding 0..15 (bits 4)
+    q: Tensor  # (N, K) int8 (bits 8) or uint8 holding 0..15 (bits 4) / 0..31 (bits 5: GGUF's)
     scale: Tensor  # (N, G) float32
     zero: Tensor | None  # (N, G) float32, or None: symmetric around 0 (int8) / 8 (int4)
     int8_activations: bool = False

@@ -1,18 +1,21 @@
 """GGUF's quantized blocks, as a converted GGUF directory holds them (`<name>.gguf_<type>` uint8
 (rows, bytes a row): models/gguf_import.py), into the engine's stored forms as each layer loads.
 
-The choice per type (bytes held against the file's: int4 g32 5 bits a weight, int8 8):
+The choice per type (bytes held against the file's: int4 g32 5 bits a weight, int5 6, int8 8):
 - Q4_0, Q4_1 and Q4_K: int4 in groups of 32 (w = q * scale + offset: exactly the file's values;
   in the W4A8 panels the scale and offset are float16, a rounding far below the format's own
   step). 1.1x Q4_K's bytes.
-- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0: int8 per output channel, quantized again from the file's
-  exact values. The engine has no 5- or 6-bit kernel; int8's step (the row's largest value /
-  127) sits well below the K-quants' own steps, so the requantization adds little to the file's
-  own error (tests/engine/test_gguf.py measures it on random weights against the original
-  values). Q6_K 1.22x, Q8_0 0.94x, the 5-bit types 1.45x (over the 1.3x aimed at: a 5-bit panel
-  kernel is what would close it).
+- Q5_0, Q5_1 and Q5_K: where the W4A8 panels serve (AVX-512 VNNI), 5-bit codes in groups of 32,
+  the file's values as int4's are (engine/quant/panel_stack.py's int5): 1.09x Q5_K's bytes.
+  Elsewhere, as Q6_K.
+- Q6_K and Q8_0: int8 per output channel, quantized again from the file's exact values. The
+  engine has no 6-bit kernel; int8's step (the row's largest value / 127) sits well below the
+  K-quants' own steps, so the requantization adds little to the file's own error
+  (tests/engine/test_gguf.py measures it on random weights against the original values). Q6_K
+  1.22x, Q8_0 0.94x (the 5-bit types as int8: 1.45x).
 A fused group (q/k/v, or an expert's gate and up) whose parts differ in type (Q4_K_M keeps V in
-Q6_K) is quantized again as one int8 weight (engine/weights/gptq.py `_concat`). A group whose
+Q6_K) is quantized again as one int8 weight, except 4- and 5-bit parts, which join as 5-bit
+codes exactly (engine/weights/gptq.py `_concat`). A group whose
 parts are partly not quantized at all (llama-quantize leaves rows that are not whole blocks in
 float: a small model's experts) is dequantized whole, as the engine fuses or stacks it.
 """
@@ -48,11 +51,11 @@ def read_quant_config(spec: dict[str, Any]) -> dict[str, Any]:
 def to_values(kind: int, raw: Tensor) -> QuantValues:
     """One linear's blocks (rows, bytes a row) in the engine's form (the module docstring)."""
     codes = gguf_blocks.decode_rows(kind, raw.numpy())
-    if gguf_blocks.BITS[kind] == 4:
+    if gguf_blocks.BITS[kind] in (4, 5):
         scale = torch.from_numpy(codes.scale)  # (Q4_0's may be negative)
         scale = torch.where(scale == 0, torch.full_like(scale, _TINY_SCALE), scale)
         zero = -torch.from_numpy(codes.offset) / scale
-        return QuantValues(4, torch.from_numpy(codes.q), scale, zero)
+        return QuantValues(gguf_blocks.BITS[kind], torch.from_numpy(codes.q), scale, zero)
     return quantize(torch.from_numpy(codes.dequantize()), _INT8)
 
 

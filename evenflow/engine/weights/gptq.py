@@ -123,6 +123,8 @@ def _concat(parts: list[QuantValues]) -> QuantValues:
     """Stack weights along N (fused q/k/v, gate/up)."""
     if isinstance(parts[0], Fp8Values):  # (FP8 block-wise checkpoints share this mapping)
         return Fp8Values.concat(parts)  # type: ignore[arg-type,return-value]
+    if {p.bits for p in parts} == {4, 5} and all(p.zero is not None for p in parts):
+        parts = [QuantValues(5, p.q, p.scale, p.zero) for p in parts]  # (codes 0..15 fit)
     forms = {(p.bits, p.group_size, p.zero is None, p.int8_activations) for p in parts}
     if len(forms) > 1:  # (a GGUF mix: Q4_K_M's V in Q6_K beside Q and K in Q4_K)
         whole = torch.cat([p.dequantize() for p in parts])
