@@ -47,10 +47,12 @@ class MockRunner:
         return [3 + (c.seq.token_ids[-1] * 31 + c.seq.num_tokens) % span
                 for c in chunks if c.samples]
 
-    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+    def read_kv(self, block_ids: list[int], window_ids: list[int] | None = None
+                ) -> torch.Tensor:
         return torch.empty(len(block_ids), 0, dtype=torch.uint8)
 
-    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor,
+                 window_ids: list[int] | None = None) -> None:
         pass
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -63,7 +65,8 @@ class MockEngine(Engine):
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         return load_model_config(self.model_dir)  # the config only: no weights
 
-    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> MockRunner:
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype, window_blocks: int = 0
+                     ) -> MockRunner:
         return MockRunner(self.model_config.vocab_size, self.timing)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -69,6 +69,9 @@ ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
                  "quantized to int8 per group, for a decode step's few rows (as llama.cpp's Q4_0 "
                  "x Q8_0)"),
     EngineSwitch("EVENFLOW_FAST_DECODE", "1", "a decode step's layers as one native call"),
+    EngineSwitch("EVENFLOW_WINDOW_POOL", "1", "sliding-window layers keep their K/V in a pool "
+                 "of their own that holds only the window (0: in the one block table, every "
+                 "block kept while the sequence runs)"),
 )}
 _OFF = ("0", "false", "off", "no")
 

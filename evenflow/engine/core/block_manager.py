@@ -14,6 +14,10 @@ scheduling. A block evicted earlier in the same schedule, its copy down not made
 held below: it is promoted too (filled from that copy), not computed again while the KV index,
 told of its eviction and its copy at once, still names it. `tier_counts` counts what the lower
 tier served and the prefix lookups it could not serve (the worker exports them as metrics).
+
+A hybrid model's sliding-window layers keep their blocks in a pool of their own
+(core/window_blocks.py, `window_pool`): this manager drives it alongside its own table, in every
+lookup, allocation, commit and release, so the scheduler and the engine see one manager.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class BlockManager:
         # Blocks with no user, oldest first; cached ones among them are evictable prefix hits.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.pending_events: list[KVCacheEvent] = []
+        self.records_events = True  # (a sliding-window pool's manager records none)
+        # a hybrid model's sliding-window layers' pool, driven alongside (core/window_blocks.py)
+        self.window_pool: BlockManager | None = None
         self.lower_tier: Container[int] | None = None  # block hashes held below RAM
         # hash -> block: evicted, to copy down before reuse (its memory holds it until the step)
         self._saves: dict[int, int] = {}
@@ -86,7 +93,17 @@ class BlockManager:
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is always
-        left to compute, since its logits are needed."""
+        left to compute, since its logits are needed. With a sliding-window pool, only as many
+        as it holds the window's blocks for (WindowBlockManager.usable_hits)."""
+        hits = self._own_prefix_hits(seq)
+        return self.window_pool.usable_hits(seq, hits) if self.window_pool is not None else hits
+
+    def usable_hits(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """How many of another pool's `hits` this pool can serve (a sliding-window pool:
+        core/window_blocks.py); a pool of its own: all of them."""
+        return hits
+
+    def _own_prefix_hits(self, seq: Sequence) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
@@ -187,7 +204,7 @@ class BlockManager:
 
     def _flush_tokens(self, token_ids: list[int], hashes: list[int], run: list[int],
                       start: int) -> None:
-        if run:
+        if run and self.records_events:
             bs = self.block_size
             self.pending_events.append(BlockStored(
                 block_hashes=run, parent_block_hash=hashes[start - 1] if start else None,
@@ -210,10 +227,13 @@ class BlockManager:
         """Whether `seq` (holding no blocks) can take `hits` and room for `num_tokens` tokens."""
         new_blocks = self.blocks_needed(num_tokens) - len(hits)
         hits_in_free = sum(1 for b in hits if b in self.free)
-        return self.num_free_blocks - hits_in_free >= new_blocks
+        return self.num_free_blocks - hits_in_free >= new_blocks and (
+            self.window_pool is None or self.window_pool.can_allocate_first(seq, hits, num_tokens))
 
     def allocate_first(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         assert not seq.block_table
+        if self.window_pool is not None:
+            self.window_pool.allocate_first(seq, hits, num_tokens)
         for block in hits:
             self.free.pop(block, None)
             self.ref_counts[block] += 1
@@ -221,13 +241,19 @@ class BlockManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:  # report what the prompt got from the cache at first sight
             seq.num_cached_tokens = seq.num_computed_tokens
-        self.append_slots(seq, num_tokens)
+        self._grow(seq, num_tokens)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks \
+            and (self.window_pool is None or self.window_pool.can_append(seq, num_tokens))
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow the block table to hold `num_tokens` tokens in all."""
+        """Grow the block table to hold `num_tokens` tokens in all (and the window's)."""
+        self._grow(seq, num_tokens)
+        if self.window_pool is not None:
+            self.window_pool.append_slots(seq, num_tokens)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
         while len(seq.block_table) < self.blocks_needed(num_tokens):
             block, _ = self.free.popitem(last=False)
             self._evict(block)
@@ -239,6 +265,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
+        if self.window_pool is not None:
+            self.window_pool.commit_full_blocks(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         run: list[int] = []  # a contiguous run of newly stored blocks
         run_start = 0
@@ -261,6 +289,8 @@ class BlockManager:
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop the sequence's references; its tail blocks become the first to be evicted."""
+        if self.window_pool is not None:
+            self.window_pool.free_sequence(seq)
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0
@@ -280,7 +310,8 @@ class BlockManager:
         h = self.block_hash[block]
         if h is not None:
             self._uncache(block)
-            self.pending_events.append(BlockRemoved(block_hashes=[h]))
+            if self.records_events:
+                self.pending_events.append(BlockRemoved(block_hashes=[h]))
             # never filled: the lower tier still has it (or its copy down is pending); else
             # copy it down before reuse
             if self._promotions.pop(block, None) is None and self.lower_tier is not None:

@@ -31,6 +31,12 @@ class Sequence:
     params: SamplingParams
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
+    # A hybrid model's sliding-window layers' blocks, in token order, -1 where a block lies
+    # wholly behind the window (freed) or was never needed (core/window_blocks.py)
+    window_table: list[int] = field(default_factory=list)
+    # the sliding layers' cached blocks its latest prefix lookup found: logical block -> block
+    window_hits: dict[int, int] = field(default_factory=dict)
+    window_released: int = 0  # window_table's entries before this are all -1
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)

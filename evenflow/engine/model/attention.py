@@ -189,6 +189,8 @@ class Attention(nn.Module):
         v_scale: Tensor | None = None,
     ) -> Tensor:
         T, nh, n_kv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.window and meta.sliding is not None:  # its cache is the sliding layers' pool
+            meta = meta.sliding
         qkv = self.qkv_proj(x).view(T, nh + 2 * n_kv, hd)
         fused = self.kernels.rotary_kv_write if not meta.prefills else None
         if fused is not None and qkv.is_contiguous() and qkv.dtype == cos.dtype == k_cache.dtype:

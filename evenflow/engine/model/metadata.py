@@ -36,3 +36,6 @@ class AttentionMetadata:
     decode_lens: Tensor | None = None  # (B_dec,) int64: how many of decode_slots are real
     # sliding-window layers' views of decode_slots / decode_lens, by window (model/attention.py)
     windows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # the sliding-window layers' view where they keep a pool of their own (the same batch over
+    # their window tables: engine/core/window_blocks.py)
+    sliding: AttentionMetadata | None = None

@@ -13,7 +13,7 @@ from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.kernels import native
 from evenflow.engine.model.attention import Attention, AttentionKernels, paged_decode_attention
 from evenflow.engine.model.decode_stack import fast_stack
-from evenflow.engine.model.kv_spec import KVCacheSpec
+from evenflow.engine.model.kv_spec import KVCacheSpec, SlidingLayers
 from evenflow.engine.model.metadata import AttentionMetadata, PrefillSegment
 from evenflow.engine.model.mla import LatentAttention
 from evenflow.engine.model.moe import MoE
@@ -35,6 +35,8 @@ class ChunkInput:
     block_table: list[int]
     samples: bool
     every_row: bool = False  # logits for every token of the chunk (prompt logprobs)
+    # the sliding-window layers' blocks (-1: given back), where they have a pool of their own
+    window_table: list[int] | None = None
 
     @classmethod
     def of(cls, chunk: ScheduledChunk) -> ChunkInput:
@@ -42,7 +44,7 @@ class ChunkInput:
         every_row = (seq.params.prompt_logprobs is not None and chunk.num_tokens > 1
                      and start < seq.num_prompt_tokens - 1)
         return cls(seq.token_ids[start : start + chunk.num_tokens], start, seq.block_table,
-                   chunk.samples, every_row)
+                   chunk.samples, every_row, seq.window_table or None)
 
     @property
     def logit_rows(self) -> int:
@@ -61,14 +63,17 @@ def one_token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
     for c in chunks:
         last = len(c.token_ids) - 1
         rows.extend(ChunkInput([t], c.start + i, c.block_table,
-                               c.every_row or (i == last and c.samples))
+                               c.every_row or (i == last and c.samples), False, c.window_table)
                     for i, t in enumerate(c.token_ids))
     return rows
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
-                 dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str = "auto", window_blocks: int = 0
+                 ) -> None:
+        """`window_blocks` > 0: the sliding-window layers' pool of their own (model/kv_spec.py
+        SlidingLayers), that many blocks; 0: every layer reads the one block table."""
         cfg = model.config
         self.model, self.block_size, self.dtype = model, block_size, dtype
         self.eos_token_ids: frozenset[int] = frozenset(model.config.eos_token_ids)  # min_tokens
@@ -78,8 +83,13 @@ class ModelRunner:
         # TP); int8 (kv_cache_dtype="int8"): the parts, then their scales (engine/model/
         # kv_spec.py). The last slot is the null slot padded positions read.
         self.kv_spec = KVCacheSpec.of(cfg, block_size, dtype, kv_cache_dtype, model.num_kv_heads)
-        self.kv_caches: list[tuple[Tensor, ...]] = self.kv_spec.allocate(num_blocks)
+        self.sliding = SlidingLayers.of(cfg, max_model_len) if window_blocks else None
+        assert self.sliding is not None or not window_blocks, "no sliding layers to pool"
+        self.kv_caches: list[tuple[Tensor, ...]] = self.kv_spec.allocate(
+            num_blocks, self.sliding, window_blocks)
         self.null_slot = num_blocks * block_size
+        # the sliding pool's zeroed block (window tables' given-back entries read it)
+        self.window_null_block = window_blocks
         self.attention_shape = (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
         # the paged decode kernel serves grouped-query attention, with sinks and windows; MLA
         # has a kernel of its own (kernels/mla_decode.cpp: the GQA kernel's loop, its latent as
@@ -143,8 +153,25 @@ class ModelRunner:
         return self.kv_spec.quantized
 
     def _blocks_view(self, cache: Tensor) -> Tensor:
-        """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache."""
-        return cache[: self.null_slot].view(-1, self.block_size, *cache.shape[1:])
+        """(num_blocks, block_size, n_kv, hd) view of one layer's K or V cache (its pool's:
+        every cache has one null slot past its blocks)."""
+        return cache[: cache.shape[0] - 1].view(-1, self.block_size, *cache.shape[1:])
+
+    def _layer_indexes(self, block_ids: list[int], window_ids: list[int] | None
+                       ) -> list[tuple[Tensor, Tensor | None]]:
+        """Per layer, the blocks to read or write as an index into its pool, and for a
+        sliding layer which of them it holds (None: all): `window_ids` are the same blocks in
+        the sliding layers' table (-1, or None altogether: not held there; read as zeros from
+        its null block, not written)."""
+        full = torch.tensor(block_ids, dtype=torch.long)
+        if self.sliding is None:
+            return [(full, None)] * len(self.kv_caches)
+        ids = torch.tensor(window_ids if window_ids is not None else [-1] * len(block_ids),
+                           dtype=torch.long)
+        held = ids >= 0
+        window = torch.where(held, ids, self.window_null_block)
+        return [(window, held) if layer in self.sliding.layers else (full, None)
+                for layer in range(len(self.kv_caches))]
 
     def _flat_caches(self) -> list[Tensor]:
         return [cache for pair in self.kv_caches for cache in pair]
@@ -154,51 +181,67 @@ class ModelRunner:
         cache's scaled blocks: torch)."""
         return native.kv_blocks() if len(self.kv_caches[0]) == 2 else None
 
-    def read_kv(self, block_ids: list[int]) -> Tensor:
+    def read_kv(self, block_ids: list[int], window_ids: list[int] | None = None) -> Tensor:
         """A contiguous copy of the blocks' cache, block-major so that any run of blocks is one
         contiguous byte range: (blocks, layers, parts, block_size, heads, dims); parts are
         K and V (2, n_kv, hd), or MLA's latent (1, 1, kv_lora_rank + rope). An int8 cache's
         block is (layers, parts, bytes) int8: each part's values, then its float32 scales
-        (proto/kv_handoff.py)."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        (proto/kv_handoff.py). With a sliding-window pool, `window_ids` are the same blocks in
+        its table (_layer_indexes): a sliding layer's blocks it gave back read as zeros."""
+        indexes = self._layer_indexes(block_ids, window_ids)
         if self.quantized_kv:
             n = self.kv_spec.num_parts
             return torch.stack([torch.stack([torch.cat([
                 self._blocks_view(parts[j]).index_select(0, index).flatten(1),
                 parts[n + j].index_select(0, index).view(torch.int8)], dim=1)
-                for j in range(n)], dim=1) for parts in self.kv_caches], dim=1)
+                for j in range(n)], dim=1)
+                for parts, (index, _) in zip(self.kv_caches, indexes, strict=True)], dim=1)
         kernels = self._kv_kernels()
-        if kernels is not None:  # one memcpy per (block, layer, K or V)
+        if kernels is not None and self.sliding is None:  # one memcpy per (block, layer, part)
             return kernels.kv_blocks_read(  # type: ignore[attr-defined]
-                self._flat_caches(), index, self.block_size)
+                self._flat_caches(), indexes[0][0], self.block_size)
         return torch.stack([torch.stack([self._blocks_view(part).index_select(0, index)
                                          for part in parts], dim=1)
-                            for parts in self.kv_caches], dim=1)
+                            for parts, (index, _) in zip(self.kv_caches, indexes, strict=True)],
+                           dim=1)
 
-    def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
+    def write_kv(self, block_ids: list[int], kv: Tensor, window_ids: list[int] | None = None
+                 ) -> None:
         """Inverse of read_kv: kv (blocks, layers, parts, block_size, heads, dims) into these
-        blocks."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        blocks (a sliding layer's only into the blocks its table holds)."""
+        indexes = self._layer_indexes(block_ids, window_ids)
         if self.quantized_kv:
             block_shape = self._blocks_view(self.kv_caches[0][0]).shape[1:]
             values = block_shape.numel()
             n = self.kv_spec.num_parts
             for layer, parts in enumerate(self.kv_caches):
+                index, rows = self._held(indexes[layer], kv.shape[0])
                 for j in range(n):
-                    raw = kv[:, layer, j]  # (blocks, values + 4 * heads)
+                    raw = kv[rows, layer, j]  # (blocks, values + 4 * heads)
                     self._blocks_view(parts[j]).index_copy_(
                         0, index, raw[:, :values].reshape(-1, *block_shape))
                     parts[n + j].index_copy_(0, index, raw[:, values:].contiguous().view(
                         torch.float32))
             return
         kernels = self._kv_kernels()
-        if kernels is not None and kv.is_contiguous() and kv.dtype == self.kv_caches[0][0].dtype:
+        if kernels is not None and kv.is_contiguous() and self.sliding is None and \
+                kv.dtype == self.kv_caches[0][0].dtype:
             kernels.kv_blocks_write(  # type: ignore[attr-defined]
-                self._flat_caches(), index, kv, self.block_size)
+                self._flat_caches(), indexes[0][0], kv, self.block_size)
             return
         for layer, parts in enumerate(self.kv_caches):
+            index, rows = self._held(indexes[layer], kv.shape[0])
             for j, part in enumerate(parts):
-                self._blocks_view(part).index_copy_(0, index, kv[:, layer, j].to(part.dtype))
+                self._blocks_view(part).index_copy_(0, index,
+                                                    kv[rows, layer, j].to(part.dtype))
+
+    @staticmethod
+    def _held(layer_index: tuple[Tensor, Tensor | None], blocks: int) -> tuple[Tensor, Tensor]:
+        """A layer's blocks to write, and which rows of the payload go there."""
+        index, held = layer_index
+        if held is None:
+            return index, torch.arange(blocks)
+        return index[held], held.nonzero().flatten()
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return self.kv_spec.transfer_shape(num_blocks)
@@ -210,37 +253,60 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ChunkInput]
                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Prefill chunks come first, then the decodes (one token each)."""
+        """Prefill chunks come first, then the decodes (one token each). With a sliding-window
+        pool, its layers get metadata of their own over the window tables (`meta.sliding`)."""
         input_ids: list[int] = []
-        slot_parts: list[Tensor] = []
         position_parts: list[Tensor] = []
-        prefills: list[PrefillSegment] = []
         logit_rows: list[int] = []
         decodes = [c for c in chunks if len(c.token_ids) == 1]
-        for c in chunks:
-            if len(c.token_ids) == 1:
-                break
-            start, end = c.start, c.start + len(c.token_ids)
-            q_start = len(input_ids)
+        for c in chunks[: len(chunks) - len(decodes)]:
+            start, q_start = c.start, len(input_ids)
             input_ids.extend(c.token_ids)
-            position_parts.append(torch.arange(start, end))
-            ctx_slots = self._slots(c.block_table, 0, end)
-            slot_parts.append(ctx_slots[start:])
-            prefills.append(PrefillSegment(q_start, len(c.token_ids), end,
-                                           ctx_slots if start else None))
+            position_parts.append(torch.arange(start, start + len(c.token_ids)))
             if c.every_row:
                 logit_rows.extend(range(q_start, len(input_ids)))
             elif c.samples:
                 logit_rows.append(len(input_ids) - 1)
         num_prefill = len(input_ids)
-        decode_slots = decode_mask = decode_lens = None
         if decodes:
+            input_ids.extend(c.token_ids[0] for c in decodes)
+            position_parts.append(torch.tensor([c.start for c in decodes]))
+            logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
+        meta = self._metadata(chunks, [c.block_table for c in chunks], self.null_slot)
+        if self.sliding is not None:
+            null = self.window_null_block
+            # (a chunk made by hand, with no window table, names the same blocks in both)
+            tables = [[b if b >= 0 else null for b in c.window_table or c.block_table]
+                      for c in chunks]
+            meta.sliding = self._metadata(chunks, tables, (null + 1) * self.block_size)
+        positions = position_parts[0] if len(position_parts) == 1 else torch.cat(position_parts)
+        return (torch.tensor(input_ids), positions, meta,
+                torch.tensor(logit_rows, dtype=torch.long))
+
+    def _metadata(self, chunks: list[ChunkInput], tables: list[list[int]], null_slot: int
+                  ) -> AttentionMetadata:
+        """Attention's view of the step over one pool: each chunk's block table (`tables`, in
+        chunk order) and the pool's null slot."""
+        slot_parts: list[Tensor] = []
+        prefills: list[PrefillSegment] = []
+        q_start = 0
+        num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+        for c, table in zip(chunks[: len(chunks) - num_decodes], tables, strict=False):
+            start, end = c.start, c.start + len(c.token_ids)
+            ctx_slots = self._slots(table, 0, end)
+            slot_parts.append(ctx_slots[start:])
+            prefills.append(PrefillSegment(q_start, len(c.token_ids), end,
+                                           ctx_slots if start else None))
+            q_start += len(c.token_ids)
+        decode_slots = decode_mask = decode_lens = None
+        if num_decodes:
             bs = self.block_size
+            decodes = chunks[len(chunks) - num_decodes :]
+            decode_tables = tables[len(chunks) - num_decodes :]
             lens = [c.start + 1 for c in decodes]
-            width = max(len(c.block_table) for c in decodes)
-            table = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
-                                  for c in decodes])  # (B, blocks)
-            all_slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
+            width = max(len(t) for t in decode_tables)
+            padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])  # (B, n)
+            all_slots = (padded.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
             ctx = torch.tensor(lens)  # (B,)
             if self._paged_decode(len(decodes)):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
@@ -248,29 +314,18 @@ class ModelRunner:
             else:
                 max_ctx = max(lens)
                 real = torch.arange(max_ctx).unsqueeze(0) < ctx.unsqueeze(1)  # (B, L)
-                decode_slots = torch.where(real, all_slots[:, :max_ctx], self.null_slot)
+                decode_slots = torch.where(real, all_slots[:, :max_ctx], null_slot)
                 # Additive mask in the model's dtype, made once per step: torch's CPU attention
                 # turns a bool mask into this in every layer (measured 1.3x slower at batch 32)
                 decode_mask = torch.zeros(len(decodes), 1, 1, max_ctx, dtype=self.dtype
                                           ).masked_fill_(~real.view(len(decodes), 1, 1, max_ctx),
                                                          float("-inf"))
-            positions = [n - 1 for n in lens]
-            input_ids.extend(c.token_ids[0] for c in decodes)
-            position_parts.append(torch.tensor(positions))
-            slot_parts.append(torch.tensor([c.block_table[p // bs] * bs + p % bs
-                                            for c, p in zip(decodes, positions, strict=True)]))
-            logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
-
-        def joined(parts: list[Tensor]) -> Tensor:
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        meta = AttentionMetadata(
-            slot_mapping=joined(slot_parts), prefills=prefills, num_prefill_tokens=num_prefill,
-            decode_slots=decode_slots, decode_mask=decode_mask,
-            decode_lens=decode_lens,
-        )
-        return (torch.tensor(input_ids), joined(position_parts), meta,
-                torch.tensor(logit_rows, dtype=torch.long))
+            slot_parts.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(
+                decode_tables, (c.start for c in decodes), strict=True)]))
+        return AttentionMetadata(
+            slot_mapping=slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts),
+            prefills=prefills, num_prefill_tokens=q_start, decode_slots=decode_slots,
+            decode_mask=decode_mask, decode_lens=decode_lens)
 
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the step; return one sampled token per chunk whose `samples` is True."""
@@ -305,7 +360,9 @@ class ModelRunner:
     def forward_dummy(self) -> None:
         """One token into the spare (null) slot, nothing sampled: a pass whose only use is to
         meet the other expert-parallel ranks' collectives. The slot is read only where masked."""
-        self.forward([ChunkInput([0], 0, [self.null_slot // self.block_size], False)])
+        window = [self.window_null_block] if self.sliding is not None else None
+        self.forward([ChunkInput([0], 0, [self.null_slot // self.block_size], False, False,
+                                 window)])
 
     def apply_placement(self, phy2log: Tensor, share: Tensor | None, num_ep_ranks: int) -> None:
         """Every MoE layer under a new expert placement: phy2log (moe_layers, slots), share

@@ -22,10 +22,12 @@ class Runner(Protocol):
         """One step: the scheduled chunks' forward pass; the sampled token of each chunk that
         samples, in order."""
 
-    def read_kv(self, block_ids: list[int]) -> Tensor:
-        """These blocks' K/V in the hand-off layout (proto/kv_handoff.py)."""
+    def read_kv(self, block_ids: list[int], window_ids: list[int] | None = None) -> Tensor:
+        """These blocks' K/V in the hand-off layout (proto/kv_handoff.py); `window_ids`: the
+        same blocks in the sliding-window layers' table, where they keep their own."""
 
-    def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
+    def write_kv(self, block_ids: list[int], kv: Tensor, window_ids: list[int] | None = None
+                 ) -> None:
         """K/V in the hand-off layout into these blocks."""
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ class InitRunner:
     num_blocks: int
     block_size: int
     max_model_len: int
+    window_blocks: int = 0  # the sliding-window layers' own pool (0: none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,7 @@ class ReadKV:
     TYPE: ClassVar[str] = "rank.read_kv"
     VERSION: ClassVar[int] = 1
     block_ids: list[int]
+    window_ids: list[int] | None = None  # the same blocks in the sliding layers' table
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +66,7 @@ class WriteKV:
     VERSION: ClassVar[int] = 1
     block_ids: list[int]
     shape: list[int]
+    window_ids: list[int] | None = None
 
 
 # -- both ---------------------------------------------------------------------------------------

@@ -124,13 +124,15 @@ class TPLeaderRunner(ModelRunner):
     its command, then does its own shard's part."""
 
     def __init__(self, tp: TPGroup, model: CausalLM, num_blocks: int, block_size: int,
-                 max_model_len: int, dtype: torch.dtype) -> None:
+                 max_model_len: int, dtype: torch.dtype, window_blocks: int = 0) -> None:
         self.tp = tp
         self.world_size = tp.group.world_size
         self._shard = TPShard(0, self.world_size)
         self._guard(tp.send, InitRunner(num_blocks=num_blocks, block_size=block_size,
-                                        max_model_len=max_model_len))
-        super().__init__(model, num_blocks, block_size, max_model_len, dtype)
+                                        max_model_len=max_model_len,
+                                        window_blocks=window_blocks))
+        super().__init__(model, num_blocks, block_size, max_model_len, dtype,
+                         window_blocks=window_blocks)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         if self.tp.fatal_error is not None:
@@ -147,16 +149,18 @@ class TPLeaderRunner(ModelRunner):
         logits = self._guard(self.forward, inputs)
         return self.sample_step(chunks, inputs, logits)
 
-    def read_kv(self, block_ids: list[int]) -> Tensor:
-        self._guard(self.tp.send, ReadKV(block_ids=block_ids))
-        parts = self._guard(self.tp.group.all_gather, super().read_kv(block_ids))
+    def read_kv(self, block_ids: list[int], window_ids: list[int] | None = None) -> Tensor:
+        self._guard(self.tp.send, ReadKV(block_ids=block_ids, window_ids=window_ids))
+        parts = self._guard(self.tp.group.all_gather, super().read_kv(block_ids, window_ids))
         return gather_heads(parts, self.model.config)
 
-    def write_kv(self, block_ids: list[int], kv: Tensor) -> None:
+    def write_kv(self, block_ids: list[int], kv: Tensor, window_ids: list[int] | None = None
+                 ) -> None:
         kv = kv.to(self.kv_spec.dtype).contiguous()
-        self._guard(self.tp.send, WriteKV(block_ids=block_ids, shape=list(kv.shape)))
+        self._guard(self.tp.send, WriteKV(block_ids=block_ids, shape=list(kv.shape),
+                                          window_ids=window_ids))
         self._guard(self.tp.group.broadcast, kv)
-        super().write_kv(block_ids, own_heads(kv, self._shard, self.model.config))
+        super().write_kv(block_ids, own_heads(kv, self._shard, self.model.config), window_ids)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The hand-off layout holds every KV head."""
@@ -219,17 +223,18 @@ def _serve(group: ShmGroup, model: CausalLM, shard: TPShard, dtype: torch.dtype)
             return
         if isinstance(command, InitRunner):
             runner = ModelRunner(model, command.num_blocks, command.block_size,
-                                 command.max_model_len, dtype)
+                                 command.max_model_len, dtype,
+                                 window_blocks=command.window_blocks)
             continue
         assert runner is not None, "a command before InitRunner"
         match command:
             case RunForward(chunks=chunks):
                 runner.forward(chunks)
-            case ReadKV(block_ids=block_ids):
-                group.all_gather(runner.read_kv(block_ids))
-            case WriteKV(block_ids=block_ids, shape=shape):
+            case ReadKV(block_ids=block_ids, window_ids=window_ids):
+                group.all_gather(runner.read_kv(block_ids, window_ids))
+            case WriteKV(block_ids=block_ids, shape=shape, window_ids=window_ids):
                 kv = group.broadcast(torch.empty(shape, dtype=runner.kv_spec.dtype))
-                runner.write_kv(block_ids, own_heads(kv, shard, model.config))
+                runner.write_kv(block_ids, own_heads(kv, shard, model.config), window_ids)
             case Placement(num_ep_ranks=num_ep_ranks):
                 runner.apply_placement(*command.tensors(), num_ep_ranks)
             case _:

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from evenflow import models
-from evenflow.engine.config.settings import EngineConfig, ModelConfig
+from evenflow.engine.config.settings import EngineConfig, ModelConfig, switched_on
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener
 from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
+from evenflow.engine.core.window_blocks import WindowBlockManager
 from evenflow.engine.kernels import native
-from evenflow.engine.model.kv_spec import KVCacheSpec
+from evenflow.engine.model.kv_spec import KVCacheSpec, SlidingLayers, pool_sizes
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.runners.kv_tiers import KVTiers
 from evenflow.engine.runners.model_runner import ModelRunner
@@ -106,12 +107,18 @@ class Engine:
             self._join_expert_parallel(ep_group, dtype)
         self.max_model_len = min(config.max_model_len or models.MAX_MODEL_LEN_CAP,
                                  cfg.max_position_embeddings)
-        num_blocks = self._num_kv_blocks(dtype)
+        sliding = SlidingLayers.of(cfg, self.max_model_len) if switched_on(
+            "EVENFLOW_WINDOW_POOL") else None
+        num_blocks, window_blocks = self._num_kv_blocks(dtype, sliding)
         salt = namespace_salt(os.path.basename(str(self.model_dir)))
         self.blocks = BlockManager(num_blocks, config.block_size, salt,
                                    config.enable_prefix_caching)
+        if sliding is not None:
+            self.blocks.window_pool = WindowBlockManager(window_blocks, config.block_size,
+                                                    sliding.window, salt,
+                                                    config.enable_prefix_caching)
         self.scheduler = self._make_scheduler()
-        self.runner = self._make_runner(num_blocks, dtype)
+        self.runner = self._make_runner(num_blocks, dtype, window_blocks)
         if config.deterministic:
             self._make_deterministic(cfg)
         self.tiers = self._disk_tier(salt)
@@ -144,16 +151,19 @@ class Engine:
             layer.ep = ep_group
         read_missing_experts(self.model, self.model_dir, dtype, quant_config(self.config))
 
-    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
+    def _num_kv_blocks(self, dtype: torch.dtype, sliding: SlidingLayers | None
+                       ) -> tuple[int, int]:
         """As configured, else as many as kv_cache_gb holds, at most what max_num_seqs full
         contexts need (sized on the whole model's KV heads: under TP every rank holds as many
-        blocks)."""
+        blocks); and the sliding layers' own pool's (model/kv_spec.py pool_sizes)."""
         config = self.config
-        bytes_per_block = KVCacheSpec.of(self.model_config, config.block_size, dtype,
-                                         config.kv_cache_dtype).bytes_per_block
-        wanted = -(-self.max_model_len // config.block_size) * config.max_num_seqs
-        return config.num_kv_blocks or max(
-            1, min(wanted, int(config.kv_cache_gb * 2**30) // bytes_per_block))
+        spec = KVCacheSpec.of(self.model_config, config.block_size, dtype,
+                              config.kv_cache_dtype)
+        return pool_sizes(spec, sliding, budget_bytes=int(config.kv_cache_gb * 2**30),
+                          num_blocks=config.num_kv_blocks or 0,
+                          wanted=-(-self.max_model_len // config.block_size) *
+                          config.max_num_seqs, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens)
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
@@ -208,12 +218,12 @@ class Engine:
     def _new_placement(self, moe_layers: int, slots: int) -> ExpertPlacement:
         return ExpertPlacement(self, moe_layers, slots)
 
-    def _make_runner(self, num_blocks: int, dtype: torch.dtype) -> Runner:
+    def _make_runner(self, num_blocks: int, dtype: torch.dtype, window_blocks: int) -> Runner:
         if self._tp is not None:
             return TPLeaderRunner(self._tp, self.model, num_blocks, self.config.block_size,
-                                  self.max_model_len, dtype)
+                                  self.max_model_len, dtype, window_blocks)
         return ModelRunner(self.model, num_blocks, self.config.block_size, self.max_model_len,
-                           dtype, self.config.kv_cache_dtype)
+                           dtype, self.config.kv_cache_dtype, window_blocks)
 
     def _make_deterministic(self, cfg: ModelConfig) -> None:
         """Deterministic mode needs every attention on the paged decode kernel (each row on its
@@ -402,7 +412,8 @@ class Engine:
             seq = chunk.seq
             if seq.pending_kv is not None:  # admitted with imported K/V: write it in
                 prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
-                self.runner.write_kv(seq.block_table[:prompt_blocks], seq.pending_kv)
+                self.runner.write_kv(seq.block_table[:prompt_blocks], seq.pending_kv,
+                                     seq.window_table[:prompt_blocks] or None)
                 seq.pending_kv = None
         if chunks:
             sampled = iter(self.runner.run(chunks))
@@ -455,7 +466,8 @@ class Engine:
         outputs = []
         for seq in self._exports:
             prompt_blocks = self.blocks.blocks_needed(seq.num_prompt_tokens)
-            kv = self.runner.read_kv(seq.block_table[:prompt_blocks]).contiguous()
+            kv = self.runner.read_kv(seq.block_table[:prompt_blocks],
+                                     seq.window_table[:prompt_blocks] or None).contiguous()
             self.blocks.free_sequence(seq)
             raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)  # a view, no copy
             outputs.append(self._output(seq, [], KVPayload(
