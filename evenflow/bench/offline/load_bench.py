@@ -61,6 +61,8 @@ SPEED: dict[str, tuple[str, dict[str, str], str]] = {
                                                   "EVENFLOW_NATIVE_PREFILL_ATTENTION": "0"},
                                      "gpt_oss-bf16-unfused"),
     "gpt_oss-bf16": ("gpt_oss", {}, "gpt_oss-bf16-unfused"),
+    # (its sliding layers in the one block table, as before they had a pool of their own)
+    "gpt_oss-bf16-one-table": ("gpt_oss", {"EVENFLOW_WINDOW_POOL": "0"}, "gpt_oss-bf16"),
     "gpt_oss-mxfp4": ("mxfp4", {}, "gpt_oss-bf16-unfused"),
     "deepseek_v3-bf16": ("deepseek_v3", {}, "deepseek_v3-bf16"),
     "deepseek_v3-fp8": ("fp8", {}, "deepseek_v3-bf16"),

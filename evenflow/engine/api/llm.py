@@ -72,6 +72,8 @@ class LLM:
             while self.engine.has_unfinished():
                 for step in self.engine.step():
                     out, detok = outputs[step.request_id], detoks[step.request_id]
+                    if detok.stopped:  # (a draft's later tokens, after a stop string)
+                        continue
                     out.token_ids.extend(step.new_token_ids)
                     out.num_cached_tokens = step.num_cached_tokens
                     detok.add(step.new_token_ids)

@@ -36,7 +36,7 @@ class MockRunner:
         self.expert_counts = torch.zeros(0, 1, dtype=torch.int64)
         self.computed_tokens = 0  # prefill tokens "computed" so far (cache misses)
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def run(self, chunks: list[ScheduledChunk]) -> list[int | torch.Tensor]:
         prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         decodes = sum(1 for c in chunks if c.num_tokens == 1)
         self.computed_tokens += prefill_tokens
@@ -61,6 +61,7 @@ class MockRunner:
 
 class MockEngine(Engine):
     timing = MockTiming()
+    speculates = False  # (its runner scores no drafts)
 
     def _load(self, dtype: torch.dtype) -> ModelConfig:
         return load_model_config(self.model_dir)  # the config only: no weights

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from evenflow import models
 from evenflow.engine.config.fields import ALL_COMMANDS, check_settings, setting
+from evenflow.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The KV cache's storage (vLLM's names): auto = the model's dtype; int8 = int8 values with a
@@ -215,14 +216,29 @@ class EngineConfig:
         help="batch-invariant engines: a position's K/V and logits do not depend on how it was "
              "scheduled, so a migrated stream continues text-identically (prefill costs more; "
              "not with quantization, tensor or expert parallelism)")
+    # engine/spec/: draft tokens proposed and verified in one step (the JSON text; LLM also
+    # takes a dict)
+    speculative_config: str | None = setting(
+        None, flag=True, commands=_ENGINE_FLAGS,
+        help='speculative decoding as vLLM configures it, JSON: {"method": "ngram", '
+             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+             "(greedy output unchanged; sampling keeps its distribution)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config).text())  # type: ignore[union-attr]
         check_settings(self)
         self.check_combinations()
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def check_combinations(self) -> None:
         """The checks that involve several settings (each one's own range is declared)."""
         check_kv_cache_dtype(self.kv_cache_dtype, self.tensor_parallel_size)
+        SpeculativeConfig.parse(self.speculative_config)
         if self.kv_disk_dir and self.kv_disk_gb <= 0:
             raise ValueError("kv_disk_dir needs kv_disk_gb > 0 (the disk tier's size)")
         if self.quantization is not None:

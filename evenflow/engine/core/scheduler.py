@@ -7,11 +7,17 @@ block another sequence is computing waits a step and takes it from the cache. Wh
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed later (its full blocks usually stay cached, so the redo is
 mostly prefix hits).
+
+With a proposer (speculative decoding: engine/spec/), a decoding sequence's step may carry draft
+tokens after its last one: the chunk then holds 1 + len(draft) tokens, their KV slots reserved,
+and the engine keeps the accepted prefix (engine/serving/speculation.py). A draft that does not
+fit the blocks left is dropped, never the cause of a preemption.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from evenflow.engine.core.block_manager import BlockManager
@@ -30,20 +36,27 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
 
 
+# (token_ids, at most this many) -> draft tokens to follow them
+Proposer = Callable[[list[int], int], list[int]]
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # new tokens computed for it this step
+    num_tokens: int  # new tokens computed for it this step (its draft's included)
+    draft: tuple[int, ...] = ()  # proposed tokens after the sequence's last one, to verify
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft) == \
+            self.seq.num_tokens
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        self.config, self.blocks = config, blocks
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 proposer: Proposer | None = None) -> None:
+        self.config, self.blocks, self.proposer = config, blocks, proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -62,7 +75,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            target = seq.num_computed_tokens + n
+            draft = self._draft(seq, budget - 1) if seq.num_tokens - seq.num_computed_tokens \
+                == 1 else ()
+            target = seq.num_computed_tokens + n + len(draft)
+            if draft and not self.blocks.can_append(seq, target):
+                draft, target = (), target - len(draft)
             while not self.blocks.can_append(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
             if not self.blocks.can_append(seq, target):
@@ -70,8 +87,8 @@ class Scheduler:
                 self._preempt(seq)
                 continue
             self.blocks.append_slots(seq, target)
-            chunks.append(ScheduledChunk(seq, n))
-            budget -= n
+            chunks.append(ScheduledChunk(seq, n + len(draft), draft))
+            budget -= n + len(draft)
             i += 1
 
         in_flight = (self._blocks_in_flight()
@@ -114,6 +131,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
+
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """The proposer's draft for a decoding sequence: at most `room` tokens, and no more
+        than its max_tokens and the context leave after the token the step samples anyway."""
+        if self.proposer is None:
+            return ()
+        limit = min(room, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.config.max_model_len - seq.num_tokens - 1)
+        return tuple(self.proposer(seq.token_ids, limit)) if limit > 0 else ()
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of full blocks that running sequences have yet to compute (or are computing

@@ -37,14 +37,18 @@ class ChunkInput:
     every_row: bool = False  # logits for every token of the chunk (prompt logprobs)
     # the sliding-window layers' blocks (-1: given back), where they have a pool of their own
     window_table: list[int] | None = None
+    drafts: int = 0  # its last tokens are a draft to verify: every row's logits, unsampled
 
     @classmethod
     def of(cls, chunk: ScheduledChunk) -> ChunkInput:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
-        every_row = (seq.params.prompt_logprobs is not None and chunk.num_tokens > 1
-                     and start < seq.num_prompt_tokens - 1)
-        return cls(seq.token_ids[start : start + chunk.num_tokens], start, seq.block_table,
-                   chunk.samples, every_row, seq.window_table or None)
+        every_row = bool(chunk.draft) or (
+            seq.params.prompt_logprobs is not None and chunk.num_tokens > 1
+            and start < seq.num_prompt_tokens - 1)
+        own = chunk.num_tokens - len(chunk.draft)
+        return cls(seq.token_ids[start : start + own] + list(chunk.draft), start,
+                   seq.block_table, chunk.samples, every_row, seq.window_table or None,
+                   len(chunk.draft))
 
     @property
     def logit_rows(self) -> int:
@@ -251,10 +255,13 @@ class ModelRunner:
         table = torch.tensor(block_table)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def prepare(self, chunks: list[ChunkInput]
+    def prepare(self, chunks: list[ChunkInput], decode_seqs: int = 0
                 ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Prefill chunks come first, then the decodes (one token each). With a sliding-window
-        pool, its layers get metadata of their own over the window tables (`meta.sliding`)."""
+        pool, its layers get metadata of their own over the window tables (`meta.sliding`).
+        `decode_seqs`: the sequences the decode rows belong to, where a draft's tokens run as
+        rows of their own (the decode attention is chosen by it, as the step without the
+        drafts would choose)."""
         input_ids: list[int] = []
         position_parts: list[Tensor] = []
         logit_rows: list[int] = []
@@ -272,19 +279,21 @@ class ModelRunner:
             input_ids.extend(c.token_ids[0] for c in decodes)
             position_parts.append(torch.tensor([c.start for c in decodes]))
             logit_rows.extend(num_prefill + j for j, c in enumerate(decodes) if c.samples)
-        meta = self._metadata(chunks, [c.block_table for c in chunks], self.null_slot)
+        meta = self._metadata(chunks, [c.block_table for c in chunks], self.null_slot,
+                              decode_seqs)
         if self.sliding is not None:
             null = self.window_null_block
             # (a chunk made by hand, with no window table, names the same blocks in both)
             tables = [[b if b >= 0 else null for b in c.window_table or c.block_table]
                       for c in chunks]
-            meta.sliding = self._metadata(chunks, tables, (null + 1) * self.block_size)
+            meta.sliding = self._metadata(chunks, tables, (null + 1) * self.block_size,
+                                          decode_seqs)
         positions = position_parts[0] if len(position_parts) == 1 else torch.cat(position_parts)
         return (torch.tensor(input_ids), positions, meta,
                 torch.tensor(logit_rows, dtype=torch.long))
 
-    def _metadata(self, chunks: list[ChunkInput], tables: list[list[int]], null_slot: int
-                  ) -> AttentionMetadata:
+    def _metadata(self, chunks: list[ChunkInput], tables: list[list[int]], null_slot: int,
+                  decode_seqs: int = 0) -> AttentionMetadata:
         """Attention's view of the step over one pool: each chunk's block table (`tables`, in
         chunk order) and the pool's null slot."""
         slot_parts: list[Tensor] = []
@@ -308,7 +317,7 @@ class ModelRunner:
             padded = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])  # (B, n)
             all_slots = (padded.unsqueeze(2) * bs + torch.arange(bs)).view(len(decodes), -1)
             ctx = torch.tensor(lens)  # (B,)
-            if self._paged_decode(len(decodes)):
+            if self._paged_decode(decode_seqs or len(decodes)):
                 # the paged kernel reads each row's first lens slots only: no padding to mask
                 decode_slots, decode_lens = all_slots, ctx
             else:
@@ -327,26 +336,33 @@ class ModelRunner:
             prefills=prefills, num_prefill_tokens=q_start, decode_slots=decode_slots,
             decode_mask=decode_mask, decode_lens=decode_lens)
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Forward the step; return one sampled token per chunk whose `samples` is True."""
+    def run(self, chunks: list[ScheduledChunk]) -> list[int | Tensor]:
+        """Forward the step; return one sampled token per chunk whose `samples` is True (a
+        chunk with a draft: its rows' logits instead, for the engine to verify)."""
         inputs = [ChunkInput.of(c) for c in chunks]
         return self.sample_step(chunks, inputs, self.forward(inputs))
 
     def sample_step(self, chunks: list[ScheduledChunk], inputs: list[ChunkInput],
-                    logits: Tensor) -> list[int]:
-        """Record prompt logprobs from chunks that asked for every row; sample the rest."""
-        seqs = [c.seq for c in chunks if c.samples]
+                    logits: Tensor) -> list[int | Tensor]:
+        """Record prompt logprobs from chunks that asked for every row; sample the rest (a
+        draft's rows are returned as they are, in the chunk's place)."""
+        drafted: dict[int, Tensor] = {}
         if any(i.every_row for i in inputs):
             rows, offset = [], 0
-            for chunk, given in zip(chunks, inputs, strict=True):
-                if given.every_row:
-                    record_prompt_logprobs(chunk.seq, given,
-                                           logits[offset : offset + given.logit_rows])
-                if given.samples:
+            for j, (chunk, given) in enumerate(zip(chunks, inputs, strict=True)):
+                block = logits[offset : offset + given.logit_rows]
+                if given.drafts:
+                    drafted[j] = block
+                elif given.every_row:
+                    record_prompt_logprobs(chunk.seq, given, block)
+                if given.samples and not given.drafts:
                     rows.append(offset + given.logit_rows - 1)
                 offset += given.logit_rows
             logits = logits[rows]
-        return sample(logits, seqs, self.eos_token_ids, self.guides)
+        seqs = [c.seq for j, c in enumerate(chunks) if c.samples and j not in drafted]
+        tokens = iter(sample(logits, seqs, self.eos_token_ids, self.guides) if seqs else [])
+        return [drafted[j] if j in drafted else next(tokens)
+                for j, c in enumerate(chunks) if c.samples]
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:
@@ -354,8 +370,25 @@ class ModelRunner:
         self.forward_calls += 1
         if self.deterministic:
             chunks = one_token_rows(chunks)
+        elif any(c.drafts for c in chunks):
+            return self._forward_with_drafts(chunks)
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
         return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+
+    def _forward_with_drafts(self, chunks: list[ChunkInput]) -> Tensor:
+        """A draft's tokens run as decoded tokens do (one_token_rows: each row attends to its
+        own prefix through the decode kernels), so each verified position's logits come from
+        the kernels decoding it would have used; the step's logits come back in chunk order."""
+        prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1 and not c.drafts]
+        rows = [i for i in range(len(chunks)) if i not in set(prefills)]
+        order = [chunks[i] for i in prefills] + one_token_rows([chunks[i] for i in rows])
+        input_ids, positions, meta, logit_rows = self.prepare(order, decode_seqs=len(rows))
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        spans, at = {}, 0
+        for i in prefills + rows:
+            spans[i] = (at, at + chunks[i].logit_rows)
+            at += chunks[i].logit_rows
+        return torch.cat([logits[spans[i][0] : spans[i][1]] for i in range(len(chunks))])
 
     def forward_dummy(self) -> None:
         """One token into the spare (null) slot, nothing sampled: a pass whose only use is to

@@ -18,9 +18,9 @@ class Runner(Protocol):
     guides: Guides | None  # the engine's grammar matchers (structured output)
     expert_counts: Tensor  # (MoE layers, experts) tokens routed since the engine took them
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def run(self, chunks: list[ScheduledChunk]) -> list[int | Tensor]:
         """One step: the scheduled chunks' forward pass; the sampled token of each chunk that
-        samples, in order."""
+        samples, in order (a chunk with a draft: its rows' logits, which the engine verifies)."""
 
     def read_kv(self, block_ids: list[int], window_ids: list[int] | None = None) -> Tensor:
         """These blocks' K/V in the hand-off layout (proto/kv_handoff.py); `window_ids`: the

@@ -143,7 +143,7 @@ class TPLeaderRunner(ModelRunner):
             self.tp.fatal_error = f"tensor-parallel group lost: {exc}"
             raise TensorParallelLost(self.tp.fatal_error) from exc
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def run(self, chunks: list[ScheduledChunk]) -> list[int | Tensor]:
         inputs = [ChunkInput.of(c) for c in chunks]
         self._guard(self.tp.send, RunForward(chunks=inputs))
         logits = self._guard(self.forward, inputs)

@@ -17,7 +17,7 @@ import torch
 from evenflow import models
 from evenflow.engine.config.settings import EngineConfig, ModelConfig, switched_on
 from evenflow.engine.core.block_manager import BlockManager, KVEventListener
-from evenflow.engine.core.scheduler import Scheduler, SchedulerConfig
+from evenflow.engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from evenflow.engine.core.sequence import FinishReason, Sequence
 from evenflow.engine.core.window_blocks import WindowBlockManager
 from evenflow.engine.kernels import native
@@ -28,10 +28,12 @@ from evenflow.engine.runners.model_runner import ModelRunner
 from evenflow.engine.runners.protocol import Runner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
+from evenflow.engine.sample.sampler import sample
 from evenflow.engine.serving.kernel_switch import KernelSwitch
 from evenflow.engine.serving.placement_control import ExpertPlacement
 from evenflow.engine.serving.prefix_transfer import PrefixCache
 from evenflow.engine.serving.profiling import ProfileControl
+from evenflow.engine.serving.speculation import Speculation
 from evenflow.engine.weights.expert_store import read_missing_experts
 from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
@@ -84,6 +86,7 @@ class Engine:
     model: CausalLM
     runner: Runner
     idle_poll_s = 0.5  # how long its thread waits for work when idle
+    speculates = True  # whether speculative_config applies (not to the mock engine)
     # with fatal_error set: the worker should restart at once, not as a crash (an elastic
     # expert-parallel group re-forming to take a rank back: engine/dep/lockstep.py)
     restart_planned = False
@@ -117,6 +120,8 @@ class Engine:
             self.blocks.window_pool = WindowBlockManager(window_blocks, config.block_size,
                                                     sliding.window, salt,
                                                     config.enable_prefix_caching)
+        spec = config.speculative if self.speculates else None
+        self.speculation = Speculation(spec) if spec is not None else None
         self.scheduler = self._make_scheduler()
         self.runner = self._make_runner(num_blocks, dtype, window_blocks)
         if config.deterministic:
@@ -173,7 +178,8 @@ class Engine:
             # order depends on the row count: a step stays below that
             max_seqs, max_tokens = min(max_seqs, 63), min(max_tokens, 63)
         return Scheduler(SchedulerConfig(max_seqs, max_tokens, self.max_model_len,
-                                         config.defer_shared_prefill), self.blocks)
+                                         config.defer_shared_prefill), self.blocks,
+                         self.speculation.propose if self.speculation is not None else None)
 
     def _disk_tier(self, salt: bytes) -> KVTiers | None:
         """The KV disk tier (kv_disk_gb > 0): in kv_disk_dir, else a temporary directory."""
@@ -419,19 +425,19 @@ class Engine:
             sampled = iter(self.runner.run(chunks))
             for chunk in chunks:
                 seq, samples = chunk.seq, chunk.samples
+                if chunk.draft:
+                    outputs += self._verify(chunk, next(sampled))  # type: ignore[arg-type]
+                    continue
                 seq.num_computed_tokens += chunk.num_tokens
                 self.blocks.commit_full_blocks(seq)
                 if not samples:
                     continue
                 token = next(sampled)
+                assert isinstance(token, int)
                 seq.token_ids.append(token)
                 reason = self._finish_reason(seq, token)
                 if reason is not None:
-                    # An export keeps its blocks until the next step has read them out.
-                    self.scheduler.finish(seq, reason, free_blocks=not seq.export_kv)
-                    if seq.export_kv:
-                        self._exports.append(seq)
-                    del self._requests[seq.request_id]
+                    self._finish(seq, reason)
                 outputs.append(self._output(seq, [token],
                                             kv_follows=reason is not None and seq.export_kv))
         events = self.blocks.take_events()
@@ -451,6 +457,37 @@ class Engine:
         if runner.forward_calls == before:
             runner.forward_dummy()
         return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        # An export keeps its blocks until the next step has read them out.
+        self.scheduler.finish(seq, reason, free_blocks=not seq.export_kv)
+        if seq.export_kv:
+            self._exports.append(seq)
+        del self._requests[seq.request_id]
+
+    def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[StepOutput]:
+        """A draft's step: the tokens it takes (engine/serving/speculation.py), one output
+        each (each its own logprobs), the sequence finished at the first that ends it."""
+        seq, eos = chunk.seq, frozenset(self.eos_token_ids)
+        reason: FinishReason | None = None
+
+        def stops(token: int) -> bool:
+            nonlocal reason
+            reason = self._finish_reason(seq, token)
+            return reason is not None
+
+        assert self.speculation is not None
+        taken = self.speculation.verify(
+            seq, rows, chunk.draft, lambda row: sample(row, [seq], eos, self.guides)[0], stops)
+        self.blocks.commit_full_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        return [StepOutput(seq.request_id, [token], last and seq.is_finished,
+                           seq.finish_reason if last else None, seq.num_prompt_tokens,
+                           seq.num_cached_tokens, None, last and reason is not None and
+                           seq.export_kv, logprobs, None)
+                for i, (token, logprobs) in enumerate(taken)
+                for last in (i == len(taken) - 1,)]
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -1,0 +1,146 @@
+"""Speculative decoding with n-gram drafts (engine/serving/speculation.py): greedy output is the
+same as without it (float32 and bf16, with logprobs, stop tokens, max_tokens, chunked prefill,
+int8 weights and the int8 KV cache); a draft on text that repeats is mostly accepted; the
+sampling distribution is kept (chi-square over the verification of fixed rows); rejected tokens
+never reach a KV event; a bad configuration is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import VOCAB, make_checkpoint
+
+from evenflow import LLM, SamplingParams
+from evenflow.engine.core.sequence import Sequence
+from evenflow.engine.sample.sampler import sample
+from evenflow.engine.serving.engine import Engine, EngineConfig
+from evenflow.engine.serving.speculation import Speculation
+from evenflow.engine.spec.config import SpeculativeConfig
+from evenflow.engine.spec.ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    make_checkpoint("gpt_oss", path)
+    return path
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    piece = torch.randint(3, VOCAB, (6,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (37,), generator=g).tolist(), piece * 5,
+            torch.randint(3, VOCAB, (9,), generator=g).tolist()]
+
+
+def test_the_proposer_continues_the_latest_earlier_match():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
+                                               prompt_lookup_min=2))
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # "2 3" -> "4 5 9"
+    assert proposer.propose([7, 1, 2, 8, 1, 2, 6, 5, 1, 2], 10) == [6, 5, 1]  # the latest
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # the limit
+    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
+
+
+def tokens_and_logprobs(engine: Engine, params: SamplingParams) -> dict:
+    """Each request's tokens, each with its logprobs' top ids, stepping the engine itself."""
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list] = {}
+    while engine.has_unfinished():
+        for step in engine.step():
+            top = tuple(step.logprobs.top_ids) if step.logprobs is not None else None
+            out.setdefault(step.request_id, []).extend((t, top) for t in step.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_output_is_the_same_with_drafts(gpt_oss, dtype):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    config = dict(model=str(gpt_oss), dtype=dtype, block_size=4)
+    base = tokens_and_logprobs(Engine(EngineConfig(**config)), params)
+    engine = Engine(EngineConfig(**config, speculative_config=NGRAM))
+    assert tokens_and_logprobs(engine, params) == base
+    assert engine.speculation is not None
+    counts = engine.speculation.counts
+    assert counts.draft_tokens > 0 and counts.accepted_tokens > 0
+
+
+def test_a_trained_model_copying_its_prompt_accepts_most_drafts():
+    repeated = "count from 7 : 7 8 9 10 11 12 13 count from 7 :"
+    params = SamplingParams(temperature=0, max_tokens=24)
+    llm = LLM("tiny-moe", speculative_config=NGRAM)
+    spec = llm.generate([repeated], params)[0]
+    assert spec.text == LLM("tiny-moe").generate([repeated], params)[0].text
+    counts = llm.engine.speculation.counts
+    assert counts.accepted_tokens >= 0.5 * counts.draft_tokens > 0
+
+
+@pytest.mark.parametrize("extra", [
+    {"quantization": "int8"}, {"kv_cache_dtype": "int8"}, {"max_num_batched_tokens": 16},
+])
+def test_same_tokens_with_stops_and_the_engines_forms(gpt_oss, extra):
+    """A stop token and max_tokens ending inside a draft, chunked prefill beside drafts, and
+    quantized weights or cache."""
+    base = LLM(str(gpt_oss), dtype="float32", block_size=4, **extra)
+    first = base.generate(prompts()[1:2], SamplingParams(temperature=0, max_tokens=12,
+                                                         ignore_eos=True))[0].token_ids
+    cases = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first[9]])]
+    llm = LLM(str(gpt_oss), dtype="float32", block_size=4, speculative_config=NGRAM, **extra)
+    for params in cases:
+        want = [(o.token_ids, o.finish_reason) for o in base.generate(prompts(), params)]
+        assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts(), params)] \
+            == want, params
+
+
+def test_sampling_keeps_the_target_distribution():
+    """Verification of fixed rows, 20,000 times: the first token taken is distributed as row 0
+    says (whatever the draft), and the second, given the first accepted, as row 1 says."""
+    torch.manual_seed(0)
+    vocab = 6
+    rows = torch.randn(3, vocab) * 1.5
+    draft = (2, 4)
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=2))
+    firsts, seconds = torch.zeros(vocab), torch.zeros(vocab)
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    for _ in range(20_000):
+        seq = Sequence("r", [1, 2, 3], 3, params)
+        taken = spec.verify(seq, rows, draft, lambda row, s=seq: sample(row, [s])[0],
+                            lambda token: False)
+        firsts[taken[0][0]] += 1
+        if taken[0][0] == draft[0]:
+            seconds[taken[1][0]] += 1
+    for counts, row in ((firsts, rows[0]), (seconds, rows[1])):
+        expected = row.softmax(-1) * counts.sum()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 20.5, (chi2, counts, expected)  # p = 0.001 at 5 degrees of freedom
+
+
+def test_rejected_tokens_never_reach_a_kv_event(gpt_oss):
+    def stored(speculative: dict | None) -> set[tuple[int, ...]]:
+        events = []
+        engine = Engine(EngineConfig(model=str(gpt_oss), dtype="float32", block_size=4,
+                                     speculative_config=speculative), events.extend)
+        engine.add_request("a", prompts()[1], SamplingParams(temperature=0, max_tokens=30,
+                                                             ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        return {tuple(e.token_ids) for e in events if hasattr(e, "token_ids")}
+
+    assert stored(NGRAM) == stored(None)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "suffix"}, "not built yet"),
+    ({"method": "nope"}, "must be one of"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+    ({"k": 3}, "unknown field"),
+    ("{not json", "not JSON"),
+])
+def test_a_bad_configuration_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)
