@@ -67,6 +67,20 @@ class KVDiskCounts(Protocol):
     def misses(self) -> Mapping[str, int]: ...  # lookups it could not serve, by reason
 
 
+class SpecCounts(Protocol):
+    """Speculative decoding's counts since the engine started (plain ints the engine thread
+    bumps; engine/serving/speculation.py)."""
+
+    @property
+    def drafts(self) -> int: ...  # verification steps
+    @property
+    def draft_tokens(self) -> int: ...
+    @property
+    def accepted_tokens(self) -> int: ...
+    @property
+    def accepted_per_position(self) -> Sequence[int]: ...
+
+
 class EngineLayout(Protocol):
     """The engine's sizes, fixed at construction."""
 
@@ -160,6 +174,8 @@ class ServingEngine(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def num_free_kv_blocks(self) -> int: ...
+    @property
+    def spec_counts(self) -> SpecCounts | None: ...  # None: no speculative decoding
 
     # -- requests (engine thread) --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

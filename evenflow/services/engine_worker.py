@@ -57,6 +57,7 @@ from evenflow.services.metrics import (
     VLLM_RUNNING,
     VLLM_WAITING,
     export_kv_disk_counts,
+    export_spec_counts,
 )
 from evenflow.services.worker import WorkerService
 
@@ -79,6 +80,7 @@ class EngineWorker(WorkerService):
         self._stat_started: set[str] = set()  # requests whose first output was counted
         self._gateways_seen: dict[str, float] = {}  # gateway inbox -> last sign of life
         self._kv_disk_seen: dict[str, int] = {}  # the disk tier's counts at their last export
+        self._spec_seen: dict[str, int] = {}  # speculative decoding's, likewise
         self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
 
     # -- the worker lifecycle's hooks -------------------------------------------------------
@@ -354,3 +356,5 @@ class EngineWorker(WorkerService):
         disk = engine.prefix.disk_counts
         if disk is not None:
             export_kv_disk_counts(disk, self._kv_disk_seen)
+        if engine.spec_counts is not None:
+            export_spec_counts(engine.spec_counts, model, self._spec_seen)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from evenflow.services.engine_api import KVDiskCounts
+    from evenflow.services.engine_api import KVDiskCounts, SpecCounts
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,29 @@ VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running in the engin
 VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine",
                      ["model_name"])
 VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache in use (0-1)", ["model_name"])
+# speculative decoding (engine/serving/speculation.py), vLLM's names
+VLLM_SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Drafts verified", ["model_name"])
+VLLM_SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                 ["model_name"])
+VLLM_SPEC_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                             ["model_name"])
+VLLM_SPEC_ACCEPTED_AT = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by their place in the draft",
+                                ["model_name", "position"])
+
+
+def export_spec_counts(counts: SpecCounts, model: str, seen: dict[str, int]) -> None:
+    """Add an engine's cumulative speculative-decoding counts to the VLLM_SPEC_* counters:
+    their increase since `seen` (updated here)."""
+    values = {"drafts": (VLLM_SPEC_DRAFTS.labels(model), counts.drafts),
+              "tokens": (VLLM_SPEC_DRAFT_TOKENS.labels(model), counts.draft_tokens),
+              "accepted": (VLLM_SPEC_ACCEPTED.labels(model), counts.accepted_tokens)}
+    for position, n in enumerate(counts.accepted_per_position):
+        values[f"at{position}"] = (VLLM_SPEC_ACCEPTED_AT.labels(model, str(position)), n)
+    for key, (counter, value) in values.items():
+        if value > seen.get(key, 0):
+            counter.inc(value - seen.get(key, 0))
+        seen[key] = value
 
 
 def render() -> tuple[bytes, str]:

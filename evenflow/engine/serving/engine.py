@@ -33,7 +33,7 @@ from evenflow.engine.serving.kernel_switch import KernelSwitch
 from evenflow.engine.serving.placement_control import ExpertPlacement
 from evenflow.engine.serving.prefix_transfer import PrefixCache
 from evenflow.engine.serving.profiling import ProfileControl
-from evenflow.engine.serving.speculation import Speculation
+from evenflow.engine.serving.speculation import SpecCounts, Speculation
 from evenflow.engine.weights.expert_store import read_missing_experts
 from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
@@ -395,6 +395,10 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def spec_counts(self) -> SpecCounts | None:
+        return self.speculation.counts if self.speculation is not None else None
 
     @property
     def num_waiting(self) -> int:
