@@ -38,10 +38,10 @@ def prompts() -> list[list[int]]:
 def test_the_proposer_continues_the_latest_earlier_match():
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
                                                prompt_lookup_min=2))
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # "2 3" -> "4 5 9"
-    assert proposer.propose([7, 1, 2, 8, 1, 2, 6, 5, 1, 2], 10) == [6, 5, 1]  # the latest
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # the limit
-    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
+    assert proposer.propose_tokens([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # "2 3" -> "4 5 9"
+    assert proposer.propose_tokens([7, 1, 2, 8, 1, 2, 6, 5, 1, 2], 10) == [6, 5, 1]  # the latest
+    assert proposer.propose_tokens([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # the limit
+    assert proposer.propose_tokens([1, 2, 3, 4], 10) == []  # nothing recurs
 
 
 def tokens_and_logprobs(engine: Engine, params: SamplingParams) -> dict:

@@ -36,8 +36,8 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
 
 
-# (token_ids, at most this many) -> draft tokens to follow them
-Proposer = Callable[[list[int], int], list[int]]
+# (a decoding sequence, at most this many) -> draft tokens to follow its tokens
+Proposer = Callable[[Sequence, int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Scheduler:
             return ()
         limit = min(room, seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.config.max_model_len - seq.num_tokens - 1)
-        return tuple(self.proposer(seq.token_ids, limit)) if limit > 0 else ()
+        return tuple(self.proposer(seq, limit)) if limit > 0 else ()
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of full blocks that running sequences have yet to compute (or are computing

@@ -37,6 +37,7 @@ class Sequence:
     # the sliding layers' cached blocks its latest prefix lookup found: logical block -> block
     window_hits: dict[int, int] = field(default_factory=dict)
     window_released: int = 0  # window_table's entries before this are all -1
+    spec_state: Any = None  # its draft proposer's state (engine/spec/ngram.py NgramIndex)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first schedule)

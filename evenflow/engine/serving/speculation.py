@@ -44,8 +44,8 @@ class Speculation:
         self.proposer = NgramProposer(config)
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        return self.proposer.propose(token_ids, limit)
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        return self.proposer.propose(seq, limit)
 
     def verify(self, seq: Sequence, rows: Tensor, draft: tuple[int, ...],
                sample_row: Callable[[Tensor], int], stops: Callable[[int], bool]

@@ -1,14 +1,25 @@
 """Prompt lookup (vLLM's `ngram` method): the draft is what followed the latest earlier
 occurrence of the sequence's last n tokens, for the longest n from prompt_lookup_max down to
-prompt_lookup_min that occurs, up to k tokens. It costs a scan of the sequence per step (numpy,
-a few microseconds a thousand tokens) and no model."""
+prompt_lookup_min that occurs, up to k tokens. Each sequence keeps an index of its n-grams (the
+latest start of each), extended by the tokens added since the last step, so a proposal costs a
+few dictionary lookups however long the sequence is, and no model."""
 
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from dataclasses import dataclass, field
 
+from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.spec.config import SpeculativeConfig
+
+
+@dataclass
+class NgramIndex:
+    """One sequence's n-grams (as tuples) -> the latest position they start at, for every
+    n-gram that ends before `indexed` (the sequence's last token is never indexed: a lookup of
+    the suffix finds an earlier occurrence, never the suffix itself)."""
+
+    starts: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this position are in `starts`
 
 
 class NgramProposer:
@@ -16,18 +27,33 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """At most min(k, limit) draft tokens to follow `token_ids` ([] when no n-gram
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """At most min(k, limit) draft tokens to follow seq's tokens ([] when no n-gram
         recurs)."""
+        return self.propose_tokens(seq.token_ids, limit, seq)
+
+    def propose_tokens(self, tokens: list[int], limit: int, owner: Sequence | None = None
+                       ) -> list[int]:
         k = min(self.k, limit)
-        if k <= 0 or len(token_ids) <= self.low:
+        if k <= 0 or len(tokens) <= self.low:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        index = self._index(tokens, owner)
         for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
-            # windows starting before the suffix itself: [i, i + n) with i + n < len
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
+            start = index.starts.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start + n : start + n + k]
         return []
+
+    def _index(self, tokens: list[int], owner: Sequence | None) -> NgramIndex:
+        """`owner`'s index brought up to date (a fresh one without an owner)."""
+        index = owner.spec_state if owner is not None else None
+        if not isinstance(index, NgramIndex):
+            index = NgramIndex()
+            if owner is not None:
+                owner.spec_state = index
+        last = len(tokens) - 1  # n-grams ending at positions before the last token
+        for end in range(index.indexed, last):
+            for n in range(self.low, min(self.high, end + 1) + 1):
+                index.starts[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
+        index.indexed = max(index.indexed, last)
+        return index

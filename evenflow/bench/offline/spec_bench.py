@@ -1,0 +1,125 @@
+"""`evenflow bench spec`: what speculative decoding (n-gram drafts: engine/spec/) buys, with and
+without it in one process, rounds alternating, greedy.
+
+Workloads, each at batch 1, 8 and 32 (1 and 4 with --quick), 48 new tokens a request:
+- copy: the prompt holds the text the answer repeats (tiny-moe: "count from N : N ... N+29
+  count from N :", which it answers by counting again; the random 110M model: a random segment
+  three times, where what it copies is only what its own weights make of it);
+- chat: little to copy (tiny-moe: "count from N :"; the 110M model: random prompts).
+The repeated-agent workload (suffix decoding) waits for the suffix method (not built).
+
+Per (model, workload, batch): tokens/s with and without (median of the rounds), the ratio (the
+rounds' median of with / without: > 1 means speculation is faster), the acceptance (accepted
+draft tokens / draft tokens) and tokens per verified draft. It ends with one line per workload
+and batch: `spec <workload> batch <b>: <ratio>x (acceptance <a>)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+NEW_TOKENS = 48
+
+
+def _prompts(llm: Any, workload: str, batch: int, trained: bool, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(5, 400, (batch,), generator=g).tolist()
+    if trained:
+        texts = [f"count from {n} : " + " ".join(str(i) for i in range(n, n + 30)) +
+                 f" count from {n} :" if workload == "copy" else f"count from {n} :"
+                 for n in starts]
+        return [llm.tokenizer.encode(t) for t in texts]
+    vocab = llm.engine.model_config.vocab_size
+    if workload == "copy":
+        return [torch.randint(3, vocab, (40,), generator=g).tolist() * 3 for _ in starts]
+    return [torch.randint(3, vocab, (120,), generator=g).tolist() for _ in starts]
+
+
+def _timed(llm: Any, prompts: list[list[int]]) -> float:
+    """Output tokens per second of one batch, to the end."""
+    from evenflow.proto.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    return len(prompts) * NEW_TOKENS / (time.perf_counter() - t0)
+
+
+def run(model: str, dtype: str, threads: int, batches: list[int], rounds: int) -> list[dict]:
+    from evenflow import LLM
+
+    trained = model == "tiny-moe"
+    common = dict(dtype=dtype, num_threads=threads, max_num_seqs=64)
+    plain, spec = LLM(model, **common), LLM(model, **common, speculative_config=NGRAM)
+    rows = []
+    for workload in ("copy", "chat"):
+        for batch in batches:
+            counts = spec.engine.spec_counts  # type: ignore[union-attr]
+            assert counts is not None
+            before = (counts.draft_tokens, counts.accepted_tokens, counts.drafts)
+            speeds: dict[str, list[float]] = {"without": [], "with": []}
+            for r in range(rounds + 1):  # (round 0 warms both up)
+                prompts = _prompts(plain, workload, batch, trained, 1000 * batch + r)
+                for name, llm in (("without", plain), ("with", spec)):
+                    speed = _timed(llm, prompts)
+                    if r:
+                        speeds[name].append(speed)
+            drafted = counts.draft_tokens - before[0]
+            accepted = counts.accepted_tokens - before[1]
+            drafts = counts.drafts - before[2]
+            rows.append(dict(
+                model=model, workload=workload, batch=batch,
+                without=statistics.median(speeds["without"]),
+                with_=statistics.median(speeds["with"]),
+                ratio=statistics.median(w / o for w, o in zip(speeds["with"], speeds["without"],
+                                                              strict=True)),
+                acceptance=accepted / drafted if drafted else 0.0,
+                per_draft=(accepted + drafts) / drafts if drafts else 0.0))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="evenflow bench spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 4, one model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--checkpoint-dir", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from evenflow.bench.checkpoint import benchmark_checkpoint
+
+    torch.set_num_threads(args.threads)
+    random_model, dtype = benchmark_checkpoint(args.quick, args.checkpoint_dir, args.threads)
+    batches = [1, 4] if args.quick else [1, 8, 32]
+    models = ["tiny-moe"] + ([] if args.quick else [random_model])
+    rows = [row for model in models
+            for row in run(model, dtype, args.threads, batches, args.rounds)]
+    print(f"\nn-gram drafts of up to {NGRAM['num_speculative_tokens']} tokens, greedy, "
+          f"{NEW_TOKENS} new tokens a request; tokens/s medians of {args.rounds} alternating "
+          "rounds; ratio = with / without (median of the rounds)")
+    print(f"{'model':>14} {'workload':>8} {'batch':>5} {'without':>9} {'with':>9} {'ratio':>6} "
+          f"{'accept':>7} {'tok/draft':>9}")
+    for r in rows:
+        name = "tiny-moe" if r["model"] == "tiny-moe" else "110M random"
+        print(f"{name:>14} {r['workload']:>8} {r['batch']:>5} {r['without']:9.1f} "
+              f"{r['with_']:9.1f} {r['ratio']:5.2f}x {r['acceptance']:7.2f} "
+              f"{r['per_draft']:9.2f}")
+    print()
+    for r in rows:
+        if r["model"] == "tiny-moe":
+            print(f"spec {r['workload']} batch {r['batch']}: {r['ratio']:.2f}x "
+                  f"(acceptance {r['acceptance']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
