@@ -38,10 +38,10 @@ def prompts() -> list[list[int]]:
 def test_the_proposer_continues_the_latest_earlier_match():
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
                                                prompt_lookup_min=2))
-    assert proposer.propose_tokens([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # "2 3" -> "4 5 9"
-    assert proposer.propose_tokens([7, 1, 2, 8, 1, 2, 6, 5, 1, 2], 10) == [6, 5, 1]  # the latest
-    assert proposer.propose_tokens([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # the limit
-    assert proposer.propose_tokens([1, 2, 3, 4], 10) == []  # nothing recurs
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # "2 3" -> "4 5 9"
+    assert proposer.propose([7, 1, 2, 8, 1, 2, 6, 5, 1, 2], 10) == [6, 5, 1]  # the latest
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # the limit
+    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
 
 
 def tokens_and_logprobs(engine: Engine, params: SamplingParams) -> dict:
@@ -131,6 +131,30 @@ def test_rejected_tokens_never_reach_a_kv_event(gpt_oss):
         return {tuple(e.token_ids) for e in events if hasattr(e, "token_ids")}
 
     assert stored(NGRAM) == stored(None)
+
+
+def test_the_draft_length_follows_acceptance_and_cost():
+    from evenflow.engine.serving.speculation import best_draft_length
+
+    assert best_draft_length(0.9, 0.1, 4) == 4  # cheap rows, good guesses: the whole draft
+    assert best_draft_length(0.1, 0.3, 4) == 0  # poor guesses: no draft
+    assert 0 < best_draft_length(0.6, 0.5, 8) < 8  # in between: a few
+    assert best_draft_length(0.99, 2.0, 4) == 0  # a row dearer than a step: never
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting():
+    spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
+    seq = Sequence("r", [5, 6, 7, 5, 6, 7, 5, 6], 8, SamplingParams(temperature=0))
+    first = spec.propose(seq, 4)
+    assert first and first == [7, 5, 6][: len(first)]  # (its length by the prior's cost)
+    rows = torch.zeros(4, 10)
+    rows[:, 1] = 1.0  # the target always says 1: every draft token is rejected
+    for _ in range(6):
+        spec.verify(seq, rows, (7, 5, 6), lambda row, s=seq: sample(row, [s])[0],
+                    lambda token: False)
+        seq.token_ids[-1:] = []  # (the same context again)
+        seq.num_computed_tokens = 0
+    assert spec.propose(seq, 4) == []
 
 
 @pytest.mark.parametrize("config, message", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -426,7 +427,12 @@ class Engine:
                                      seq.window_table[:prompt_blocks] or None)
                 seq.pending_kv = None
         if chunks:
+            started = time.perf_counter()
             sampled = iter(self.runner.run(chunks))
+            if self.speculation is not None and all(
+                    c.draft or c.num_tokens == 1 for c in chunks):  # a decode step: its cost
+                self.speculation.observe_step(sum(c.num_tokens for c in chunks), len(chunks),
+                                              time.perf_counter() - started)
             for chunk in chunks:
                 seq, samples = chunk.seq, chunk.samples
                 if chunk.draft:

@@ -1,6 +1,7 @@
 """Speculative decoding inside the engine (an engine part, as the prefix cache is): the proposer
-the scheduler asks for a decoding sequence's draft, the verification of the rows a draft's
-step scored, and the counts the worker exports under vLLM's metric names.
+the scheduler asks for a decoding sequence's draft, the draft's length chosen by cost, the
+verification of the rows a draft's step scored, and the counts the worker exports under vLLM's
+metric names.
 
 Verification samples the step's rows in order, each as the sequence's next token would be
 sampled without speculation (penalties, guided decoding, logprobs and seeds see the tokens taken
@@ -12,6 +13,15 @@ distributed as p without t, renormalized. Greedy output is therefore identical t
 without speculation, and sampling keeps its distribution. The rejected tokens' K/V slots lie
 past num_computed_tokens: they are overwritten before anything reads them, and never hashed,
 cached or published (only computed, accepted tokens are).
+
+The draft's length (k, 0 included) is chosen per sequence and step by cost (`DraftCost`): with
+a per-token acceptance a (the sequence's recent drafts), a draft of k tokens yields 1 + a + ... +
+a^k tokens for a step share of 1 + c k, where c is what one more row costs against a sequence's
+share of a decode step, measured on this engine's own decode steps (a least-squares line of step
+time against rows: on a MoE model a wider step also reads the extra experts its rows route to).
+The k with the most tokens per cost wins; where no k > 0 beats a plain step, there is no draft.
+A sequence whose drafts keep failing stops drafting, and its estimate drifts back to the prior
+so that it tries again later.
 """
 
 from __future__ import annotations
@@ -23,8 +33,14 @@ from torch import Tensor
 
 from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.spec.config import SpeculativeConfig
-from evenflow.engine.spec.ngram import NgramProposer
+from evenflow.engine.spec.ngram import NgramIndex, NgramProposer
 from evenflow.proto.sampling import TokenLogprobs
+
+PRIOR_ACCEPTANCE = 0.5  # a new sequence's, and where an idle estimate drifts back to
+ACCEPTANCE_MEMORY = 0.6  # weight of the old estimate at each verified draft
+DRIFT = 0.03  # a step without a draft moves the estimate this far back to the prior
+PRIOR_ROW_COST = 0.3  # c before the engine has measured its steps
+STEP_MEMORY = 0.98  # weight of the old sums in the step-time line, per decode step
 
 
 @dataclass
@@ -38,26 +54,97 @@ class SpecCounts:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
+@dataclass
+class SpecState:
+    """One sequence's: its n-gram index and its acceptance estimate."""
+
+    ngram: NgramIndex = field(default_factory=NgramIndex)
+    acceptance: float = PRIOR_ACCEPTANCE
+
+
+class DraftCost:
+    """Step time against rows, a line fitted by exponentially weighted least squares over the
+    engine's decode steps (no prefill in them): t = base + per_row * rows."""
+
+    def __init__(self) -> None:
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        m = STEP_MEMORY
+        self.n, self.x, self.y = m * self.n + 1, m * self.x + rows, m * self.y + seconds
+        self.xx, self.xy = m * self.xx + rows * rows, m * self.xy + rows * seconds
+
+    def row_cost(self, batch: int) -> float:
+        """c: one more row's time over a sequence's share of a plain step of `batch`."""
+        if self.n < 8:
+            return PRIOR_ROW_COST
+        spread = self.xx / self.n - (self.x / self.n) ** 2
+        if spread < 0.25:  # (all steps of one width so far: no slope to read)
+            return PRIOR_ROW_COST
+        per_row = max(0.0, (self.xy / self.n - self.x * self.y / self.n ** 2) / spread)
+        base = max(0.0, self.y / self.n - per_row * self.x / self.n)
+        share = base / max(1, batch) + per_row
+        return per_row / share if share > 0 else PRIOR_ROW_COST
+
+
+def best_draft_length(acceptance: float, row_cost: float, limit: int) -> int:
+    """The k in [0, limit] with the most expected tokens per step share."""
+    best_k, best, tokens, power = 0, 1.0, 1.0, 1.0
+    for k in range(1, limit + 1):
+        power *= acceptance
+        tokens += power
+        value = tokens / (1.0 + row_cost * k)
+        if value > best * 1.0001:
+            best_k, best = k, value
+    return best_k
+
+
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config)
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.cost = DraftCost()
+        self.row_cost = PRIOR_ROW_COST  # c, refitted after each decode step
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        return self.proposer.propose(seq, limit)
+        state = seq.spec_state
+        if not isinstance(state, SpecState):
+            state = seq.spec_state = SpecState()
+        # (a draft of one pays only where acceptance beats a row's cost: a quick no first)
+        k = best_draft_length(state.acceptance, self.row_cost, min(
+            limit, self.config.num_speculative_tokens)) if state.acceptance > self.row_cost else 0
+        if k == 0:
+            state.acceptance += DRIFT * (PRIOR_ACCEPTANCE - state.acceptance)
+            return []
+        return self.proposer.propose(seq.token_ids, k, state.ngram)
+
+    def observe_step(self, rows: int, seqs: int, seconds: float) -> None:
+        """A decode step's time (every chunk one token or a draft): the cost line's data."""
+        self.cost.observe(rows, seconds)
+        self.row_cost = self.cost.row_cost(seqs)
 
     def verify(self, seq: Sequence, rows: Tensor, draft: tuple[int, ...],
                sample_row: Callable[[Tensor], int], stops: Callable[[int], bool]
                ) -> list[tuple[int, TokenLogprobs | None]]:
         """The tokens taken from a draft's rows (len(draft) + 1 of them), each appended to
         `seq` as it is sampled, with its logprobs; `stops(token)`: the sequence ends there.
-        seq.num_computed_tokens then counts the K/V this step computed for taken tokens."""
+        seq.num_computed_tokens then counts the K/V this step computed for taken tokens. A
+        greedy sequence that processes no logits, asks no logprobs and follows no grammar
+        takes each row's argmax, all rows at once (what sampling them one by one gives)."""
+        p = seq.params
+        if p.greedy and not p.processes_logits and p.logprobs is None and seq.guide is None:
+            best = rows.argmax(dim=-1).tolist()
+            return self._take(seq, draft, lambda j: best[j], stops)
+        return self._take(seq, draft, lambda j: sample_row(rows[j : j + 1]), stops)
+
+    def _take(self, seq: Sequence, draft: tuple[int, ...], token_at: Callable[[int], int],
+              stops: Callable[[int], bool]) -> list[tuple[int, TokenLogprobs | None]]:
         taken: list[tuple[int, TokenLogprobs | None]] = []
         seq.num_computed_tokens += 1  # the token before the draft
         accepted = 0
         for j in range(len(draft) + 1):
-            token = sample_row(rows[j : j + 1])
+            token = token_at(j)
             seq.token_ids.append(token)
             taken.append((token, seq.step_logprobs))
             hit = j < len(draft) and token == draft[j]
@@ -67,8 +154,16 @@ class Speculation:
             if stops(token) or not hit:
                 break
             seq.num_computed_tokens += 1  # draft j's K/V is the token's
+        self._record(seq, len(draft), accepted)
+        return taken
+
+    def _record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         counts = self.counts
         counts.drafts += 1
-        counts.draft_tokens += len(draft)
+        counts.draft_tokens += drafted
         counts.accepted_tokens += accepted
-        return taken
+        state = seq.spec_state
+        if isinstance(state, SpecState):  # each position up to the first miss is a trial
+            trials = accepted + (1 if accepted < drafted else 0)
+            state.acceptance = ACCEPTANCE_MEMORY * state.acceptance + \
+                (1 - ACCEPTANCE_MEMORY) * accepted / max(1, trials)

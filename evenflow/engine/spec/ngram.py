@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.spec.config import SpeculativeConfig
 
 
@@ -27,30 +26,21 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
-        """At most min(k, limit) draft tokens to follow seq's tokens ([] when no n-gram
-        recurs)."""
-        return self.propose_tokens(seq.token_ids, limit, seq)
-
-    def propose_tokens(self, tokens: list[int], limit: int, owner: Sequence | None = None
-                       ) -> list[int]:
+    def propose(self, tokens: list[int], limit: int, index: NgramIndex | None = None
+                ) -> list[int]:
+        """At most min(k, limit) draft tokens to follow `tokens` ([] when no n-gram recurs);
+        `index`: the sequence's own, brought up to date here (a fresh one without)."""
         k = min(self.k, limit)
         if k <= 0 or len(tokens) <= self.low:
             return []
-        index = self._index(tokens, owner)
+        index = self._extend(tokens, index or NgramIndex())
         for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
             start = index.starts.get(tuple(tokens[-n:]))
             if start is not None:
                 return tokens[start + n : start + n + k]
         return []
 
-    def _index(self, tokens: list[int], owner: Sequence | None) -> NgramIndex:
-        """`owner`'s index brought up to date (a fresh one without an owner)."""
-        index = owner.spec_state if owner is not None else None
-        if not isinstance(index, NgramIndex):
-            index = NgramIndex()
-            if owner is not None:
-                owner.spec_state = index
+    def _extend(self, tokens: list[int], index: NgramIndex) -> NgramIndex:
         last = len(tokens) - 1  # n-grams ending at positions before the last token
         for end in range(index.indexed, last):
             for n in range(self.low, min(self.high, end + 1) + 1):
