@@ -20,6 +20,7 @@ PACKAGE = ROOT / "evenflow"
 # (evenflow/engine/__init__.py states the same). Keys are module names under evenflow.engine;
 # a sub-package stands for every module in it.
 ENGINE_FLOORS: list[tuple[str, ...]] = [
+    ("spec",),  # speculative decoding's configuration and proposers (torch-free)
     ("config",),
     ("core",),
     ("kernels",),
