@@ -205,6 +205,29 @@ def run_all(engine) -> tuple[dict[str, list[int]], dict]:
     return tokens, kvs
 
 
+def prefill_then_decode(config, prompts: dict[str, list[int]], params
+                        ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict]:
+    """The same prompts on one engine, and prefilled on one then continued on another (their
+    K/V handed over): (one engine's tokens, the two engines' tokens, the handed-over K/V) by
+    request."""
+    from evenflow import SamplingParams
+    from evenflow.engine.serving.engine import Engine
+
+    single = Engine(config)
+    for rid, p in prompts.items():
+        single.add_request(rid, p, params)
+    expected, _ = run_all(single)
+    prefill, decode = Engine(config), Engine(config)
+    first_only = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+    for rid, p in prompts.items():
+        prefill.add_request(rid, p, first_only, export_kv=True)
+    firsts, kvs = run_all(prefill)
+    for rid, p in prompts.items():
+        decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
+    rest, _ = run_all(decode)
+    return expected, {rid: firsts[rid] + rest.get(rid, []) for rid in prompts}, kvs
+
+
 def run_to_end(engine) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Step an engine until its requests finish: (tokens by request, cached prompt tokens by
     request)."""

@@ -30,7 +30,6 @@ group, still one unit.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import importlib
 import os
 import signal
@@ -135,25 +134,24 @@ class ServiceReplica:
                     rank.kill()
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the replica process dies (Linux)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _tied_to_this_process() -> dict[str, str]:
+    """A child's environment that ties it to this process: it takes SIGTERM when this process
+    dies (PR_SET_PDEATHSIG, set by the child itself at its start: services/worker.py). Not a
+    preexec_fn: that makes subprocess fork() this process, whose gRPC threads (Ray's) then
+    abort it now and then."""
+    return {"EVENFLOW_PARENT_PID": str(os.getpid())}
 
 
 def start_follower_ranks(role: str, worker_id: str, config: MeshConfig,
                          ranks: range | None = None) -> list[subprocess.Popen]:
     """Ranks of this replica's DEP group as worker processes on this node: 1..N-1, or with
     the group over several nodes, this node's share after rank 0."""
-    env = {**os.environ, **config.to_env()}
+    env = {**os.environ, **config.to_env(), **_tied_to_this_process()}
     if ranks is None:
         ranks = range(1, config.expert_parallel_size // max(1, config.ep_nodes))
     return [subprocess.Popen(
         [sys.executable, "-m", f"evenflow.{role}", f"{worker_id}r{rank}"],
-        env={**env, "EVENFLOW_EP_RANK": str(rank)}, preexec_fn=_die_with_parent)
-        for rank in ranks]
+        env={**env, "EVENFLOW_EP_RANK": str(rank)}) for rank in ranks]
 
 
 def _serve_rendezvous(config: MeshConfig) -> tuple[MeshConfig, Any]:
@@ -177,8 +175,8 @@ class RankHost:
                  ) -> None:
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", f"evenflow.{role}", f"{worker_id}r{rank}"],
-            env={**os.environ, **env, "EVENFLOW_EP_RANK": str(rank)},
-            preexec_fn=_die_with_parent) for rank in ranks]
+            env={**os.environ, **env, **_tied_to_this_process(), "EVENFLOW_EP_RANK": str(rank)})
+            for rank in ranks]
 
     def exited(self) -> list[int]:
         return [p.pid for p in self.procs if p.poll() is not None]

@@ -188,6 +188,10 @@ class MeshConfig(EngineConfig):
     # DEP (engine/dep/lockstep.py): the launcher sets ep_rank / ep_group per process
     ep_rank: int = setting(0, ge=0, hidden=True, help="this process's rank in its DEP group")
     ep_group: str = setting("", hidden=True, help="this process's DEP group")
+    # a Ray Serve replica's DEP ranks: set in their environment rather than by a preexec_fn,
+    # whose fork() a replica's gRPC threads do not survive (rayserve/app.py)
+    parent_pid: int = setting(0, ge=0, hidden=True,
+                              help="end (SIGTERM) when this process ends (0: no such tie)")
     ep_ranks: str = setting("", flag=True, commands=("serve",),
                             help="with --ep N: the ranks of each DEP group this host runs, e.g. "
                                  "0,1 (default: all); the other hosts run the rest with the "

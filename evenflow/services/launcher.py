@@ -109,6 +109,16 @@ def die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def die_with(parent_pid: int) -> None:
+    """In the process itself, at its start: SIGTERM when `parent_pid` ends; gone already (the
+    tie came too late), it ends now. For children started without a preexec_fn (a fork of a
+    process with gRPC threads, as a Ray Serve replica, can abort)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"the process that started this one ({parent_pid}) is gone")
+
+
 def _command(proc: subprocess.Popen) -> str:
     """What a child runs, for messages: the program and its arguments."""
     args = proc.args

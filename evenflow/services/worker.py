@@ -161,6 +161,10 @@ class WorkerService:
 
 def run_worker(service: WorkerService) -> None:
     """Entry point of a worker process: uvloop when available, one event loop."""
+    if service.config.parent_pid:
+        from evenflow.services.launcher import die_with
+
+        die_with(service.config.parent_pid)
     service.config.configure_logging(f"{service.role}/{service.worker_id}")
     try:
         import uvloop

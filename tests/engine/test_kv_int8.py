@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import make_checkpoint, run_all
+from checkpoints import make_checkpoint, prefill_then_decode
 
 from evenflow import SamplingParams
 from evenflow.engine.kernels import native
@@ -83,21 +83,9 @@ def test_int8_handoff_equals_single_engine(ckpt, monkeypatch, native_kernels):
         cfg = EngineConfig(model=str(ckpt), dtype="float32", block_size=4, kv_cache_dtype="int8")
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         prompts = {"a": list(range(3, 40)), "b": list(range(50, 58))}
-        single = Engine(cfg)
-        for rid, p in prompts.items():
-            single.add_request(rid, p, params)
-        expected, _ = run_all(single)
-        prefill, decode = Engine(cfg), Engine(cfg)
-        for rid, p in prompts.items():
-            prefill.add_request(rid, p, SamplingParams(temperature=0, max_tokens=1),
-                                export_kv=True)
-        firsts, kvs = run_all(prefill)
-        for rid, p in prompts.items():
-            assert kvs[rid].dtype == "int8"
-            decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
-        rest, _ = run_all(decode)
-        for rid in prompts:
-            assert firsts[rid] + rest[rid] == expected[rid]
+        expected, handed_over, kvs = prefill_then_decode(cfg, prompts, params)
+        assert all(kv.dtype == "int8" for kv in kvs.values())
+        assert handed_over == expected
     finally:
         native.kv_int8.cache_clear()
 

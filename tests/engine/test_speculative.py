@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram drafts (engine/serving/speculation.py): greedy output is the
-same as without it (float32 and bf16, with logprobs, stop tokens, max_tokens, chunked prefill,
-int8 weights and the int8 KV cache); a draft on text that repeats is mostly accepted; the
-sampling distribution is kept (chi-square over the verification of fixed rows); rejected tokens
-never reach a KV event; a bad configuration is refused by name."""
+"""Speculative decoding with n-gram and suffix drafts (engine/serving/speculation.py): greedy
+output is the same as without it (float32 and bf16, with logprobs, stop tokens, max_tokens,
+chunked prefill, int8 weights and the int8 KV cache); a draft on text that repeats is mostly
+accepted, and a repeated request drafts its earlier answer; the sampling distribution is kept
+(chi-square over the verification of fixed rows); rejected tokens never reach a KV event; a
+bad configuration is refused by name."""
 
 from __future__ import annotations
 
@@ -54,6 +55,35 @@ def tokens_and_logprobs(engine: Engine, params: SamplingParams) -> dict:
             top = tuple(step.logprobs.top_ids) if step.logprobs is not None else None
             out.setdefault(step.request_id, []).extend((t, top) for t in step.new_token_ids)
     return out
+
+
+def test_suffix_drafts_come_from_earlier_requests_longer_for_longer_matches():
+    from evenflow.engine.spec.suffix import SuffixProposer
+
+    proposer = SuffixProposer(SpeculativeConfig(
+        method="suffix", num_speculative_tokens=6, suffix_decoding_max_cached_requests=2))
+    proposer.add([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert proposer.propose([9, 9, 3, 4], 10) == [5, 6]  # matched 2: at most 2
+    assert proposer.propose([2, 3, 4], 10) == [5, 6, 7]  # matched 3: at most 3
+    assert proposer.propose([7, 7, 4, 4, 7, 7], 10) == [4, 4]  # its own tokens first
+    proposer.add([20, 21, 22])
+    proposer.add([30, 31, 32])  # the first request drops out (capacity 2)
+    assert proposer.propose([9, 9, 3, 4], 10) == []
+    assert proposer.propose([5, 20, 21], 10) == [22]
+
+
+def test_a_repeated_request_drafts_its_earlier_answer(gpt_oss):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = LLM(str(gpt_oss), dtype="float32", block_size=4)
+    llm = LLM(str(gpt_oss), dtype="float32", block_size=4,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    first = prompts()[0]
+    want = base.generate([first], params)[0].token_ids
+    assert llm.generate([first], params)[0].token_ids == want
+    counts = llm.engine.speculation.counts
+    before = counts.accepted_tokens
+    assert llm.generate([first], params)[0].token_ids == want  # the same request again
+    assert counts.accepted_tokens - before >= 20
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -158,7 +188,8 @@ def test_a_sequence_whose_drafts_fail_stops_drafting():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "suffix"}, "not built yet"),
+    ({"method": "mtp"}, "not built yet"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
     ({"method": "nope"}, "must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import VOCAB, hf_greedy, make_checkpoint, run_all
+from checkpoints import VOCAB, hf_greedy, make_checkpoint, prefill_then_decode
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.core.window_blocks import NO_BLOCK
@@ -94,20 +94,8 @@ def test_prefill_and_decode_engines_hand_the_window_over(gpt_oss):
     cfg = EngineConfig(model=str(path), dtype="float32", block_size=BLOCK)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = {"a": prompt(37, 7), "b": prompt(9, 8), "c": prompt(3, 9)}
-    single = Engine(cfg)
-    for rid, p in prompts.items():
-        single.add_request(rid, p, params)
-    expected, _ = run_all(single)
-    prefill, decode = Engine(cfg), Engine(cfg)
-    for rid, p in prompts.items():
-        prefill.add_request(rid, p, SamplingParams(temperature=0, max_tokens=1),
-                            export_kv=True)
-    firsts, kvs = run_all(prefill)
-    for rid, p in prompts.items():
-        decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
-    rest, _ = run_all(decode)
-    for rid in prompts:
-        assert firsts[rid] + rest[rid] == expected[rid]
+    expected, handed_over, _ = prefill_then_decode(cfg, prompts, params)
+    assert handed_over == expected
 
 
 def test_an_int8_cache_gives_the_same_tokens_with_the_pool(gpt_oss, monkeypatch):

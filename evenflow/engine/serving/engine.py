@@ -471,6 +471,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # An export keeps its blocks until the next step has read them out.
         self.scheduler.finish(seq, reason, free_blocks=not seq.export_kv)
+        if self.speculation is not None:
+            self.speculation.finished(seq)
         if seq.export_kv:
             self._exports.append(seq)
         del self._requests[seq.request_id]

@@ -34,6 +34,7 @@ from torch import Tensor
 from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.spec.ngram import NgramIndex, NgramProposer
+from evenflow.engine.spec.suffix import SuffixProposer
 from evenflow.proto.sampling import TokenLogprobs
 
 PRIOR_ACCEPTANCE = 0.5  # a new sequence's, and where an idle estimate drifts back to
@@ -102,7 +103,8 @@ def best_draft_length(acceptance: float, row_cost: float, limit: int) -> int:
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(config)
+        self.proposer: NgramProposer | SuffixProposer = (
+            SuffixProposer(config) if config.method == "suffix" else NgramProposer(config))
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
         self.cost = DraftCost()
         self.row_cost = PRIOR_ROW_COST  # c, refitted after each decode step
@@ -118,6 +120,11 @@ class Speculation:
             state.acceptance += DRIFT * (PRIOR_ACCEPTANCE - state.acceptance)
             return []
         return self.proposer.propose(seq.token_ids, k, state.ngram)
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: suffix decoding caches its tokens for the requests to come."""
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.add(seq.token_ids)
 
     def observe_step(self, rows: int, seqs: int, seconds: float) -> None:
         """A decode step's time (every chunk one token or a draft): the cost line's data."""

@@ -3,8 +3,10 @@
 `LLM`, `--speculative-config JSON` on `up`, `serve` and `generate` (EngineConfig's
 speculative_config holds the JSON text). Torch-free.
 
-Built: `ngram` (prompt lookup: engine/spec/ngram.py). Refused by name, not built yet: `suffix`,
-`mtp` and `draft_model` (issue 46). Defaults where the user names none: k = 4, and n-grams of 2
+Built: `ngram` (prompt lookup: engine/spec/ngram.py) and `suffix` (drafts from the worker's
+recent requests too: engine/spec/suffix.py, with suffix_decoding_max_cached_requests and
+suffix_decoding_max_spec_factor as vLLM names them). Refused by name, not built yet: `mtp` and
+`draft_model` (issue 46). Defaults where the user names none: k = 4, and n-grams of 2
 to 4 tokens (vLLM's own defaults differ by version; 2 keeps a single repeated token from
 proposing on every step of a chat that copies nothing).
 """
@@ -16,8 +18,11 @@ from typing import Any
 
 import orjson
 
-METHODS = ("ngram",)
-NOT_BUILT = ("suffix", "mtp", "draft_model", "eagle", "eagle3", "medusa")
+METHODS = ("ngram", "suffix")
+NOT_BUILT = ("mtp", "draft_model", "eagle", "eagle3", "medusa")
+# suffix: requests cached (vLLM's default is 10,000 in a tree; an n-gram index per token costs
+# more, so fewer here) and the longest draft for a match of n tokens (factor x n)
+SUFFIX_CACHED_REQUESTS, SUFFIX_SPEC_FACTOR = 256, 1.0
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -27,6 +32,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    suffix_decoding_max_cached_requests: int = SUFFIX_CACHED_REQUESTS
+    suffix_decoding_max_spec_factor: float = SUFFIX_SPEC_FACTOR
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -42,7 +49,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object, e.g. "
                              '{"method": "ngram", "num_speculative_tokens": 4}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
@@ -71,7 +79,15 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= "
                              f"prompt_lookup_max ({high})")
-        return cls(method, k, high, low)
+        cached = value.get("suffix_decoding_max_cached_requests", SUFFIX_CACHED_REQUESTS)
+        factor = value.get("suffix_decoding_max_spec_factor", SUFFIX_SPEC_FACTOR)
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise ValueError("speculative_config suffix_decoding_max_cached_requests must be an "
+                             f"integer >= 0, got {cached!r}")
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
+            raise ValueError("speculative_config suffix_decoding_max_spec_factor must be > 0, "
+                             f"got {factor!r}")
+        return cls(method, k, high, low, cached, float(factor))
 
     def text(self) -> str:
         return orjson.dumps(self.__dict__).decode()

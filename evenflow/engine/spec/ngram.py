@@ -31,14 +31,24 @@ class NgramProposer:
         """At most min(k, limit) draft tokens to follow `tokens` ([] when no n-gram recurs);
         `index`: the sequence's own, brought up to date here (a fresh one without)."""
         k = min(self.k, limit)
-        if k <= 0 or len(tokens) <= self.low:
+        found = self.match(tokens, index) if k > 0 else None
+        if found is None:
             return []
+        n, start = found
+        return tokens[start + n : start + n + k]
+
+    def match(self, tokens: list[int], index: NgramIndex | None = None
+              ) -> tuple[int, int] | None:
+        """(n, where the latest earlier occurrence of tokens' last n starts) for the longest n
+        that recurs; None when none does."""
+        if len(tokens) <= self.low:
+            return None
         index = self._extend(tokens, index or NgramIndex())
         for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
             start = index.starts.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start + n : start + n + k]
-        return []
+                return n, start
+        return None
 
     def _extend(self, tokens: list[int], index: NgramIndex) -> NgramIndex:
         last = len(tokens) - 1  # n-grams ending at positions before the last token
