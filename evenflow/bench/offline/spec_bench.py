@@ -5,8 +5,9 @@ Workloads, each at batch 1, 8 and 32 (1 and 4 with --quick), 48 new tokens a req
 - copy: the prompt holds the text the answer repeats (tiny-moe: "count from N : N ... N+29
   count from N :", which it answers by counting again; the random 110M model: a random segment
   three times, where what it copies is only what its own weights make of it);
-- chat: little to copy (tiny-moe: "count from N :"; the 110M model: random prompts).
-The repeated-agent workload (suffix decoding) waits for the suffix method (not built).
+- chat: little to copy (tiny-moe: "count from N :"; the 110M model: random prompts);
+- repeat: an agent's loop, the same requests again (the chat prompts of round 0 in every
+  round), with suffix decoding (drafts from the worker's earlier requests) instead of n-gram.
 
 Per (model, workload, batch): tokens/s with and without (median of the rounds), the ratio (the
 rounds' median of with / without: > 1 means speculation is faster), the acceptance (accepted
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 NEW_TOKENS = 48
 
 
@@ -56,16 +58,20 @@ def run(model: str, dtype: str, threads: int, batches: list[int], rounds: int) -
 
     trained = model == "tiny-moe"
     common = dict(dtype=dtype, num_threads=threads, max_num_seqs=64)
-    plain, spec = LLM(model, **common), LLM(model, **common, speculative_config=NGRAM)
+    plain = LLM(model, **common)
+    ngram = LLM(model, **common, speculative_config=NGRAM)
+    suffix = LLM(model, **common, speculative_config=SUFFIX)
     rows = []
-    for workload in ("copy", "chat"):
+    for workload in ("copy", "chat", "repeat"):
+        spec = suffix if workload == "repeat" else ngram
         for batch in batches:
             counts = spec.engine.spec_counts  # type: ignore[union-attr]
             assert counts is not None
             before = (counts.draft_tokens, counts.accepted_tokens, counts.drafts)
             speeds: dict[str, list[float]] = {"without": [], "with": []}
             for r in range(rounds + 1):  # (round 0 warms both up)
-                prompts = _prompts(plain, workload, batch, trained, 1000 * batch + r)
+                prompts = _prompts(plain, "chat" if workload == "repeat" else workload, batch,
+                                   trained, 1000 * batch + (0 if workload == "repeat" else r))
                 for name, llm in (("without", plain), ("with", spec)):
                     speed = _timed(llm, prompts)
                     if r:
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     models = ["tiny-moe"] + ([] if args.quick else [random_model])
     rows = [row for model in models
             for row in run(model, dtype, args.threads, batches, args.rounds)]
-    print(f"\nn-gram drafts of up to {NGRAM['num_speculative_tokens']} tokens, greedy, "
+    print(f"\nn-gram drafts of up to {NGRAM['num_speculative_tokens']} tokens (repeat: suffix, "
+          f"up to {SUFFIX['num_speculative_tokens']}), greedy, "
           f"{NEW_TOKENS} new tokens a request; tokens/s medians of {args.rounds} alternating "
           "rounds; ratio = with / without (median of the rounds)")
     print(f"{'model':>14} {'workload':>8} {'batch':>5} {'without':>9} {'with':>9} {'ratio':>6} "

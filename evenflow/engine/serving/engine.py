@@ -429,10 +429,6 @@ class Engine:
         if chunks:
             started = time.perf_counter()
             sampled = iter(self.runner.run(chunks))
-            if self.speculation is not None and all(
-                    c.draft or c.num_tokens == 1 for c in chunks):  # a decode step: its cost
-                self.speculation.observe_step(sum(c.num_tokens for c in chunks), len(chunks),
-                                              time.perf_counter() - started)
             for chunk in chunks:
                 seq, samples = chunk.seq, chunk.samples
                 if chunk.draft:
@@ -450,6 +446,10 @@ class Engine:
                     self._finish(seq, reason)
                 outputs.append(self._output(seq, [token],
                                             kv_follows=reason is not None and seq.export_kv))
+            if self.speculation is not None and all(
+                    c.draft or c.num_tokens == 1 for c in chunks):  # a decode step: its cost,
+                self.speculation.observe_step(  # its drafts' verification included
+                    sum(c.num_tokens for c in chunks), len(chunks), time.perf_counter() - started)
         events = self.blocks.take_events()
         if events and self.kv_event_listener is not None:
             self.kv_event_listener(events)

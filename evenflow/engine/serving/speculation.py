@@ -20,8 +20,10 @@ a^k tokens for a step share of 1 + c k, where c is what one more row costs again
 share of a decode step, measured on this engine's own decode steps (a least-squares line of step
 time against rows: on a MoE model a wider step also reads the extra experts its rows route to).
 The k with the most tokens per cost wins; where no k > 0 beats a plain step, there is no draft.
-A sequence whose drafts keep failing stops drafting, and its estimate drifts back to the prior
-so that it tries again later.
+A new sequence starts from the engine's acceptance over all its recent drafts (so repeated
+requests under suffix decoding draft long from their first step); a sequence whose drafts keep
+failing stops drafting, and its estimate drifts back to the engine's so that it tries again
+later.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from evenflow.engine.spec.ngram import NgramIndex, NgramProposer
 from evenflow.engine.spec.suffix import SuffixProposer
 from evenflow.proto.sampling import TokenLogprobs
 
-PRIOR_ACCEPTANCE = 0.5  # a new sequence's, and where an idle estimate drifts back to
+PRIOR_ACCEPTANCE = 0.5  # the engine's estimate before its first draft
 ACCEPTANCE_MEMORY = 0.6  # weight of the old estimate at each verified draft
+ENGINE_MEMORY = 0.9  # the same for the engine's estimate, over every sequence's drafts
 DRIFT = 0.03  # a step without a draft moves the estimate this far back to the prior
 PRIOR_ROW_COST = 0.3  # c before the engine has measured its steps
 STEP_MEMORY = 0.98  # weight of the old sums in the step-time line, per decode step
@@ -59,8 +62,8 @@ class SpecCounts:
 class SpecState:
     """One sequence's: its n-gram index and its acceptance estimate."""
 
+    acceptance: float
     ngram: NgramIndex = field(default_factory=NgramIndex)
-    acceptance: float = PRIOR_ACCEPTANCE
 
 
 class DraftCost:
@@ -108,16 +111,17 @@ class Speculation:
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
         self.cost = DraftCost()
         self.row_cost = PRIOR_ROW_COST  # c, refitted after each decode step
+        self.acceptance = PRIOR_ACCEPTANCE  # over every sequence's recent drafts
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         state = seq.spec_state
         if not isinstance(state, SpecState):
-            state = seq.spec_state = SpecState()
+            state = seq.spec_state = SpecState(self.acceptance)
         # (a draft of one pays only where acceptance beats a row's cost: a quick no first)
         k = best_draft_length(state.acceptance, self.row_cost, min(
             limit, self.config.num_speculative_tokens)) if state.acceptance > self.row_cost else 0
         if k == 0:
-            state.acceptance += DRIFT * (PRIOR_ACCEPTANCE - state.acceptance)
+            state.acceptance += DRIFT * (self.acceptance - state.acceptance)
             return []
         return self.proposer.propose(seq.token_ids, k, state.ngram)
 
@@ -169,8 +173,10 @@ class Speculation:
         counts.drafts += 1
         counts.draft_tokens += drafted
         counts.accepted_tokens += accepted
+        # each position up to the first miss is a trial
+        rate = accepted / max(1, accepted + (1 if accepted < drafted else 0))
+        self.acceptance = ENGINE_MEMORY * self.acceptance + (1 - ENGINE_MEMORY) * rate
         state = seq.spec_state
-        if isinstance(state, SpecState):  # each position up to the first miss is a trial
-            trials = accepted + (1 if accepted < drafted else 0)
+        if isinstance(state, SpecState):
             state.acceptance = ACCEPTANCE_MEMORY * state.acceptance + \
-                (1 - ACCEPTANCE_MEMORY) * accepted / max(1, trials)
+                (1 - ACCEPTANCE_MEMORY) * rate
