@@ -205,11 +205,12 @@ def run_all(engine) -> tuple[dict[str, list[int]], dict]:
     return tokens, kvs
 
 
-def prefill_then_decode(config, prompts: dict[str, list[int]], params
+def prefill_then_decode(config, prompts: dict[str, list[int]], params,
+                        neighbour: list[int] | None = None
                         ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict]:
     """The same prompts on one engine, and prefilled on one then continued on another (their
-    K/V handed over): (one engine's tokens, the two engines' tokens, the handed-over K/V) by
-    request."""
+    K/V handed over; `neighbour`: a prompt the second engine is already decoding): (one
+    engine's tokens, the two engines' tokens, the handed-over K/V) by request."""
     from evenflow import SamplingParams
     from evenflow.engine.serving.engine import Engine
 
@@ -222,6 +223,9 @@ def prefill_then_decode(config, prompts: dict[str, list[int]], params
     for rid, p in prompts.items():
         prefill.add_request(rid, p, first_only, export_kv=True)
     firsts, kvs = run_all(prefill)
+    if neighbour is not None:
+        decode.add_request("neighbour", neighbour, params)
+        decode.step()
     for rid, p in prompts.items():
         decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
     rest, _ = run_all(decode)

@@ -4,7 +4,7 @@ gives the same tokens as one engine doing both, greedy and seeded."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_checkpoint, run_all
+from checkpoints import make_checkpoint, prefill_then_decode, run_all
 
 from evenflow import SamplingParams
 from evenflow.engine.serving.engine import Engine, EngineConfig
@@ -24,24 +24,12 @@ def ckpt(tmp_path_factory):
 def test_disaggregated_equals_single_engine(ckpt, params):
     cfg = EngineConfig(model=str(ckpt), dtype="float32", block_size=4)
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 58)), "c": [9, 8, 7]}
-    single = Engine(cfg)
-    for rid, p in prompts.items():
-        single.add_request(rid, p, params)
-    expected, _ = run_all(single)
-
-    prefill, decode = Engine(cfg), Engine(cfg)
-    first_only = SamplingParams(**{**params.__dict__, "max_tokens": 1})
-    for rid, p in prompts.items():
-        prefill.add_request(rid, p, first_only, export_kv=True)
-    firsts, kvs = run_all(prefill)
-    decode.add_request("busy", list(range(100, 120)), params)  # a neighbour already decoding
-    decode.step()
+    # (the decode engine has a neighbour already decoding when the prompts arrive)
+    expected, handed_over, kvs = prefill_then_decode(cfg, prompts, params,
+                                                     neighbour=list(range(100, 120)))
     for rid, p in prompts.items():
         assert kvs[rid].shape[0] == -(-len(p) // 4)  # the prompt's blocks
-        decode.add_prefilled_request(rid, p, firsts[rid][0], params, kvs[rid])
-    rest, _ = run_all(decode)
-    for rid in prompts:
-        assert firsts[rid] + rest[rid] == expected[rid]
+    assert handed_over == expected
 
 
 def test_mismatched_kv_is_rejected(ckpt):

@@ -379,16 +379,16 @@ class ModelRunner:
         """A draft's tokens run as decoded tokens do (one_token_rows: each row attends to its
         own prefix through the decode kernels), so each verified position's logits come from
         the kernels decoding it would have used; the step's logits come back in chunk order."""
-        prefills = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1 and not c.drafts]
-        rows = [i for i in range(len(chunks)) if i not in set(prefills)]
+        prefill = [len(c.token_ids) > 1 and not c.drafts for c in chunks]
+        prefills = [i for i, is_prefill in enumerate(prefill) if is_prefill]
+        rows = [i for i, is_prefill in enumerate(prefill) if not is_prefill]
         order = [chunks[i] for i in prefills] + one_token_rows([chunks[i] for i in rows])
         input_ids, positions, meta, logit_rows = self.prepare(order, decode_seqs=len(rows))
         logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
-        spans, at = {}, 0
-        for i in prefills + rows:
-            spans[i] = (at, at + chunks[i].logit_rows)
-            at += chunks[i].logit_rows
-        return torch.cat([logits[spans[i][0] : spans[i][1]] for i in range(len(chunks))])
+        # the logits in prefills + rows order, each chunk's run back to its own place
+        runs = dict(zip(prefills + rows, logits.split(
+            [chunks[i].logit_rows for i in prefills + rows]), strict=True))
+        return torch.cat([runs[i] for i in range(len(chunks))])
 
     def forward_dummy(self) -> None:
         """One token into the spare (null) slot, nothing sampled: a pass whose only use is to

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -494,12 +494,13 @@ class Engine:
         self.blocks.commit_full_blocks(seq)
         if reason is not None:
             self._finish(seq, reason)
-        return [StepOutput(seq.request_id, [token], last and seq.is_finished,
-                           seq.finish_reason if last else None, seq.num_prompt_tokens,
-                           seq.num_cached_tokens, None, last and reason is not None and
-                           seq.export_kv, logprobs, None)
-                for i, (token, logprobs) in enumerate(taken)
-                for last in (i == len(taken) - 1,)]
+        outputs = [StepOutput(seq.request_id, [token], False, None, seq.num_prompt_tokens,
+                              seq.num_cached_tokens, None, False, logprobs, None)
+                   for token, logprobs in taken]
+        outputs[-1] = replace(outputs[-1], finished=seq.is_finished,
+                              finish_reason=seq.finish_reason,
+                              kv_follows=reason is not None and seq.export_kv)
+        return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
