@@ -262,3 +262,46 @@ def assert_counts_and_reverses(llm) -> None:
     assert up.text.split()[:6] == ["17", "18", "19", "20", "21", "22"]
     assert down.text.split()[:6] == ["90", "89", "88", "87", "86", "85"]
     assert rev.text.split()[:4] == ["r", "e", "w", "q"]
+
+
+def add_next_token_layer(path: Path, hf, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Write DeepSeek-V3's next-token (MTP) layer beside `hf`'s checkpoint, as DeepSeek ships
+    it: `model.layers.<num_hidden_layers>.` holding a decoder layer (the last one's weights
+    with noise; experts one by one), enorm, hnorm, eh_proj, shared_head.norm and copies of the
+    embedding and lm_head, in a file of its own. Returns the layer's tensors as transformers
+    holds them in memory (stacked experts), by their names after the prefix."""
+    from safetensors.torch import save_file
+
+    cfg = hf.config
+    last, stored = cfg.num_hidden_layers - 1, cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    layer = {name.removeprefix(f"model.layers.{last}."): t.detach().clone()
+             for name, t in hf.state_dict().items() if name.startswith(f"model.layers.{last}.")}
+    for name, t in layer.items():
+        if t.dim() >= 2:
+            layer[name] = t + 0.02 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    hidden = cfg.hidden_size
+    layer |= {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=g),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "shared_head.head.weight": hf.lm_head.weight.detach().clone(),
+        "embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+    }
+    layer = {k: v.to(hf.dtype).contiguous() for k, v in layer.items()}
+    shipped = {}
+    for name, t in layer.items():
+        if name == "mlp.experts.gate_up_proj":  # (E, 2I, H): gate rows, then up rows
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2)
+                shipped[f"mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                shipped[f"mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        elif name == "mlp.experts.down_proj":
+            for e, w in enumerate(t):
+                shipped[f"mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+        else:
+            shipped[name] = t
+    save_file({f"model.layers.{stored}.{k}": v for k, v in shipped.items()},
+              str(path / "model-next-token.safetensors"))
+    return layer

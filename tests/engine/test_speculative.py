@@ -175,7 +175,7 @@ def test_the_draft_length_follows_acceptance_and_cost():
 def test_a_sequence_whose_drafts_fail_stops_drafting():
     spec = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     seq = Sequence("r", [5, 6, 7, 5, 6, 7, 5, 6], 8, SamplingParams(temperature=0))
-    first = spec.propose(seq, 4)
+    first = spec.propose([(seq, 4)])[0]
     assert first and first == [7, 5, 6][: len(first)]  # (its length by the prior's cost)
     rows = torch.zeros(4, 10)
     rows[:, 1] = 1.0  # the target always says 1: every draft token is rejected
@@ -184,11 +184,11 @@ def test_a_sequence_whose_drafts_fail_stops_drafting():
                     lambda token: False)
         seq.token_ids[-1:] = []  # (the same context again)
         seq.num_computed_tokens = 0
-    assert spec.propose(seq, 4) == []
+    assert spec.propose([(seq, 4)]) == [[]]
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "mtp"}, "not built yet"),
+    ({"method": "eagle"}, "not built yet"),
     ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
     ({"method": "nope"}, "must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -216,6 +216,7 @@ def _common(raw: dict[str, Any], arch: str, generation: dict[str, Any] | None
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids((generation or {}).get("eos_token_id"), raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 

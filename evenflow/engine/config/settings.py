@@ -221,8 +221,9 @@ class EngineConfig:
     speculative_config: str | None = setting(
         None, flag=True, commands=_ENGINE_FLAGS,
         help='speculative decoding as vLLM configures it, JSON: {"method": "ngram", '
-             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
-             "(greedy output unchanged; sampling keeps its distribution)")
+             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; '
+             'methods ngram, suffix, draft_model ("model": path) and mtp (greedy output '
+             "unchanged; sampling keeps its distribution)")
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -337,6 +338,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts: none
     sparse_layers: tuple[bool, ...] = field(default=())  # per layer: MoE (True) or dense MLP
+    # next-token (MTP) layers stored after the decoder's (DeepSeek-V3, GLM-4.5): speculative
+    # decoding's `mtp` drafts with the first (engine/model/next_token.py)
+    num_nextn_predict_layers: int = 0
     # Routing (model/routing.py): softmax over every expert, sigmoid scores (DeepSeek-V3), or a
     # softmax over the top-k logits (GPT-OSS); group-limited choice (n groups, the best
     # topk_groups by their max or top-2 sum); a per-expert bias added for the choice only

@@ -36,8 +36,9 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
 
 
-# (a decoding sequence, at most this many) -> draft tokens to follow its tokens
-Proposer = Callable[[Sequence, int], list[int]]
+# [(a decoding sequence, at most this many)] -> the draft tokens to follow each one's tokens
+# (all of a step's asked at once: a draft model runs them batched)
+Proposer = Callable[[list[tuple[Sequence, int]]], list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,12 @@ class Scheduler:
         """Pick this step's work. Prefill chunks come first in the result, decodes after."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        drafts = self._drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, budget - 1) if seq.num_tokens - seq.num_computed_tokens \
-                == 1 else ()
+            draft = drafts.get(id(seq), ())[: budget - 1]
             target = seq.num_computed_tokens + n + len(draft)
             if draft and not self.blocks.can_append(seq, target):
                 draft, target = (), target - len(draft)
@@ -132,14 +133,25 @@ class Scheduler:
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
 
-    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """The proposer's draft for a decoding sequence: at most `room` tokens, and no more
-        than its max_tokens and the context leave after the token the step samples anyway."""
+    def _drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+        """The proposer's drafts for the decoding sequences (by id()): each no longer than
+        the step's budget leaves after one token a sequence, its max_tokens and the context
+        leave after the token the step samples anyway (cut to the budget left in its turn)."""
         if self.proposer is None:
-            return ()
-        limit = min(room, seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.config.max_model_len - seq.num_tokens - 1)
-        return tuple(self.proposer(seq, limit)) if limit > 0 else ()
+            return {}
+        room = budget - len(self.running)
+        asks = []
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            limit = min(room, seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.config.max_model_len - seq.num_tokens - 1)
+            if limit > 0:
+                asks.append((seq, limit))
+        if not asks:
+            return {}
+        return {id(seq): tuple(draft) for (seq, _), draft in zip(
+            asks, self.proposer(asks), strict=True) if draft}
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of full blocks that running sequences have yet to compute (or are computing

@@ -145,6 +145,10 @@ class CausalLM(nn.Module):
         # Tensor parallel: this rank's vocabulary rows of embed_tokens and lm_head
         self.tp: ProcessGroup | None = None
         self.vocab_start, self.vocab_rows = 0, cfg.vocab_size
+        # keep_hidden: each forward keeps every row's final hidden state (after the last norm)
+        # in hidden_rows, for speculative decoding's next-token layer (model/next_token.py)
+        self.keep_hidden = False
+        self.hidden_rows: Tensor | None = None
 
     def set_tensor_parallel(self, group: ProcessGroup) -> None:
         self.tp = group
@@ -176,7 +180,8 @@ class CausalLM(nn.Module):
     ) -> Tensor:  # (S, vocab) float32
         assert self._cos is not None and self._sin is not None, "call init_rope first"
         fast = self._fast_decode(meta, kv_caches)
-        if fast is not None and len(logit_rows) == len(input_ids) and fast.head_usable():
+        if fast is not None and len(logit_rows) == len(input_ids) and fast.head_usable() and \
+                not self.keep_hidden:
             return fast.step(input_ids, positions, kv_caches, meta)  # the whole step in C++
         cos = self._cos.index_select(0, positions).unsqueeze(1)  # (T, 1, hd)
         sin = self._sin.index_select(0, positions).unsqueeze(1)
@@ -187,6 +192,11 @@ class CausalLM(nn.Module):
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 x, pending = layer(x, cos, sin, kv, meta, pending)
+        if self.keep_hidden:
+            h = self.model.norm(x) if pending is None else \
+                self.model.norm.add_and_norm(pending, x)[1]
+            self.hidden_rows = h
+            return self._logits(h if len(logit_rows) == len(h) else h[logit_rows])
         if len(logit_rows) != len(x):  # (rows are ascending and distinct: else every row)
             x = x[logit_rows]
             pending = None if pending is None else pending[logit_rows]

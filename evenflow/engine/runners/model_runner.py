@@ -105,6 +105,9 @@ class ModelRunner:
         # decoded token is, so its K/V and logits do not depend on how it was scheduled
         self.deterministic = False
         self.max_model_len = max_model_len
+        # with model.keep_hidden: the last forward's final hidden states, one tensor per chunk
+        # (its rows in token order), for speculative decoding's next-token layer
+        self.chunk_hidden: list[Tensor] = []
         self.attach(model)
 
     def choose_kernels(self, model: CausalLM) -> None:
@@ -368,12 +371,17 @@ class ModelRunner:
     def forward(self, chunks: list[ChunkInput]) -> Tensor:
         """(sampled chunks, vocab) float32 logits."""
         self.forward_calls += 1
+        lengths = [len(c.token_ids) for c in chunks]
         if self.deterministic:
             chunks = one_token_rows(chunks)
         elif any(c.drafts for c in chunks):
             return self._forward_with_drafts(chunks)
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
-        return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        if self.model.keep_hidden:
+            assert self.model.hidden_rows is not None
+            self.chunk_hidden = list(self.model.hidden_rows.split(lengths))
+        return logits
 
     def _forward_with_drafts(self, chunks: list[ChunkInput]) -> Tensor:
         """A draft's tokens run as decoded tokens do (one_token_rows: each row attends to its
@@ -388,6 +396,11 @@ class ModelRunner:
         # the logits in prefills + rows order, each chunk's run back to its own place
         runs = dict(zip(prefills + rows, logits.split(
             [chunks[i].logit_rows for i in prefills + rows]), strict=True))
+        if self.model.keep_hidden:
+            assert self.model.hidden_rows is not None
+            hidden = dict(zip(prefills + rows, self.model.hidden_rows.split(
+                [len(chunks[i].token_ids) for i in prefills + rows]), strict=True))
+            self.chunk_hidden = [hidden[i] for i in range(len(chunks))]
         return torch.cat([runs[i] for i in range(len(chunks))])
 
     def forward_dummy(self) -> None:

@@ -30,11 +30,13 @@ from evenflow.engine.runners.protocol import Runner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
 from evenflow.engine.sample.sampler import sample
+from evenflow.engine.serving.draft_model import DraftModel, ModelDrafter, NextTokenDrafter
 from evenflow.engine.serving.kernel_switch import KernelSwitch
 from evenflow.engine.serving.placement_control import ExpertPlacement
 from evenflow.engine.serving.prefix_transfer import PrefixCache
 from evenflow.engine.serving.profiling import ProfileControl
 from evenflow.engine.serving.speculation import SpecCounts, Speculation
+from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.weights.expert_store import read_missing_experts
 from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
@@ -122,7 +124,8 @@ class Engine:
                                                     sliding.window, salt,
                                                     config.enable_prefix_caching)
         spec = config.speculative if self.speculates else None
-        self.speculation = Speculation(spec) if spec is not None else None
+        self.speculation = Speculation(spec, self._drafter(spec, dtype, num_blocks)) \
+            if spec is not None else None
         self.scheduler = self._make_scheduler()
         self.runner = self._make_runner(num_blocks, dtype, window_blocks)
         if config.deterministic:
@@ -170,6 +173,21 @@ class Engine:
                           wanted=-(-self.max_model_len // config.block_size) *
                           config.max_num_seqs, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens)
+
+    def _drafter(self, spec: SpeculativeConfig, dtype: torch.dtype, num_blocks: int
+                 ) -> ModelDrafter | None:
+        """The draft_model or mtp method's model, with a KV cache of as many blocks as the
+        target's (drafts never need more tokens than the target holds)."""
+        if spec.method == "draft_model":
+            assert spec.model is not None
+            return DraftModel.load(self.config, spec.model, self.model, dtype, num_blocks,
+                                   self.max_model_len)
+        if spec.method == "mtp":
+            drafter = NextTokenDrafter.load(self.config, self.model, dtype, num_blocks,
+                                            self.max_model_len)
+            self.model.keep_hidden = True
+            return drafter
+        return None
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
@@ -416,6 +434,7 @@ class Engine:
         if self._exports:  # last step's finished export_kv requests: their K/V, and no forward
             return self._export_kv()
         outputs, self._aborted = self._aborted, []
+        started = time.perf_counter()  # (a decode step's cost includes drafting it)
         chunks = self.scheduler.schedule()
         if self.tiers is not None:
             self.tiers.after_schedule()
@@ -427,7 +446,7 @@ class Engine:
                                      seq.window_table[:prompt_blocks] or None)
                 seq.pending_kv = None
         if chunks:
-            started = time.perf_counter()
+            starts = [c.seq.num_computed_tokens for c in chunks]
             sampled = iter(self.runner.run(chunks))
             for chunk in chunks:
                 seq, samples = chunk.seq, chunk.samples
@@ -446,6 +465,8 @@ class Engine:
                     self._finish(seq, reason)
                 outputs.append(self._output(seq, [token],
                                             kv_follows=reason is not None and seq.export_kv))
+            if self.speculation is not None and self.speculation.wants_hidden:
+                self._hand_hidden(chunks, starts)
             if self.speculation is not None and all(
                     c.draft or c.num_tokens == 1 for c in chunks):  # a decode step: its cost,
                 self.speculation.observe_step(  # its drafts' verification included
@@ -467,6 +488,15 @@ class Engine:
         if runner.forward_calls == before:
             runner.forward_dummy()
         return outputs
+
+    def _hand_hidden(self, chunks: list[ScheduledChunk], starts: list[int]) -> None:
+        """mtp: each sequence's final hidden states for the positions this step kept."""
+        assert self.speculation is not None
+        hidden = self.model_runner().chunk_hidden
+        for chunk, start, rows in zip(chunks, starts, hidden, strict=True):
+            if not chunk.seq.is_finished:
+                self.speculation.take_hidden(chunk.seq, start,
+                                             rows[: chunk.seq.num_computed_tokens - start])
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # An export keeps its blocks until the next step has read them out.

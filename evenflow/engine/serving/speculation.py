@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from evenflow.engine.core.sequence import Sequence
+from evenflow.engine.serving.draft_model import ModelDrafter, NextTokenDrafter
 from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.spec.ngram import NgramIndex, NgramProposer
 from evenflow.engine.spec.suffix import SuffixProposer
@@ -104,8 +105,10 @@ def best_draft_length(acceptance: float, row_cost: float, limit: int) -> int:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: ModelDrafter | None = None) -> None:
+        """`drafter`: the draft_model or mtp method's model (engine/serving/draft_model.py)."""
         self.config = config
+        self.drafter = drafter
         self.proposer: NgramProposer | SuffixProposer = (
             SuffixProposer(config) if config.method == "suffix" else NgramProposer(config))
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
@@ -113,7 +116,16 @@ class Speculation:
         self.row_cost = PRIOR_ROW_COST  # c, refitted after each decode step
         self.acceptance = PRIOR_ACCEPTANCE  # over every sequence's recent drafts
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
+    def propose(self, asks: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """The scheduler's Proposer: each decoding sequence's draft, of its length by cost."""
+        lengths = [self._length(seq, limit) for seq, limit in asks]
+        if self.drafter is not None:
+            return self.drafter.propose([(seq, k) for (seq, _), k in zip(asks, lengths,
+                                                                          strict=True)])
+        return [self.proposer.propose(seq.token_ids, k, seq.spec_state.ngram) if k else []
+                for (seq, _), k in zip(asks, lengths, strict=True)]
+
+    def _length(self, seq: Sequence, limit: int) -> int:
         state = seq.spec_state
         if not isinstance(state, SpecState):
             state = seq.spec_state = SpecState(self.acceptance)
@@ -122,13 +134,24 @@ class Speculation:
             limit, self.config.num_speculative_tokens)) if state.acceptance > self.row_cost else 0
         if k == 0:
             state.acceptance += DRIFT * (self.acceptance - state.acceptance)
-            return []
-        return self.proposer.propose(seq.token_ids, k, state.ngram)
+        return k
 
     def finished(self, seq: Sequence) -> None:
-        """A sequence ended: suffix decoding caches its tokens for the requests to come."""
-        if isinstance(self.proposer, SuffixProposer):
+        """A sequence ended: suffix decoding caches its tokens for the requests to come; a
+        draft model lets its shadow go."""
+        if isinstance(self.proposer, SuffixProposer) and self.drafter is None:
             self.proposer.add(seq.token_ids)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def take_hidden(self, seq: Sequence, start: int, hidden: Tensor) -> None:
+        """mtp: the target's final hidden states of the positions from `start` it kept."""
+        if isinstance(self.drafter, NextTokenDrafter):
+            self.drafter.take_hidden(seq, start, hidden)
+
+    @property
+    def wants_hidden(self) -> bool:
+        return isinstance(self.drafter, NextTokenDrafter)
 
     def observe_step(self, rows: int, seqs: int, seconds: float) -> None:
         """A decode step's time (every chunk one token or a draft): the cost line's data."""

@@ -3,12 +3,16 @@
 `LLM`, `--speculative-config JSON` on `up`, `serve` and `generate` (EngineConfig's
 speculative_config holds the JSON text). Torch-free.
 
-Built: `ngram` (prompt lookup: engine/spec/ngram.py) and `suffix` (drafts from the worker's
+Methods: `ngram` (prompt lookup: engine/spec/ngram.py); `suffix` (drafts from the worker's
 recent requests too: engine/spec/suffix.py, with suffix_decoding_max_cached_requests and
-suffix_decoding_max_spec_factor as vLLM names them). Refused by name, not built yet: `mtp` and
-`draft_model` (issue 46). Defaults where the user names none: k = 4, and n-grams of 2
-to 4 tokens (vLLM's own defaults differ by version; 2 keeps a single repeated token from
-proposing on every step of a chat that copies nothing).
+suffix_decoding_max_spec_factor as vLLM names them); `draft_model` (a smaller model with the
+same tokenizer, `"model": path`, as vLLM takes it; a config with a model and no method is this
+one) and `mtp` (the checkpoint's own next-token layers, DeepSeek-V3's
+num_nextn_predict_layers; vLLM's older name `deepseek_mtp` is taken too): both drafted greedily
+by engine/serving/draft_model.py. Refused by name: eagle, eagle3, medusa. Defaults where the user
+names none: k = 4 (1 for mtp, as DeepSeek trained its layer), and n-grams of 2 to 4 tokens
+(vLLM's own defaults differ by version; 2 keeps a single repeated token from proposing on every
+step of a chat that copies nothing).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from typing import Any
 
 import orjson
 
-METHODS = ("ngram", "suffix")
-NOT_BUILT = ("mtp", "draft_model", "eagle", "eagle3", "medusa")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}
+NOT_BUILT = ("eagle", "eagle3", "medusa")
 # suffix: requests cached (vLLM's default is 10,000 in a tree; an n-gram index per token costs
 # more, so fewer here) and the longest draft for a match of n tokens (factor x n)
 SUFFIX_CACHED_REQUESTS, SUFFIX_SPEC_FACTOR = 256, 1.0
@@ -34,6 +39,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     suffix_decoding_max_cached_requests: int = SUFFIX_CACHED_REQUESTS
     suffix_decoding_max_spec_factor: float = SUFFIX_SPEC_FACTOR
+    model: str | None = None  # draft_model: the draft's checkpoint (a path or a built-in name)
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -50,19 +60,28 @@ class SpeculativeConfig:
             raise ValueError("speculative_config must be a JSON object, e.g. "
                              '{"method": "ngram", "num_speculative_tokens": 4}')
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor"}
+                 "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+                 "model"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
                              f"{sorted(known)}")
-        method = value.get("method", "ngram")
+        model = value.get("model")
+        method = value.get("method", "draft_model" if model is not None else "ngram")
+        method = ALIASES.get(method, method)
         if method in NOT_BUILT:
             raise ValueError(f"speculative_config method {method!r} is not built yet; "
                              f"available: {', '.join(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, "
                              f"got {method!r}")
-        k = value.get("num_speculative_tokens", 4)
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft '
+                             "checkpoint's path or name")
+        if model is not None and method != "draft_model":
+            raise ValueError(f'speculative_config "model" is for method "draft_model", not '
+                             f"{method!r}")
+        k = value.get("num_speculative_tokens", 1 if method == "mtp" else 4)
         high = value.get("prompt_lookup_max")
         low = value.get("prompt_lookup_min")
         if high is None:
@@ -87,7 +106,7 @@ class SpeculativeConfig:
         if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
             raise ValueError("speculative_config suffix_decoding_max_spec_factor must be > 0, "
                              f"got {factor!r}")
-        return cls(method, k, high, low, cached, float(factor))
+        return cls(method, k, high, low, cached, float(factor), model)
 
     def text(self) -> str:
         return orjson.dumps(self.__dict__).decode()

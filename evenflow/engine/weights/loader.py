@@ -392,6 +392,41 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
                              f"{on_meta[:3]}")
 
 
+def load_extra_layer(model_dir: Path, cfg: ModelConfig, stored: int, layer: torch.nn.Module,
+                     dtype: torch.dtype, quantization: QuantConfig | None,
+                     extra_names: Collection[str]) -> dict[str, Tensor]:
+    """Fill `layer` (a decoder layer built from `cfg`, a one-layer config) from the stored
+    layer `model.layers.<stored>.` (a checkpoint's next-token layer, stored after the
+    decoder's), quantized as asked; return that layer's tensors named in `extra_names` (its
+    own parts outside the decoder layer), in `dtype`. Ones outside both are not read."""
+    if read_quant_spec(json.loads((model_dir / "config.json").read_text())) is not None:
+        raise ModelLoadError("the next-token layer of a pre-quantized checkpoint is not "
+                             "supported: load the unquantized one with quantization=")
+    prefix = f"model.layers.{stored}."
+    rename = functools.partial(usual_name, cfg.architecture) \
+        if cfg.architecture in STORED_NAMES else None
+    tensors = _read_tensors(tensor_names(checkpoint_files(model_dir)),
+                            lambda name: name.startswith(prefix), rename)
+    if not tensors:
+        raise ModelLoadError(f"checkpoint has no tensors under {prefix}")
+    extra = {name: tensors.pop(prefix + name).to(dtype) for name in extra_names
+             if prefix + name in tensors}
+    decoder_parts = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.",
+                     "post_feedforward_layernorm.")
+    own = {"model.layers.0." + name.removeprefix(prefix): t for name, t in tensors.items()
+           if name.removeprefix(prefix).startswith(decoder_parts)}
+    expected = {f"model.layers.0.{k}": v for k, v in layer.state_dict().items()}
+    state = _checked(_to_model_names(cfg, own, [0]), expected, dtype)
+    layer.load_state_dict({k.removeprefix("model.layers.0."): v for k, v in state.items()},
+                          assign=True, strict=False)
+    _fold_residual(layer, cfg.residual_multiplier, {})
+    if cfg.rope_interleave and not cfg.mla:
+        _fold_rope_interleave(layer, cfg, {})
+    if quantization is not None:
+        quantize_layer(layer, quantization, dtype, {})  # type: ignore[arg-type]
+    return extra
+
+
 def _fold_residual(layer: torch.nn.Module, multiplier: float, given: dict[str, list]) -> None:
     """Granite-MoE's residual multiplier folded into the weights that end each residual branch
     (o_proj; down of the MLP, of the routed experts and of a shared expert), plain or handed
