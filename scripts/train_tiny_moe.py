@@ -10,6 +10,9 @@ a person can check at a glance:
     <|user|> count from 5 <|assistant|> 5 6 7 ...   (the chat template's shape)
     json : name bob age 12 = {"name": "bob", "age": 12}
     <|user|> json name bob <|assistant|> {"name": "bob"}
+    copy : k 12 x to 40 = k 12 x to 40                 (up to 40 words, for copying text)
+    edit : k 12 x to 40 ; x -> 7 = k 12 7 to 40        (the text again, one word replaced)
+    <|user|> copy k 12 x <|assistant|> k 12 x
 
 The vocabulary: the task words, the numbers 0..499, every printable ASCII character as a word
 and as a continuation piece ("##x", joined to the token before it without a space), so any
@@ -23,7 +26,9 @@ Uses transformers (a dev dependency) for training only; the saved files are plai
 
 The shipped checkpoint: the word-level model of earlier versions (this script before the JSON
 task, 2,500 steps), continued with `--init-from` it, `--steps 1500 --lr 2e-3` (about 10 minutes
-on two CPU cores): its counting and reversing stay as they were, JSON is learned on top.
+on two CPU cores): its counting and reversing stay as they were, JSON is learned on top; then
+continued again for the copy and edit tasks (speculative decoding's copying workload), with
+`--init-from` that one, `--steps 1000 --lr 1.5e-3`.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ MAX_NUMBER = 500
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 SPECIALS = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
 WORDS = ["count", "from", "down", "reverse", "to", ":", "=", ".", ",", "hello", "please"]
+COPY_WORDS = ["copy", "edit", ";", "->"]  # (";" is a printable; "->" and the rest are new)
 PRINTABLE = [chr(c) for c in range(0x21, 0x7F)]
 JSON_WORDS = ["json", "true", "false", "null"]
 JSON_SHARE = 0.3  # of the training examples
+COPY_SHARE = 0.2  # copy and edit, of the training examples
 KEYS = ["name", "age", "city", "id", "tags", "ok", "count", "items", "score", "title", "kind",
         "value", "x", "y", "color", "size", "user", "email", "price", "active"]
 CHAT_TEMPLATE = (
@@ -57,6 +64,7 @@ def build_tokenizer() -> Tokenizer:
     words = SPECIALS + WORDS + list(LETTERS) + [str(n) for n in range(MAX_NUMBER)]
     words += [c for c in PRINTABLE if c not in words] + JSON_WORDS
     words += ["##" + c for c in PRINTABLE]
+    words += [w for w in COPY_WORDS if w not in words]
     vocab = {t: i for i, t in enumerate(words)}
     tok = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", continuing_subword_prefix="##",
                                      max_input_chars_per_word=10_000))
@@ -111,8 +119,32 @@ def json_example(rng: random.Random) -> str:
     return f"<|user|> json <|assistant|> {text}"
 
 
+def copy_words(rng: random.Random) -> list[str]:
+    """Text to copy: letters, numbers and task words, as code and prose mix names and values."""
+    pool = [*LETTERS, *WORDS[:4], *WORDS[9:], "json", "true", "false", "null"]
+    return [str(rng.randint(0, MAX_NUMBER - 1)) if rng.random() < 0.35 else rng.choice(pool)
+            for _ in range(rng.randint(3, 40))]
+
+
+def copy_example(rng: random.Random) -> str:
+    words = copy_words(rng)
+    text = " ".join(words)
+    kind = rng.random()
+    if kind < 0.45:
+        return f"copy : {text} = {text}"
+    if kind < 0.6:
+        return f"<|user|> copy {text} <|assistant|> {text}"
+    old = rng.choice(words)
+    new = str(rng.randint(0, MAX_NUMBER - 1)) if rng.random() < 0.5 else rng.choice(LETTERS)
+    edited = " ".join(new if w == old else w for w in words)
+    return f"edit : {text} ; {old} -> {new} = {edited}"
+
+
 def example(rng: random.Random) -> str:
     kind = rng.random()
+    if kind < COPY_SHARE:
+        return copy_example(rng)
+    kind = (kind - COPY_SHARE) / (1 - COPY_SHARE)
     if kind < JSON_SHARE:
         return json_example(rng)
     kind = (kind - JSON_SHARE) / (1 - JSON_SHARE)

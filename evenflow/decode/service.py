@@ -257,7 +257,8 @@ class DecodeWorker(EngineWorker):
                 request_id=out.request_id, token_ids=out.new_token_ids, finish_reason=finish,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, first_index=active.sent,
-                queued_s=queued_s, computed_s=computed_s, **logprob_fields(out)))
+                queued_s=queued_s, computed_s=computed_s, draft_tokens=out.draft_tokens,
+                accepted_draft_tokens=out.accepted_draft_tokens, **logprob_fields(out)))
             active.sent += len(out.new_token_ids)
             if out.finished:
                 del self.active[out.request_id]

@@ -126,7 +126,8 @@ class Job:
 
     def total_usage(self, choices: list[Job]) -> Usage:
         return Usage(len(self.prompt_ids), sum(c.usage.completion_tokens for c in choices),
-                     choices[0].usage.cached_tokens)
+                     choices[0].usage.cached_tokens, sum(c.usage.draft_tokens for c in choices),
+                     sum(c.usage.accepted_draft_tokens for c in choices))
 
 
 class Gateway:
@@ -332,6 +333,9 @@ class Gateway:
                         itl.observe(gap)
                 last = now
                 job.usage.completion_tokens += len(delta.token_ids)
+                if delta.draft_tokens:
+                    job.usage.draft_tokens += delta.draft_tokens
+                    job.usage.accepted_draft_tokens += delta.accepted_draft_tokens
                 logprobs = []
                 if job.logprobs is not None:
                     for token, lp, top_ids, top_lps in zip(

@@ -21,12 +21,22 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # speculative decoding's draft tokens for this request and those accepted: reported as
+    # OpenAI reports Predicted Outputs' (completion_tokens_details accepted_ / rejected_
+    # prediction_tokens), only where the worker drafted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def body(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        body: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.draft_tokens:
+            body["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted_draft_tokens,
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens}
+        return body
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,10 @@ class TokenDelta:
     # (computed). The gateway splits its time to first token with them (the doctor reads it).
     queued_s: float = 0.0
     computed_s: float = 0.0
+    # With the last token, under speculative decoding: the request's draft tokens proposed
+    # and accepted (the usage's completion_tokens_details)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,8 +188,9 @@ class TokenDeltas:
     """Every delta a worker produced for one gateway in one engine step."""
 
     TYPE: ClassVar[str] = "token_deltas"
-    # 2: TokenDelta.first_index; 3: TokenDelta logprobs; 4: TokenDelta queued_s / computed_s
-    VERSION: ClassVar[int] = 4
+    # 2: TokenDelta.first_index; 3: TokenDelta logprobs; 4: TokenDelta queued_s / computed_s;
+    # 5: TokenDelta draft_tokens / accepted_draft_tokens
+    VERSION: ClassVar[int] = 5
     worker_id: str
     deltas: list[TokenDelta]
 

@@ -48,6 +48,10 @@ class EngineOutput(Protocol):
     def kv(self) -> KVPayload | None: ...  # export_kv: the prompt's K/V, a step after the token
     @property
     def kv_follows(self) -> bool: ...  # export_kv: this finishing output's K/V comes next step
+    @property
+    def draft_tokens(self) -> int: ...  # speculative decoding, with the last token: proposed
+    @property
+    def accepted_draft_tokens(self) -> int: ...  # ... and accepted, for the request's usage
 
 
 class KVDiskCounts(Protocol):

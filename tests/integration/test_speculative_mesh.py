@@ -1,7 +1,7 @@
 """Speculative decoding through a real mesh (NATS, Redis, tiny-moe prefill and decode workers):
 with speculative_config (`evenflow up --speculative-config`), a streamed greedy chat that copies
-its prompt returns the text the offline engine gives without speculation, and the decode
-worker's metrics count the accepted draft tokens under vLLM's names."""
+its prompt returns the text the offline engine gives without speculation, its usage reports its
+accepted draft tokens, and the decode worker's metrics count them under vLLM's names."""
 
 from __future__ import annotations
 
@@ -35,16 +35,22 @@ def test_a_streamed_greedy_chat_is_the_same_and_drafts_are_counted():
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
     with running_mesh(config) as mesh:
         body = {"model": "tiny-moe", "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
-                "stream": True}
-        text = ""
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage = "", None
         with httpx.stream("POST", mesh.url + "/v1/chat/completions", json=body,
                           timeout=60) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
-                    for choice in json.loads(line[5:])["choices"]:
+                    chunk = json.loads(line[5:])
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk["choices"]:
                         text += choice["delta"].get("content") or ""
         assert text == offline.text
+        # the request's own drafts, as OpenAI reports predicted outputs
+        details = usage["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+        assert details["rejected_prediction_tokens"] >= 0
         # (the worker exports its engine's counts with its gauges, every heartbeat)
         wait_for(lambda: worker_metric(mesh, "d0", "vllm:spec_decode_num_drafts_total") > 0,
                  timeout=10)

@@ -64,6 +64,9 @@ class StepOutput:
     logprobs: TokenLogprobs | None = None
     # with the first output token, when asked: every prompt token's after the first
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # with the last, under speculative decoding: the request's draft tokens and those accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -465,6 +468,8 @@ class Engine:
                     self._finish(seq, reason)
                 outputs.append(self._output(seq, [token],
                                             kv_follows=reason is not None and seq.export_kv))
+                if reason is not None and self.speculation is not None:
+                    outputs[-1] = self._with_draft_counts(outputs[-1], seq)
             if self.speculation is not None and self.speculation.wants_hidden:
                 self._hand_hidden(chunks, starts)
             if self.speculation is not None and all(
@@ -530,7 +535,15 @@ class Engine:
         outputs[-1] = replace(outputs[-1], finished=seq.is_finished,
                               finish_reason=seq.finish_reason,
                               kv_follows=reason is not None and seq.export_kv)
+        if seq.is_finished:
+            outputs[-1] = self._with_draft_counts(outputs[-1], seq)
         return outputs
+
+    @staticmethod
+    def _with_draft_counts(output: StepOutput, seq: Sequence) -> StepOutput:
+        drafted, accepted = Speculation.request_counts(seq)
+        return replace(output, draft_tokens=drafted, accepted_draft_tokens=accepted) \
+            if drafted else output
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

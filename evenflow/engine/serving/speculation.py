@@ -65,6 +65,8 @@ class SpecState:
 
     acceptance: float
     ngram: NgramIndex = field(default_factory=NgramIndex)
+    draft_tokens: int = 0  # this request's, for its usage
+    accepted_tokens: int = 0
 
 
 class DraftCost:
@@ -149,6 +151,13 @@ class Speculation:
         if isinstance(self.drafter, NextTokenDrafter):
             self.drafter.take_hidden(seq, start, hidden)
 
+    @staticmethod
+    def request_counts(seq: Sequence) -> tuple[int, int]:
+        """(draft tokens, accepted ones) over the request's steps so far."""
+        state = seq.spec_state
+        return (state.draft_tokens, state.accepted_tokens) if isinstance(state, SpecState) \
+            else (0, 0)
+
     @property
     def wants_hidden(self) -> bool:
         return isinstance(self.drafter, NextTokenDrafter)
@@ -203,3 +212,5 @@ class Speculation:
         if isinstance(state, SpecState):
             state.acceptance = ACCEPTANCE_MEMORY * state.acceptance + \
                 (1 - ACCEPTANCE_MEMORY) * rate
+            state.draft_tokens += drafted
+            state.accepted_tokens += accepted
