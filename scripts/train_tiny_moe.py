@@ -50,7 +50,7 @@ COPY_WORDS = ["copy", "edit", ";", "->"]  # (";" is a printable; "->" and the re
 PRINTABLE = [chr(c) for c in range(0x21, 0x7F)]
 JSON_WORDS = ["json", "true", "false", "null"]
 JSON_SHARE = 0.3  # of the training examples
-COPY_SHARE = 0.2  # copy and edit, of the training examples
+COPY_SHARE = 0.4  # copy and edit, of the training examples
 KEYS = ["name", "age", "city", "id", "tags", "ok", "count", "items", "score", "title", "kind",
         "value", "x", "y", "color", "size", "user", "email", "price", "active"]
 CHAT_TEMPLATE = (

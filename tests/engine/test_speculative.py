@@ -199,3 +199,23 @@ def test_a_sequence_whose_drafts_fail_stops_drafting():
 def test_a_bad_configuration_is_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=config)
+
+
+@pytest.mark.slow  # rank processes loading models
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"expert_parallel_size": 2}])
+def test_tensor_and_expert_parallel_engines_keep_the_tokens(gpt_oss, parallel):
+    """TP: the leader drafts, and its followers run the rows it sends; DEP: each rank drafts
+    for its own sequences, its one forward a step as the group's lockstep needs."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    config = dict(dtype="float32", block_size=4)
+    want = [o.token_ids for o in LLM(str(gpt_oss), **config).generate(prompts(), params)]
+    llm = LLM(str(gpt_oss), **config, **parallel, speculative_config=NGRAM)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts(), params)] == want
+        if "tensor_parallel_size" in parallel:
+            assert llm.engine.speculation.counts.accepted_tokens > 0
+    finally:
+        close = getattr(llm.engine, "close", None)
+        if close is not None:
+            close()

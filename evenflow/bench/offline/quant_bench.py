@@ -195,14 +195,15 @@ def run_tasks(variant: str, threads: int, plan: dict) -> dict:
 
 def task_accuracy(threads: int, plan: dict, model: str = "tiny-moe", **engine_args: Any
                   ) -> dict:
-    """tiny-moe's checkable tasks (count, count down, reverse), plan["task_prompts"] each:
+    """tiny-moe's checkable tasks (count, count down, reverse, copy, edit), plan["task_prompts"]
+    each:
     exact-match accuracy % per task (`model`: tiny-moe in another form, a GGUF of it, say)."""
     from evenflow import LLM, SamplingParams
 
     llm = LLM(model, num_threads=threads, **engine_args)
     rng = random.Random(7)
     tasks: dict[str, list[tuple[str, list[str]]]] = {"count": [], "count down": [],
-                                                      "reverse": []}
+                                                      "reverse": [], "copy": [], "edit": []}
     for _ in range(plan["task_prompts"]):
         n = rng.randint(0, 480)
         tasks["count"].append((f"count from {n} :", [str(i) for i in range(n, n + 8)]))
@@ -211,6 +212,12 @@ def task_accuracy(threads: int, plan: dict, model: str = "tiny-moe", **engine_ar
                                     [str(i) for i in range(n, n - 8, -1)]))
         letters = [rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))]
         tasks["reverse"].append((f"reverse : {' '.join(letters)} =", letters[::-1]))
+        words = [rng.choice("abcdefghijklmnopqrstuvwxyz") if rng.random() < 0.6 else
+                 str(rng.randint(0, 499)) for _ in range(rng.randint(5, 24))]
+        tasks["copy"].append((f"copy : {' '.join(words)} =", words))
+        old, new = rng.choice(words), str(rng.randint(0, 499))
+        tasks["edit"].append((f"edit : {' '.join(words)} ; {old} -> {new} =",
+                              [new if w == old else w for w in words]))
     accuracy = {}
     for name, items in tasks.items():
         outs = llm.generate([p for p, _ in items],
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntiny-moe tasks: exact-match accuracy %, {plan['task_prompts']} prompts each "
           "(pass: within 2 points of the unquantized model)")
     print(f"{'task':12}" + "".join(f"{v:>12}" for v in TASK_VARIANTS))
-    for task in ("count", "count down", "reverse"):
+    for task in ("count", "count down", "reverse", "copy", "edit"):
         cells = [tasks[v] for v in TASK_VARIANTS]
         print(f"{task:12}" + "".join(f"{c[task]:12.1f}" if c else f"{'failed':>12}"
                                      for c in cells))
