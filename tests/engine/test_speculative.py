@@ -99,7 +99,7 @@ def test_greedy_output_is_the_same_with_drafts(gpt_oss, dtype):
 
 
 def test_a_trained_model_copying_its_prompt_accepts_most_drafts():
-    repeated = "count from 7 : 7 8 9 10 11 12 13 count from 7 :"
+    repeated = "copy : k 12 x to 40 hello please json 3 4 5 6 7 a b c d e f 100 200 ="
     params = SamplingParams(temperature=0, max_tokens=24)
     llm = LLM("tiny-moe", speculative_config=NGRAM)
     spec = llm.generate([repeated], params)[0]

@@ -17,7 +17,7 @@ from evenflow.services.config import MeshConfig
 
 pytestmark = pytest.mark.slow  # a mesh of its own: ~20 s
 
-MESSAGES = [{"role": "user", "content": "count from 7 : 7 8 9 10 11 12 13 count from 7 :"}]
+MESSAGES = [{"role": "user", "content": "copy k 12 x to 40 hello please 3 4 5 a b c d 100 200"}]
 
 
 def worker_metric(mesh, worker_id: str, name: str) -> float:

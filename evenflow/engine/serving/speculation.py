@@ -23,7 +23,11 @@ The k with the most tokens per cost wins; where no k > 0 beats a plain step, the
 A new sequence starts from the engine's acceptance over all its recent drafts (so repeated
 requests under suffix decoding draft long from their first step); a sequence whose drafts keep
 failing stops drafting, and its estimate drifts back to the engine's so that it tries again
-later.
+later. Two guards keep a workload that copies little from paying for one that copied much
+before it: a sequence's draft is at most 1 token at first and then 2 x its last draft's
+accepted tokens + 1 (a miss costs one row, not k), and an n-gram or suffix draft is cut by
+cost where drafts from matches of its length have been accepted less than the sequence's
+estimate says.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class SpecState:
     ngram: NgramIndex = field(default_factory=NgramIndex)
     draft_tokens: int = 0  # this request's, for its usage
     accepted_tokens: int = 0
+    matched: int = 0  # its latest draft's match length (n-gram and suffix drafts)
+    # the longest next draft: 1 at first, then 2 x the last draft's accepted tokens + 1 (a
+    # sequence proves its drafts before they grow; a miss costs one row, not k)
+    cap: int = 1
 
 
 class DraftCost:
@@ -117,6 +125,9 @@ class Speculation:
         self.cost = DraftCost()
         self.row_cost = PRIOR_ROW_COST  # c, refitted after each decode step
         self.acceptance = PRIOR_ACCEPTANCE  # over every sequence's recent drafts
+        # n-gram and suffix drafts: the engine's acceptance by the match's length (a 2-token
+        # match in a chat guesses worse than an 8-token one in a repeated request)
+        self.by_match: dict[int, float] = {}
 
     def propose(self, asks: list[tuple[Sequence, int]]) -> list[list[int]]:
         """The scheduler's Proposer: each decoding sequence's draft, of its length by cost."""
@@ -124,8 +135,24 @@ class Speculation:
         if self.drafter is not None:
             return self.drafter.propose([(seq, k) for (seq, _), k in zip(asks, lengths,
                                                                           strict=True)])
-        return [self.proposer.propose(seq.token_ids, k, seq.spec_state.ngram) if k else []
+        return [self._matched_draft(seq, k) if k else []
                 for (seq, _), k in zip(asks, lengths, strict=True)]
+
+    def _matched_draft(self, seq: Sequence, k: int) -> list[int]:
+        """The proposer's draft, cut by cost where its kind of match has guessed worse than
+        the sequence's estimate (the estimate of a new sequence is the engine's, over whatever
+        it drafted before: a chat after a copying workload)."""
+        state = seq.spec_state
+        draft = self.proposer.propose(seq.token_ids, k, state.ngram)
+        state.matched = n = self.proposer.matched
+        by_match = self.by_match.get(n)
+        if draft and by_match is not None and by_match < state.acceptance:
+            keep = best_draft_length(by_match, self.row_cost, len(draft)) \
+                if by_match > self.row_cost else 0
+            if keep == 0:  # (drifting back, as a sequence's estimate does, to try again)
+                self.by_match[n] = by_match + DRIFT * (self.acceptance - by_match)
+            draft = draft[:keep]
+        return draft
 
     def _length(self, seq: Sequence, limit: int) -> int:
         state = seq.spec_state
@@ -133,7 +160,8 @@ class Speculation:
             state = seq.spec_state = SpecState(self.acceptance)
         # (a draft of one pays only where acceptance beats a row's cost: a quick no first)
         k = best_draft_length(state.acceptance, self.row_cost, min(
-            limit, self.config.num_speculative_tokens)) if state.acceptance > self.row_cost else 0
+            limit, state.cap, self.config.num_speculative_tokens)) \
+            if state.acceptance > self.row_cost else 0
         if k == 0:
             state.acceptance += DRIFT * (self.acceptance - state.acceptance)
         return k
@@ -214,3 +242,7 @@ class Speculation:
                 (1 - ACCEPTANCE_MEMORY) * rate
             state.draft_tokens += drafted
             state.accepted_tokens += accepted
+            state.cap = 2 * accepted + 1
+            if state.matched:
+                old = self.by_match.get(state.matched, rate)
+                self.by_match[state.matched] = ENGINE_MEMORY * old + (1 - ENGINE_MEMORY) * rate

@@ -25,6 +25,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
+        self.matched = 0  # the last proposal's match length (0: none)
 
     def propose(self, tokens: list[int], limit: int, index: NgramIndex | None = None
                 ) -> list[int]:
@@ -33,8 +34,10 @@ class NgramProposer:
         k = min(self.k, limit)
         found = self.match(tokens, index) if k > 0 else None
         if found is None:
+            self.matched = 0
             return []
         n, start = found
+        self.matched = n
         return tokens[start + n : start + n + k]
 
     def match(self, tokens: list[int], index: NgramIndex | None = None

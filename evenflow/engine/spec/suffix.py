@@ -31,12 +31,14 @@ class SuffixProposer:
         self.capacity = config.suffix_decoding_max_cached_requests
         # n-gram -> (the cached request's tokens, where the n-gram starts in them)
         self.starts: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.matched = 0  # the last proposal's match length (0: none)
 
     def propose(self, tokens: list[int], limit: int, index: NgramIndex | None = None
                 ) -> list[int]:
         """The draft after the longest match of `tokens`' end, in its own earlier tokens or in
         the cached requests' (its own on a tie), at most factor x the match's length."""
         k = min(self.k, limit)
+        self.matched = 0
         if k <= 0 or len(tokens) <= self.low:
             return []
         own = self.own.match(tokens, index)
@@ -48,6 +50,7 @@ class SuffixProposer:
                 break
         if n == 0:
             return []
+        self.matched = n
         return source[start + n : start + n + min(k, max(1, int(self.factor * n)))]
 
     def add(self, tokens: list[int]) -> None:
