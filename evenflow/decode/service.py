@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -167,6 +167,8 @@ class DecodeWorker(EngineWorker):
             self._error(done.reply_subject, done.request_id, errors.KV_TRANSFER_FAILED,
                         str(exc), ctx)
             return
+        if len(done.hidden):
+            kv = replace(kv, hidden=done.hidden, hidden_dtype=done.hidden_dtype)
         self.kv_bytes_received += len(kv.data)
         self.kv_transfer_seconds += max(0.0, time.time() - done.export_started_at)
         self._admit(done.request_id, done.prompt_token_ids, done.sampling, done.reply_subject,

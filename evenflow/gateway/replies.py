@@ -22,7 +22,9 @@ def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta | None:
         first, token_ids=first.token_ids + then.token_ids, finish_reason=then.finish_reason,
         logprobs=first.logprobs + then.logprobs,
         top_logprob_ids=first.top_logprob_ids + then.top_logprob_ids,
-        top_logprobs=first.top_logprobs + then.top_logprobs)
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        draft_tokens=first.draft_tokens + then.draft_tokens,
+        accepted_draft_tokens=first.accepted_draft_tokens + then.accepted_draft_tokens)
 
 
 class DeltaQueue(asyncio.Queue):

@@ -295,6 +295,7 @@ class PrefillWorker(EngineWorker):
             num_cached_tokens=pending.num_cached_tokens, enqueued_at=req.enqueued_at,
             export_started_at=export_started, inline=inline is not None,
             data=inline.data if inline else b"",
-            first_block=inline.first_block if inline else 0), tctx)
+            first_block=inline.first_block if inline else 0, hidden=kv.hidden,
+            hidden_dtype=kv.hidden_dtype), tctx)
         KV_TRANSFER_BYTES.labels(service="prefill").inc(total_bytes)
         transfer.end()

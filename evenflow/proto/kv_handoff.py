@@ -47,10 +47,18 @@ class KVPayload:
     dtype: str
     num_blocks: int
     block_shape: tuple[int, ...]
+    # speculative decoding's mtp: the final hidden states of the prompt's last positions (rows
+    # of the model's hidden size, in hidden_dtype), so the decode side's next-token layer
+    # starts with that much of the prompt's context; empty otherwise
+    hidden: memoryview | bytes = b""
+    hidden_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
             raise KVHandoffError(f"K/V dtype {self.dtype!r} is not one of {sorted(ITEMSIZE)}")
+        if len(self.hidden) and self.hidden_dtype not in ITEMSIZE:
+            raise KVHandoffError(f"hidden-state dtype {self.hidden_dtype!r} is not one of "
+                                 f"{sorted(ITEMSIZE)}")
         expected = self.num_blocks * self.block_bytes
         if len(memoryview(self.data).cast("B")) != expected:
             raise KVHandoffError(f"K/V of {len(memoryview(self.data).cast('B'))} bytes is not "

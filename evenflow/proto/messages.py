@@ -101,7 +101,8 @@ class KVTransferComplete:
     and the completion — in one message instead of two."""
 
     TYPE: ClassVar[str] = "kv_complete"
-    VERSION: ClassVar[int] = 3  # 2: inline K/V (inline, data, first_block); 3: SamplingParams
+    # 2: inline K/V (inline, data, first_block); 3: SamplingParams; 4: hidden, hidden_dtype
+    VERSION: ClassVar[int] = 4
     MIN_VERSION: ClassVar[int] = 3
     request_id: str
     num_chunks: int
@@ -117,6 +118,9 @@ class KVTransferComplete:
     inline: bool = False  # the only chunk's K/V is here, not sent as a chunk:
     data: bytes | memoryview = b""
     first_block: int = 0
+    # speculative decoding's mtp: the prompt's last final hidden states (KVPayload.hidden)
+    hidden: bytes | memoryview = b""
+    hidden_dtype: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

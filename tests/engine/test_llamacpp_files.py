@@ -10,7 +10,7 @@ import pytest
 from evenflow.bench.offline.quant_bench import task_accuracy
 
 FILES = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
-PLAN = {"task_prompts": 40}  # each of count, count down, reverse
+PLAN = {"task_prompts": 40}  # each of count, count down, reverse, copy, edit
 
 
 @pytest.fixture(scope="module")

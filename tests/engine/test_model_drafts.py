@@ -6,6 +6,8 @@ stored weights; it follows a prompt prefilled on another engine; bad pairings ar
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from checkpoints import VOCAB, add_next_token_layer, make_checkpoint, prefill_then_decode
@@ -142,12 +144,34 @@ def test_greedy_output_is_the_same_with_the_next_token_layer(deepseek, dtype, mo
 
 
 def test_the_next_token_layer_follows_a_prompt_prefilled_elsewhere(deepseek):
+    """The prompt's last hidden states travel with its K/V: the decode engine's layer drafts
+    what it would have drafted had it prefilled the prompt itself."""
     path, _, _ = deepseek
     config = EngineConfig(model=str(path), dtype="float32", block_size=4,
                           speculative_config={"method": "deepseek_mtp"})
     asked = dict(zip("abc", prompts(), strict=True))
-    expected, handed_over, _ = prefill_then_decode(config, asked, GREEDY)
+    expected, handed_over, kvs = prefill_then_decode(config, asked, GREEDY)
     assert handed_over == expected
+    assert all(len(kv.hidden) for kv in kvs.values())
+
+    prompt, kv = asked["a"], kvs["a"]
+    single = Engine(config)
+    single.add_request("a", prompt, GREEDY)
+    single.step()
+    single.step()  # the first decode: the token after the prompt's first
+    decode = Engine(config)
+    decode.add_prefilled_request("a", prompt, expected["a"][0], GREEDY, kv)
+    decode.step()
+    drafts = [engine.speculation.drafter.propose([(engine._requests["a"], 1)])[0]
+              for engine in (single, decode)]
+    assert drafts[0] == drafts[1] != []
+    # without the hidden states, the layer starts at the decode engine's first position
+    blind = Engine(config)
+    blind.add_prefilled_request("a", prompt, expected["a"][0], GREEDY,
+                                replace(kv, hidden=b"", hidden_dtype=""))
+    blind.step()
+    shadow = next(iter(blind.speculation.drafter.shadows.values()))
+    assert shadow.origin == len(prompt)
 
 
 def test_bad_pairings_are_refused(gpt_oss, tmp_path):

@@ -50,8 +50,8 @@ def test_chat_streamed_and_not(client, offline):
 
 
 def test_same_seed_same_text(client):
-    # Long enough for remote prefill; the start number after "count from" is the model's pick.
-    prompt = "reverse : a b c d e f g h i j = j i h g f e d c b a count from"
+    # Long enough for remote prefill; the JSON object after "json =" is the model's pick.
+    prompt = "reverse : a b c d e f g h i j = j i h g f e d c b a json ="
 
     def sample(seed):
         return client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=16,

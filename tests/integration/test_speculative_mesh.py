@@ -57,3 +57,27 @@ def test_a_streamed_greedy_chat_is_the_same_and_drafts_are_counted():
         accepted = worker_metric(mesh, "d0", "vllm:spec_decode_num_accepted_tokens_total")
         drafted = worker_metric(mesh, "d0", "vllm:spec_decode_num_draft_tokens_total")
         assert 0 < accepted <= drafted
+
+
+def test_the_next_token_layer_drafts_after_the_nats_hand_off(tmp_path):
+    """DeepSeek-V3 with its next-token layer, prefilled on p0 and decoded on d0: the prompt's
+    last hidden states travel with its K/V over NATS, d0's layer drafts, and the text is the
+    offline engine's without speculation."""
+    from checkpoints import add_next_token_layer, make_checkpoint
+
+    add_next_token_layer(tmp_path, make_checkpoint("deepseek_v3", tmp_path))
+    prompt = " ".join(f"w{i}" for i in (5, 9, 33, 7, 101, 5, 9, 33, 12, 64, 200, 3))
+    offline = LLM(str(tmp_path), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    config = MeshConfig(model=str(tmp_path), port=0, dtype="float32", num_prefill=1,
+                        num_decode=1, num_ep_ranks=0, num_threads=1, kv_cache_gb=0.05,
+                        heartbeat_interval_s=0.2,
+                        speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    with running_mesh(config) as mesh:
+        body = {"model": config.model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+        resp = httpx.post(mesh.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == offline.text
+        wait_for(lambda: worker_metric(mesh, "d0", "vllm:spec_decode_num_drafts_total") > 0,
+                 timeout=10)

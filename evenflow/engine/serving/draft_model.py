@@ -40,6 +40,11 @@ from evenflow.engine.weights.next_token import load_next_token_model
 from evenflow.engine.weights.prepack import prepack_model
 from evenflow.proto.sampling import SamplingParams
 
+# mtp under P/D: the prompt positions whose hidden states travel with the K/V (the decode
+# side's next-token layer attends over these; a row is hidden_size values: 14 KB each for
+# DeepSeek-V3 in bf16, 3.5 MB for all 256, against ~70 KB of K/V per position)
+HANDED_POSITIONS = 256
+
 
 @dataclass
 class Shadow:
@@ -204,6 +209,23 @@ class NextTokenDrafter(ModelDrafter):
             shadow = self._shadow(target, origin=start)
         if len(hidden):
             shadow.hidden.append(hidden)
+        if target.export_kv:  # (a prompt for another engine: only what the hand-off carries)
+            pending = torch.cat(shadow.hidden) if len(shadow.hidden) > 1 else shadow.hidden[0]
+            if len(pending) > HANDED_POSITIONS:
+                shadow.origin += len(pending) - HANDED_POSITIONS
+                pending = pending[-HANDED_POSITIONS:]
+            shadow.hidden = [pending]
+
+    def export_hidden(self, target: Sequence) -> Tensor | None:
+        """A prompt prefilled for another engine (P/D): the hidden states of its last
+        HANDED_POSITIONS positions (what this engine received for it), its shadow let go."""
+        shadow = self.shadows.get(id(target))
+        if shadow is None or shadow.target is not target or not shadow.hidden:
+            return None
+        self.release(target)
+        rows = torch.cat(shadow.hidden)[-HANDED_POSITIONS:]
+        end = shadow.origin + shadow.valid + sum(len(h) for h in shadow.hidden)
+        return rows if end == target.num_prompt_tokens else None
 
     def _sync(self, shadow: Shadow) -> bool:
         """Inputs: the target's tokens at origin + 1, ... for the positions whose hidden states

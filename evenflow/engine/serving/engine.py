@@ -352,6 +352,8 @@ class Engine:
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
+        if len(kv.hidden) and self.speculation is not None and self.speculation.wants_hidden:
+            self._take_handed_hidden(seq, kv)
         self.guides.start(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -494,12 +496,24 @@ class Engine:
             runner.forward_dummy()
         return outputs
 
+    def _take_handed_hidden(self, seq: Sequence, kv: KVPayload) -> None:
+        """mtp: the prompt's last hidden states from the engine that prefilled it (rows of
+        this model's hidden size), for the next-token layer's first draft."""
+        assert self.speculation is not None
+        width = self.model_config.hidden_size
+        rows = torch.frombuffer(bytearray(kv.hidden), dtype=getattr(torch, kv.hidden_dtype))
+        if rows.numel() % width or rows.numel() // width > seq.num_prompt_tokens:
+            raise KVHandoffError(f"{rows.numel()} hidden-state values are not rows of "
+                                 f"{width} for at most {seq.num_prompt_tokens} positions")
+        rows = rows.view(-1, width).to(self.model_runner().dtype)
+        self.speculation.take_hidden(seq, seq.num_prompt_tokens - len(rows), rows)
+
     def _hand_hidden(self, chunks: list[ScheduledChunk], starts: list[int]) -> None:
         """mtp: each sequence's final hidden states for the positions this step kept."""
         assert self.speculation is not None
         hidden = self.model_runner().chunk_hidden
         for chunk, start, rows in zip(chunks, starts, hidden, strict=True):
-            if not chunk.seq.is_finished:
+            if not chunk.seq.is_finished or chunk.seq.export_kv:  # (an export: for the hand-off)
                 self.speculation.take_hidden(chunk.seq, start,
                                              rows[: chunk.seq.num_computed_tokens - start])
 
@@ -563,8 +577,11 @@ class Engine:
                                      seq.window_table[:prompt_blocks] or None).contiguous()
             self.blocks.free_sequence(seq)
             raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)  # a view, no copy
+            hidden = self.speculation.export_hidden(seq) if self.speculation is not None \
+                else None
             outputs.append(self._output(seq, [], KVPayload(
-                raw, self.kv_dtype_name, prompt_blocks, tuple(kv.shape[1:]))))
+                raw, self.kv_dtype_name, prompt_blocks, tuple(kv.shape[1:]),
+                *(_raw(hidden) if hidden is not None else ()))))
         self._exports = []
         return outputs
 
@@ -576,6 +593,12 @@ class Engine:
                           seq.step_logprobs if new else None,
                           seq.prompt_logprobs if new and seq.params.prompt_logprobs is not None
                           and seq.num_output_tokens == 1 else None)
+
+
+def _raw(t: torch.Tensor) -> tuple[memoryview, str]:
+    """A tensor's bytes (a view) and its dtype's name."""
+    return (memoryview(t.contiguous().view(torch.uint8).numpy().reshape(-1).data),
+            str(t.dtype).removeprefix("torch."))
 
 
 def _temporary_directory(owner: object, prefix: str) -> str:

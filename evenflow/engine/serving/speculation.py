@@ -186,6 +186,13 @@ class Speculation:
         return (state.draft_tokens, state.accepted_tokens) if isinstance(state, SpecState) \
             else (0, 0)
 
+    def export_hidden(self, seq: Sequence) -> Tensor | None:
+        """mtp, a prompt prefilled for another engine: its last hidden states, for the
+        hand-off (engine/serving/draft_model.py HANDED_POSITIONS)."""
+        if isinstance(self.drafter, NextTokenDrafter):
+            return self.drafter.export_hidden(seq)
+        return None
+
     @property
     def wants_hidden(self) -> bool:
         return isinstance(self.drafter, NextTokenDrafter)
