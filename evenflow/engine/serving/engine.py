@@ -30,13 +30,11 @@ from evenflow.engine.runners.protocol import Runner
 from evenflow.engine.runners.tp import TPGroup, TPLeaderRunner, threads_per_rank
 from evenflow.engine.sample.guided import Guides
 from evenflow.engine.sample.sampler import sample
-from evenflow.engine.serving.draft_model import DraftModel, ModelDrafter, NextTokenDrafter
 from evenflow.engine.serving.kernel_switch import KernelSwitch
 from evenflow.engine.serving.placement_control import ExpertPlacement
 from evenflow.engine.serving.prefix_transfer import PrefixCache
 from evenflow.engine.serving.profiling import ProfileControl
 from evenflow.engine.serving.speculation import SpecCounts, Speculation
-from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.weights.expert_store import read_missing_experts
 from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
@@ -127,8 +125,8 @@ class Engine:
                                                     sliding.window, salt,
                                                     config.enable_prefix_caching)
         spec = config.speculative if self.speculates else None
-        self.speculation = Speculation(spec, self._drafter(spec, dtype, num_blocks)) \
-            if spec is not None else None
+        self.speculation = Speculation.build(spec, config, self.model, dtype, num_blocks,
+                                             self.max_model_len) if spec is not None else None
         self.scheduler = self._make_scheduler()
         self.runner = self._make_runner(num_blocks, dtype, window_blocks)
         if config.deterministic:
@@ -176,21 +174,6 @@ class Engine:
                           wanted=-(-self.max_model_len // config.block_size) *
                           config.max_num_seqs, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens)
-
-    def _drafter(self, spec: SpeculativeConfig, dtype: torch.dtype, num_blocks: int
-                 ) -> ModelDrafter | None:
-        """The draft_model or mtp method's model, with a KV cache of as many blocks as the
-        target's (drafts never need more tokens than the target holds)."""
-        if spec.method == "draft_model":
-            assert spec.model is not None
-            return DraftModel.load(self.config, spec.model, self.model, dtype, num_blocks,
-                                   self.max_model_len)
-        if spec.method == "mtp":
-            drafter = NextTokenDrafter.load(self.config, self.model, dtype, num_blocks,
-                                            self.max_model_len)
-            self.model.keep_hidden = True
-            return drafter
-        return None
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
@@ -352,8 +335,8 @@ class Engine:
                        pending_kv=tensor.view(self.kv_dtype).view(expected),
                        num_cached_tokens=num_cached_tokens)
         seq.skip_draws(1, self.model_config.vocab_size)
-        if len(kv.hidden) and self.speculation is not None and self.speculation.wants_hidden:
-            self._take_handed_hidden(seq, kv)
+        if self.speculation is not None:
+            self.speculation.take_handed_hidden(seq, kv)
         self.guides.start(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -473,7 +456,7 @@ class Engine:
                 if reason is not None and self.speculation is not None:
                     outputs[-1] = self._with_draft_counts(outputs[-1], seq)
             if self.speculation is not None and self.speculation.wants_hidden:
-                self._hand_hidden(chunks, starts)
+                self.speculation.hand_hidden(chunks, starts, self.model_runner().chunk_hidden)
             if self.speculation is not None and all(
                     c.draft or c.num_tokens == 1 for c in chunks):  # a decode step: its cost,
                 self.speculation.observe_step(  # its drafts' verification included
@@ -495,27 +478,6 @@ class Engine:
         if runner.forward_calls == before:
             runner.forward_dummy()
         return outputs
-
-    def _take_handed_hidden(self, seq: Sequence, kv: KVPayload) -> None:
-        """mtp: the prompt's last hidden states from the engine that prefilled it (rows of
-        this model's hidden size), for the next-token layer's first draft."""
-        assert self.speculation is not None
-        width = self.model_config.hidden_size
-        rows = torch.frombuffer(bytearray(kv.hidden), dtype=getattr(torch, kv.hidden_dtype))
-        if rows.numel() % width or rows.numel() // width > seq.num_prompt_tokens:
-            raise KVHandoffError(f"{rows.numel()} hidden-state values are not rows of "
-                                 f"{width} for at most {seq.num_prompt_tokens} positions")
-        rows = rows.view(-1, width).to(self.model_runner().dtype)
-        self.speculation.take_hidden(seq, seq.num_prompt_tokens - len(rows), rows)
-
-    def _hand_hidden(self, chunks: list[ScheduledChunk], starts: list[int]) -> None:
-        """mtp: each sequence's final hidden states for the positions this step kept."""
-        assert self.speculation is not None
-        hidden = self.model_runner().chunk_hidden
-        for chunk, start, rows in zip(chunks, starts, hidden, strict=True):
-            if not chunk.seq.is_finished or chunk.seq.export_kv:  # (an export: for the hand-off)
-                self.speculation.take_hidden(chunk.seq, start,
-                                             rows[: chunk.seq.num_computed_tokens - start])
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # An export keeps its blocks until the next step has read them out.

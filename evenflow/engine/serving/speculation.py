@@ -35,13 +35,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
+from evenflow.engine.config.settings import EngineConfig
+from evenflow.engine.core.scheduler import ScheduledChunk
 from evenflow.engine.core.sequence import Sequence
-from evenflow.engine.serving.draft_model import ModelDrafter, NextTokenDrafter
+from evenflow.engine.model.transformer import CausalLM
+from evenflow.engine.serving.draft_model import DraftModel, ModelDrafter, NextTokenDrafter
 from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.spec.ngram import NgramIndex, NgramProposer
 from evenflow.engine.spec.suffix import SuffixProposer
+from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.sampling import TokenLogprobs
 
 PRIOR_ACCEPTANCE = 0.5  # the engine's estimate before its first draft
@@ -129,6 +134,22 @@ class Speculation:
         # match in a chat guesses worse than an 8-token one in a repeated request)
         self.by_match: dict[int, float] = {}
 
+    @classmethod
+    def build(cls, config: SpeculativeConfig, engine_config: EngineConfig, model: CausalLM,
+              dtype: torch.dtype, num_blocks: int, max_model_len: int) -> Speculation:
+        """The engine's part, with the draft_model or mtp method's model (a KV cache of as
+        many blocks as the target's: drafts never need more tokens than the target holds)."""
+        drafter: ModelDrafter | None = None
+        if config.method == "draft_model":
+            assert config.model is not None
+            drafter = DraftModel.load(engine_config, config.model, model, dtype, num_blocks,
+                                      max_model_len)
+        elif config.method == "mtp":
+            drafter = NextTokenDrafter.load(engine_config, model, dtype, num_blocks,
+                                            max_model_len)
+            model.keep_hidden = True
+        return cls(config, drafter)
+
     def propose(self, asks: list[tuple[Sequence, int]]) -> list[list[int]]:
         """The scheduler's Proposer: each decoding sequence's draft, of its length by cost."""
         lengths = [self._length(seq, limit) for seq, limit in asks]
@@ -185,6 +206,27 @@ class Speculation:
         state = seq.spec_state
         return (state.draft_tokens, state.accepted_tokens) if isinstance(state, SpecState) \
             else (0, 0)
+
+    def hand_hidden(self, chunks: list[ScheduledChunk], starts: list[int],
+                    hidden: list[Tensor]) -> None:
+        """mtp, after a step: each sequence's final hidden states (the runner's chunk_hidden)
+        for the positions the step kept (`starts`: each chunk's computed tokens before it)."""
+        for chunk, start, rows in zip(chunks, starts, hidden, strict=True):
+            if not chunk.seq.is_finished or chunk.seq.export_kv:  # (an export: for the hand-off)
+                self.take_hidden(chunk.seq, start, rows[: chunk.seq.num_computed_tokens - start])
+
+    def take_handed_hidden(self, seq: Sequence, kv: KVPayload) -> None:
+        """mtp: the prompt's last hidden states from the engine that prefilled it (rows of the
+        model's hidden size), for the next-token layer's first draft."""
+        if not len(kv.hidden) or not isinstance(self.drafter, NextTokenDrafter):
+            return
+        width = self.drafter.model.config.hidden_size
+        rows = torch.frombuffer(bytearray(kv.hidden), dtype=getattr(torch, kv.hidden_dtype))
+        if rows.numel() % width or rows.numel() // width > seq.num_prompt_tokens:
+            raise KVHandoffError(f"{rows.numel()} hidden-state values are not rows of "
+                                 f"{width} for at most {seq.num_prompt_tokens} positions")
+        rows = rows.view(-1, width).to(self.drafter.runner.dtype)
+        self.take_hidden(seq, seq.num_prompt_tokens - len(rows), rows)
 
     def export_hidden(self, seq: Sequence) -> Tensor | None:
         """mtp, a prompt prefilled for another engine: its last hidden states, for the
