@@ -1,9 +1,10 @@
 """Speculative decoding with n-gram and suffix drafts (engine/serving/speculation.py): greedy
 output is the same as without it (float32 and bf16, with logprobs, stop tokens, max_tokens,
-chunked prefill, int8 weights and the int8 KV cache); a draft on text that repeats is mostly
-accepted, and a repeated request drafts its earlier answer; the sampling distribution is kept
-(chi-square over the verification of fixed rows); rejected tokens never reach a KV event; a
-bad configuration is refused by name."""
+chunked prefill, int8 weights and the int8 KV cache, deterministic mode, tensor and expert
+parallelism); seeded sampling with penalties and grammar-guided requests give the same text; a
+draft on text that repeats is mostly accepted, and a repeated request drafts its earlier
+answer; the sampling distribution is kept (chi-square over the verification of fixed rows);
+rejected tokens never reach a KV event; a bad configuration is refused by name."""
 
 from __future__ import annotations
 
@@ -202,15 +203,18 @@ def test_a_bad_configuration_is_refused_by_name(config, message):
 
 
 @pytest.mark.slow  # rank processes loading models
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
-                                      {"expert_parallel_size": 2}])
-def test_tensor_and_expert_parallel_engines_keep_the_tokens(gpt_oss, parallel):
-    """TP: the leader drafts, and its followers run the rows it sends; DEP: each rank drafts
-    for its own sequences, its one forward a step as the group's lockstep needs."""
+@pytest.mark.parametrize("parallel, method", [
+    ({"tensor_parallel_size": 2}, "ngram"), ({"expert_parallel_size": 2}, "ngram"),
+    ({"tensor_parallel_size": 2}, "draft_model")])
+def test_tensor_and_expert_parallel_engines_keep_the_tokens(gpt_oss, parallel, method):
+    """TP: the leader drafts (a draft model whole, on the leader), and its followers run the
+    rows it sends; DEP: each rank drafts for its own sequences, its one forward a step as the
+    group's lockstep needs."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     config = dict(dtype="float32", block_size=4)
     want = [o.token_ids for o in LLM(str(gpt_oss), **config).generate(prompts(), params)]
-    llm = LLM(str(gpt_oss), **config, **parallel, speculative_config=NGRAM)
+    spec = NGRAM if method == "ngram" else {"model": str(gpt_oss), "num_speculative_tokens": 3}
+    llm = LLM(str(gpt_oss), **config, **parallel, speculative_config=spec)
     try:
         assert [o.token_ids for o in llm.generate(prompts(), params)] == want
         if "tensor_parallel_size" in parallel:
@@ -219,3 +223,34 @@ def test_tensor_and_expert_parallel_engines_keep_the_tokens(gpt_oss, parallel):
         close = getattr(llm.engine, "close", None)
         if close is not None:
             close()
+
+
+def test_seeded_sampling_penalties_and_grammars_give_the_same_text():
+    """A seeded request draws once per token taken, with or without drafts: with penalties its
+    sampled text is the same; under a grammar, draft tokens the grammar forbids are rejected."""
+    from evenflow.proto.grammar import guide_grammar
+
+    copy = "copy : k 12 x 40 hello please json 3 4 5 6 7 a b c d e f 100 200 ="
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"], "additionalProperties": False}
+    cases = [SamplingParams(temperature=0.8, seed=s, max_tokens=30, repetition_penalty=1.2,
+                            presence_penalty=0.3) for s in (1, 2, 3)]
+    cases.append(SamplingParams(temperature=0, max_tokens=40,
+                                guide=guide_grammar("json_schema", schema)))
+    base = LLM("tiny-moe", dtype="float32")
+    llm = LLM("tiny-moe", dtype="float32", speculative_config=NGRAM)
+    for params in cases:
+        want = base.generate([copy, "json : name bob ="], params)
+        got = llm.generate([copy, "json : name bob ="], params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], params
+    assert llm.engine.speculation.counts.accepted_tokens > 0
+
+
+def test_deterministic_mode_keeps_its_tokens_with_drafts():
+    params = SamplingParams(temperature=0, max_tokens=30)
+    prompts_ = ["copy : k 12 x 40 hello please 3 4 5 a b c d =", "count from 17 :"]
+    base = LLM("tiny-moe", deterministic=True)
+    llm = LLM("tiny-moe", deterministic=True, speculative_config=NGRAM)
+    assert [o.token_ids for o in llm.generate(prompts_, params)] == \
+        [o.token_ids for o in base.generate(prompts_, params)]
+    assert llm.engine.speculation.counts.accepted_tokens > 0
