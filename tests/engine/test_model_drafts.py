@@ -1,6 +1,6 @@
 """Speculative decoding with drafts from a model (engine/serving/draft_model.py): a draft model
-with the target's tokenizer, and DeepSeek-V3's own next-token (MTP) layer loaded from the
-checkpoint. Greedy output stays the target's; a draft model that is the target itself has every
+with the target's tokenizer, and DeepSeek-V3's and GLM-4.5's own next-token (MTP) layer loaded
+from the checkpoint. Greedy output stays the target's; a draft model that is the target itself has every
 draft accepted; the next-token layer drafts what transformers' own modules compute from its
 stored weights; it follows a prompt prefilled on another engine; bad pairings are refused."""
 
@@ -130,9 +130,21 @@ def test_the_next_token_layer_drafts_what_its_weights_predict(deepseek):
     assert drafter.propose([(seq, 2)])[0] == reference_drafts(hf, layer, seq.token_ids, 2)
 
 
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """GLM-4.5 (grouped-query attention with partial rotary over DeepSeek-V3's MoE) with its
+    next-token layer, stored as DeepSeek stores it."""
+    path = tmp_path_factory.mktemp("glm_mtp")
+    add_next_token_layer(path, make_checkpoint("glm4_moe", path))
+    return path
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_output_is_the_same_with_the_next_token_layer(deepseek, dtype, monkeypatch):
-    path, _, _ = deepseek
+@pytest.mark.parametrize("family", ["deepseek", "glm"])
+def test_greedy_output_is_the_same_with_the_next_token_layer(request, family, dtype,
+                                                             monkeypatch):
+    found = request.getfixturevalue(family)
+    path = found[0] if family == "deepseek" else found
     # (a random layer's drafts fail, after which the cost rule stops asking: ask every step)
     monkeypatch.setattr(Speculation, "_length",
                         lambda self, seq, limit: min(limit, self.config.num_speculative_tokens))
