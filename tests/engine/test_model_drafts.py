@@ -1,8 +1,9 @@
 """Speculative decoding with drafts from a model (engine/serving/draft_model.py): a draft model
 with the target's tokenizer, and DeepSeek-V3's and GLM-4.5's own next-token (MTP) layer loaded
-from the checkpoint. Greedy output stays the target's; a draft model that is the target itself has every
-draft accepted; the next-token layer drafts what transformers' own modules compute from its
-stored weights; it follows a prompt prefilled on another engine; bad pairings are refused."""
+from the checkpoint. Greedy output stays the target's; a draft model that is the target itself
+has every draft accepted; the next-token layer drafts what transformers' own modules compute
+from its stored weights; it follows a prompt prefilled on another engine; bad pairings are
+refused."""
 
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ class ModelDrafter:
             if k <= 0:
                 continue
             shadow = self._shadow(target)
-            if not self._sync(shadow) or not shadow.seq.token_ids[shadow.seq.num_computed_tokens:]:
+            if not self._sync(shadow) or \
+                    len(shadow.seq.token_ids) <= shadow.seq.num_computed_tokens:
                 continue
             if self._reserve(shadow.seq, len(shadow.seq.token_ids) + k - 1):
                 active.append((i, shadow, k))
@@ -128,8 +129,8 @@ class ModelDrafter:
             self.blocks.free_sequence(shadow.seq)
 
     def _shadow(self, target: Sequence, origin: int = 0) -> Shadow:
-        shadow = self.shadows.get(id(target))
-        if shadow is None or shadow.target is not target:
+        shadow = self.shadows.get(id(target))  # (a shadow keeps its target: no id is reused)
+        if shadow is None:
             shadow = self.shadows[id(target)] = Shadow(target, Sequence(
                 target.request_id, [], 0, SamplingParams(max_tokens=1)), origin)
         return shadow
@@ -196,8 +197,6 @@ class NextTokenDrafter(ModelDrafter):
         if not len(hidden):
             return
         shadow = self.shadows.get(id(target))
-        if shadow is not None and shadow.target is not target:
-            shadow = None
         if shadow is not None:
             have = shadow.origin + shadow.valid + sum(len(h) for h in shadow.hidden)
             if start > have:  # a gap (rows this worker never computed): start afresh
@@ -220,7 +219,7 @@ class NextTokenDrafter(ModelDrafter):
         """A prompt prefilled for another engine (P/D): the hidden states of its last
         HANDED_POSITIONS positions (what this engine received for it), its shadow let go."""
         shadow = self.shadows.get(id(target))
-        if shadow is None or shadow.target is not target or not shadow.hidden:
+        if shadow is None or not shadow.hidden:
             return None
         self.release(target)
         rows = torch.cat(shadow.hidden)[-HANDED_POSITIONS:]

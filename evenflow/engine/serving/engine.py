@@ -538,7 +538,7 @@ class Engine:
             kv = self.runner.read_kv(seq.block_table[:prompt_blocks],
                                      seq.window_table[:prompt_blocks] or None).contiguous()
             self.blocks.free_sequence(seq)
-            raw = memoryview(kv.view(torch.uint8).numpy().reshape(-1).data)  # a view, no copy
+            raw, _ = _raw(kv)  # a view, no copy
             hidden = self.speculation.export_hidden(seq) if self.speculation is not None \
                 else None
             outputs.append(self._output(seq, [], KVPayload(
@@ -558,7 +558,7 @@ class Engine:
 
 
 def _raw(t: torch.Tensor) -> tuple[memoryview, str]:
-    """A tensor's bytes (a view) and its dtype's name."""
+    """A tensor's bytes (a view of a contiguous one) and its dtype's name."""
     return (memoryview(t.contiguous().view(torch.uint8).numpy().reshape(-1).data),
             str(t.dtype).removeprefix("torch."))
 
