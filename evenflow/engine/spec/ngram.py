@@ -1,8 +1,16 @@
-"""Prompt lookup (vLLM's `ngram` method): the draft is what followed the latest earlier
-occurrence of the sequence's last n tokens, for the longest n from prompt_lookup_max down to
-prompt_lookup_min that occurs, up to k tokens. Each sequence keeps an index of its n-grams (the
-latest start of each), extended by the tokens added since the last step, so a proposal costs a
-few dictionary lookups however long the sequence is, and no model."""
+"""Prompt lookup (vLLM's `ngram` method): the draft is what followed an earlier occurrence of
+the sequence's last n tokens, for the longest n from prompt_lookup_max down to
+prompt_lookup_min that occurs (the latest such occurrence), up to k tokens.
+
+Each sequence keeps an index of its prompt_lookup_min-grams: the latest CANDIDATES starts of
+each, extended by the tokens added since the last step. A proposal looks the sequence's last
+prompt_lookup_min tokens up once (no occurrence, the common case in text that copies nothing:
+one lookup and done) and extends each candidate backwards, token by token, up to
+prompt_lookup_max. A longer n-gram's occurrence ends in one of its min-gram's, so this finds the
+longest match among the latest CANDIDATES occurrences of the min-gram: the same as indexing
+every n-gram wherever the min-gram recurs less often than that. It costs a lookup and an insert
+a token however long the sequence is, and no model.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +18,18 @@ from dataclasses import dataclass, field
 
 from evenflow.engine.spec.config import SpeculativeConfig
 
+CANDIDATES = 4  # occurrences of a min-gram kept: the latest ones
+
 
 @dataclass
 class NgramIndex:
-    """One sequence's n-grams (as tuples) -> the latest position they start at, for every
-    n-gram that ends before `indexed` (the sequence's last token is never indexed: a lookup of
-    the suffix finds an earlier occurrence, never the suffix itself)."""
+    """One sequence's prompt_lookup_min-grams (as tuples) -> the starts of their latest
+    occurrences (oldest first), for every one that ends before `indexed` (the sequence's last
+    token is never indexed: a lookup of the suffix finds an earlier occurrence, never the
+    suffix itself)."""
 
-    starts: dict[tuple[int, ...], int] = field(default_factory=dict)
-    indexed: int = 0  # n-grams ending before this position are in `starts`
+    starts: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    indexed: int = 0  # min-grams ending before this position are in `starts`
 
 
 class NgramProposer:
@@ -44,19 +55,35 @@ class NgramProposer:
               ) -> tuple[int, int] | None:
         """(n, where the latest earlier occurrence of tokens' last n starts) for the longest n
         that recurs; None when none does."""
-        if len(tokens) <= self.low:
+        low = self.low
+        if len(tokens) <= low:
             return None
         index = self._extend(tokens, index or NgramIndex())
-        for n in range(min(self.high, len(tokens) - 1), self.low - 1, -1):
-            start = index.starts.get(tuple(tokens[-n:]))
-            if start is not None:
-                return n, start
-        return None
+        found = index.starts.get(tuple(tokens[-low:]))
+        if found is None:
+            return None
+        best_n, best_start = 0, 0
+        last = len(tokens) - 1
+        for start in reversed(found):  # latest first: a tie keeps the latest
+            n = low
+            while n < self.high and start - (n - low) > 0 and \
+                    tokens[start - (n - low) - 1] == tokens[last - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_start = n, start - (n - low)
+        return best_n, best_start
 
     def _extend(self, tokens: list[int], index: NgramIndex) -> NgramIndex:
-        last = len(tokens) - 1  # n-grams ending at positions before the last token
-        for end in range(index.indexed, last):
-            for n in range(self.low, min(self.high, end + 1) + 1):
-                index.starts[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
+        low, starts = self.low, index.starts
+        last = len(tokens) - 1  # min-grams ending at positions before the last token
+        for end in range(max(index.indexed, low - 1), last):
+            key = tuple(tokens[end - low + 1 : end + 1])
+            found = starts.get(key)
+            if found is None:
+                starts[key] = [end - low + 1]
+            else:
+                found.append(end - low + 1)
+                if len(found) > CANDIDATES:
+                    del found[0]
         index.indexed = max(index.indexed, last)
         return index
