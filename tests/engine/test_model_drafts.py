@@ -16,23 +16,12 @@ from checkpoints import VOCAB, add_next_token_layer, make_checkpoint, prefill_th
 from evenflow import LLM, SamplingParams
 from evenflow.engine.config.settings import ModelLoadError
 from evenflow.engine.serving.engine import Engine, EngineConfig
-from evenflow.engine.serving.speculation import DraftCost, Speculation
+from evenflow.engine.serving.speculation import Speculation
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def steady_row_cost(monkeypatch):
-    """The draft length's cost side is fitted to measured step times, which a loaded machine
-    makes noisy; these tests are about drafting and verifying, so a row costs a fixed share."""
-    monkeypatch.setattr(DraftCost, "row_cost", lambda self, batch: 0.1)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt_oss")
-    make_checkpoint("gpt_oss", path)
-    return path
+pytestmark = pytest.mark.usefixtures("steady_row_cost")
 
 
 @pytest.fixture(scope="module")

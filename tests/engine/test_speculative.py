@@ -10,31 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import VOCAB, make_checkpoint
+from checkpoints import VOCAB
 
 from evenflow import LLM, SamplingParams
 from evenflow.engine.core.sequence import Sequence
 from evenflow.engine.sample.sampler import sample
 from evenflow.engine.serving.engine import Engine, EngineConfig
-from evenflow.engine.serving.speculation import DraftCost, Speculation
+from evenflow.engine.serving.speculation import Speculation
 from evenflow.engine.spec.config import SpeculativeConfig
 from evenflow.engine.spec.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-@pytest.fixture(autouse=True)
-def steady_row_cost(monkeypatch):
-    """The draft length's cost side is fitted to measured step times, which a loaded machine
-    makes noisy; these tests are about drafting and verifying, so a row costs a fixed share."""
-    monkeypatch.setattr(DraftCost, "row_cost", lambda self, batch: 0.1)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt_oss")
-    make_checkpoint("gpt_oss", path)
-    return path
+pytestmark = pytest.mark.usefixtures("steady_row_cost")
 
 
 def prompts() -> list[list[int]]:
