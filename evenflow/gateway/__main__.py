@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from evenflow.gateway.app import create_app
+from evenflow.gateway.direct import ExposeConnection
 from evenflow.gateway.jobs import Gateway
 from evenflow.services.config import MeshConfig, load_mesh_config
 
@@ -68,9 +69,10 @@ def shared_socket(host: str, port: int) -> socket.socket:
 
 def main(config: MeshConfig) -> None:
     config.configure_logging(f"gateway/{os.getpid()}")
-    app = create_app(config)
+    app = create_app(config)  # (its lifespan runs through ExposeConnection unchanged)
+    served = ExposeConnection(app) if config.direct_stream else app
     server = DrainingServer(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop",
+        served, host=config.host, port=config.port, loop="uvloop",
         log_level="warning" if config.log_level == "info" else config.log_level,
         timeout_graceful_shutdown=5), app)
     if config.num_gateways > 1:

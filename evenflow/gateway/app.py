@@ -202,7 +202,7 @@ async def _handle(gateway: Gateway, kind: str,
                     "gen_ai.usage.input_tokens": len(job.prompt_ids)})
     ctx = trace.set_span_in_context(span)
     if job.stream:
-        return AdmittedStream(stream(gateway, job, ctx, span), gateway.admission.release)
+        return AdmittedStream(stream(gateway, job, ctx, span), gateway.admission.release, job)
     return await complete(gateway, job, ctx, span)
 
 

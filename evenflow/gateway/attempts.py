@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from evenflow.gateway.dispatch import Dispatcher
 from evenflow.gateway.fleet import Fleet
@@ -48,11 +48,16 @@ class Attempts:
         self.exclude: set[str] = set()  # decode workers that failed it: not again if others
         self.retries = fleet.config.decode_retries
         self.last_progress = 0.0
+        # the direct path (gateway/direct.py): takes an in-order middle delta, or refuses it
+        # with nothing changed
+        self.direct: Callable[[TokenDelta, float], bool] | None = None
 
-    async def deltas(self) -> AsyncIterator[TokenDelta]:
+    async def deltas(self) -> AsyncGenerator[TokenDelta]:
         """The request's deltas until one carries a finish reason. Raises RequestFailed."""
         finished = False
         self.fleet.flights[self.wire_id] = self.flight
+        if self.direct is not None:
+            self.flight.tap = self.offer
         try:
             await self.dispatch.send(self.wire_id, self.flight, self.prompt, self.spec,
                                      self.exclude, False, _finite(self.deadline_of()))
@@ -71,10 +76,32 @@ class Attempts:
                 if finished:
                     return
         finally:
+            self.flight.tap = None
             if not finished:
                 self.dispatch.cancel(self.wire_id, self.flight)
             self.dispatch.release(self.flight)
             self.fleet.flights.pop(self.wire_id, None)
+
+    def offer(self, delta: TokenDelta) -> bool:
+        """The inbox's offer of a delta, before it queues it: True when the direct path
+        streamed it. Only a delta of the current attempt, next in order, after the first and
+        before the last, with nothing waiting before it and the deadline not passed, while
+        the request's task sleeps (it takes what waits in the queue first)."""
+        direct, flight, emitted = self.direct, self.flight, self.emitted
+        if (direct is None or not emitted or delta.finish_reason is not None
+                or delta.request_id != self.wire_id or self.ordering.held
+                or delta.first_index != len(emitted) - self.ordering.base
+                or not flight.queue.empty()):
+            return False
+        now = time.monotonic()
+        if now > self.deadline_of() or not direct(delta, now):
+            return False
+        self.last_progress = now  # as _progress does for a delta after the first
+        if flight.refused:
+            flight.refused.clear()
+        flight.admit_by = None
+        emitted.extend(delta.token_ids)
+        return True
 
     async def _next(self) -> TokenDelta | ErrorMessage | None:
         """The next delta in order, or an error (a worker's, or one standing for a dead worker

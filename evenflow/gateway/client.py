@@ -66,5 +66,13 @@ class GatewayClient:
         deltas keep coming. `timings`: marked when its first delta is taken (with when its
         attempt was published). `served`: filled in with where the request ran (its first
         token's attempt)."""
+        return self.attempts(prompt, spec, request_id, deadline, timings, served).deltas()
+
+    def attempts(self, prompt: list[int], spec: SamplingParams, request_id: str | None = None,
+                 deadline: float | Callable[[], float] | None = None,
+                 timings: FirstTokenTimings | None = None,
+                 served: Served | None = None) -> Attempts:
+        """The request's flight, not started: `generate`'s, whose `direct` may be set first
+        (gateway/direct.py)."""
         return Attempts(self.fleet, self.dispatch, prompt, spec, request_id or uuid.uuid4().hex,
-                        deadline_function(deadline), timings, served).deltas()
+                        deadline_function(deadline), timings, served)

@@ -184,7 +184,7 @@ class Fleet:
         if isinstance(message, TokenDeltas):
             for delta in message.deltas:
                 flight = self.flights.get(delta.request_id)
-                if flight is not None:
+                if flight is not None and (flight.tap is None or not flight.tap(delta)):
                     flight.queue.put_nowait(delta)
         elif isinstance(message, ErrorMessage):
             flight = self.flights.get(message.request_id)

@@ -6,6 +6,7 @@ attempts, retries and delivery)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evenflow.gateway.replies import DeltaQueue
@@ -36,6 +37,8 @@ class Flight:
     no_worker_since: float = 0.0  # migrating with no decode worker live, since (monotonic)
     published_at: float = 0.0  # time.perf_counter() when its latest attempt was published
     expected_cached_tokens: int = 0  # what the router expected the computing worker to hold
+    # offered each delta before the queue (Attempts.offer): True when it took it
+    tap: Callable[[TokenDelta], bool] | None = None
 
 
 @dataclass

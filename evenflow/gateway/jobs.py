@@ -9,12 +9,14 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from evenflow import models
+from evenflow.gateway.choice import ChoiceOutput
 from evenflow.gateway.client import GatewayClient
+from evenflow.gateway.direct import DirectStream, DirectWriter, plain
 from evenflow.gateway.edge import Admission
 from evenflow.gateway.flight import RequestFailed, Served
 from evenflow.gateway.protocol import (
@@ -24,6 +26,7 @@ from evenflow.gateway.protocol import (
     TokenizeRequest,
 )
 from evenflow.gateway.render import (
+    ChunkTemplate,
     LogprobRenderer,
     Piece,
     TokenIdRenderer,
@@ -43,15 +46,12 @@ from evenflow.proto.sampling import SamplingParams
 from evenflow.proto.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
-    TTFT,
     VLLM_E2E,
     VLLM_GENERATION_TOKENS,
-    VLLM_ITL,
     VLLM_PREFIX_HITS,
     VLLM_PREFIX_QUERIES,
     VLLM_PROMPT_TOKENS,
     VLLM_SUCCESS,
-    VLLM_TTFT,
 )
 from evenflow.services.tracing import setup_tracing
 
@@ -83,6 +83,9 @@ class Job:
     tools: ToolMode | None = None  # a forced tool call: how the output becomes tool_calls
     # a streamed single-choice request: its time to first token, split (gateway/timings.py)
     timings: FirstTokenTimings | None = None
+    created: int = field(default_factory=lambda: int(time.time()))  # every chunk carries it
+    # a streamed response's socket, once its head is sent (gateway/direct.py); None: ASGI only
+    writer: DirectWriter | None = None
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
@@ -284,78 +287,36 @@ class Gateway:
             job.spec = dataclasses.replace(job.spec, guide=await self.guides.compile(*fmt))
 
     async def run(self, job: Job) -> AsyncIterator[Piece]:
-        """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along."""
-        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, list(job.spec.stop),
-                                       job.spec.include_stop_str_in_output)
-        started = time.monotonic()
+        """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along.
+        With job.writer (a streamed plain job), deltas in the middle of the stream may go
+        straight from the inbox to the socket instead (gateway/direct.py)."""
+        output = ChoiceOutput(job, IncrementalDetokenizer(
+            self.tokenizer, job.prompt_ids, list(job.spec.stop),
+            job.spec.include_stop_str_in_output), self.output_vocab, time.monotonic())
+        attempts = self.client.attempts(job.prompt_ids, job.spec, job.request_id,
+                                        lambda: min(job.deadline, self.drain_deadline),
+                                        job.timings, job.served)
+        if job.writer is not None and plain(job):
+            attempts.direct = DirectStream(output, job.writer, ChunkTemplate(
+                job.kind, job.request_id, job.model, job.created))
         try:
-            async with aclosing(self._deltas(job, detok, started)) as deltas:
-                async for item in deltas:
-                    yield item
+            with self.tracer.start_as_current_span("stream") as span:
+                async with aclosing(attempts.deltas()) as deltas:
+                    async for delta in deltas:
+                        piece = output.take(delta, time.monotonic())
+                        if piece is None:
+                            continue
+                        yield piece
+                        if piece.finish is not None:  # (a stop string: client.generate
+                            # cancels downstream)
+                            span.set_attribute("gen_ai.usage.output_tokens",
+                                               job.usage.completion_tokens)
+                            return
         except RequestFailed as exc:
             if exc.code == errors.TIMEOUT and time.monotonic() >= self.drain_deadline:
                 raise RequestFailed(errors.DRAINING, "the gateway shut down before the request "
                                     "finished") from None
             raise
-
-    async def _deltas(self, job: Job, detok: IncrementalDetokenizer,
-                      started: float) -> AsyncGenerator[Piece]:
-        first, previous, last = True, job.prompt_ids[-1], started
-        itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
-        vocab = self.output_vocab
-        with self.tracer.start_as_current_span("stream") as span:
-            async for delta in self.client.generate(job.prompt_ids, job.spec, job.request_id,
-                                                    lambda: min(job.deadline,
-                                                                self.drain_deadline),
-                                                    job.timings, job.served):
-                now = time.monotonic()
-                if delta.token_ids and not 0 <= min(delta.token_ids) <= max(
-                        delta.token_ids) < vocab:  # a broken or forged worker: not our 500
-                    raise RequestFailed(errors.WORKER_ERROR, "a worker sent a token id outside "
-                                        f"the vocabulary [0, {vocab})")
-                if first and delta.prompt_logprobs:
-                    ids = job.prompt_ids
-                    job.prompt_logprobs = [
-                        TokenLogprob(lp, top_ids, top_lps, token_id=ids[i + 1],
-                                     previous_id=ids[i])
-                        for i, (lp, top_ids, top_lps) in enumerate(zip(
-                            delta.prompt_logprobs, delta.prompt_top_logprob_ids,
-                            delta.prompt_top_logprobs, strict=False))]
-                if first:
-                    job.ttft_s = now - started
-                    TTFT.observe(job.ttft_s)
-                    VLLM_TTFT.labels(job.model).observe(job.ttft_s)
-                    job.usage.cached_tokens = delta.num_cached_tokens
-                    first = False
-                elif delta.token_ids:
-                    gap = (now - last) / len(delta.token_ids)
-                    for _ in delta.token_ids:
-                        itl.observe(gap)
-                last = now
-                job.usage.completion_tokens += len(delta.token_ids)
-                if delta.draft_tokens:
-                    job.usage.draft_tokens += delta.draft_tokens
-                    job.usage.accepted_draft_tokens += delta.accepted_draft_tokens
-                logprobs = []
-                if job.logprobs is not None:
-                    for token, lp, top_ids, top_lps in zip(
-                            delta.token_ids, delta.logprobs, delta.top_logprob_ids,
-                            delta.top_logprobs, strict=False):
-                        logprobs.append(TokenLogprob(lp, top_ids, top_lps, token_id=token,
-                                                     previous_id=previous))
-                        previous = token
-                text = detok.add(delta.token_ids)
-                if detok.stopped:  # a stop string: cut here; client.generate cancels downstream
-                    yield Piece(text, "stop", logprobs)
-                    return
-                finish = delta.finish_reason
-                if finish is not None:
-                    text += detok.flush()
-                    yield Piece(text, "stop" if finish == "abort" else finish, logprobs)
-                    span.set_attribute("gen_ai.usage.output_tokens", job.usage.completion_tokens)
-                    return
-                if text or logprobs:
-                    yield Piece(text, None, logprobs)
 
 
 def error_from_failure(exc: RequestFailed) -> APIError:

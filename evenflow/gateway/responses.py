@@ -17,6 +17,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from starlette.types import Receive, Scope, Send
 
+from evenflow.gateway.direct import DirectWriter
 from evenflow.gateway.fanout import merged
 from evenflow.gateway.flight import RequestFailed
 from evenflow.gateway.jobs import Gateway, Job, error_from_failure
@@ -132,14 +133,15 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
                     continue
                 calls = None if piece.finish == "length" else tool_calls(job.tools, held[index])
                 if calls:
-                    event = _sse(tool_calls_chunk(job.request_id, job.model, index, calls))
+                    event = _sse(tool_calls_chunk(job.request_id, job.model, index, calls,
+                                                  job.created))
                 piece = Piece(held[index], piece.finish)  # no calls: the text as content
             if event is None:
                 usage = job.total_usage(choices) if job.continuous_usage else None
                 event = _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,
                                         piece.finish, first[index],
                                         _rendered_logprobs(gateway, job, piece, offsets[index]),
-                                        usage))
+                                        usage, job.created))
                 if first[index] and job.timings is not None:
                     job.timings.first_chunk()
                 first[index] = False
@@ -152,7 +154,7 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
         job.record(choices, finishes)
         if job.include_usage:
             tail.append(_sse(usage_chunk(job.kind, job.request_id, job.model,
-                                         job.total_usage(choices))))
+                                         job.total_usage(choices), job.created)))
     except RequestFailed as exc:
         outcome = "error"
         tail.append(_sse(error_from_failure(exc).body()))
@@ -180,9 +182,10 @@ class AdmittedStream(StreamingResponse):
     task, as the task group did: the body generator sees CancelledError at its await, its
     `finally` cancels the request downstream, and the response ends normally."""
 
-    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None],
+                 job: Job | None = None) -> None:
         super().__init__(body, media_type="text/event-stream")
-        self._release = release
+        self._release, self._job = release, job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -199,11 +202,18 @@ class AdmittedStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
+            # the socket itself, past the ASGI layers, where the server lets us (direct.py)
+            writer = DirectWriter.of(scope) if self._job is not None else None
+            if self._job is not None:
+                self._job.writer = writer
             ended_body = False
             async for chunk in self.body_iterator:
                 ended_body = isinstance(chunk, LastChunk)
                 if ended_body:  # no disconnect to act on once the body is complete
                     state["ended"] = True
+                elif writer is not None and writer.ready():
+                    writer.write(chunk)
+                    continue
                 await send({"type": "http.response.body", "body": chunk,
                             "more_body": not ended_body})
             if not ended_body:

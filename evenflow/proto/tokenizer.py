@@ -143,6 +143,17 @@ class IncrementalDetokenizer:
                 break
         return self._take(final=self.stopped)
 
+    def mark(self) -> tuple[int, int, int, str, int]:
+        """Where the detokenizer stands, to `rewind` to (cheap: no copy)."""
+        return (len(self._ids), self._prefix_offset, self._read_offset, self.text,
+                self._emitted)
+
+    def rewind(self, mark: tuple[int, int, int, str, int]) -> None:
+        """Back to a `mark`, as if what was added since never came."""
+        n, self._prefix_offset, self._read_offset, self.text, self._emitted = mark
+        del self._ids[n:]
+        self.stopped = False
+
     def flush(self) -> str:
         """The held-back text, when the sequence has finished."""
         return self._take(final=True)

@@ -180,6 +180,10 @@ class MeshConfig(EngineConfig):
                                         "/admin/profile and workers write Chrome traces there")
     eplb_per_role: bool = setting(True, help="a placement per role (prefill, decode); off: one "
                                              "for all")
+    direct_stream: bool = setting(True, help="the gateway writes a stream's middle SSE "
+                                             "events straight to its socket from the NATS "
+                                             "inbox (gateway/direct.py); off: every event "
+                                             "through the request's task and ASGI, for A/B")
     # Fleet (`evenflow up`)
     num_gateways: int = setting(1, ge=1, le=64, flag="--gateways",
                                 help="gateway processes sharing the HTTP port (SO_REUSEPORT)")
