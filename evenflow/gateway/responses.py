@@ -212,11 +212,15 @@ class AdmittedStream(StreamingResponse):
                 if ended_body:  # no disconnect to act on once the body is complete
                     state["ended"] = True
                 elif writer is not None and writer.ready():
-                    writer.write(chunk)
+                    writer.write(chunk)  # type: ignore[arg-type]  # (stream() yields bytes)
                     continue
+                if writer is not None:
+                    writer.flush()  # what the direct path wrote goes first
                 await send({"type": "http.response.body", "body": chunk,
                             "more_body": not ended_body})
             if not ended_body:
+                if writer is not None:
+                    writer.flush()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not state["gone"]:
