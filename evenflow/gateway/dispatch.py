@@ -145,7 +145,9 @@ class Dispatcher:
             span.set_attribute("evenflow.route.prefill", flight.prefill or "local")
             span.set_attribute("evenflow.route.matched_blocks", hit)
             if self.fleet.kv is not None:
-                self.fleet.kv.predict(hashes, self._holders(matched, decode, prefill))
+                holders = self._holders(matched, decode, prefill)
+                self.fleet.kv.predict(hashes, holders)
+                self.fleet.peers.routed(hashes, list(holders))
             bus, inbox = self.fleet.bus, self.fleet.inbox
             if prefill is None:
                 await bus.publish(subjects.decode_worker(decode.worker_id), DecodeRequest(

@@ -1,8 +1,8 @@
 """The gateway's view of the worker fleet: one NATS connection; this gateway's inbox
 demultiplexed to the requests in flight (TokenDeltas, ErrorMessage) and to profile waiters;
 heartbeats in (the worker registry) and out (workers drop the requests of a gateway that goes
-quiet); and this gateway's copy of the KV index kept in step with the workers (their snapshots
-asked for where it is behind)."""
+quiet); the other gateways' routing state (peers.py); and this gateway's copy of the KV index
+kept in step with the workers (their snapshots asked for where it is behind)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import uuid
 from opentelemetry.context import Context
 
 from evenflow.gateway.flight import Flight, RequestFailed
+from evenflow.gateway.peers import PeerGateways
 from evenflow.gateway.router import RouterWeights, WorkerRegistry
 from evenflow.kv_index.client import KVIndexClient
 from evenflow.kv_index.local_copy import LocalIndex
@@ -58,9 +59,12 @@ class Fleet:
         # it is behind)
         self.kv_copy = LocalIndex() if self.kv is not None and config.kv_index_local_copy \
             else None
+        self.peers = PeerGateways(self.inbox, self.registry, self.kv,
+                                  config.router_sync_interval_s)
         self.flights: dict[str, Flight] = {}  # by wire id (an attempt's)
         self._profiles: dict[str, asyncio.Future[ProfileResult]] = {}  # POST /admin/profile
         self._heartbeats: asyncio.Task | None = None
+        self._syncs: asyncio.Task | None = None
         self._connecting: asyncio.Task | None = None  # retrying a NATS that was down at start
         self._ready_since: float | None = None
         self._copy_ready = False  # the index copy was in step once (or the grace ran out)
@@ -93,6 +97,9 @@ class Fleet:
         if self.kv_copy is not None:
             await self.bus.subscribe(subjects.KV_EVENTS, self._on_kv_events)
         self._heartbeats = asyncio.create_task(self._heartbeat(), name="gateway heartbeats")
+        if self.config.router_sync_interval_s > 0:
+            await self.bus.subscribe(subjects.router_sync("*"), self.peers.on_sync)
+            self._syncs = asyncio.create_task(self.peers.run(self.bus), name="router syncs")
 
     async def _connect_until_up(self) -> None:
         while True:
@@ -144,7 +151,7 @@ class Fleet:
                 for s in self.registry.live(role)}
 
     async def close(self) -> None:
-        for task in (self._heartbeats, self._connecting):
+        for task in (self._heartbeats, self._syncs, self._connecting):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -69,14 +69,27 @@ def choose(candidates: list[WorkerState], total_blocks: int, matched: Mapping[st
 
 
 def current_load(hb: WorkerHeartbeat, own: str, own_load: float, reported: int,
-                 per_unit: float = 1.0) -> float:
-    """This gateway's own load on a worker (fresh) plus what the worker's heartbeat reports for
-    the other gateways, in heartbeat units / per_unit. A heartbeat with no per-gateway split
-    (an idle worker) gives only its total, `reported`: then the larger of the two."""
+                 per_unit: float = 1.0, peers: Mapping[str, float] | None = None) -> float:
+    """This gateway's own load on a worker (fresh) plus the other gateways': what they last
+    synced (`peers`, gateway -> load in the result's units: fresh, gateway/peers.py), else
+    what the worker's heartbeat reports for them, in heartbeat units / per_unit. A heartbeat
+    with no per-gateway split (an idle worker) gives only its total, `reported`: then the
+    larger of that and what the gateways know."""
+    synced = sum(peers.values()) if peers else 0.0
     if not hb.load_by_gateway:
-        return max(reported / per_unit, own_load)
-    others = sum(n for gateway, n in hb.load_by_gateway.items() if gateway != own)
-    return own_load + others / per_unit
+        return max(reported / per_unit, own_load + synced)
+    others = sum(n for gateway, n in hb.load_by_gateway.items()
+                 if gateway != own and not (peers and gateway in peers))
+    return own_load + synced + others / per_unit
+
+
+@dataclass
+class PeerLoad:
+    """Another gateway's in-flight load, as its latest RouterSync said."""
+
+    received_at: float  # local monotonic clock
+    inflight: dict[str, int]  # worker_id -> requests
+    inflight_blocks: dict[str, int]  # worker_id -> prompt blocks still to prefill
 
 
 class WorkerRegistry:
@@ -86,6 +99,8 @@ class WorkerRegistry:
         self.weights = weights or RouterWeights()
         self.own_subject = own_subject  # this gateway's reply subject, as heartbeats name it
         self.workers: dict[str, WorkerState] = {}
+        self.peers: dict[str, PeerLoad] = {}  # other gateways' synced load, by inbox subject
+        self.peer_fresh_s = 2.0  # older than this, a peer's sync gives way to heartbeats
         self._rng = random.Random(0)
         self._turns = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
@@ -163,15 +178,30 @@ class WorkerRegistry:
         against load (it can prefill the rest locally)."""
         candidates = [s for s in self.live(Role.DECODE) if s.worker_id not in exclude
                       and s.heartbeat.free_kv_blocks >= total_blocks + 1]
+        peers = self._fresh_peers()
         load = {s.worker_id: self.weights.decode_load * current_load(
-            s.heartbeat, self.own_subject, s.inflight, s.heartbeat.running + s.heartbeat.waiting)
-            for s in candidates}
+            s.heartbeat, self.own_subject, s.inflight, s.heartbeat.running + s.heartbeat.waiting,
+            peers=_at(peers, s.worker_id, False)) for s in candidates}
         return self._pick(Role.DECODE, candidates, total_blocks, matched, load)
 
     def pick_prefill(self, total_blocks: int, matched: Mapping[str, float],
                      block_size: int) -> WorkerState | None:
         candidates = self.live(Role.PREFILL)
+        peers = self._fresh_peers()
         load = {s.worker_id: current_load(s.heartbeat, self.own_subject, s.inflight_blocks,
-                                          s.heartbeat.queued_prompt_tokens, block_size)
+                                          s.heartbeat.queued_prompt_tokens, block_size,
+                                          peers=_at(peers, s.worker_id, True))
                 for s in candidates}
         return self._pick(Role.PREFILL, candidates, total_blocks, matched, load)
+
+    def _fresh_peers(self) -> list[tuple[str, PeerLoad]]:
+        if not self.peers:
+            return []
+        now = time.monotonic()
+        return [(g, p) for g, p in self.peers.items() if now - p.received_at < self.peer_fresh_s]
+
+
+def _at(peers: list[tuple[str, PeerLoad]], worker_id: str, blocks: bool) -> dict[str, float]:
+    """gateway -> its synced load on `worker_id` (requests, or prompt blocks to prefill)."""
+    return {g: float((p.inflight_blocks if blocks else p.inflight).get(worker_id, 0))
+            for g, p in peers}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 
@@ -99,15 +99,7 @@ class KVIndexClient:
         """Workers about to hold `block_hashes`: worker_id -> (epoch, blocks it already has).
         Recorded here at once and written to Redis in the background (a lost write costs a
         little stickiness, nothing else)."""
-        expiry = time.monotonic() + self.prediction_ttl_ms / 1000
-        if len(self._predicted) > MAX_LOCAL_PREDICTIONS:
-            now = time.monotonic()
-            self._predicted = {h: d for h, d in self._predicted.items()
-                               if max(d.values()) > now}
-        for h in block_hashes:
-            entry = self._predicted.setdefault(h, {})
-            for worker_id in workers:
-                entry[worker_id] = expiry
+        self.remember(block_hashes, workers)
         if not block_hashes:
             return
         remote = {store.member_of(w, epoch): block_hashes[have:]
@@ -115,6 +107,20 @@ class KVIndexClient:
         task = asyncio.create_task(self._write_predictions(remote))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    def remember(self, block_hashes: list[int], worker_ids: Iterable[str]) -> None:
+        """Workers about to hold `block_hashes`, in this gateway's own predictions only (what
+        another gateway routed: it wrote Redis itself)."""
+        expiry = time.monotonic() + self.prediction_ttl_ms / 1000
+        if len(self._predicted) > MAX_LOCAL_PREDICTIONS:
+            now = time.monotonic()
+            self._predicted = {h: d for h, d in self._predicted.items()
+                               if max(d.values()) > now}
+        worker_ids = tuple(worker_ids)
+        for h in block_hashes:
+            entry = self._predicted.setdefault(h, {})
+            for worker_id in worker_ids:
+                entry[worker_id] = expiry
 
     async def _write_predictions(self, predictions: dict[str, list[int]]) -> None:
         args: list[int | str | bytes] = [self.keys.prefix, self.prediction_ttl_ms]

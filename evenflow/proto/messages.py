@@ -414,15 +414,37 @@ class ProfileResult:
     error: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoutedPrefix:
+    """A prompt's block hashes a gateway just sent to a worker (it will hold them)."""
+
+    worker_id: str
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSync:
+    """A gateway's routing state, for the other gateways (as Dynamo's router replicas sync):
+    its in-flight load on each worker, whole, and the prefixes it routed since its last
+    sync. Sent every router_sync_interval_s while it changes."""
+
+    TYPE: ClassVar[str] = "router_sync"
+    VERSION: ClassVar[int] = 1
+    gateway_id: str  # its inbox subject, as workers' heartbeats name it in load_by_gateway
+    inflight: dict[str, int]  # worker_id -> its requests there, not finished
+    inflight_blocks: dict[str, int]  # worker_id -> prompt blocks they still have to prefill
+    routed: list[RoutedPrefix] = field(default_factory=list)
+
+
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
            | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
            | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult | KVPullRequest
-           | KVPullDone)
+           | KVPullDone | RouterSync)
 
 CODEC = Codec((PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas,
                Cancel, ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot,
                ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult, KVPullRequest,
-               KVPullDone))
+               KVPullDone, RouterSync))
 REGISTRY = CODEC.registry
 
 

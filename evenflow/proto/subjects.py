@@ -53,6 +53,11 @@ def gateway_inbox(gateway_id: str) -> str:
     return f"{PREFIX}.gateway.{gateway_id}"
 
 
+def router_sync(gateway_id: str) -> str:
+    """RouterSync from one gateway to the others."""
+    return f"{PREFIX}.router.{gateway_id}"
+
+
 def matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: `*` is one token, a final `>` one or more."""
     want, have = pattern.split("."), subject.split(".")

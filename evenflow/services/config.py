@@ -184,9 +184,16 @@ class MeshConfig(EngineConfig):
                                              "events straight to its socket from the NATS "
                                              "inbox (gateway/direct.py); off: every event "
                                              "through the request's task and ASGI, for A/B")
+    router_sync_interval_s: float = setting(0.05, ge=0, help="each gateway sends the others "
+                                                             "its in-flight load and routed "
+                                                             "prefixes this often while they "
+                                                             "change (gateway/peers.py; 0: "
+                                                             "off, heartbeats only)")
     # Fleet (`evenflow up`)
-    num_gateways: int = setting(1, ge=1, le=64, flag="--gateways",
-                                help="gateway processes sharing the HTTP port (SO_REUSEPORT)")
+    num_gateways: int = setting(0, ge=0, le=64, flag="--gateways",
+                                help="gateway processes sharing the HTTP port (SO_REUSEPORT); "
+                                     "0: one per 4 cores, at most 8 and at most twice the "
+                                     "engine workers (1 on a 2-core machine)")
     num_prefill: int = setting(1, ge=0, flag="--prefill", help="prefill workers")
     num_decode: int = setting(1, ge=1, flag="--decode", help="decode workers")
     # DEP (engine/dep/lockstep.py): the launcher sets ep_rank / ep_group per process
@@ -289,6 +296,16 @@ class MeshConfig(EngineConfig):
         services/engine_worker.py EngineWorker.engine_config)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)}
         return EngineConfig(**values | {"kv_disk_dir": kv_disk_dir})
+
+    def gateway_count(self, cores: int | None = None) -> int:
+        """The gateway processes to run: num_gateways, or (0) one per 4 cores, at most 8 and
+        at most twice the prefill and decode workers: a gateway per ~4 cores keeps the front
+        end off the critical path at a GPU worker's token rate (bench frontend), while on a
+        small CPU machine the workers need the cores more."""
+        if self.num_gateways:
+            return self.num_gateways
+        cores = cores or os.cpu_count() or 1
+        return max(1, min(cores // 4, 8, 2 * (self.num_prefill + self.num_decode)))
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""

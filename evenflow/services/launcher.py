@@ -279,6 +279,7 @@ class LocalMesh:
             if not cfg.nats_url and cfg.nats_auth:
                 cfg = self._start_secure_nats(cfg)
             cfg = ensure_data_plane(cfg, self.servers)
+            cfg = replace(cfg, num_gateways=cfg.gateway_count())  # (0: picked here)
             if cfg.port == 0:
                 cfg = replace(cfg, port=free_port())
             cfg = self._keys_to_file(cfg)

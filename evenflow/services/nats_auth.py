@@ -61,8 +61,9 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
                   subjects.kv_pulled("*"))
     table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "gateway": ((f"{P}.prefill.*", f"{P}.decode.*", subjects.kv_resync("*"),
-                     subjects.heartbeat("gateway", "*")),
-                    (f"{P}.gateway.*", subjects.HEARTBEATS, subjects.KV_EVENTS)),
+                     subjects.heartbeat("gateway", "*"), subjects.router_sync("*")),
+                    (f"{P}.gateway.*", subjects.HEARTBEATS, subjects.KV_EVENTS,
+                     subjects.router_sync("*"))),
         "prefill": ((*worker_out, subjects.kv_transfer("*"), subjects.kv_pull("*")),
                     (subjects.prefill_worker(worker_id), subjects.kv_pulled(worker_id),
                      *worker_in)),
