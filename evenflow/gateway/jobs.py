@@ -121,8 +121,8 @@ class Job:
         """One job per choice: its own id and usage; a seed offset by the choice's index."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(
-            self, request_id=f"{self.request_id}-{i}", n=1,
+        return [dataclasses.replace(  # (no direct path: a choice's events carry its index)
+            self, request_id=f"{self.request_id}-{i}", n=1, writer=None,
             spec=dataclasses.replace(self.spec, seed=None if self.spec.seed is None
                                      else (self.spec.seed + i) % (1 << 63)))
             for i in range(self.n)]
