@@ -79,6 +79,25 @@ def make_prompts(n: int, length: int, vocab: int, shared_prefix: int = 0,
             for _ in range(n)]
 
 
+async def whole_request(client: SSEClient, model: str, prompt: list[int], max_tokens: int,
+                        headers: dict[str, str]) -> RequestTiming:
+    """A non-streamed completion: its whole time stands for its time to first token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    async with client.stream("/v1/completions", body, headers) as events:
+        answer = orjson.loads(await events.whole())  # type: ignore[attr-defined]
+    end = time.perf_counter()
+    if "error" in answer:
+        raise RuntimeError(answer["error"]["message"])
+    usage = answer.get("usage") or {}
+    return RequestTiming(start, end - start, [], end - start,
+                         usage.get("completion_tokens", max_tokens),
+                         usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                         usage.get("prompt_tokens", len(prompt)),
+                         answer["choices"][0].get("text", ""))
+
+
 async def one_request(client: SSEClient, model: str, prompt: list[int], max_tokens: int,
                       headers: dict[str, str]) -> RequestTiming:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -116,9 +135,11 @@ async def one_request(client: SSEClient, model: str, prompt: list[int], max_toke
 async def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: int,
                    concurrency: int, api_key: str | None = None,
                    request_rate: float = float("inf"), seed: int = 0,
-                   progress: bool = False) -> LoadResult:
+                   progress: bool = False, stream: bool = True) -> LoadResult:
     """Send every prompt, at most `concurrency` at a time; with a finite request_rate,
-    requests arrive as a Poisson process of that rate (exponential gaps, seeded)."""
+    requests arrive as a Poisson process of that rate (exponential gaps, seeded). stream=False:
+    non-streamed completions (each one's time counts as its TTFT)."""
+    request = one_request if stream else whole_request
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = LoadResult()
     rng = random.Random(seed)
@@ -129,7 +150,7 @@ async def run_load(url: str, model: str, prompts: list[list[int]], max_tokens: i
         nonlocal done
         async with slots:
             try:
-                timing = await one_request(client, model, prompt, max_tokens, headers)
+                timing = await request(client, model, prompt, max_tokens, headers)
                 timing.started -= t0
                 result.timings.append(timing)
             except REQUEST_ERRORS as exc:

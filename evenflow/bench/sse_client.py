@@ -185,6 +185,13 @@ class _EventIterator:
             self.pending.reverse()
         return self.pending.pop()
 
+    async def whole(self) -> bytes:
+        """The body as it is (a non-streamed answer), read to its end."""
+        async with asyncio.timeout(self.timeout_s):
+            body = await _read_body(self.reader, self.chunked, self.remaining)
+        self.finished = True
+        return body
+
     async def _read(self) -> bytes | None:
         if self.chunked:
             return await _next_chunk(self.reader)

@@ -98,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=2, help="decode workers (mock)")
     ap.add_argument("--prefill", type=int, default=1,
                     help="prefill workers (mock; every prompt goes through one: 0 = none)")
-    ap.add_argument("--gateways", default="1",
-                    help="gateway process counts to compare, e.g. 1,2 (each its own mesh)")
+    ap.add_argument("--gateways", default="0",
+                    help="gateway process counts to compare, e.g. 0,1,2,4 (each its own mesh; "
+                         "0: what `evenflow up` picks on this machine)")
+    ap.add_argument("--asgi-stream", action="store_true",
+                    help="every SSE event through the request's task and ASGI (the direct "
+                         "path off: EVENFLOW_DIRECT_STREAM=0), for A/B")
     ap.add_argument("--quick", action="store_true", help="concurrency 8 and 32, 16 tokens")
     ap.add_argument("--real", action="store_true",
                     help="workers run tiny-moe for real instead of the zero-compute mock")
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(machine_line("tiny-moe, real compute" if args.real else "n/a (mock engine, no compute)"))
     rows = []
+    whole_rows: list[tuple[int, int, int, int, float]] = []  # non-streamed, 1 token
     cpu_rows: list[tuple[int, int, dict[str, float]]] = []
     for gateways in (int(g) for g in args.gateways.split(",")):
         config = MeshConfig(port=0, engine="torch" if args.real else "mock",
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                             num_decode=args.decode, num_ep_ranks=0, max_num_seqs=1024,
                             max_inflight=4096, max_queued=4096, num_kv_blocks=65536,
                             stats_log_interval_s=0, num_gateways=gateways,
-                            log_level="warning")
+                            log_level="warning", direct_stream=not args.asgi_stream)
+        gateways = config.gateway_count()
         mesh = LocalMesh(config)
         mesh.start(health_timeout_s=120)
         try:
@@ -151,11 +157,17 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_rows.append((gateways, level, {r: 1e6 * c / tokens
                                                    for r, c in sorted(cpu.items())}))
                 ttft = [t.ttft * 1e3 for t in load.timings]
+                itl = [x * 1e3 for t in load.timings for x in t.itls]
                 rows.append((gateways, level, len(load.timings), load.errors,
                              len(load.timings) / load.wall, load.throughput,
                              percentile(ttft, 50), percentile(ttft, 99),
+                             percentile(itl, 50), percentile(itl, 99),
                              quantile(before, after, 0.5) * 1e3,
                              quantile(before, after, 0.99) * 1e3))
+                whole = run_client(run_load(mesh.url, mesh.config.model_name, make_prompts(
+                    4 * level, args.prompt_len, 500, seed=level + 1), 1, level, stream=False))
+                whole_rows.append((gateways, level, len(whole.timings), whole.errors,
+                                   len(whole.timings) / whole.wall))
         finally:
             mesh.stop()
     workers = "tiny-moe" if args.real else "mock"
@@ -163,12 +175,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prompt_len} tokens, {output_len} out, streamed; ratio: req/s against the "
           "first gateway count at the same concurrency")
     print(f"  {'gateways':>8} {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'ratio':>6} "
-          f"{'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'loop lag p50':>13} {'p99 (ms)':>9}")
+          f"{'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'loop lag p50':>13} {'p99 (ms)':>9}")
     base = {row[1]: row[4] for row in rows if row[0] == rows[0][0]}
-    for gateways, level, ok, failed, rps, tps, t50, t99, l50, l99 in rows:
+    for gateways, level, ok, failed, rps, tps, t50, t99, i50, i99, l50, l99 in rows:
         print(f"  {gateways:8d} {level:7d} {ok:5d} {failed:6d} {rps:8.1f} "
-              f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {l50:13.1f} {l99:9.1f}")
-    print("  (loop lag: bucket upper bounds; TTFT in ms)")
+              f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {i50:8.2f} "
+              f"{i99:8.2f} {l50:13.1f} {l99:9.1f}")
+    print("  (loop lag: bucket upper bounds; TTFT and ITL in ms)")
+    print("\nnon-streamed, 1 token out (4 x concurrency requests)")
+    whole_base = {row[1]: row[4] for row in whole_rows if row[0] == whole_rows[0][0]}
+    for gateways, level, ok, failed, rps in whole_rows:
+        print(f"  gateways {gateways}, {level:4d} at once: {ok:5d} ok {failed:4d} failed "
+              f"{rps:8.1f} req/s {rps / whole_base[level]:5.2f}x")
     print("\nCPU µs per streamed token, by process role (client: this process, the load "
           "generator; the one nearest a full core per token is the straggler)")
     for gateways, level, per_role in cpu_rows:
@@ -181,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         if python:
             _started_peer_table(args, python, starter, levels, output_len, base,
                                 {level: per_role for g, level, per_role in cpu_rows
-                                 if g == cpu_rows[0][0]})
+                                 if g == cpu_rows[0][0]}, whole_base)
     return 0
 
 
 def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
                         levels: list[int], output_len: int, ours: dict[int, float],
-                        our_cpu: dict[int, dict[str, float]]) -> None:
+                        our_cpu: dict[int, dict[str, float]],
+                        whole_ours: dict[int, float]) -> None:
     """A peer this bench starts (bench/mesh/peers.py) under the same streams: req/s, and CPU µs per
     streamed token by its process roles beside evenflow's."""
     from evenflow import models
@@ -212,7 +232,7 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
         return
     try:
         _peer_rows(label, peer.url, peer.model, args.prompt_len, levels, output_len, ours,
-                   peer.cpu_by_role, our_cpu)
+                   peer.cpu_by_role, our_cpu, whole_ours)
     finally:
         peer.stop()
 
@@ -236,7 +256,8 @@ def _peer_table(args: argparse.Namespace, levels: list[int], output_len: int,
 def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[int],
                output_len: int, ours: dict[int, float],
                cpu: Callable[[], dict[str, float]] | None = None,
-               our_cpu: dict[int, dict[str, float]] | None = None) -> None:
+               our_cpu: dict[int, dict[str, float]] | None = None,
+               whole_ours: dict[int, float] | None = None) -> None:
     """The same streams against a peer: a row per concurrency with evenflow's req/s (first
     gateway count) / the peer's; with `cpu` (its CPU seconds by process role so far), each
     role's CPU µs per streamed token beside evenflow's gateway and workers."""
@@ -262,6 +283,13 @@ def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[in
             print(f"          CPU µs per streamed token: {name}: {cells};  evenflow: {mine}")
         if load.first_error:
             print(f"    first error: {load.first_error}")
+        if whole_ours:
+            whole = run_client(run_load(url, model, make_prompts(
+                4 * level, prompt_len, 500, seed=level + 1), 1, level, stream=False))
+            wrps = len(whole.timings) / whole.wall
+            print(f"          non-streamed, 1 token: {wrps:.1f} req/s ({whole.errors} failed); "
+                  f"evenflow / {name}: "
+                  f"{whole_ours.get(level, float('nan')) / wrps if wrps else float('nan'):.2f}x")
 
 
 if __name__ == "__main__":
