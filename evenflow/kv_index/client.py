@@ -18,6 +18,11 @@ from evenflow.services.redis_conn import connect_redis
 MAX_LOCAL_PREDICTIONS = 100_000  # block hashes; past it the expired ones are dropped
 
 
+# A gateway's predictions go to Redis together, at most this late: one script call per batch,
+# not one per request (the gateway's own copy of them is made at once).
+PREDICTION_BATCH_S = 0.01
+
+
 class KVIndexClient:
     def __init__(self, redis_url: str, keys: store.Keys, lookup_timeout_s: float = 0.05,
                  prediction_ttl_ms: int = 2000) -> None:
@@ -29,6 +34,9 @@ class KVIndexClient:
         # This gateway's own recent predictions, block hash -> {worker_id: expiry}.
         self._predicted: dict[int, dict[str, float]] = {}
         self._writes: set[asyncio.Task] = set()  # prediction writes in flight (owned here)
+        # predictions not written yet: (member, packed hashes) pairs, written together
+        self._pending: list[str | bytes] = []
+        self._flush: asyncio.TimerHandle | None = None
 
     async def warm_up(self, connections: int = 16) -> None:
         """Open `connections` pooled connections and load the scripts now, so the first requests'
@@ -102,11 +110,20 @@ class KVIndexClient:
         self.remember(block_hashes, workers)
         if not block_hashes:
             return
-        remote = {store.member_of(w, epoch): block_hashes[have:]
-                  for w, (epoch, have) in workers.items()}
-        task = asyncio.create_task(self._write_predictions(remote))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        for w, (epoch, have) in workers.items():
+            self._pending += [store.member_of(w, epoch), store.pack_hashes(block_hashes[have:])]
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(PREDICTION_BATCH_S,
+                                                                self._write_pending)
+
+    def _write_pending(self) -> None:
+        """The predictions made since the last write, in one script call."""
+        self._flush = None
+        pending, self._pending = self._pending, []
+        if pending:
+            task = asyncio.create_task(self._write_predictions(pending))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
 
     def remember(self, block_hashes: list[int], worker_ids: Iterable[str]) -> None:
         """Workers about to hold `block_hashes`, in this gateway's own predictions only (what
@@ -122,20 +139,23 @@ class KVIndexClient:
             for worker_id in worker_ids:
                 entry[worker_id] = expiry
 
-    async def _write_predictions(self, predictions: dict[str, list[int]]) -> None:
-        args: list[int | str | bytes] = [self.keys.prefix, self.prediction_ttl_ms]
-        for member, hashes in predictions.items():
-            args += [member, store.pack_hashes(hashes)]
+    async def _write_predictions(self, pairs: list[str | bytes]) -> None:
+        args: list[int | str | bytes] = [self.keys.prefix, self.prediction_ttl_ms, *pairs]
         try:
             await asyncio.wait_for(self._predict(args=args), self.lookup_timeout_s)
         except Exception:  # see predict(): best effort by design
             pass
 
     async def flush_predictions(self) -> None:
-        """Wait for the prediction writes in flight."""
+        """Write what waits now, and wait for the prediction writes in flight."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._write_pending()
         await asyncio.gather(*self._writes, return_exceptions=True)
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         for task in self._writes:
             task.cancel()
         await asyncio.gather(*self._writes, return_exceptions=True)
