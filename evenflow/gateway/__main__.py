@@ -23,6 +23,7 @@ from prometheus_client import start_http_server
 from evenflow.gateway.app import create_app
 from evenflow.gateway.direct import ExposeConnection
 from evenflow.gateway.jobs import Gateway
+from evenflow.gateway.lane import FastLane
 from evenflow.services.config import MeshConfig, load_mesh_config
 
 
@@ -70,7 +71,7 @@ def shared_socket(host: str, port: int) -> socket.socket:
 def main(config: MeshConfig) -> None:
     config.configure_logging(f"gateway/{os.getpid()}")
     app = create_app(config)  # (its lifespan runs through ExposeConnection unchanged)
-    served = ExposeConnection(app) if config.direct_stream else app
+    served = ExposeConnection(FastLane(app, config)) if config.direct_stream else app
     server = DrainingServer(uvicorn.Config(
         served, host=config.host, port=config.port, loop="uvloop",
         log_level="warning" if config.log_level == "info" else config.log_level,

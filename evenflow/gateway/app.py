@@ -38,7 +38,7 @@ from evenflow.gateway.protocol import (
     TokenizeRequest,
     validation_error,
 )
-from evenflow.gateway.responses import AdmittedStream, _json, complete, stream
+from evenflow.gateway.responses import AdmittedStream, complete, json_response, stream
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.messages import WORKER_ROLES
@@ -86,11 +86,11 @@ def _gateway(request: Request) -> Gateway:
 async def health(request: Request) -> Response:
     gateway: Gateway | None = request.app.state.gateway
     if gateway is None:
-        return _json({"status": "starting", "workers": {}}, 503)
+        return json_response({"status": "starting", "workers": {}}, 503)
     workers = {str(role): len(gateway.client.registry.live(role)) for role in WORKER_ROLES}
     if gateway.client.ready():
-        return _json({"status": "ok", "workers": workers})
-    return _json({"status": "starting", "workers": workers}, 503)
+        return json_response({"status": "ok", "workers": workers})
+    return json_response({"status": "starting", "workers": workers}, 503)
 
 
 @router.get("/metrics")
@@ -102,12 +102,12 @@ async def metrics() -> Response:
 @router.get("/live")
 async def live() -> Response:
     """Liveness: the process answers (readiness, with workers, is /health)."""
-    return _json({"status": "alive"})
+    return json_response({"status": "alive"})
 
 
 @router.get("/version")
 async def version() -> Response:
-    return _json({"version": __version__})
+    return json_response({"version": __version__})
 
 
 @router.post("/tokenize")
@@ -115,7 +115,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt or of chat messages (with the chat template), as vLLM's."""
     gateway = _gateway(request)
     ids = gateway.tokenize(body)
-    return _json({"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len})
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len})
 
 
 @router.post("/detokenize")
@@ -124,7 +124,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     if any(not 0 <= t < gateway.tokenizer.vocab_size for t in body.tokens):
         raise APIError(400, f"tokens must be in [0, {gateway.tokenizer.vocab_size})",
                        param="tokens")
-    return _json({"prompt": gateway.tokenizer.decode(body.tokens)})
+    return json_response({"prompt": gateway.tokenizer.decode(body.tokens)})
 
 
 @router.post("/admin/profile")
@@ -149,7 +149,7 @@ async def admin_profile(request: Request, worker: str, steps: int = 10,
         raise APIError(504, exc.description, "timeout_error") from None
     if result.error:
         raise APIError(409, result.error, "conflict_error")
-    return _json({"worker": result.worker_id, "steps": result.steps,
+    return json_response({"worker": result.worker_id, "steps": result.steps,
                   "trace_file": result.trace_file, "report": result.lines})
 
 
@@ -164,7 +164,7 @@ async def list_models(request: Request) -> Response:
                 "kv_cache_dtype": state.heartbeat.kv_cache_dtype,
                 "kernels": state.heartbeat.kernels}
                for role in WORKER_ROLES for state in registry.live(role)]
-    return _json({"object": "list", "data": [{
+    return json_response({"object": "list", "data": [{
         "id": gateway.config.model_name, "object": "model", "created": 0,
         "owned_by": "evenflow", "root": gateway.config.model, "parent": None,
         "max_model_len": gateway.max_model_len, "permission": [],
@@ -173,15 +173,15 @@ async def list_models(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _handle(_gateway(request), "completion", body)
+    return await handle(_gateway(request), "completion", body)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _handle(_gateway(request), "chat", body)
+    return await handle(_gateway(request), "chat", body)
 
 
-async def _handle(gateway: Gateway, kind: str,
+async def handle(gateway: Gateway, kind: str,
                   body: CompletionRequest | ChatCompletionRequest) -> Response:
     received = time.perf_counter()
     if gateway.draining:
@@ -250,15 +250,15 @@ def create_app(config: MeshConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:
-        return _json(exc.body(), exc.status, exc.headers)
+        return json_response(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         route = request.scope.get("route")
         field = getattr(route, "body_field", None)  # the endpoint's request model
         model = getattr(getattr(field, "field_info", None), "annotation", None)
-        return _json(validation_error(exc, model if isinstance(model, type) else None).body(),
-                     400)
+        return json_response(validation_error(
+            exc, model if isinstance(model, type) else None).body(), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -266,12 +266,12 @@ def create_app(config: MeshConfig) -> FastAPI:
         OpenAI's shape, as OpenAI answers an unknown URL."""
         error = http_error(request.method, request.url.path, exc.status_code, exc.detail,
                            dict(exc.headers or {}))
-        return _json(error.body(), error.status, error.headers)
+        return json_response(error.body(), error.status, error.headers)
 
     @app.exception_handler(Exception)
     async def _server_error(_request: Request, exc: Exception) -> Response:
         # (Starlette logs the traceback and re-raises after this answer goes out)
-        return _json(APIError(500, "The server had an error while processing your request.",
+        return json_response(APIError(500, "The server had an error while processing your request.",
                               "server_error", code="internal_error").body(), 500)
 
     return app

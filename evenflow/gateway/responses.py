@@ -37,7 +37,7 @@ from evenflow.services.metrics import INFLIGHT, REQUESTS
 log = logging.getLogger("evenflow.requests")
 
 
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json",
                     headers=headers)
 
@@ -104,7 +104,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
         rendered = None if job.logprobs is None else _renderer(gateway, job).echoed(
             job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
         body.append(choice_body(job.kind, i, job.echo_text + texts[i], finishes[i], rendered))
-    return _json(completion_body(job.kind, job.request_id, job.model, body,
+    return json_response(completion_body(job.kind, job.request_id, job.model, body,
                                  job.total_usage(choices)))
 
 
