@@ -6,9 +6,10 @@ detokenization, stop strings, logprobs. The per-process state is one `Gateway`."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ class Gateway:
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         options = req.stream_options
-        job = Job(kind, prefix + uuid.uuid4().hex, req.model, prompt_ids, spec, req.stream,
+        job = Job(kind, prefix + request_id(), req.model, prompt_ids, spec, req.stream,
                   bool(options and options.include_usage),
                   time.monotonic() + budget, n=req.n, logprobs=logprobs,
                   tokens_as_ids=req.return_tokens_as_token_ids,
@@ -317,6 +318,16 @@ class Gateway:
                 raise RequestFailed(errors.DRAINING, "the gateway shut down before the request "
                                     "finished") from None
             raise
+
+
+_ID_PREFIX = secrets.token_hex(8)  # this process's; with a count, unique across the fleet
+_ID_COUNT = itertools.count()
+
+
+def request_id() -> str:
+    """32 hex digits, unique across processes and restarts (uuid4's syscall was ~2% of the
+    gateway's time per request)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNT):016x}"
 
 
 def error_from_failure(exc: RequestFailed) -> APIError:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from evenflow.proto.messages import Role, WorkerHeartbeat
 
+LIVE_CACHE_S = 0.05  # how stale WorkerRegistry.live() may be (liveness is seconds)
+
 
 @dataclass
 class WorkerState:
@@ -102,9 +104,12 @@ class WorkerRegistry:
         self.peers: dict[str, PeerLoad] = {}  # other gateways' synced load, by inbox subject
         self.peer_fresh_s = 2.0  # older than this, a peer's sync gives way to heartbeats
         self._rng = random.Random(0)
+        self._changes = 0  # heartbeats and refusals seen: live()'s cache is of one count
+        self._live: dict[Role, tuple[int, float, list[WorkerState]]] = {}
         self._turns = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
 
     def observe(self, hb: WorkerHeartbeat) -> None:
+        self._changes += 1
         state = self.workers.get(hb.worker_id)
         if state is None or state.heartbeat.epoch != hb.epoch:  # new, or restarted
             self.workers[hb.worker_id] = WorkerState(hb, time.monotonic(), draining=hb.draining)
@@ -119,6 +124,7 @@ class WorkerRegistry:
         if state is None:
             return False
         state.draining = True
+        self._changes += 1
         return True
 
     # -- this gateway's own load on each worker (fresh, exact) ------------------------------
@@ -156,11 +162,19 @@ class WorkerRegistry:
         return state is not None and time.monotonic() - state.seen_at < self.timeout_s
 
     def live(self, role: Role) -> list[WorkerState]:
-        """Workers of `role` that heartbeat and take new work (not draining, not unhealthy)."""
-        return sorted((s for s in self.workers.values()
-                       if s.heartbeat.role == role and s.takes_work
-                       and self.is_live(s.worker_id)),
-                      key=lambda s: s.worker_id)
+        """Workers of `role` that heartbeat and take new work (not draining, not unhealthy);
+        worked out at most every LIVE_CACHE_S unless a heartbeat or a refusal changed
+        something (it is asked several times a request)."""
+        now = time.monotonic()
+        cached = self._live.get(role)
+        if cached is not None and cached[0] == self._changes and now - cached[1] < LIVE_CACHE_S:
+            return cached[2]
+        found = sorted((s for s in self.workers.values()
+                        if s.heartbeat.role == role and s.takes_work
+                        and now - s.seen_at < self.timeout_s),
+                       key=lambda s: s.worker_id)
+        self._live[role] = (self._changes, now, found)
+        return found
 
     def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,
               matched: Mapping[str, float], load: dict[str, float]) -> WorkerState | None:

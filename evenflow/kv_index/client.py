@@ -20,7 +20,7 @@ MAX_LOCAL_PREDICTIONS = 100_000  # block hashes; past it the expired ones are dr
 
 # A gateway's predictions go to Redis together, at most this late: one script call per batch,
 # not one per request (the gateway's own copy of them is made at once).
-PREDICTION_BATCH_S = 0.01
+PREDICTION_BATCH_S = 0.05
 
 
 class KVIndexClient:
