@@ -289,9 +289,10 @@ def _compile_whole(cls: type, names: tuple[str, ...], checks: tuple[Check, ...],
     """A builder of `cls` from a complete field list (what a current sender sends), generated
     as one function: every check, then the instance's fields set at once, as the dataclass's
     own (frozen) __init__ would, without its per-field object.__setattr__ (~3x faster on a
-    TokenDelta). Raises _Invalid (the field unnamed: `build` names it). None for a class with
-    __post_init__ or __slots__, which need their __init__."""
-    if not names or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+    TokenDelta), then its __post_init__ (as __init__ calls it). Raises _Invalid (the field
+    unnamed: `build` names it), or what __post_init__ raises. None for a class with
+    __slots__, which needs its __init__."""
+    if not names or hasattr(cls, "__slots__"):
         return None
     args = ", ".join(f"v{i}" for i in range(len(names)))
     items = ", ".join(f"{name!r}: {_inline_check(i, hint)}"
@@ -300,7 +301,8 @@ def _compile_whole(cls: type, names: tuple[str, ...], checks: tuple[Check, ...],
               f"    {args}, = values\n"
               f"    obj = new(cls)\n"
               f"    obj.__dict__.update({{{items}}})\n"
-              f"    return obj\n")
+              + ("    obj.__post_init__()\n" if hasattr(cls, "__post_init__") else "")
+              + "    return obj\n")
     scope: dict[str, Any] = {"new": object.__new__, "cls": cls,
                              **{f"c{i}": check for i, check in enumerate(checks)}}
     exec(source, scope)  # noqa: S102 - generated from the class's own field names

@@ -8,7 +8,7 @@ the offline `LLM` uses the same code so both sides agree on every byte.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,19 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: Sequence[int]) -> Callable[[int], str | None] | None:
+        """tokenizers' DecodeStream (incremental, in Rust: one call a token), seeded with the
+        tokens before the output, as a function of the next token id; None where this
+        tokenizers release has none."""
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=True)
+        except (ImportError, TypeError):
+            return None
+        backend = self._tok
+        return lambda token_id: stream.step(backend, token_id)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -127,10 +140,20 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text, after stop handling
         self._emitted = 0  # how much of self.text has been returned
         self.stopped = False
+        # With no stop string (no rewind, nothing held back), tokenizers' own incremental
+        # decoder, ~4x cheaper a token, the same text (checked on random ids of byte-level and
+        # SentencePiece vocabularies: tests/unit/test_direct_stream.py).
+        self._step = None if self._stop else tokenizer.decode_stream(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
+        step = self._step
+        if step is not None:
+            pieces = [piece for token_id in token_ids if (piece := step(token_id))]
+            if pieces:
+                self.text += "".join(pieces)
+            return self._take(final=False)
         for token_id in token_ids:
             self._ids.append(token_id)
             prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])

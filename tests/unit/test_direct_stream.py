@@ -5,6 +5,7 @@ synced load in place of the heartbeats' older figure."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import orjson
@@ -102,3 +103,18 @@ def test_gateways_see_each_others_load_through_their_syncs():
     assert sync_a.next_sync(time.monotonic()) is None  # unchanged since
     a.release("d0", None, 0)
     assert sync_a.next_sync(time.monotonic()).inflight == {"d0": 2}
+
+
+def test_tokenizers_stream_decoder_gives_the_same_text(tokenizer):
+    """Without stop strings the detokenizer uses tokenizers' DecodeStream; with one, its own
+    prefix/read offsets: the same text either way, special and partial-UTF-8 tokens included."""
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size
+    for _ in range(200):
+        prompt = [rng.randrange(3, vocab) for _ in range(8)]
+        output = [rng.randrange(0, vocab) for _ in range(24)]
+        streamed = IncrementalDetokenizer(tokenizer, prompt)
+        classic = IncrementalDetokenizer(tokenizer, prompt, ["\x00never"])
+        assert streamed._step is not None and classic._step is None
+        got = "".join(streamed.add([t]) for t in output) + streamed.flush()
+        assert got == classic.add(output) + classic.flush()
