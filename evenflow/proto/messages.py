@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-from evenflow.proto.codec import MAX_MESSAGE_BYTES, Codec, WireError
+from evenflow.proto.codec import MAX_MESSAGE_BYTES, Codec, WireError, lean_init
 from evenflow.proto.sampling import SamplingParams
 
 __all__ = ["MAX_MESSAGE_BYTES", "WireError", "encode", "decode"]
@@ -156,6 +156,7 @@ class KVPullDone:
     error: str = ""
 
 
+@lean_init  # (built per token per step)
 @dataclass(frozen=True, kw_only=True)
 class TokenDelta:
     request_id: str

@@ -40,11 +40,13 @@ from evenflow.engine.weights.form import weight_form
 from evenflow.engine.weights.loader import load_weights, model_directory, quant_config, torch_dtype
 from evenflow.engine.weights.tp_shard import TPShard
 from evenflow.parallel.group import ProcessGroup
+from evenflow.proto.codec import lean_init
 from evenflow.proto.hashing import namespace_salt
 from evenflow.proto.kv_handoff import KVHandoffError, KVPayload
 from evenflow.proto.sampling import SamplingParams, TokenLogprobs
 
 
+@lean_init  # (built per sequence per step)
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
