@@ -254,6 +254,9 @@ class LocalMesh:
     _supervisor: Supervisor | None = None
     _secrets: str | None = None  # a private directory: API key file, NATS credentials
     _kv_disk: str | None = None  # the workers' temporary KV disk tiers (--kv-disk-gb alone)
+    # with several gateways: their shared Prometheus directory (PROMETHEUS_MULTIPROC_DIR), so
+    # /metrics on the shared port answers for all of them (services/metrics.py render)
+    _gateway_metrics: str | None = None
     credentials: dict[tuple[str, str], str] = field(default_factory=dict)  # creds files
     admin_nats_url: str | None = None  # for operators, benchmarks and tests (full access)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # worker id -> /metrics port
@@ -307,6 +310,8 @@ class LocalMesh:
             if "balancer" in roles and cfg.num_ep_ranks and cfg.engine == "torch":
                 self.spawn(["-m", "evenflow.balancer", f"eplb{first}"])
             if "gateway" in roles:
+                if cfg.num_gateways > 1:
+                    self._gateway_metrics = tempfile.mkdtemp(prefix="evenflow-gateway-metrics-")
                 for i in range(first, first + cfg.num_gateways):
                     self.spawn(["-m", "evenflow.gateway", f"g{i}"])
             if self.roles:  # the other hosts' workers are not ours to wait for
@@ -370,6 +375,8 @@ class LocalMesh:
             group = f"rv{rendezvous.rpartition(':')[2]}-{m[1]}" if rendezvous \
                 else f"{os.getpid()}-{m[1]}"
             env |= {"EVENFLOW_EP_RANK": m[2], "EVENFLOW_EP_GROUP": group}
+        if role == "gateway" and self._gateway_metrics:
+            env["PROMETHEUS_MULTIPROC_DIR"] = self._gateway_metrics
         creds = self.credentials.get((role, "gateway" if role == "gateway" else worker_id))
         if creds is not None:
             env["EVENFLOW_NATS_CREDENTIALS_FILE"] = creds
@@ -425,6 +432,10 @@ class LocalMesh:
 
     def _respawn(self, index: int) -> subprocess.Popen:
         args = self.procs[index].args
+        if self._gateway_metrics and _role_of(self.procs[index]) == "gateway":
+            from prometheus_client import multiprocess  # (its live gauges leave the sums)
+
+            multiprocess.mark_process_dead(self.procs[index].pid, self._gateway_metrics)
         proc = subprocess.Popen(args, env=self._env_for(args), start_new_session=True,
                                 preexec_fn=die_with_parent)
         self.procs[index] = proc
@@ -455,7 +466,7 @@ class LocalMesh:
             server.stop()
         self.procs.clear()
         self.servers.clear()
-        for private in (self._secrets, self._kv_disk):
+        for private in (self._secrets, self._kv_disk, self._gateway_metrics):
             if private:
                 shutil.rmtree(private, ignore_errors=True)
         return stopped

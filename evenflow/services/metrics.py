@@ -7,12 +7,17 @@ end-to-end latency, outcomes, prompt / generation tokens, prefix-cache queries a
 tokens) by the gateway, which sees every request once; engine-level ones (running, waiting, KV
 cache use) by each engine worker on its own `/metrics` port. And evenflow's own series for
 routing, KV transfer, the index, the balancer and dropped messages.
+
+Several gateway processes on one port share a Prometheus multiprocess directory: /metrics on
+the port sums them all (`render`), and each one's own metrics port answers for it alone; so
+scrape one or the other. Gauges therefore say how to combine (multiprocess_mode).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
@@ -39,15 +44,17 @@ TTFT_PHASE_SECONDS = Histogram(
 # own /metrics (`evenflow doctor --url`), whatever the mesh was started with
 WORKER_STEP_SECONDS = Gauge("evenflow_worker_step_seconds",
                             "A worker's engine step time so far (its heartbeat)",
-                            ["role", "worker"])
+                            ["role", "worker"], multiprocess_mode="livemostrecent")
 WORKER_PROMPT_TOKENS = Gauge("evenflow_worker_prompt_tokens_computed",
                              "Prompt tokens a worker computed so far (its heartbeat)",
-                             ["role", "worker"])
+                             ["role", "worker"], multiprocess_mode="livemostrecent")
 WORKER_STREAM_SECONDS = Gauge("evenflow_worker_stream_seconds",
                               "Seconds a decode worker's streams ran, first token to last, so "
-                              "far (its heartbeat)", ["role", "worker"])
+                              "far (its heartbeat)", ["role", "worker"],
+                              multiprocess_mode="livemostrecent")
 WORKER_STREAM_TOKENS = Gauge("evenflow_worker_stream_tokens",
-                             "Tokens over those seconds (its heartbeat)", ["role", "worker"])
+                             "Tokens over those seconds (its heartbeat)", ["role", "worker"],
+                             multiprocess_mode="livemostrecent")
 
 
 def export_worker_figures(beat: Any) -> None:
@@ -59,8 +66,10 @@ def export_worker_figures(beat: Any) -> None:
     WORKER_STREAM_TOKENS.labels(*labels).set(beat.stream_tokens)
 
 
-INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway")
-LIVE_WORKERS = Gauge("evenflow_live_workers", "Workers with a fresh heartbeat", ["role"])
+INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway",
+                 multiprocess_mode="livesum")
+LIVE_WORKERS = Gauge("evenflow_live_workers", "Workers with a fresh heartbeat", ["role"],
+                     multiprocess_mode="livemostrecent")
 ROUTING_DECISIONS = Counter("evenflow_routing_decisions_total", "Requests routed, by reason",
                             ["reason"])
 KV_LOOKUP_SECONDS = Histogram("evenflow_kv_lookup_seconds", "KV index match latency at the gateway",
@@ -186,10 +195,11 @@ VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries",
 VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found in a prefix cache",
                            ["model_name"])
 VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running in the engine",
-                     ["model_name"])
+                     ["model_name"], multiprocess_mode="livemostrecent")
 VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine",
-                     ["model_name"])
-VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache in use (0-1)", ["model_name"])
+                     ["model_name"], multiprocess_mode="livemostrecent")
+VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache in use (0-1)", ["model_name"],
+                      multiprocess_mode="livemostrecent")
 # speculative decoding (engine/serving/speculation.py), vLLM's names
 VLLM_SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Drafts verified", ["model_name"])
 VLLM_SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
@@ -216,4 +226,15 @@ def export_spec_counts(counts: SpecCounts, model: str, seen: dict[str, int]) -> 
 
 
 def render() -> tuple[bytes, str]:
-    return generate_latest(), CONTENT_TYPE_LATEST
+    """This process's metrics; where several gateway processes share a port (the launcher sets
+    PROMETHEUS_MULTIPROC_DIR for them, as vLLM does for its API servers), all of theirs summed:
+    counters and histograms added up, in-flight requests summed over the live ones, and the
+    worker figures each one re-exports from the same heartbeats taken once (the latest)."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return generate_latest(), CONTENT_TYPE_LATEST
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, directory)
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -49,6 +49,17 @@ def test_connections_spread_over_gateway_processes(two_gateways):
     assert all(n > 0 for n in counts.values()), f"requests per gateway process: {counts}"
 
 
+def test_the_shared_port_metrics_sum_every_gateway(two_gateways):
+    """/metrics on the port answers for all the gateways, whichever one it lands on (vLLM's
+    API servers alike); each one's own port for itself."""
+    urls = [url for name, url in two_gateways.metrics_urls().items()
+            if name.startswith("gateway")]
+    assert [complete(two_gateways.url) for _ in range(6)] == [200] * 6
+    alone = sum(served(url) for url in urls)
+    for _ in range(4):  # new connections: either process answers
+        assert served(two_gateways.url + "/metrics") == alone
+
+
 def stream_text(url: str, max_tokens: int) -> tuple[str, set[int]]:
     """A streamed completion on a new connection: its text and the `created` of its chunks;
     raises httpx errors (a gateway killed under it)."""
