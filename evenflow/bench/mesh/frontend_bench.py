@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="start vLLM's OpenAI server from this venv's Python and compare")
     ap.add_argument("--dynamo-python", default=None, metavar="PATH",
-                    help="start Dynamo's frontend and mocker from this venv's Python and "
-                         "compare")
+                    help="start Dynamo's frontend and one mocker (prefill and decode in one "
+                         "worker: compare with --prefill 0 --decode 1) from this venv's Python")
+    ap.add_argument("--dynamo-router", default="kv", choices=("kv", "round-robin"),
+                    help="Dynamo's router mode: kv (KV-aware from its mocker's KV events, the "
+                         "work evenflow's router does) or round-robin (none of it)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     levels = [8, 32] if args.quick else [int(c) for c in args.concurrency.split(",")]
     output_len = 16 if args.quick else args.output_len
@@ -214,11 +217,11 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
     from evenflow.bench.mesh import peers
     from evenflow.services.config import MeshConfig
 
-    label = "vLLM" if starter == "start_vllm" else "Dynamo"
+    label = "vLLM" if starter == "start_vllm" else f"Dynamo ({args.dynamo_router} router)"
     model_dir = str(models.resolve_model("tiny-moe"))
-    if label == "Dynamo":  # (its mocker's token ids are beyond tiny-moe's small vocabulary: they
-        # decode to nothing and nothing streams; the 4,096-word benchmark model's tokenizer
-        # decodes them, one word a token)
+    if starter == "start_dynamo":  # (its mocker's token ids are beyond tiny-moe's small
+        # vocabulary: they decode to nothing and nothing streams; the 4,096-word benchmark
+        # model's tokenizer decodes them, one word a token)
 
         from evenflow.bench.checkpoint import write_random_mixtral
 
@@ -226,7 +229,8 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
                                              / "mixtral-110m"))
     try:
         peer = peers.start_vllm(python, model_dir, 2) if starter == "start_vllm" else \
-            peers.start_dynamo(python, model_dir, MeshConfig().block_size)
+            peers.start_dynamo(python, model_dir, MeshConfig().block_size,
+                               router=args.dynamo_router)
     except (peers.PeerError, OSError) as exc:
         print(f"\n{label}: did not start: {exc}")
         return

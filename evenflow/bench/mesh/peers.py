@@ -146,16 +146,18 @@ def start_vllm(python: str, model_dir: str, threads: int, timeout_s: float = 300
     return server
 
 
-def start_dynamo(python: str, model_dir: str, block_size: int, timeout_s: float = 180
-                 ) -> PeerServer:
-    """Dynamo's frontend and one mocker worker on `model_dir`'s tokenizer and config."""
+def start_dynamo(python: str, model_dir: str, block_size: int, timeout_s: float = 180,
+                 router: str = "kv") -> PeerServer:
+    """Dynamo's frontend and one mocker worker on `model_dir`'s tokenizer and config; its
+    router in `router` mode (kv: KV-aware from the mocker's KV events over ZMQ, as evenflow's
+    router works; round-robin: none of that work)."""
     workdir = tempfile.mkdtemp(prefix="evenflow-dynamo-")
     port = free_port()
     env = dict(os.environ, DYN_FILE_KV=str(Path(workdir) / "kv"), DYN_LOG="warn")
     env.pop("PYTHONPATH", None)
     logs = [Path(workdir) / "frontend.log", Path(workdir) / "mocker.log"]
     frontend = _spawn([python, "-m", "dynamo.frontend", "--http-port", str(port),
-                       "--discovery-backend", "file", "--router-mode", "round-robin",
+                       "--discovery-backend", "file", "--router-mode", router,
                        "--kv-cache-block-size", str(block_size)], logs[0], env)
     mocker = _spawn([python, "-m", "dynamo.mocker", "--model-path", model_dir,
                      "--discovery-backend", "file", "--block-size", str(block_size),
