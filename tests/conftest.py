@@ -36,8 +36,10 @@ def otlp():
 
 @pytest.fixture(scope="session")
 def mesh(otlp):
+    # two gateway processes on the port (what `up` runs on a larger machine): every test of
+    # the shared mesh goes through whichever one the connection lands on
     config = MeshConfig(port=0, api_keys=(API_KEY,), local_prefill_threshold=16,
-                        heartbeat_interval_s=0.2, worker_timeout_s=2.0)
+                        heartbeat_interval_s=0.2, worker_timeout_s=2.0, num_gateways=2)
     running = LocalMesh(config)
     try:
         running.start(env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,

@@ -17,7 +17,7 @@ import logging
 
 import orjson
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from evenflow.gateway.app import handle
@@ -59,7 +59,7 @@ class FastLane:
                 data = orjson.loads(body)
                 if type(data) is dict:
                     request = model.model_validate(data)
-            except (orjson.JSONDecodeError, ValidationError):
+            except Exception:  # (not JSON, invalid, or a field refused outright: APIError)
                 request = None
         if request is None:  # the app words the refusal
             await self.app(scope, _replay(first, receive), send)
