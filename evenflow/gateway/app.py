@@ -115,7 +115,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt or of chat messages (with the chat template), as vLLM's."""
     gateway = _gateway(request)
     ids = gateway.tokenize(body)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len})
+    return json_response({"tokens": ids, "count": len(ids),
+                          "max_model_len": gateway.max_model_len})
 
 
 @router.post("/detokenize")
@@ -150,7 +151,7 @@ async def admin_profile(request: Request, worker: str, steps: int = 10,
     if result.error:
         raise APIError(409, result.error, "conflict_error")
     return json_response({"worker": result.worker_id, "steps": result.steps,
-                  "trace_file": result.trace_file, "report": result.lines})
+                          "trace_file": result.trace_file, "report": result.lines})
 
 
 @router.get("/v1/models")
@@ -271,8 +272,9 @@ def create_app(config: MeshConfig) -> FastAPI:
     @app.exception_handler(Exception)
     async def _server_error(_request: Request, exc: Exception) -> Response:
         # (Starlette logs the traceback and re-raises after this answer goes out)
-        return json_response(APIError(500, "The server had an error while processing your request.",
-                              "server_error", code="internal_error").body(), 500)
+        return json_response(APIError(
+            500, "The server had an error while processing your request.", "server_error",
+            code="internal_error").body(), 500)
 
     return app
 

@@ -24,10 +24,12 @@ class ChoiceOutput:
         self.last = started  # when the latest delta came (time.monotonic())
         self.itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
 
+    def in_vocab(self, ids: list[int]) -> bool:
+        return not ids or 0 <= min(ids) <= max(ids) < self.vocab
+
     def check(self, delta: TokenDelta) -> None:
         """A broken or forged worker's token ids are its failure, not our 500."""
-        if delta.token_ids and not 0 <= min(delta.token_ids) <= max(
-                delta.token_ids) < self.vocab:
+        if not self.in_vocab(delta.token_ids):
             raise RequestFailed(errors.WORKER_ERROR, "a worker sent a token id outside the "
                                 f"vocabulary [0, {self.vocab})")
 
@@ -41,9 +43,7 @@ class ChoiceOutput:
             self._first(delta, now)
         else:
             self.count(len(delta.token_ids), now)
-        if delta.draft_tokens:
-            job.usage.draft_tokens += delta.draft_tokens
-            job.usage.accepted_draft_tokens += delta.accepted_draft_tokens
+        self._count_drafts(delta)
         logprobs = []
         if job.logprobs is not None:
             previous = self.previous
@@ -95,7 +95,7 @@ class ChoiceOutput:
         changed, where the delta needs the request's task (a stop string ends the choice here,
         or a token id is out of range)."""
         ids = delta.token_ids
-        if ids and not 0 <= min(ids) <= max(ids) < self.vocab:
+        if not self.in_vocab(ids):
             return None
         mark = self.detok.mark()
         text = self.detok.add(ids)
@@ -103,7 +103,11 @@ class ChoiceOutput:
             self.detok.rewind(mark)
             return None
         self.count(len(ids), now)
+        self._count_drafts(delta)
+        return text
+
+    def _count_drafts(self, delta: TokenDelta) -> None:
+        """Speculative decoding's drafts, with the request's last delta."""
         if delta.draft_tokens:
             self.job.usage.draft_tokens += delta.draft_tokens
             self.job.usage.accepted_draft_tokens += delta.accepted_draft_tokens
-        return text

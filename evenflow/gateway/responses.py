@@ -105,7 +105,7 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
             job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
         body.append(choice_body(job.kind, i, job.echo_text + texts[i], finishes[i], rendered))
     return json_response(completion_body(job.kind, job.request_id, job.model, body,
-                                 job.total_usage(choices)))
+                                         job.total_usage(choices)))
 
 
 class LastChunk(bytes):
