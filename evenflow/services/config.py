@@ -182,8 +182,11 @@ class MeshConfig(EngineConfig):
                                              "for all")
     direct_stream: bool = setting(True, help="the gateway writes a stream's middle SSE "
                                              "events straight to its socket from the NATS "
-                                             "inbox (gateway/direct.py); off: every event "
-                                             "through the request's task and ASGI, for A/B")
+                                             "inbox and serves the completions routes past "
+                                             "FastAPI's layers (gateway/direct.py, lane.py); "
+                                             "off: every event through the request's task "
+                                             "and ASGI, every request through FastAPI, for "
+                                             "A/B")
     router_sync_interval_s: float = setting(0.05, ge=0, help="each gateway sends the others "
                                                              "its in-flight load and routed "
                                                              "prefixes this often while they "
