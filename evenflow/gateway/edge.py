@@ -77,7 +77,7 @@ class EdgeMiddleware:
                 await _reject(send, 413, f"The request body exceeds "
                               f"{self.config.max_body_bytes} bytes.", "body_too_large")
                 return
-            receive = replay(body, receive)
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
     def _needs_key(self, path: str) -> bool:
@@ -115,19 +115,19 @@ class EdgeMiddleware:
                 return b"".join(chunks)
 
 
-def replay(body: bytes, receive: Receive) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
     """A receive() that hands the app the body already read, then the server's own messages
     (a client that goes away still arrives as http.disconnect)."""
     sent = False
 
-    async def replayed() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return replayed
+    return replay
 
 
 async def _reject(send: Send, status: int, message: str, code: str,

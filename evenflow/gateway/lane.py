@@ -18,10 +18,10 @@ import logging
 import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from evenflow.gateway.app import handle
-from evenflow.gateway.edge import EdgeMiddleware, read_api_keys, replay
+from evenflow.gateway.edge import EdgeMiddleware, read_api_keys
 from evenflow.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from evenflow.gateway.responses import json_response
 from evenflow.services.config import MeshConfig
@@ -62,7 +62,7 @@ class FastLane:
             except Exception:  # (not JSON, invalid, or a field refused outright: APIError)
                 request = None
         if request is None:  # the app words the refusal
-            await self.app(scope, replay(body, receive), send)
+            await self.app(scope, _replay(first, receive), send)
             return
         try:
             response = await handle(self.app.state.gateway, kind, request)  # type: ignore[arg-type]
@@ -81,3 +81,16 @@ def _is_json(scope: Scope) -> bool:
         if name == b"content-type":
             return value.split(b";", 1)[0].strip().lower() == b"application/json"
     return False
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return first
+        return await receive()
+
+    return replay

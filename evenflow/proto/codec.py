@@ -97,6 +97,22 @@ def _list_check(item: Any) -> Check:
             return v
         return check_numbers
     inner = _compile_check(item)
+    if is_dataclass(item) and isinstance(item, type):
+        struct: type = item
+
+        def check_structs(v: Any) -> Any:  # (TokenDeltas.deltas: the hot one)
+            if type(v) is not list:
+                raise _Invalid("must be a list")
+            s = schema(struct)
+            whole, n = s.whole, len(s.names)
+            if whole is not None:
+                try:
+                    return [whole(x) if type(x) is list and len(x) == n else inner(x) for x in v]
+                except _Invalid:
+                    pass  # said again below, naming the field
+            return [inner(x) for x in v]
+        return check_structs
+
     def check_items(v: Any) -> Any:
         if type(v) is not list:
             raise _Invalid("must be a list")
