@@ -160,8 +160,10 @@ class Bus:
                 return
             await self._on_error(exc)
 
+        # drain_timeout: nats-py's drain() swallows a cancel and then flushes (up to 10 s), so
+        # close()'s bound only holds if the drain ends by itself first
         options: dict[str, Any] = dict(
-            name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25,
+            name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, drain_timeout=1.5,
             max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=3,
             allow_reconnect=True, error_cb=on_error, disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect, **kwargs)

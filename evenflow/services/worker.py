@@ -39,6 +39,7 @@ class WorkerService:
         self.draining = False
         self.epoch = uuid.uuid4().hex[:12]  # this process's generation, for the KV index
         self._owned_tasks: list[asyncio.Task] = []  # cancelled when the worker stops
+        self._teardown_step = "not begun"  # where a shutdown is (named in its timeout warning)
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
@@ -146,17 +147,23 @@ class WorkerService:
         try:  # bounded: with NATS or Redis gone mid-shutdown, exit anyway
             await asyncio.wait_for(self._teardown(tasks), timeout=10)
         except Exception as exc:
-            log.warning("%s %s: shutdown did not finish cleanly (%r); exiting", self.role,
-                        self.worker_id, exc)
+            log.warning("%s %s: shutdown did not finish cleanly (%r, in %s); exiting",
+                        self.role, self.worker_id, exc, self._teardown_step)
         shutdown_tracing()
 
     async def _teardown(self, tasks: list[asyncio.Task]) -> None:
+        # Each step is named as it begins: a teardown past its bound says where it stuck.
+        self._teardown_step = "cancelling the sender, heartbeats and loop-lag tasks"
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._teardown_step = "shutdown()"
         await self.shutdown()
+        self._teardown_step = "stop_parts()"
         await self.stop_parts()
+        self._teardown_step = "closing the NATS connection"
         await self.bus.close()
+        self._teardown_step = "done"
 
 
 def run_worker(service: WorkerService) -> None:
