@@ -4,11 +4,11 @@ the straggler, and what several gateway processes on one port (`--gateways 1,2`)
 A local mesh whose workers run the mock engine with its timing model off (zero compute: every
 step returns at once), so what is measured is the gateway (HTTP parse, tokenize, route, NATS,
 detokenize, SSE write) and the workers' Python around a step. At each concurrency (default 32,
-128 and 512 streams), 2 x concurrency streamed completions: requests/s, output tokens/s
-streamed, TTFT p50/p99, the gateway's event-loop lag over the run (p50/p99 from its
-`evenflow_event_loop_lag_seconds` histogram: how late a 50 ms timer fires), and the CPU time each
-kind of process spent per 1,000 streamed tokens - the load generator (this process) included,
-which on a small machine is often the straggler itself.
+128 and 512 streams), `--requests` streamed completions (1,024, at least 2 x concurrency):
+requests/s, output tokens/s streamed, TTFT p50/p99, the gateway's event-loop lag over the run
+(p50/p99 from its `evenflow_event_loop_lag_seconds` histogram: how late a 50 ms timer fires), and
+the CPU time each kind of process spent per streamed token - the load generator (this process)
+included, which on a small machine is often the straggler itself.
 
 A peer's front end on the same load generator: start it yourself and give `--peer-url` (e.g.
 vLLM's OpenAI server on its CPU build, serving tiny-moe: `python -m vllm.entrypoints.openai.
@@ -64,6 +64,11 @@ def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]]
     return float("nan")
 
 
+def streamed_requests(args: argparse.Namespace, level: int) -> int:
+    """How many streamed requests a row sends at this concurrency (the same for every peer)."""
+    return max(2 * level, args.requests)
+
+
 def cpu_by_role(mesh) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the mesh's processes, by role, and by this
     process (the load generator)."""
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--asgi-stream", action="store_true",
                     help="every SSE event through the request's task and ASGI (the direct "
                          "path off: EVENFLOW_DIRECT_STREAM=0), for A/B")
+    ap.add_argument("--requests", type=int, default=1024,
+                    help="streamed requests per row, at least 2 x concurrency (non-streamed "
+                         "rows: twice as many). A few hundred are over in a tenth of a second, "
+                         "and CPU time is read in 10 ms ticks: too few for a steady figure")
     ap.add_argument("--quick", action="store_true", help="concurrency 8 and 32, 16 tokens")
     ap.add_argument("--real", action="store_true",
                     help="workers run tiny-moe for real instead of the zero-compute mock")
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     levels = [8, 32] if args.quick else [int(c) for c in args.concurrency.split(",")]
     output_len = 16 if args.quick else args.output_len
+    args.requests = 64 if args.quick else args.requests
 
     from evenflow.bench.machine import machine_line
     from evenflow.services.config import MeshConfig
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             urls = [u for name, u in mesh.metrics_urls().items() if name.startswith("gateway")]
             _warm_up(mesh.url, mesh.config.model_name, levels[0], args.prompt_len, output_len)
             for level in levels:
-                n = 2 * level
+                n = streamed_requests(args, level)
                 before = lag_buckets(urls, {})
                 cpu_before = cpu_by_role(mesh)
                 load = run_client(run_load(mesh.url, mesh.config.model_name,
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                              quantile(before, after, 0.5) * 1e3,
                              quantile(before, after, 0.99) * 1e3))
                 whole = run_client(run_load(mesh.url, mesh.config.model_name, make_prompts(
-                    4 * level, args.prompt_len, 500, seed=level + 1), 1, level, stream=False))
+                    2 * n, args.prompt_len, 500, seed=level + 1), 1, level, stream=False))
                 whole_rows.append((gateways, level, len(whole.timings), whole.errors,
                                    len(whole.timings) / whole.wall))
         finally:
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rps / base[level]:5.2f}x {tps:9.0f} {t50:9.1f} {t99:9.1f} {i50:8.2f} "
               f"{i99:8.2f} {l50:13.1f} {l99:9.1f}")
     print("  (loop lag: bucket upper bounds; TTFT and ITL in ms)")
-    print("\nnon-streamed, 1 token out (4 x concurrency requests)")
+    print("\nnon-streamed, 1 token out (twice the streamed rows' requests)")
     whole_base = {row[1]: row[4] for row in whole_rows if row[0] == whole_rows[0][0]}
     for gateways, level, ok, failed, rps in whole_rows:
         print(f"  gateways {gateways}, {level:4d} at once: {ok:5d} ok {failed:4d} failed "
@@ -235,7 +245,7 @@ def _started_peer_table(args: argparse.Namespace, python: str, starter: str,
         print(f"\n{label}: did not start: {exc}")
         return
     try:
-        _peer_rows(label, peer.url, peer.model, args.prompt_len, levels, output_len, ours,
+        _peer_rows(label, peer.url, peer.model, args, levels, output_len, ours,
                    peer.cpu_by_role, our_cpu, whole_ours)
     finally:
         peer.stop()
@@ -254,10 +264,10 @@ def _peer_table(args: argparse.Namespace, levels: list[int], output_len: int,
     base_url = args.peer_url.rstrip("/").removesuffix("/v1")
     model = args.peer_model or httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0][
         "id"]
-    _peer_rows(args.peer_name, base_url, model, args.prompt_len, levels, output_len, ours)
+    _peer_rows(args.peer_name, base_url, model, args, levels, output_len, ours)
 
 
-def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[int],
+def _peer_rows(name: str, url: str, model: str, args: argparse.Namespace, levels: list[int],
                output_len: int, ours: dict[int, float],
                cpu: Callable[[], dict[str, float]] | None = None,
                our_cpu: dict[int, dict[str, float]] | None = None,
@@ -265,14 +275,16 @@ def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[in
     """The same streams against a peer: a row per concurrency with evenflow's req/s (first
     gateway count) / the peer's; with `cpu` (its CPU seconds by process role so far), each
     role's CPU µs per streamed token beside evenflow's gateway and workers."""
+    prompt_len = args.prompt_len
     _warm_up(url, model, levels[0], prompt_len, output_len)
     print(f"\n{name} at {url} ({model}), the same load generator and streams")
     print(f"  {'streams':>7} {'ok':>5} {'failed':>6} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'evenflow / ' + name:>20}")
     for level in levels:
         before = cpu() if cpu else {}
+        n = streamed_requests(args, level)
         load = run_client(run_load(url, model, make_prompts(
-            2 * level, prompt_len, 500, seed=level), output_len, level))
+            n, prompt_len, 500, seed=level), output_len, level))
         ttft = [t.ttft * 1e3 for t in load.timings]
         rps = len(load.timings) / load.wall
         print(f"  {level:7d} {len(load.timings):5d} {load.errors:6d} {rps:8.1f} "
@@ -289,7 +301,7 @@ def _peer_rows(name: str, url: str, model: str, prompt_len: int, levels: list[in
             print(f"    first error: {load.first_error}")
         if whole_ours:
             whole = run_client(run_load(url, model, make_prompts(
-                4 * level, prompt_len, 500, seed=level + 1), 1, level, stream=False))
+                2 * n, prompt_len, 500, seed=level + 1), 1, level, stream=False))
             wrps = len(whole.timings) / whole.wall
             print(f"          non-streamed, 1 token: {wrps:.1f} req/s ({whole.errors} failed); "
                   f"evenflow / {name}: "
