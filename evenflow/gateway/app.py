@@ -42,6 +42,7 @@ from evenflow.gateway.responses import AdmittedStream, complete, json_response, 
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.messages import WORKER_ROLES
+from evenflow.services import tracing
 from evenflow.services.bus import EXIT_NATS_AUTH, NatsAuthError
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import render, watch_loop_lag
@@ -201,7 +202,7 @@ async def handle(gateway: Gateway, kind: str,
         attributes={"gen_ai.operation.name": kind, "gen_ai.request.model": job.model,
                     "gen_ai.request.id": job.request_id,
                     "gen_ai.usage.input_tokens": len(job.prompt_ids)})
-    ctx = trace.set_span_in_context(span)
+    ctx = tracing.span_context(span)
     if job.stream:
         return AdmittedStream(stream(gateway, job, ctx, span), gateway.admission.release, job)
     return await complete(gateway, job, ctx, span)

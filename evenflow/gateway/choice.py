@@ -11,7 +11,7 @@ from evenflow.gateway.render import Piece, TokenLogprob
 from evenflow.proto import errors
 from evenflow.proto.messages import TokenDelta
 from evenflow.proto.tokenizer import IncrementalDetokenizer
-from evenflow.services.metrics import TTFT, VLLM_ITL, VLLM_TTFT
+from evenflow.services.metrics import TTFT, VLLM_ITL, VLLM_TTFT, labelled
 
 
 class ChoiceOutput:
@@ -22,7 +22,7 @@ class ChoiceOutput:
         self.first = True
         self.previous = job.prompt_ids[-1]  # the token before the next one (logprob texts)
         self.last = started  # when the latest delta came (time.monotonic())
-        self.itl = VLLM_ITL.labels(job.model)  # (a labels() lookup per token was measurable)
+        self.itl = labelled(VLLM_ITL, job.model)
 
     def in_vocab(self, ids: list[int]) -> bool:
         return not ids or 0 <= min(ids) <= max(ids) < self.vocab
@@ -83,7 +83,7 @@ class ChoiceOutput:
                     delta.prompt_top_logprobs, strict=False))]
         job.ttft_s = now - self.last
         TTFT.observe(job.ttft_s)
-        VLLM_TTFT.labels(job.model).observe(job.ttft_s)
+        labelled(VLLM_TTFT, job.model).observe(job.ttft_s)
         job.usage.cached_tokens = delta.num_cached_tokens
         job.usage.completion_tokens += len(delta.token_ids)
         self.first = False

@@ -29,6 +29,7 @@ from evenflow.services.metrics import (
     ROUTE_DECISION_CPU_SECONDS,
     ROUTE_DECISION_SECONDS,
     ROUTING_DECISIONS,
+    labelled,
 )
 
 ROOM_POLL_S = 0.05  # how often a request waiting for a decode worker with room looks again
@@ -49,11 +50,11 @@ class Dispatcher:
             if self.fleet.kv_copy is not None:
                 live = self.fleet.live_epochs()
                 if not self.fleet.kv_copy.behind(live):
-                    KV_LOOKUPS.labels(source="local").inc()
+                    labelled(KV_LOOKUPS, "local").inc()
                     matched = self.fleet.kv_copy.match(hashes, live, self.config.kv_disk_credit)
                     return self.fleet.kv.with_predictions(matched, hashes), "local"
                 KV_INDEX_FALLBACKS.labels(reason="behind").inc()
-            KV_LOOKUPS.labels(source="redis").inc()
+            labelled(KV_LOOKUPS, "redis").inc()
             return await self.fleet.kv.lookup(hashes, self.fleet.registry.epoch_of), "redis"
         finally:
             KV_LOOKUP_SECONDS.observe(time.perf_counter() - started)
@@ -127,14 +128,14 @@ class Dispatcher:
                 local = True  # no prefill worker: the decode worker prefills
             computing = decode if local else prefill
             assert computing is not None
-            ROUTE_DECISION_SECONDS.labels(index=index_source).observe(
+            labelled(ROUTE_DECISION_SECONDS, index_source).observe(
                 time.perf_counter() - decided - flight.waited_s)
-            ROUTE_DECISION_CPU_SECONDS.labels(index=index_source).observe(
+            labelled(ROUTE_DECISION_CPU_SECONDS, index_source).observe(
                 time.thread_time() - cpu)
             hit = int(matched.get(computing.worker_id, 0))  # (disk blocks count in part)
             if reason == "kv":
                 reason = "kv_hit" if hit else "kv_miss"
-            ROUTING_DECISIONS.labels(reason=reason).inc()
+            labelled(ROUTING_DECISIONS, reason).inc()
             PREDICTED_CACHED_TOKENS.inc(min(hit * bs, len(prompt) - 1))
             # (an engine takes whole blocks before the prompt's last token from its cache)
             flight.expected_cached_tokens = min(hit, (len(prompt) - 1) // bs) * bs
@@ -194,8 +195,8 @@ class Dispatcher:
     def count_hits(flight: Flight, prompt_tokens: int, cached_tokens: int) -> None:
         """Prefix hit rate per worker that computed the prompt (sum() gives the total)."""
         worker = flight.prefill or flight.decode or "unknown"
-        PROMPT_TOKENS.labels(worker=worker).inc(prompt_tokens)
-        CACHED_TOKENS.labels(worker=worker).inc(cached_tokens)
+        labelled(PROMPT_TOKENS, worker).inc(prompt_tokens)
+        labelled(CACHED_TOKENS, worker).inc(cached_tokens)
 
     def cancel(self, request_id: str, flight: Flight) -> None:
         """Best effort, without waiting: tell the workers to drop the request."""

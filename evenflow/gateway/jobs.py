@@ -53,6 +53,7 @@ from evenflow.services.metrics import (
     VLLM_PREFIX_QUERIES,
     VLLM_PROMPT_TOKENS,
     VLLM_SUCCESS,
+    labelled,
 )
 from evenflow.services.tracing import setup_tracing
 
@@ -96,13 +97,13 @@ class Job:
     def record(self, choices: list[Job], finishes: list[str | None]) -> None:
         """vLLM-compatible request metrics for a request that finished (once per request)."""
         usage, model = self.total_usage(choices), self.model
-        VLLM_E2E.labels(model).observe(time.monotonic() - self.started)
+        labelled(VLLM_E2E, model).observe(time.monotonic() - self.started)
         for finish in finishes:
-            VLLM_SUCCESS.labels(model, finish or "abort").inc()
-        VLLM_PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
-        VLLM_GENERATION_TOKENS.labels(model).inc(usage.completion_tokens)
-        VLLM_PREFIX_QUERIES.labels(model).inc(usage.prompt_tokens)
-        VLLM_PREFIX_HITS.labels(model).inc(usage.cached_tokens)
+            labelled(VLLM_SUCCESS, model, finish or "abort").inc()
+        labelled(VLLM_PROMPT_TOKENS, model).inc(usage.prompt_tokens)
+        labelled(VLLM_GENERATION_TOKENS, model).inc(usage.completion_tokens)
+        labelled(VLLM_PREFIX_QUERIES, model).inc(usage.prompt_tokens)
+        labelled(VLLM_PREFIX_HITS, model).inc(usage.cached_tokens)
 
     def log_line(self, outcome: str, choices: list[Job]) -> str:
         """The request log's line for this request (no prompt text, no key): with the workers

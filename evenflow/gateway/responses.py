@@ -12,7 +12,6 @@ from typing import Any
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from starlette.types import Receive, Scope, Send
@@ -32,7 +31,8 @@ from evenflow.gateway.render import (
     usage_chunk,
 )
 from evenflow.gateway.structured import tool_calls
-from evenflow.services.metrics import INFLIGHT, REQUESTS
+from evenflow.services import tracing
+from evenflow.services.metrics import INFLIGHT, REQUESTS, labelled
 
 log = logging.getLogger("evenflow.requests")
 
@@ -63,11 +63,12 @@ def _rendered_logprobs(gateway: Gateway, job: Job, piece: Piece,
             else render.completion(piece.logprobs, offset))
 
 
-async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -> Response:
+async def complete(gateway: Gateway, job: Job, ctx: Context | None,
+                   span: trace.Span) -> Response:
     choices = job.choices()
     texts, finishes = [""] * job.n, [None] * job.n  # type: list[str], list[str | None]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
-    token = otel_context.attach(ctx)
+    token = tracing.attach(ctx)
     INFLIGHT.inc()
     try:
         async for index, piece in merged(_runs(gateway, choices)):
@@ -75,16 +76,16 @@ async def complete(gateway: Gateway, job: Job, ctx: Context, span: trace.Span) -
             logprobs[index] += piece.logprobs
             finishes[index] = piece.finish or finishes[index]
     except RequestFailed as exc:
-        REQUESTS.labels(job.kind, "error").inc()
+        labelled(REQUESTS, job.kind, "error").inc()
         if log.isEnabledFor(logging.INFO):  # (the line costs ~10 µs to make)
             log.info("%s", job.log_line(f"error {exc.code}", choices))
         raise error_from_failure(exc) from None
     finally:
         INFLIGHT.dec()
-        otel_context.detach(token)
+        tracing.detach(token)
         span.end()
         gateway.admission.release()
-    REQUESTS.labels(job.kind, "ok").inc()
+    labelled(REQUESTS, job.kind, "ok").inc()
     job.record(choices, finishes)
     if log.isEnabledFor(logging.INFO):  # (the line costs ~10 µs to make)
         log.info("%s", job.log_line("ok", choices))
@@ -113,12 +114,12 @@ class LastChunk(bytes):
     of the body (one socket write instead of three)."""
 
 
-async def stream(gateway: Gateway, job: Job, ctx: Context,
+async def stream(gateway: Gateway, job: Job, ctx: Context | None,
                  span: trace.Span) -> AsyncIterator[bytes]:
     """The SSE events of a job's choices. Each event goes out as it comes, except the final
     choice's last one, which waits (no longer than the loop takes to end) to go out with the
     usage chunk, `[DONE]` and the end of the body in one write."""
-    token = otel_context.attach(ctx)
+    token = tracing.attach(ctx)
     INFLIGHT.inc()
     outcome = "ok"
     choices = job.choices()
@@ -165,11 +166,11 @@ async def stream(gateway: Gateway, job: Job, ctx: Context,
         raise
     finally:
         INFLIGHT.dec()
-        REQUESTS.labels(job.kind, outcome).inc()
+        labelled(REQUESTS, job.kind, outcome).inc()
         if log.isEnabledFor(logging.INFO):  # (the line costs ~10 µs to make)
             log.info("%s", job.log_line(f"{outcome} (streamed)", choices))
         span.end()
-        otel_context.detach(token)
+        tracing.detach(token)
     tail.append(b"data: [DONE]\n\n")
     yield LastChunk(b"".join(tail))
 

@@ -225,6 +225,19 @@ def export_spec_counts(counts: SpecCounts, model: str, seen: dict[str, int]) -> 
         seen[key] = value
 
 
+_CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def labelled(metric: Any, *values: str) -> Any:
+    """metric.labels(*values), remembered: labels() costs ~0.7 µs (a lock and a dict), and a
+    request makes ~15 of them. For metrics whose children are never removed."""
+    key = (id(metric), values)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*values)
+    return child
+
+
 def render() -> tuple[bytes, str]:
     """This process's metrics; where several gateway processes share a port (the launcher sets
     PROMETHEUS_MULTIPROC_DIR for them, as vLLM does for its API servers), all of theirs summed:
