@@ -27,7 +27,8 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evenflow import __version__
-from evenflow.gateway.edge import EdgeMiddleware, read_api_keys
+from evenflow.gateway.admission import DEFAULT_TENANT
+from evenflow.gateway.edge import TENANT_KEY, EdgeMiddleware, read_api_keys
 from evenflow.gateway.flight import RequestFailed
 from evenflow.gateway.jobs import Gateway
 from evenflow.gateway.protocol import (
@@ -175,16 +176,18 @@ async def list_models(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await handle(_gateway(request), "completion", body)
+    return await handle(_gateway(request), "completion", body,
+                        request.scope.get(TENANT_KEY, DEFAULT_TENANT))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await handle(_gateway(request), "chat", body)
+    return await handle(_gateway(request), "chat", body,
+                        request.scope.get(TENANT_KEY, DEFAULT_TENANT))
 
 
-async def handle(gateway: Gateway, kind: str,
-                  body: CompletionRequest | ChatCompletionRequest) -> Response:
+async def handle(gateway: Gateway, kind: str, body: CompletionRequest | ChatCompletionRequest,
+                 tenant: str = DEFAULT_TENANT) -> Response:
     received = time.perf_counter()
     if gateway.draining:
         raise APIError(503, "The gateway is shutting down.", "overloaded_error",
@@ -194,7 +197,7 @@ async def handle(gateway: Gateway, kind: str,
     tokenized = time.perf_counter()
     # The slot is released exactly once, by whoever ends the response: _complete's finally,
     # or the streaming response once it is done.
-    await gateway.admission.acquire()
+    job.slot = slot = await gateway.admission.acquire(tenant, job.spec.priority)
     if job.stream and job.n == 1:
         job.timings = FirstTokenTimings(received, tokenized, time.perf_counter())
     span = gateway.tracer.start_span(  # ended when the response is complete
@@ -204,7 +207,7 @@ async def handle(gateway: Gateway, kind: str,
                     "gen_ai.usage.input_tokens": len(job.prompt_ids)})
     ctx = tracing.span_context(span)
     if job.stream:
-        return AdmittedStream(stream(gateway, job, ctx, span), gateway.admission.release, job)
+        return AdmittedStream(stream(gateway, job, ctx, span), slot.release, job)
     return await complete(gateway, job, ctx, span)
 
 

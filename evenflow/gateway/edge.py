@@ -1,48 +1,20 @@
 """Limits at the gateway's HTTP edge, applied before any work is done: the ASGI middleware
-that checks header size, the API key and the body size, and the admission queue that bounds
-how many requests run and wait at once."""
+that checks header size, the API key and the body size, and says which tenant a request is
+(scope["evenflow.tenant"], for admission: gateway/admission.py)."""
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import hmac
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from evenflow.gateway.admission import DEFAULT_TENANT
 from evenflow.gateway.protocol import APIError
 from evenflow.services.config import MeshConfig
 
-
-class Admission:
-    """At most `max_inflight` requests run at once; up to `max_queued` more wait for a slot;
-    beyond that a request is refused at once with 429 and Retry-After, before any stream
-    starts, so memory stays bounded under a burst."""
-
-    def __init__(self, max_inflight: int, max_queued: int) -> None:
-        self.max_queued = max_queued
-        self._slots = asyncio.Semaphore(max_inflight)
-        self.queued = 0
-        self.running = 0
-
-    async def acquire(self) -> None:
-        if self._slots.locked():
-            if self.queued >= self.max_queued:
-                raise APIError(429, "Too many requests are queued at this gateway; retry later.",
-                               "rate_limit_error", code="overloaded",
-                               headers={"Retry-After": "1"})
-            self.queued += 1
-            try:
-                await self._slots.acquire()
-            finally:
-                self.queued -= 1
-        else:
-            await self._slots.acquire()
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._slots.release()
+TENANT_KEY = "evenflow.tenant"
 
 
 OPEN_PATHS = ("/health", "/live", "/version")  # answered without a key (probes)
@@ -55,9 +27,16 @@ class EdgeMiddleware:
     constant time, checked before the body is read), and the body size (413, counted as it
     arrives, so a lying or absent Content-Length cannot get past it)."""
 
-    def __init__(self, app: ASGIApp, config: MeshConfig, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, config: MeshConfig,
+                 api_keys: tuple[str, ...] | dict[str, str]) -> None:
         self.app, self.config = app, config
-        self.api_keys = tuple(k.encode() for k in api_keys)
+        named = api_keys if isinstance(api_keys, dict) else dict.fromkeys(api_keys, "")
+        # each key with its tenant (a key without one is a tenant of its own, named by a
+        # digest of the key: never the key itself, which would land in metrics and logs)
+        self.api_keys = tuple(k.encode() for k in named)
+        self.tenants = tuple(tenant or "key-" + hashlib.sha256(k.encode()).hexdigest()[:8]
+                             for k, tenant in named.items())
+        self.tenant_header = config.tenant_header.lower().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,10 +46,19 @@ class EdgeMiddleware:
         if sum(len(k) + len(v) for k, v in headers) > self.config.max_header_bytes:
             await _reject(send, 431, "Request header fields too large.", "header_too_large")
             return
-        if self.api_keys and self._needs_key(scope["path"]) and not self._authorized(headers):
-            await _reject(send, 401, "Incorrect API key provided.", "invalid_api_key",
-                          "authentication_error")
-            return
+        tenant = DEFAULT_TENANT
+        if self.api_keys and self._needs_key(scope["path"]):
+            key_tenant = self._authorized(headers)
+            if key_tenant is None:
+                await _reject(send, 401, "Incorrect API key provided.", "invalid_api_key",
+                              "authentication_error")
+                return
+            tenant = key_tenant
+        if self.tenant_header:
+            named = next((v for k, v in headers if k == self.tenant_header), b"")
+            if named:
+                tenant = named.decode("latin-1")[:64]
+        scope[TENANT_KEY] = tenant
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(headers, receive)
             if body is None:
@@ -85,12 +73,14 @@ class EdgeMiddleware:
             return False
         return not (self.config.public_metrics and path in DOCS_PATHS)
 
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The tenant of the Bearer key sent, or None when it is not one of ours."""
         value = next((v for k, v in headers if k == b"authorization"), b"")
         token = value[7:] if value[:7].lower() == b"bearer " else b""
-        found = False
-        for key in self.api_keys:  # every key compared, each in constant time
-            found |= hmac.compare_digest(token, key)
+        found = None
+        for key, tenant in zip(self.api_keys, self.tenants, strict=True):
+            if hmac.compare_digest(token, key):  # every key compared, each in constant time
+                found = tenant
         return found
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -140,10 +130,17 @@ async def _reject(send: Send, status: int, message: str, code: str,
     await send({"type": "http.response.body", "body": body})
 
 
-def read_api_keys(config: MeshConfig) -> tuple[str, ...]:
-    """EVENFLOW_API_KEYS plus the lines of EVENFLOW_API_KEY_FILE (never argv)."""
-    keys = list(config.api_keys)
+def read_api_keys(config: MeshConfig) -> dict[str, str]:
+    """EVENFLOW_API_KEYS plus the lines of EVENFLOW_API_KEY_FILE (never argv): each entry a
+    key, or a key and its tenant's name after a space (`sk-abc123 team-a`); key -> tenant
+    ("" where none is named)."""
+    entries = list(config.api_keys)
     if config.api_key_file:
         with open(config.api_key_file) as f:
-            keys += [line.strip() for line in f if line.strip()]
-    return tuple(keys)
+            entries += [line for line in f]
+    keys: dict[str, str] = {}
+    for entry in entries:
+        key, _, tenant = entry.strip().partition(" ")
+        if key:
+            keys[key] = tenant.strip()
+    return keys

@@ -15,10 +15,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from evenflow import models
+from evenflow.gateway.admission import Admission, Slot
 from evenflow.gateway.choice import ChoiceOutput
 from evenflow.gateway.client import GatewayClient
 from evenflow.gateway.direct import DirectStream, DirectWriter, plain
-from evenflow.gateway.edge import Admission
 from evenflow.gateway.flight import RequestFailed, Served
 from evenflow.gateway.protocol import (
     APIError,
@@ -88,6 +88,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))  # every chunk carries it
     # a streamed response's socket, once its head is sent (gateway/direct.py); None: ASGI only
     writer: DirectWriter | None = None
+    # its admission slot, given back once the response is over (gateway/admission.py)
+    slot: Slot | None = None
 
     def __post_init__(self) -> None:
         self.usage = Usage(len(self.prompt_ids))
@@ -155,7 +157,8 @@ class Gateway:
         self.tracer = setup_tracing("evenflow-gateway")
         # The engine salts block hashes with the checkpoint directory's name; so do we.
         self.client = GatewayClient(config, self.tracer, namespace_salt(model_dir.name))
-        self.admission = Admission(config.max_inflight, config.max_queued)
+        self.admission = Admission(config.max_inflight, config.max_queued,
+                                   config.tenant_weight_map())
         self.drain_deadline = math.inf  # set on SIGTERM: streams must end by then
 
     @property

@@ -20,8 +20,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
+from evenflow.gateway.admission import DEFAULT_TENANT
 from evenflow.gateway.app import handle
-from evenflow.gateway.edge import EdgeMiddleware, read_api_keys
+from evenflow.gateway.edge import TENANT_KEY, EdgeMiddleware, read_api_keys
 from evenflow.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from evenflow.gateway.responses import json_response
 from evenflow.services.config import MeshConfig
@@ -65,7 +66,8 @@ class FastLane:
             await self.app(scope, _replay(first, receive), send)
             return
         try:
-            response = await handle(self.app.state.gateway, kind, request)  # type: ignore[arg-type]
+            response = await handle(self.app.state.gateway, kind, request,  # type: ignore[arg-type]
+                                    scope.get(TENANT_KEY, DEFAULT_TENANT))
         except APIError as exc:
             response = json_response(exc.body(), exc.status, exc.headers)
         except Exception:

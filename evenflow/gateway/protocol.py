@@ -86,7 +86,7 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "continue_final_message": _one_of(False), "chat_template": _none,
     "chat_template_kwargs": _empty, "documents": _empty, "truncate_prompt_tokens": _none,
     "skip_special_tokens": _one_of(True),
-    "spaces_between_special_tokens": _one_of(True), "priority": _one_of(0),
+    "spaces_between_special_tokens": _one_of(True),
     "service_tier": _one_of("auto", "default"), "mm_processor_kwargs": _empty,
 }
 
@@ -111,6 +111,8 @@ class _Common(BaseModel):
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)  # = n (no ranking)
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
+    # vLLM's: lower is sooner, at the gateway's admission queue and the engine's waiting queue
+    priority: StrictInt = Field(default=0, ge=-(1 << 31), lt=1 << 31)
     # vLLM's: logprobs name each token "token_id:<id>" instead of its text
     return_tokens_as_token_ids: StrictBool = False
     min_p: Number = Field(default=0.0, ge=0, le=1)
@@ -207,7 +209,7 @@ class _Common(BaseModel):
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
             logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
             stop=tuple(self.stop_strings),
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority)
 
 
 class CompletionRequest(_Common):

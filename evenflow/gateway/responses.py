@@ -84,7 +84,8 @@ async def complete(gateway: Gateway, job: Job, ctx: Context | None,
         INFLIGHT.dec()
         tracing.detach(token)
         span.end()
-        gateway.admission.release()
+        if job.slot is not None:
+            job.slot.release()
     labelled(REQUESTS, job.kind, "ok").inc()
     job.record(choices, finishes)
     if log.isEnabledFor(logging.INFO):  # (the line costs ~10 µs to make)

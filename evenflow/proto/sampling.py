@@ -52,6 +52,10 @@ class SamplingParams:
     resumed_output_tokens: int = 0
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # vLLM's meaning: lower is sooner. The gateway's admission queue and the engine's waiting
+    # queue take requests in this order (aged, so nothing starves), and under memory pressure
+    # the engine preempts the running request of the highest value first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -109,6 +113,8 @@ class SamplingParams:
               "must be a grammar string or None")
         check(integer(self.resumed_output_tokens) and self.resumed_output_tokens >= 0,
               "resumed_output_tokens", "must be an int >= 0")
+        check(integer(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority",
+              f"must be a 32-bit int, got {self.priority!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (integer(value) and 0 <= value <= MAX_LOGPROBS), name,

@@ -101,6 +101,11 @@ class MeshConfig(EngineConfig):
     max_inflight: int = setting(256, ge=1, help="requests running at once at a gateway")
     max_queued: int = setting(512, ge=0, help="requests waiting for a slot; beyond: 429 with "
                                               "Retry-After")
+    tenant_header: str = setting("", help="a request header naming its tenant (e.g. set by a "
+                                          "proxy in front), over the API key's tenant; empty: "
+                                          "tenants come from the API keys only")
+    tenant_weights: str = setting("", help="tenants' shares of the admission slots and queue "
+                                           "under overload, NAME=WEIGHT,... (others weigh 1)")
     local_prefill_threshold: int = setting(
         128, ge=0, help="a prompt whose part not cached on its decode worker is shorter than "
                         "this many tokens is prefilled there, not shipped (Dynamo's "
@@ -225,6 +230,10 @@ class MeshConfig(EngineConfig):
         if self.num_prefill == 0 and self.local_prefill_threshold == 0:
             raise ConfigError("with no prefill workers, local prefill must be enabled")
         try:
+            self.tenant_weight_map()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        try:
             self.step_delay_s("")
         except ValueError:
             raise ConfigError("debug_step_delay_ms (EVENFLOW_DEBUG_STEP_DELAY_MS) must be MS or "
@@ -237,6 +246,24 @@ class MeshConfig(EngineConfig):
             raise ConfigError(f"unknown engine switch {exc.args[0]}") from None
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def tenant_weight_map(self) -> dict[str, float]:
+        """tenant_weights (`gold=4,free=1`) as {"gold": 4.0, "free": 1.0}; a ValueError naming
+        the entry that is not NAME=WEIGHT with a weight > 0."""
+        weights: dict[str, float] = {}
+        for item in (part.strip() for part in self.tenant_weights.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = 0.0
+            if not sep or not name.strip() or not weight > 0:
+                raise ValueError(f"tenant_weights (EVENFLOW_TENANT_WEIGHTS): {item!r} is not "
+                                 "NAME=WEIGHT with a weight > 0")
+            weights[name.strip()] = weight
+        return weights
 
     def switch_values(self) -> dict[str, str]:
         """The engine switches set for this mesh, by variable name."""

@@ -68,6 +68,13 @@ def export_worker_figures(beat: Any) -> None:
 
 INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway",
                  multiprocess_mode="livesum")
+QUEUED_REQUESTS = Gauge("evenflow_queued_requests", "Requests waiting for an admission slot at "
+                        "the gateway, by tenant", ["tenant"], multiprocess_mode="livesum")
+ADMISSION_REFUSALS = Counter("evenflow_admission_refusals_total", "Requests refused with 429 "
+                             "at admission, by the limit hit", ["reason"])
+ADMISSION_WAIT_SECONDS = Histogram("evenflow_admission_wait_seconds", "Time queued for an "
+                                   "admission slot, by priority class", ["priority"],
+                                   buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 LIVE_WORKERS = Gauge("evenflow_live_workers", "Workers with a fresh heartbeat", ["role"],
                      multiprocess_mode="livemostrecent")
 ROUTING_DECISIONS = Counter("evenflow_routing_decisions_total", "Requests routed, by reason",

@@ -121,3 +121,92 @@ def test_finish_frees_blocks_and_leaves_the_queues():
     s.finish(a, FinishReason.ABORT)
     assert not s.has_unfinished() and s.blocks.num_free_blocks == 8
     assert a.finish_reason is FinishReason.ABORT
+
+
+# -- priority (lower is sooner) -----------------------------------------------------------------
+
+def pseq(tokens, rid: str, priority: int) -> Sequence:
+    tokens = list(tokens)
+    return Sequence(rid, tokens, len(tokens), SamplingParams(max_tokens=100, priority=priority))
+
+
+def test_waiting_requests_are_admitted_best_priority_first_ties_in_arrival_order():
+    s = scheduler(max_seqs=2)
+    for rid, priority in (("low", 5), ("high", -1), ("mid-a", 0), ("mid-b", 0)):
+        s.add(pseq(range(100 * len(rid), 100 * len(rid) + 4), rid, priority))
+    assert [c.seq.request_id for c in s.schedule()] == ["high", "mid-a"]
+
+
+def test_a_high_priority_arrival_preempts_a_running_low_priority_request_when_kv_is_full():
+    s = scheduler(num_blocks=4)  # 16 tokens of KV
+    low = pseq(range(12), "low", 10)
+    s.add(low)
+    run(s, s.schedule())  # low holds 3 blocks and decodes
+    high = pseq(range(100, 108), "high", 0)  # needs 2 blocks: 1 is free
+    s.add(high)
+    chunks = s.schedule()
+    assert [c.seq.request_id for c in chunks] == ["high"]
+    assert low.status == SequenceStatus.WAITING and low.num_computed_tokens == 0
+    assert s.num_priority_preemptions == 1
+    run(s, chunks)
+    s.finish(high, FinishReason.STOP)
+    # the preempted one comes back (its full blocks are prefix hits) and completes
+    assert [c.seq.request_id for c in s.schedule()] == ["low"]
+
+
+def test_an_equal_or_lower_priority_arrival_waits_instead_of_preempting():
+    s = scheduler(num_blocks=4)
+    first = pseq(range(12), "first", 1)
+    s.add(first)
+    run(s, s.schedule())
+    s.add(pseq(range(100, 108), "same", 1))
+    s.add(pseq(range(200, 208), "worse", 2))
+    assert [c.seq.request_id for c in s.schedule()] == ["first"]
+    assert s.num_priority_preemptions == 0
+
+
+def test_the_running_cap_is_made_room_in_for_a_better_priority():
+    s = scheduler(max_seqs=1)
+    low = pseq(range(4), "low", 3)
+    s.add(low)
+    run(s, s.schedule())
+    s.add(pseq(range(100, 104), "high", -3))
+    assert [c.seq.request_id for c in s.schedule()] == ["high"]
+    assert low in s.waiting
+
+
+def test_memory_pressure_preempts_the_lowest_priority_running_request_first():
+    s = scheduler(num_blocks=5, budget=64)
+    # three sequences of 5 tokens (2 blocks each once they grow): the lowest priority goes
+    a, b, c = pseq(range(4), "a", 0), pseq(range(10, 14), "b", 9), pseq(range(20, 24), "c", 1)
+    for x in (a, b, c):
+        s.add(x)
+    run(s, s.schedule())  # 3 blocks used, each sequence now 5 tokens: a second block each
+    chunks = s.schedule()
+    assert {ch.seq.request_id for ch in chunks} == {"a", "c"}
+    assert b.status == SequenceStatus.WAITING
+
+
+def test_waiting_ages_so_a_low_priority_request_is_not_starved(monkeypatch):
+    import evenflow.engine.core.scheduler as sched
+
+    now = [1000.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: now[0])
+    s = Scheduler(SchedulerConfig(1, 2048, 4096, True, priority_aging_s=1.0),
+                  BlockManager(64, BS))
+    old = pseq(range(4), "old", 3)
+    s.add(old)
+    s.add(blocker := pseq(range(50, 54), "blocker", 0))
+    assert [c.seq.request_id for c in s.schedule()] == ["blocker"]
+    s.finish(blocker, FinishReason.STOP)
+    now[0] += 5.0  # "old" waited 5 s: 3 - 5 = -2, ahead of a fresh priority-0 arrival
+    s.add(pseq(range(60, 64), "fresh", 0))
+    assert [c.seq.request_id for c in s.schedule()] == ["old"]
+
+
+def test_all_priorities_zero_is_plain_fifo():
+    s = scheduler(max_seqs=2)
+    for i in range(4):
+        s.add(seq(range(10 * i, 10 * i + 4), f"r{i}"))
+    assert [c.seq.request_id for c in s.schedule()] == ["r0", "r1"]
+    assert s._prioritized == 0

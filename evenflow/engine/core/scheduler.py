@@ -8,6 +8,14 @@ sequence needs a block and none is free, the most recently admitted sequence is 
 blocks are freed and it is recomputed later (its full blocks usually stay cached, so the redo is
 mostly prefix hits).
 
+Priority (SamplingParams.priority, vLLM's meaning: lower is sooner): waiting sequences are
+admitted best first, by their priority less one level per `priority_aging_s` waited (so nothing
+starves), ties in arrival order, a preempted sequence first among its equals; running sequences
+are kept in rank order (the rank they were admitted with), so a step serves the best first and a
+preemption takes the worst: the lowest priority, then the most recently admitted. A waiting
+sequence that ranks above the worst running one and finds no room (KV blocks, the running cap)
+preempts it. With every priority 0 (the common case) this is the FIFO above, at its cost.
+
 With a proposer (speculative decoding: engine/spec/), a decoding sequence's step may carry draft
 tokens after its last one: the chunk then holds 1 + len(draft) tokens, their KV slots reserved,
 and the engine keeps the accepted prefix (engine/serving/speculation.py). A draft that does not
@@ -16,6 +24,8 @@ fit the blocks left is dropped, never the cause of a preemption.
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +41,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # A waiting sequence whose next block a running one is computing waits a step for the hit.
     defer_shared_prefill: bool = True
+    # A waiting sequence's priority improves by one level per this many seconds waited (0: no
+    # aging); it keeps the rank it reached once running.
+    priority_aging_s: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -59,10 +72,19 @@ class Scheduler:
                  proposer: Proposer | None = None) -> None:
         self.config, self.blocks, self.proposer = config, blocks, proposer
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in rank order (Sequence.rank)
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of those, made for a better-ranked waiting one
+        self._arrivals = 0  # arrival counter: the tie-break within a priority
+        self._preempted = 0  # preemption counter: a preempted sequence goes before its equals
+        self._prioritized = 0  # unfinished sequences with a priority other than 0
 
     def add(self, seq: Sequence) -> None:
+        self._arrivals += 1
+        seq.rank = (seq.params.priority, self._arrivals)
+        seq.waiting_since = time.monotonic()
+        if seq.params.priority:
+            self._prioritized += 1
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -92,20 +114,34 @@ class Scheduler:
             budget -= n + len(draft)
             i += 1
 
+        if self._prioritized and len(self.waiting) > 1:
+            self._order_waiting()
         in_flight = (self._blocks_in_flight()
                      if self.config.defer_shared_prefill and self.waiting else None)
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        evicted: list[Sequence] = []  # preempted for a better-ranked one: back next step
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self._prioritized:
+                seq.rank = (self._aged(seq), seq.rank[1])
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._make_room(seq, chunks, evicted):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+                continue
             if seq.pending_kv is not None:  # prompt K/V imported: only the next token to run
                 if not self.blocks.can_allocate_first(seq, [], seq.num_tokens):
-                    break
+                    if not self._make_room(seq, chunks, evicted):
+                        break
+                    budget = (self.config.max_num_batched_tokens
+                              - sum(c.num_tokens for c in chunks))
+                    continue
                 self.waiting.popleft()
                 cached = seq.num_cached_tokens
                 self.blocks.allocate_first(seq, [], seq.num_tokens)
                 seq.num_computed_tokens, seq.num_cached_tokens = seq.num_prompt_tokens, cached
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 chunks.append(ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens))
                 budget -= chunks[-1].num_tokens
                 continue
@@ -120,18 +156,63 @@ class Scheduler:
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if not self.blocks.can_allocate_first(seq, hits, computed + n):
-                break
+                if not self._make_room(seq, chunks, evicted):
+                    break
+                budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+                continue  # (its hits are looked up again: the victim's blocks may be among them)
             self.waiting.popleft()
             self.blocks.allocate_first(seq, hits, computed + n)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
             if in_flight is not None:
                 in_flight.update(seq.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
+        self.waiting.extend(evicted)  # (ordered by rank next step: priorities are mixed)
         # Prefill chunks first, then single-token decodes: the model runner's batch layout.
         return [c for c in chunks if c.num_tokens > 1] + [c for c in chunks if c.num_tokens == 1]
+
+    def _run(self, seq: Sequence) -> None:
+        """Into the running list at its rank (the end, when priorities are all 0)."""
+        seq.requeued = 0
+        if not self._prioritized or not self.running or self.running[-1].rank <= seq.rank:
+            self.running.append(seq)
+        else:
+            bisect.insort(self.running, seq, key=lambda s: s.rank)
+
+    def _aged(self, seq: Sequence) -> int:
+        """A waiting sequence's priority, less a level per priority_aging_s it has waited."""
+        aging = self.config.priority_aging_s
+        if aging <= 0:
+            return seq.params.priority
+        return seq.params.priority - int((time.monotonic() - seq.waiting_since) / aging)
+
+    def _order_waiting(self) -> None:
+        """Best first: aged priority, then preempted ones (most recent first), then arrival."""
+        ranked = sorted(self.waiting, key=lambda s: (self._aged(s), s.requeued, s.rank[1]))
+        self.waiting = deque(ranked)
+
+    def _make_room(self, seq: Sequence, chunks: list[ScheduledChunk],
+                   evicted: list[Sequence]) -> bool:
+        """Preempt the worst running sequence for `seq` if it ranks below it (its chunk for
+        this step, if it had one, taken back; it waits in `evicted` until the step is
+        planned); whether one was preempted."""
+        if not self._prioritized or not self.running:
+            return False
+        victim = self.running[-1]
+        if victim.rank[0] <= seq.rank[0]:
+            return False  # not for an equal or a better one: only priority preempts
+        self.running.pop()
+        for i, chunk in enumerate(chunks):
+            if chunk.seq is victim:
+                del chunks[i]
+                break
+        self._preempt(victim)
+        self.waiting.popleft()  # (_preempt put it first)
+        evicted.append(victim)
+        self.num_priority_preemptions += 1
+        return True
 
     def _drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
         """The proposer's drafts for the decoding sequences (by id()): each no longer than
@@ -162,6 +243,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason, free_blocks: bool = True) -> None:
         """Done: out of the queues; its blocks freed unless the caller frees them later."""
+        if seq.params.priority and seq.status != SequenceStatus.FINISHED:
+            self._prioritized -= 1
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         if free_blocks:
             self.blocks.free_sequence(seq)
@@ -176,4 +259,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted += 1
+        seq.requeued = -self._preempted  # (most recently preempted first among its equals)
+        seq.waiting_since = time.monotonic()
         self.waiting.appendleft(seq)

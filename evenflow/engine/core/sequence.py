@@ -44,6 +44,12 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     num_preemptions: int = 0
+    # the scheduler's: (priority it was admitted with, arrival number), the order of the
+    # running list; when it began waiting (time.monotonic()), for aging; after a preemption,
+    # a negative number that puts it before its equals in the waiting queue
+    rank: tuple[int, int] = (0, 0)
+    waiting_since: float = 0.0
+    requeued: int = 0
     # why its latest prefix lookup stopped at a block the KV disk tier held or had just dropped
     # ("": it did not; core/block_manager.py's MISS_REASONS)
     disk_miss: str = ""
