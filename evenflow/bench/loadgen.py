@@ -99,9 +99,11 @@ async def whole_request(client: SSEClient, model: str, prompt: list[int], max_to
 
 
 async def one_request(client: SSEClient, model: str, prompt: list[int], max_tokens: int,
-                      headers: dict[str, str]) -> RequestTiming:
+                      headers: dict[str, str], extra: dict | None = None) -> RequestTiming:
+    """One streamed completion; `extra`: more body fields (e.g. priority)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     start = time.perf_counter()
     arrivals: list[float] = []
     pieces: list[str] = []
