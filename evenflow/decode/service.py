@@ -70,6 +70,7 @@ class _Active:
     sent: int = 0  # output tokens of the request already sent (the prefill worker's first: 1)
     received_ns: int = field(default_factory=time.time_ns)  # (clock of Admitted.at_ns)
     admitted_ns: int = 0
+    priority: int = 0  # SamplingParams.priority (lower is sooner)
 
 
 class DecodeWorker(EngineWorker):
@@ -186,7 +187,9 @@ class DecodeWorker(EngineWorker):
             return
         needed = self.engine.layout.blocks_needed(len(prompt) + 1)
         seqs = self.engine.num_running + self.engine.num_waiting + len(self.active)
-        if self._free_blocks() < needed or seqs >= 2 * self.config.max_num_seqs:
+        cap = 2 * self.config.max_num_seqs
+        if self._free_blocks() < needed or (seqs >= cap and not self._outranks(
+                spec.priority)):
             self._error(reply_subject, request_id, errors.NO_CAPACITY,
                         "decode worker has no KV room", ctx)
             return
@@ -195,9 +198,19 @@ class DecodeWorker(EngineWorker):
         span = self.tracer.start_span("decode.generate", context=ctx,
                                       attributes={"gen_ai.request.id": request_id})
         self.active[request_id] = _Active(reply_subject, span, needed, queue_span,
-                                          sent=1 if prefilled else 0)
+                                          sent=1 if prefilled else 0, priority=spec.priority)
         command: EngineCommand = prefilled or AddRequest(request_id, prompt, spec)
         self.engine_thread.submit(command)
+
+    def _outranks(self, priority: int) -> bool:
+        """Past the cap, a request that ranks above one this worker holds still comes in (up
+        to a quarter more than max_num_seqs held): the engine preempts the worse one for it
+        (engine/core/scheduler.py), where a refusal would send it round the gateway's wait
+        (the gateway lets as many past its own limit: gateway/admission.py)."""
+        limit = self.config.max_num_seqs + max(1, self.config.max_num_seqs // 4)
+        if len(self.active) >= limit:
+            return False
+        return priority < max((a.priority for a in self.active.values()), default=0)
 
     def on_admitted(self, event: Admitted) -> None:
         active = self.active.get(event.request_id)

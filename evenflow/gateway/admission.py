@@ -17,6 +17,10 @@ the next request is chosen:
   enqueued / aging_s, is fixed when it queues, so aging needs no re-sorting; ties go in
   arrival order.
 
+A request whose priority ranks above a running one's does not wait for a slot: it starts past
+the limit (up to a quarter more), and the engine, whose batch is full, preempts the worse one
+for it (engine/core/scheduler.py).
+
 A full queue refuses with 429 and says which limit: an arrival whose tenant holds less than its
 weighted share of the queue pushes out the newest, lowest-priority waiter of the tenant most
 over its share (that one gets the 429, `code: "tenant_over_share"`); otherwise the arrival is
@@ -41,7 +45,15 @@ from evenflow.services.metrics import (
 )
 
 DEFAULT_TENANT = "default"
-AGING_S = 1.0  # a waiter gains one priority level per this many seconds queued
+# A waiter gains one priority level per this many seconds queued: slow enough that priority
+# holds through an overload burst (at 1 s a level, a low-priority request two levels down
+# overtook every new high one after 2 s: bench admission), fast enough that nothing waits
+# forever behind a steady stream of better ones.
+AGING_S = 10.0
+# Past the running limit, a request that ranks above a running one may still start, up to this
+# share of max_inflight more: the engine then preempts the worse one for it (its running cap),
+# instead of the better one waiting for a slot to free.
+PRIORITY_HEADROOM = 0.25
 
 
 def priority_class(priority: int) -> str:
@@ -61,15 +73,16 @@ class _Waiter:
 class Slot:
     """A running request's place; `release()` gives it back (once, whoever calls it)."""
 
-    __slots__ = ("_admission", "tenant", "_released")
+    __slots__ = ("_admission", "tenant", "priority", "_released")
 
-    def __init__(self, admission: Admission, tenant: str) -> None:
-        self._admission, self.tenant, self._released = admission, tenant, False
+    def __init__(self, admission: Admission, tenant: str, priority: int = 0) -> None:
+        self._admission, self.tenant, self.priority = admission, tenant, priority
+        self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._admission._release(self.tenant)
+            self._admission._release(self.tenant, self.priority)
 
 
 class Admission:
@@ -80,7 +93,9 @@ class Admission:
         self.aging_s = aging_s
         self.running = 0
         self.queued = 0
+        self.headroom = int(max_inflight * PRIORITY_HEADROOM)
         self._running_by: dict[str, int] = {}
+        self._priorities: dict[int, int] = {}  # running requests by priority (nonzero ones)
         self._queued_by: dict[str, int] = {}
         self._queues: dict[str, list[tuple[float, int, _Waiter]]] = {}
         self._order = itertools.count()
@@ -98,7 +113,9 @@ class Admission:
     async def acquire(self, tenant: str = DEFAULT_TENANT, priority: int = 0) -> Slot:
         """A slot now, or once the rules above give one; APIError(429) when refused."""
         if self.running < self.max_inflight and not self.queued:
-            return self._grant(tenant)
+            return self._grant(tenant, priority)
+        if self._outranks(priority):
+            return self._grant(tenant, priority)
         if self.queued >= self.max_queued:
             self._make_room(tenant)
         now = time.monotonic()
@@ -123,14 +140,32 @@ class Admission:
         return slot
 
     # -- internals ----------------------------------------------------------------------------
-    def _grant(self, tenant: str) -> Slot:
+    def _outranks(self, priority: int) -> bool:
+        """Whether a request of this priority may start past the limit: a running one ranks
+        below it, and the headroom is not used up."""
+        if self.running >= self.max_inflight + self.headroom:
+            return False
+        worst = max(self._priorities, default=0)
+        if self.running > sum(self._priorities.values()):  # priority-0 requests run too
+            worst = max(worst, 0)
+        return priority < worst
+
+    def _grant(self, tenant: str, priority: int = 0) -> Slot:
+        if priority:
+            self._priorities[priority] = self._priorities.get(priority, 0) + 1
         self._clock = vtime = self._vtime.get(tenant, self._clock)
         self._vtime[tenant] = vtime + 1.0 / self.weight(tenant)
         self.running += 1
         self._running_by[tenant] = self._running_by.get(tenant, 0) + 1
-        return Slot(self, tenant)
+        return Slot(self, tenant, priority)
 
-    def _release(self, tenant: str) -> None:
+    def _release(self, tenant: str, priority: int = 0) -> None:
+        if priority:
+            left = self._priorities[priority] - 1
+            if left:
+                self._priorities[priority] = left
+            else:
+                del self._priorities[priority]
         self.running -= 1
         left = self._running_by[tenant] - 1
         if left:
@@ -143,7 +178,7 @@ class Admission:
             waiter = self._next_waiter()
             if waiter is None:
                 break
-            waiter.future.set_result(self._grant(waiter.tenant))
+            waiter.future.set_result(self._grant(waiter.tenant, waiter.priority))
 
     def _queue_count(self, tenant: str, change: int) -> None:
         self.queued += change

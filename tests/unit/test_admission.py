@@ -198,3 +198,24 @@ def test_a_request_is_its_api_keys_tenant_or_the_operators_header(tmp_path):
     by_header = EdgeMiddleware(None, MeshConfig(tenant_header="X-Tenant"), {})  # type: ignore
     assert _tenant_of(by_header, [(b"x-tenant", b"batch")]) == "batch"
     assert _tenant_of(by_header, []) == "default"
+
+
+def test_a_better_priority_starts_past_the_limit_while_a_worse_one_runs():
+    async def main():
+        admission = Admission(4, 10, aging_s=0)  # headroom: a quarter more, 1
+        low = [await admission.acquire("t", 3) for _ in range(4)]
+        high = await asyncio.wait_for(admission.acquire("t", -1), 1)  # (the engine preempts)
+        queued = await _queue(admission, "t", -1)  # the headroom is used up: it waits
+        same = await _queue(admission, "t", 3)
+        assert admission.running == 5 and not queued.done() and not same.done()
+        high.release()
+        for slot in low:
+            slot.release()
+        await asyncio.sleep(0)
+        assert queued.done() and same.done()
+        queued.result().release()
+        same.result().release()
+        return admission
+
+    admission = asyncio.run(main())
+    assert admission.running == 0 and admission._priorities == {}

@@ -9,12 +9,13 @@ blocks are freed and it is recomputed later (its full blocks usually stay cached
 mostly prefix hits).
 
 Priority (SamplingParams.priority, vLLM's meaning: lower is sooner): waiting sequences are
-admitted best first, by their priority less one level per `priority_aging_s` waited (so nothing
-starves), ties in arrival order, a preempted sequence first among its equals; running sequences
-are kept in rank order (the rank they were admitted with), so a step serves the best first and a
-preemption takes the worst: the lowest priority, then the most recently admitted. A waiting
-sequence that ranks above the worst running one and finds no room (KV blocks, the running cap)
-preempts it. With every priority 0 (the common case) this is the FIFO above, at its cost.
+admitted best first, by their priority less one level per `priority_aging_s` waited (10 s:
+priority holds through a burst, and nothing starves), ties in arrival order, a preempted
+sequence first among its equals; running sequences are kept in rank order (the rank they were
+admitted with), so a step serves the best first and a preemption takes the worst: the lowest
+priority, then the most recently admitted. A waiting sequence that ranks above the worst
+running one and finds no room (KV blocks, the running cap) preempts it. With every priority 0
+(the common case) this is the FIFO above, at its cost.
 
 With a proposer (speculative decoding: engine/spec/), a decoding sequence's step may carry draft
 tokens after its last one: the chunk then holds 1 + len(draft) tokens, their KV slots reserved,
@@ -43,7 +44,7 @@ class SchedulerConfig:
     defer_shared_prefill: bool = True
     # A waiting sequence's priority improves by one level per this many seconds waited (0: no
     # aging); it keeps the rank it reached once running.
-    priority_aging_s: float = 1.0
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
