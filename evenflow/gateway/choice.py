@@ -20,6 +20,9 @@ class ChoiceOutput:
     def __init__(self, job, detok: IncrementalDetokenizer, vocab: int, started: float) -> None:
         self.job, self.detok, self.vocab = job, detok, vocab
         self.first = True
+        # a piece went to the request's task (which renders the stream's first event: the
+        # chat role, the first-chunk timing); until then the direct path takes nothing
+        self.streamed = False
         self.previous = job.prompt_ids[-1]  # the token before the next one (logprob texts)
         self.last = started  # when the latest delta came (time.monotonic())
         self.itl = labelled(VLLM_ITL, job.model)
@@ -61,7 +64,10 @@ class ChoiceOutput:
         if finish is not None:
             return Piece(text + self.detok.flush(), "stop" if finish == "abort" else finish,
                          logprobs)
-        return Piece(text, None, logprobs) if text or logprobs else None
+        if not (text or logprobs):
+            return None
+        self.streamed = True
+        return Piece(text, None, logprobs)
 
     def count(self, tokens: int, now: float) -> None:
         """Usage and inter-token latency for `tokens` more output tokens, arrived at `now`."""
@@ -95,8 +101,8 @@ class ChoiceOutput:
         changed, where the delta needs the request's task (a stop string ends the choice here,
         or a token id is out of range)."""
         ids = delta.token_ids
-        if not self.in_vocab(ids):
-            return None
+        if not self.streamed or not self.in_vocab(ids):
+            return None  # (the first event is the task's: a first token of no text held it)
         mark = self.detok.mark()
         text = self.detok.add(ids)
         if self.detok.stopped:

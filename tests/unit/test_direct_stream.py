@@ -78,6 +78,23 @@ def _heartbeat(worker: str, by_gateway: dict[str, int]) -> WorkerHeartbeat:
         by_gateway.values()), load_by_gateway=by_gateway, free_kv_blocks=100)
 
 
+def test_the_first_event_is_the_tasks_even_when_the_first_token_has_no_text(tokenizer):
+    """A first token of no text (a special token skipped, half a character) gives the task no
+    piece: the next delta must still go to the task, which renders the first event (a chat
+    stream's role; the first-chunk timing), not to the direct path's template."""
+    output = _output(tokenizer, [])
+    silent = next(i for i in range(tokenizer.vocab_size) if not tokenizer.decode([i]))
+    assert output.take(TokenDelta(request_id="r", token_ids=[silent], first_index=0),
+                       time.monotonic()) is None
+    ids = tokenizer.encode(" 6", add_special_tokens=False)
+    second = TokenDelta(request_id="r", token_ids=ids, first_index=1)
+    assert output.plain_text(second, time.monotonic()) is None  # not the direct path's
+    piece = output.take(second, time.monotonic())
+    assert piece is not None and piece.text  # the task's first event
+    third = TokenDelta(request_id="r", token_ids=ids, first_index=1 + len(ids))
+    assert output.plain_text(third, time.monotonic()) == " 6"  # from now on, direct
+
+
 def test_a_peers_synced_load_replaces_its_heartbeat_figure():
     hb = _heartbeat("d0", {"gw.a": 3, "gw.b": 5})
     assert current_load(hb, "gw.a", 2, 8) == 2 + 5  # heartbeats only
