@@ -19,7 +19,8 @@ the next request is chosen:
 
 A request whose priority ranks above a running one's does not wait for a slot: it starts past
 the limit (up to a quarter more), and the engine, whose batch is full, preempts the worse one
-for it (engine/core/scheduler.py).
+for it (engine/core/scheduler.py); only while its tenant runs less than its weighted share, so
+priority does not buy one tenant another's share.
 
 A full queue refuses with 429 and says which limit: an arrival whose tenant holds less than its
 weighted share of the queue pushes out the newest, lowest-priority waiter of the tenant most
@@ -114,7 +115,7 @@ class Admission:
         """A slot now, or once the rules above give one; APIError(429) when refused."""
         if self.running < self.max_inflight and not self.queued:
             return self._grant(tenant, priority)
-        if self._outranks(priority):
+        if self._outranks(priority) and self._within_share(tenant):
             return self._grant(tenant, priority)
         if self.queued >= self.max_queued:
             self._make_room(tenant)
@@ -149,6 +150,15 @@ class Admission:
         if self.running > sum(self._priorities.values()):  # priority-0 requests run too
             worst = max(worst, 0)
         return priority < worst
+
+    def _within_share(self, tenant: str) -> bool:
+        """Whether the tenant runs no more than its weighted share of the slots (among the
+        tenants running or waiting): priority does not buy one tenant another's share."""
+        tenants = set(self._running_by) | set(self._queued_by) | {tenant}
+        if len(tenants) == 1:
+            return True
+        share = self.max_inflight * self.weight(tenant) / sum(self.weight(t) for t in tenants)
+        return self._running_by.get(tenant, 0) < share
 
     def _grant(self, tenant: str, priority: int = 0) -> Slot:
         if priority:

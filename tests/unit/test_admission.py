@@ -219,3 +219,18 @@ def test_a_better_priority_starts_past_the_limit_while_a_worse_one_runs():
 
     admission = asyncio.run(main())
     assert admission.running == 0 and admission._priorities == {}
+
+
+def test_priority_does_not_start_a_tenant_past_its_share():
+    async def main():
+        admission = Admission(4, 10, aging_s=0)
+        mine = [await admission.acquire("a", 3) for _ in range(2)]
+        theirs = [await admission.acquire("b", 3) for _ in range(2)]
+        jump = await _queue(admission, "a", -9)  # a runs its half already: it waits
+        assert not jump.done() and admission.running == 4
+        jump.cancel()
+        await asyncio.gather(jump, return_exceptions=True)
+        for slot in mine + theirs:
+            slot.release()
+
+    asyncio.run(main())
