@@ -155,10 +155,8 @@ class Admission:
         """Whether the tenant runs no more than its weighted share of the slots (among the
         tenants running or waiting): priority does not buy one tenant another's share."""
         tenants = set(self._running_by) | set(self._queued_by) | {tenant}
-        if len(tenants) == 1:
-            return True
-        share = self.max_inflight * self.weight(tenant) / sum(self.weight(t) for t in tenants)
-        return self._running_by.get(tenant, 0) < share
+        return len(tenants) == 1 or \
+            self._running_by.get(tenant, 0) < self._part(self.max_inflight, tenant, tenants)
 
     def _grant(self, tenant: str, priority: int = 0) -> Slot:
         if priority:
@@ -231,7 +229,11 @@ class Admission:
         """The tenant's weighted share of the queue among the tenants waiting, it and the one
         arriving."""
         tenants = set(self._queued_by) | {tenant} | ({arriving} if arriving else set())
-        return self.max_queued * self.weight(tenant) / sum(self.weight(t) for t in tenants)
+        return self._part(self.max_queued, tenant, tenants)
+
+    def _part(self, total: int, tenant: str, tenants: set[str]) -> float:
+        """The tenant's weighted part of `total` among `tenants`."""
+        return total * self.weight(tenant) / sum(self.weight(t) for t in tenants)
 
     def _make_room(self, tenant: str) -> None:
         """The queue is full: push out a waiter of the tenant most over its share if `tenant`
