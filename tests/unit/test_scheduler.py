@@ -131,10 +131,16 @@ def pseq(tokens, rid: str, priority: int) -> Sequence:
 
 
 def test_waiting_requests_are_admitted_best_priority_first_ties_in_arrival_order():
-    s = scheduler(max_seqs=2)
-    for rid, priority in (("low", 5), ("high", -1), ("mid-a", 0), ("mid-b", 0)):
-        s.add(pseq(range(100 * len(rid), 100 * len(rid) + 4), rid, priority))
-    assert [c.seq.request_id for c in s.schedule()] == ["high", "mid-a"]
+    s = scheduler(max_seqs=3)
+    for i, (rid, priority) in enumerate((("low", 5), ("high", -1), ("mid-a", 0), ("mid-b", 0))):
+        s.add(pseq(range(100 * i, 100 * i + 4), rid, priority))
+    # a step that admits a better priority admits nothing worse (its prefill goes alone)
+    steps = []
+    for _ in range(3):
+        chunks = s.schedule()
+        steps.append([c.seq.request_id for c in chunks if c.num_tokens > 1])
+        run(s, chunks)
+    assert steps == [["high"], ["mid-a", "mid-b"], []]  # the cap (3) keeps "low" waiting
 
 
 def test_a_high_priority_arrival_preempts_a_running_low_priority_request_when_kv_is_full():

@@ -14,8 +14,9 @@ priority holds through a burst, and nothing starves), ties in arrival order, a p
 sequence first among its equals; running sequences are kept in rank order (the rank they were
 admitted with), so a step serves the best first and a preemption takes the worst: the lowest
 priority, then the most recently admitted. A waiting sequence that ranks above the worst
-running one and finds no room (KV blocks, the running cap) preempts it. With every priority 0
-(the common case) this is the FIFO above, at its cost.
+running one and finds no room (KV blocks, the running cap) preempts it, and a step that admits
+a better priority admits nothing worse (its prefill shares the step with no lower one: its time
+to first token). With every priority 0 (the common case) this is the FIFO above, at its cost.
 
 With a proposer (speculative decoding: engine/spec/), a decoding sequence's step may carry draft
 tokens after its last one: the chunk then holds 1 + len(draft) tokens, their KV slots reserved,
@@ -121,10 +122,14 @@ class Scheduler:
                      if self.config.defer_shared_prefill and self.waiting else None)
         deferred: list[Sequence] = []
         evicted: list[Sequence] = []  # preempted for a better-ranked one: back next step
+        best_admitted: int | None = None  # (priorities mixed: the first admitted's rank)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self._prioritized:
                 seq.rank = (self._aged(seq), seq.rank[1])
+                if best_admitted is not None and seq.rank[0] > best_admitted:
+                    break  # a step that admits a better priority admits nothing worse: its
+                    # prefill shares the step with no lower one (time to its first token)
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._make_room(seq, chunks, evicted):
                     break
@@ -165,6 +170,8 @@ class Scheduler:
             self.blocks.allocate_first(seq, hits, computed + n)
             seq.status = SequenceStatus.RUNNING
             self._run(seq)
+            if best_admitted is None:
+                best_admitted = seq.rank[0]
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
             if in_flight is not None:
