@@ -120,7 +120,10 @@ def test_continuous_usage_and_add_generation_prompt(mesh):
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 usages.append(orjson.loads(line[6:])["usage"]["completion_tokens"])
-    assert usages == sorted(usages) and usages[-1] == 4 and len(usages) >= 4
+    # every chunk carries the usage so far; a token of no text (the random model's greedy
+    # output, which batch composition can tip) adds to the next chunk's count, not a chunk
+    assert usages == sorted(usages) and usages[0] >= 1 and usages[-1] == 4
+    assert 2 <= len(usages) <= 5  # (the content chunks, then the usage chunk)
 
     def prompt_tokens(add: bool) -> int:
         resp = httpx.post(mesh.url + "/v1/chat/completions", timeout=60, headers=AUTH, json={
