@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from evenflow.engine import build_engine
-from evenflow.proto import errors, kv_handoff, subjects
+from evenflow.proto import errors, kv_handoff
 from evenflow.proto.messages import (
     Cancel,
     DecodeRequest,
@@ -76,16 +76,41 @@ class _Active:
 class DecodeWorker(EngineWorker):
     role = Role.DECODE
 
+    handlers = {"decode": "_on_request", "kv_transfer": "_on_transfer"}
+
     async def start(self) -> None:
         engine = build_engine(**self.engine_build_args())
-        self.transfers: dict[str, _Transfer] = {}
-        self.kv_bytes_received = 0
-        self.kv_transfer_seconds = 0.0
-        self.active: dict[str, _Active] = {}
+        self.take_role()
         await self.serve_engine(engine)
+        await self.subscribe_role_subjects()
+
+    def take_role(self) -> None:
+        self.transfers: dict[str, _Transfer] = {}
+        self.active: dict[str, _Active] = {}
+        # (cumulative over the worker's life: kept through switches)
+        self.kv_bytes_received: int = getattr(self, "kv_bytes_received", 0)
+        self.kv_transfer_seconds: float = getattr(self, "kv_transfer_seconds", 0.0)
         self._sweeper = asyncio.create_task(self._sweep_transfers(), name="sweep transfers")
-        await self.bus.subscribe(subjects.decode_worker(self.worker_id), self._on_request)
-        await self.bus.subscribe(subjects.kv_transfer(self.worker_id), self._on_transfer)
+
+    def leave_role(self) -> None:
+        self._sweeper.cancel()
+
+    def hand_back(self) -> int:
+        """Streams still running when a switch's drain bound passed: aborted here, each one's
+        gateway told to retry it elsewhere (it continues from what was streamed: migration)."""
+        handed = list(self.active)
+        for request_id in handed:
+            active = self.active.pop(request_id)
+            if active.queue_span is not None:
+                active.queue_span.end()
+            active.span.end()
+            self.engine_thread.submit(Abort(request_id))
+            self._error(active.reply_subject, request_id, errors.ROLE_SWITCHED,
+                        "decode worker is switching role", None)
+        for transfer in self.transfers.values():
+            transfer.span.end()
+        self.transfers.clear()
+        return len(handed)
 
     def heartbeat(self) -> WorkerHeartbeat:
         return dataclasses.replace(
@@ -104,7 +129,7 @@ class DecodeWorker(EngineWorker):
                 "free_kv_fraction": self._free_blocks() / max(1, self.engine.layout.num_kv_blocks)}
 
     async def shutdown(self) -> None:
-        self._sweeper.cancel()
+        self.leave_role()
 
     def _free_blocks(self) -> int:
         """Free blocks less those promised to requests not yet admitted by the engine."""
@@ -182,8 +207,8 @@ class DecodeWorker(EngineWorker):
         """Admission control, then the engine thread adds it (prefilled: with its K/V)."""
         self.gateway_alive(reply_subject)
         if self.draining:
-            self._error(reply_subject, request_id, errors.DRAINING, "decode worker is draining",
-                        ctx)
+            self._error(reply_subject, request_id, self.draining_code(),
+                        "decode worker is draining", ctx)
             return
         needed = self.engine.layout.blocks_needed(len(prompt) + 1)
         seqs = self.engine.num_running + self.engine.num_waiting + len(self.active)

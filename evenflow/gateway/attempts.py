@@ -164,6 +164,9 @@ class Attempts:
         # so it spends no retry (bounded: one per worker).
         drained = item.code == errors.DRAINING and \
             self.fleet.registry.mark_draining(item.worker_id)
+        # A worker that switched role handed it back: the same, but the worker is not taken
+        # out (its heartbeats say which role it serves; it may have said so already).
+        drained = drained or item.code == errors.ROLE_SWITCHED
         if not item.retryable or (self.retries <= 0 and not no_room and not drained):
             raise RequestFailed(item.code, item.description)
         RETRIES.labels(code=item.code).inc()

@@ -158,7 +158,9 @@ class KVIndexService(WorkerService):
 
     def _on_snapshot(self, snap: KVSnapshot) -> None:
         member, state = self._member(snap.worker_id, snap.epoch)
-        if not state.resyncing:
+        # taken: one asked for, or a new epoch's before any of its events (a worker that
+        # switched role announces the cache it kept: services/engine_worker.py)
+        if not (state.resyncing or state.last_seq == 0 == snap.seq):
             return
         state.resyncing, state.last_seq = False, snap.seq
         self.pending.append(("drop", member, 0, 0))

@@ -69,16 +69,37 @@ class _Pending:
 
 class PrefillWorker(EngineWorker):
     role = Role.PREFILL
+    handlers = {"prefill": "_on_message", "kv_pulled": "_on_pulled"}
 
     async def start(self) -> None:
         engine = build_engine(**self.engine_build_args())
+        self.take_role()
+        await self.serve_engine(engine)
+        await self.subscribe_role_subjects()
+
+    def take_role(self) -> None:
         self.pending: dict[str, _Pending] = {}
         self.puller = KVPuller(self.send, self.worker_id, lambda: self.engine.layout.kv_block_shape,
                                self.config.kv_pull_timeout_s)
         self._pull_tasks: set[asyncio.Task] = set()
-        await self.serve_engine(engine)
-        await self.bus.subscribe(subjects.kv_pulled(self.worker_id), self.puller.on_message)
-        await self.bus.subscribe(subjects.prefill_worker(self.worker_id), self._on_message)
+
+    def leave_role(self) -> None:
+        for task in self._pull_tasks:
+            task.cancel()
+
+    def hand_back(self) -> int:
+        handed = list(self.pending)
+        for request_id in handed:
+            pending = self.pending.pop(request_id)
+            self.puller.cancel(request_id)
+            pending.queue_span.end()
+            self.engine_thread.submit(Abort(request_id))
+            self._fail(pending.request, errors.ROLE_SWITCHED,
+                       "prefill worker is switching role", None)
+        return len(handed)
+
+    def _on_pulled(self, message: Message, ctx: Context) -> None:
+        self.puller.on_message(message, ctx)
 
     def _queued_by_gateway(self) -> dict[str, int]:
         """Prompt tokens not yet computed (requests only waiting for their K/V copy excluded),
@@ -129,7 +150,7 @@ class PrefillWorker(EngineWorker):
     def _on_request(self, req: PrefillRequest, ctx: Context) -> None:
         self.gateway_alive(req.reply_subject)
         if self.draining:
-            self._fail(req, errors.DRAINING, "prefill worker is draining", ctx)
+            self._fail(req, self.draining_code(), "prefill worker is draining", ctx)
             return
         span = self.tracer.start_span("prefill.queue", context=ctx, attributes={
             "gen_ai.request.id": req.request_id,

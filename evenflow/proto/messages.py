@@ -12,6 +12,7 @@ Who sends what (subjects in `subjects.py`):
   every worker -> kv_index    KVEvents, KVSnapshot;  kv_index -> worker  KVResyncRequest
   every worker -> balancer    ExpertLoad;  balancer -> every worker  ExpertPlacement
   gateway -> worker           ProfileRequest;  worker -> gateway  ProfileResult
+  planner -> worker           RoleSwitch (on the worker's control subject)
 
 KV events follow vLLM's schema (vllm/distributed/kv_events.py): BlockStored, BlockRemoved and
 AllBlocksCleared, each packed as `[tag, *fields]` in the same field order, inside a KVEvents
@@ -41,6 +42,7 @@ class Role(StrEnum):
     KV_INDEX = "kv_index"
     BALANCER = "balancer"
     GATEWAY = "gateway"  # heartbeats too, so workers can drop the requests of a dead one
+    PLANNER = "planner"  # sizes the prefill and decode pools (evenflow/planner/)
 
 
 WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # the roles that serve requests and hold KV
@@ -351,8 +353,9 @@ class WorkerHeartbeat:
     TYPE: ClassVar[str] = "heartbeat"
     # 3: `draining` is its own field (was folded into role); 4: the engine's cumulative step
     # time and tokens (an operator's tools compare workers from them, no tracing needed); 5:
-    # what an engine worker runs (weights, KV cache dtype, kernels), for /v1/models
-    VERSION: ClassVar[int] = 5
+    # what an engine worker runs (weights, KV cache dtype, kernels), for /v1/models; 6: role
+    # switches (the role it drains to switch to, how many it made)
+    VERSION: ClassVar[int] = 6
     worker_id: str
     role: Role
     model: str
@@ -384,6 +387,11 @@ class WorkerHeartbeat:
     weights: str = ""  # e.g. "int4-g32 W4A8 (bf16 rest)", "MXFP4 experts (bf16 rest)"
     kv_cache_dtype: str = ""  # bf16, int8, ...
     kernels: str = ""  # which native kernels serve, and which are torch's
+    # engine workers that may switch role (planner/): the role it drains to switch to (empty:
+    # none under way), and the switches it made since it started
+    switching_to: str = ""
+    role_switches: int = 0
+    requests_finished: int = 0  # engine workers: cumulative requests finished here
 
 
 # -- operator profiles (POST /admin/profile at the gateway) ------------------------------------
@@ -437,15 +445,32 @@ class RouterSync:
     routed: list[RoutedPrefix] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoleSwitch:
+    """Planner (or an operator) -> one engine worker, on its control subject: drain (streams
+    finish within drain_s, the rest move to other workers) and serve `to_role` from the same
+    process, engine and weights (services/engine_worker.py)."""
+
+    TYPE: ClassVar[str] = "role_switch"
+    VERSION: ClassVar[int] = 1
+    worker_id: str
+    to_role: str  # "prefill" or "decode"
+    drain_s: float = 30.0
+    reason: str = ""  # the planner's words, for the worker's log line
+    # False: drain, then exit for the launcher to start it again in `to_role` (what a fleet
+    # without in-place switching does; `evenflow bench planner` compares the two)
+    in_place: bool = True
+
+
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
            | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
            | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult | KVPullRequest
-           | KVPullDone | RouterSync)
+           | KVPullDone | RouterSync | RoleSwitch)
 
 CODEC = Codec((PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas,
                Cancel, ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot,
                ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult, KVPullRequest,
-               KVPullDone, RouterSync))
+               KVPullDone, RouterSync, RoleSwitch))
 REGISTRY = CODEC.registry
 
 

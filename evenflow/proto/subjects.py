@@ -58,6 +58,11 @@ def router_sync(gateway_id: str) -> str:
     return f"{PREFIX}.router.{gateway_id}"
 
 
+def control(worker_id: str) -> str:
+    """RoleSwitch for one engine worker (from the planner)."""
+    return f"{PREFIX}.control.{worker_id}"
+
+
 def matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: `*` is one token, a final `>` one or more."""
     want, have = pattern.split("."), subject.split(".")

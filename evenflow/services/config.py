@@ -71,6 +71,8 @@ class MeshConfig(EngineConfig):
                                "tests)")
     mock_timing_scale: float = setting(1.0, ge=0, help="the mock engine's step times x this "
                                                        "(0: no compute)")
+    mock_profile: str = setting("", help="the mock engine's step costs from this roles profile "
+                                         "(`evenflow profile-roles` measures the real engine)")
     kv_disk_credit: float = setting(
         0.9, ge=0, le=1, flag=True,
         help="the router's credit for a block on a disk tier, in RAM blocks (a RAM hit is 1, a "
@@ -204,6 +206,30 @@ class MeshConfig(EngineConfig):
                                      "engine workers (1 on a 2-core machine)")
     num_prefill: int = setting(1, ge=0, flag="--prefill", help="prefill workers")
     num_decode: int = setting(1, ge=1, flag="--decode", help="decode workers")
+    # The planner (evenflow/planner/) and role switching (services/engine_worker.py)
+    role_switching: bool = setting(False, help="engine workers may switch between prefill and "
+                                               "decode in place when told (RoleSwitch): they "
+                                               "listen on both roles' subjects (`up --planner` "
+                                               "turns it on)")
+    role_switch_drain_s: float = setting(30.0, ge=0, help="a switching worker's streams get "
+                                                          "this long to finish; the rest move "
+                                                          "to other workers")
+    planner: bool = setting(False, flag=True, commands=("up",),
+                            help="run the SLA planner: it sizes the prefill and decode pools "
+                                 "for --ttft-ms / --itl-ms, by switching workers' roles")
+    planner_mode: str = setting("switch", choices=("switch", "restart", "advisory"), flag=True,
+                                help="switch: the planner switches workers' roles in place; "
+                                     "restart: the worker drains and exits, and the launcher "
+                                     "starts it in the other role; advisory: it only logs and "
+                                     "exports what it would do")
+    ttft_ms: float = setting(2000.0, gt=0, flag=True, help="the planner's TTFT target")
+    itl_ms: float = setting(100.0, gt=0, flag=True, help="the planner's ITL target")
+    planner_interval_s: float = setting(5.0, gt=0, flag=True,
+                                        help="the planner decides this often")
+    planner_profile: str = setting("", flag=True,
+                                   help="the roles' cost profile `evenflow profile-roles` "
+                                        "wrote (JSON); empty: measured online from the "
+                                        "workers' heartbeats")
     # DEP (engine/dep/lockstep.py): the launcher sets ep_rank / ep_group per process
     ep_rank: int = setting(0, ge=0, hidden=True, help="this process's rank in its DEP group")
     ep_group: str = setting("", hidden=True, help="this process's DEP group")

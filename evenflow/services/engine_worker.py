@@ -2,31 +2,43 @@
 an engine run on its own thread (services/engine_thread.py: typed commands in, typed events
 out), its events turned into messages (KV events and snapshots for the index, expert load for
 the balancer, profiles for the asking gateway), K/V served to pullers, placements applied, the
-requests of gateways that went silent dropped, a periodic stats line, and the engine's load in
-the heartbeat and the /metrics gauges."""
+requests of gateways that went silent dropped, a periodic stats line, the engine's load in
+the heartbeat and the /metrics gauges, and the switch between the two roles in place (the
+planner's RoleSwitch: drain, then serve the other role with the same process, engine, weights
+and prefix cache)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from typing import Any
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from evenflow.engine.config.settings import EngineConfig
-from evenflow.proto import subjects
+from evenflow.proto import errors, subjects
 from evenflow.proto.engine_values import EPTopology, RankTiming, ServingForm
 from evenflow.proto.messages import (
+    Cancel,
+    DecodeRequest,
+    ErrorMessage,
     ExpertLoad,
     ExpertPlacement,
     KVEvents,
     KVSnapshot,
+    KVTransferComplete,
     Message,
+    PrefillRequest,
     ProfileRequest,
     ProfileResult,
     Role,
+    RoleSwitch,
     WorkerHeartbeat,
 )
 from evenflow.services.bus import MessageBus
@@ -53,12 +65,16 @@ from evenflow.services.engine_thread import (
 )
 from evenflow.services.kv_pull import PullServer
 from evenflow.services.metrics import (
+    ROLE_SWITCH_MIGRATED,
+    ROLE_SWITCH_SECONDS,
+    ROLE_SWITCHES,
     VLLM_KV_USAGE,
     VLLM_RUNNING,
     VLLM_WAITING,
     export_kv_disk_counts,
     export_spec_counts,
 )
+from evenflow.services.supervisor import EXIT_ROLE_SWITCH
 from evenflow.services.worker import WorkerService
 
 log = logging.getLogger(__name__)
@@ -66,10 +82,27 @@ log = logging.getLogger(__name__)
 MAX_PROFILE_STEPS = 1000  # what one POST /admin/profile may ask of a worker
 MAX_PROFILE_SECONDS = 300.0
 
+# The per-worker subjects of the two engine roles, by kind (a role class's `handlers` name the
+# kinds it serves). A worker that may switch role subscribes to all four from the start, and
+# refuses what its current role does not serve (retryable: the gateway tries another worker).
+ROLE_SUBJECTS: dict[str, Callable[[str], str]] = {
+    "prefill": subjects.prefill_worker, "kv_pulled": subjects.kv_pulled,
+    "decode": subjects.decode_worker, "kv_transfer": subjects.kv_transfer}
+# Each role's worker class, by name, not imported: services/ sits below the role packages
+# (DESIGN's import rules), and a switch loads the other role's module when it happens.
+ROLE_CLASSES = {Role.PREFILL: "evenflow.prefill.service:PrefillWorker",
+                Role.DECODE: "evenflow.decode.service:DecodeWorker"}
+
 
 class EngineWorker(WorkerService):
+    handlers: ClassVar[dict[str, str]] = {}  # subject kind (ROLE_SUBJECTS) -> method name
+
     def __init__(self, config: MeshConfig, worker_id: str, bus: MessageBus | None = None) -> None:
         super().__init__(config, worker_id, bus)
+        self.switching_to = ""  # the role a switch under way drains towards
+        self.role_switches = 0
+        self.requests_finished = 0  # cumulative, in the heartbeat (the planner's request rate)
+        self._switch: asyncio.Task | None = None
         self.kv_seq = 0  # KVEvents published so far in this epoch
         self._engine: ServingEngine | None = None
         self._thread: EngineThread | None = None
@@ -100,7 +133,9 @@ class EngineWorker(WorkerService):
                                stream_seconds=thread.stream_seconds if thread else 0.0,
                                stream_tokens=thread.stream_tokens if thread else 0,
                                weights=form.weights, kv_cache_dtype=form.kv_cache,
-                               kernels=form.kernels)
+                               kernels=form.kernels, switching_to=self.switching_to,
+                               role_switches=self.role_switches,
+                               requests_finished=self.requests_finished)
 
     def healthy(self) -> str | None:
         """An engine whose steps keep failing makes its worker unhealthy."""
@@ -135,6 +170,114 @@ class EngineWorker(WorkerService):
     def on_prefix_imported(self, event: PrefixImported) -> None:
         """Pulled K/V went into the prefix cache (prefill workers)."""
 
+    def take_role(self) -> None:
+        """This role's own state, fresh: at start, and after a switch into it."""
+
+    def leave_role(self) -> None:
+        """Stop this role's own tasks: at shutdown, and on a switch out of it (drained)."""
+
+    def hand_back(self) -> int:
+        """A switch's drain bound passed: abort what this role still holds and tell each
+        request's gateway to retry it elsewhere (retryable, what was streamed kept); how many."""
+        return 0
+
+    # -- role switching ---------------------------------------------------------------------
+    def draining_code(self) -> str:
+        """The error a draining worker refuses new work with: DRAINING takes it out of the
+        gateways' routing for this epoch; a worker draining for a switch comes back under a new
+        one, which a late refusal must not take out."""
+        return errors.ROLE_SWITCHED if self.switching_to else errors.DRAINING
+
+    async def subscribe_role_subjects(self) -> None:
+        """This role's request subjects; with role switching on, the other role's too (each
+        message is served by whichever role the worker has when it comes)."""
+        kinds = ROLE_SUBJECTS if self.config.role_switching else self.handlers
+        for kind in kinds:
+            await self.bus.subscribe(ROLE_SUBJECTS[kind](self.worker_id),
+                                     functools.partial(self._route, kind))
+        await self.bus.subscribe(subjects.control(self.worker_id), self._on_control)
+
+    def _route(self, kind: str, message: Message, ctx: Any) -> None:
+        name = type(self).handlers.get(kind)
+        if name is not None:
+            getattr(self, name)(message, ctx)
+        else:  # the other role's request, sent before the gateway heard of a switch
+            self._refuse_for_role(message)
+
+    def _refuse_for_role(self, message: Message) -> None:
+        if isinstance(message, PrefillRequest | DecodeRequest | KVTransferComplete):
+            self.send(message.reply_subject, ErrorMessage(
+                request_id=message.request_id, code=errors.ROLE_SWITCHED,
+                description=f"worker {self.worker_id} serves {self.role} now", retryable=True,
+                worker_id=self.worker_id))
+        elif isinstance(message, ProfileRequest):
+            self.start_profile(message)
+        elif not isinstance(message, Cancel):
+            log.debug("%s: not for a %s worker, dropped", type(message).__name__, self.role)
+
+    def _on_control(self, message: Message, _ctx: Any) -> None:
+        if not isinstance(message, RoleSwitch) or message.worker_id != self.worker_id:
+            return
+        try:
+            to = Role(message.to_role)
+        except ValueError:
+            to = None
+        if to not in ROLE_CLASSES:
+            log.warning("role switch to %r refused: not an engine role", message.to_role)
+        elif not self.config.role_switching:
+            log.warning("role switch to %s refused: role switching is off here "
+                        "(EVENFLOW_ROLE_SWITCHING=1, or `evenflow up --planner`)", to)
+        elif self._switch is not None and not self._switch.done():
+            log.info("role switch to %s ignored: a switch to %s is under way", to,
+                     self.switching_to)
+        elif to is not self.role and not self.draining:
+            self._switch = asyncio.create_task(
+                self.switch_role(to, message.drain_s, message.reason, message.in_place),
+                name="role switch")
+            self._owned_tasks.append(self._switch)
+
+    async def switch_role(self, to: Role, drain_s: float, reason: str = "",
+                          in_place: bool = True) -> None:
+        """Drain this role (nothing new routed here; what runs finishes within drain_s, the
+        rest is handed back to be retried elsewhere), then serve `to` with the same process,
+        engine and weights. The prefix cache stays: it is announced again under a new epoch
+        (the gateways see a new generation of this worker, in its new role, at once).
+        Not in place: drained, the process exits with EXIT_ROLE_SWITCH, and the launcher
+        starts it again as `to` (weights loaded again, the prefix cache lost)."""
+        start, was = time.monotonic(), self.role
+        log.info("%s %s: %s to %s%s", was, self.worker_id,
+                 "switching" if in_place else "restarting", to,
+                 f" ({reason})" if reason else "")
+        self.draining, self.switching_to = True, str(to)
+        await self._beat(timeout_s=1)  # routing stops now, not at the next beat
+        deadline = start + max(0.0, drain_s)
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        handed_back = self.hand_back() if self.busy() else 0
+        ROLE_SWITCH_MIGRATED.inc(handed_back)
+        if not in_place:
+            log.info("%s %s: drained (%d requests handed back); exiting to be started as %s",
+                     was, self.worker_id, handed_back, to)
+            self.exit_code = EXIT_ROLE_SWITCH
+            self.request_stop()
+            return
+        self.leave_role()
+        module, _, name = ROLE_CLASSES[to].partition(":")
+        # The role is the object's class: both classes are EngineWorkers over the same state
+        # (engine, engine thread, bus, subscriptions); the new one adds its own (take_role).
+        self.__class__ = getattr(importlib.import_module(module), name)
+        self.epoch, self.kv_seq = uuid.uuid4().hex[:12], 0
+        self.take_role()
+        self.role_switches += 1
+        self.draining, self.switching_to = False, ""
+        self.engine_thread.submit(SnapshotKV())  # the index learns its blocks anew
+        await self._beat(timeout_s=1)
+        seconds = time.monotonic() - start
+        ROLE_SWITCHES.labels(str(was), str(to)).inc()
+        ROLE_SWITCH_SECONDS.observe(seconds)
+        log.info("%s %s: now serving %s (switch took %.2f s; %d requests handed back)", was,
+                 self.worker_id, to, seconds, handed_back)
+
     # -- the engine -------------------------------------------------------------------------
     @property
     def engine(self) -> ServingEngine:
@@ -164,7 +307,8 @@ class EngineWorker(WorkerService):
         config = self.config
         return {"kind": config.engine, "config": self.engine_config(),
                 "collect_kv_events": True, "ep_rank": config.ep_rank,
-                "ep_group": config.ep_group, "mock_timing_scale": config.mock_timing_scale}
+                "ep_group": config.ep_group, "mock_timing_scale": config.mock_timing_scale,
+                "mock_profile": config.mock_profile}
 
     async def serve_engine(self, engine: ServingEngine) -> None:
         """Run `engine` on its own thread, drain its events, answer the KV index's resync
@@ -225,6 +369,8 @@ class EngineWorker(WorkerService):
                 self._stat_cached += out.num_cached_tokens
             if out.finished:
                 self._stat_started.discard(out.request_id)
+                if out.kv is None:  # (a prefill's K/V export follows its finished output)
+                    self.requests_finished += 1
 
     def _on_engine_event(self, event: EngineEvent) -> None:
         match event:

@@ -29,7 +29,7 @@ import orjson
 from evenflow.services import nats_auth
 from evenflow.services.bus import EXIT_NATS_AUTH
 from evenflow.services.config import MeshConfig
-from evenflow.services.supervisor import Child, RestartPolicy, Supervisor
+from evenflow.services.supervisor import EXIT_ROLE_SWITCH, Child, RestartPolicy, Supervisor
 
 
 class LaunchError(RuntimeError):
@@ -250,7 +250,7 @@ def worker_ids(prefix: str, count: int, ep: int, first: int = 0,
     return [f"{prefix}{i}r{r}" for i in range(first, first + count) for r in mine]
 
 
-ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer")
+ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer", "planner")
 
 
 @dataclass
@@ -290,6 +290,8 @@ class LocalMesh:
             if self.roles and not (cfg.nats_url and cfg.redis_url):
                 raise LaunchError("a host's share of a mesh needs the mesh's NATS and Redis "
                                   "URLs (--nats, --redis)")
+            if cfg.planner:  # its moves need workers that can switch role
+                cfg = replace(cfg, role_switching=True)
             if not cfg.nats_url and cfg.nats_auth:
                 cfg = self._start_secure_nats(cfg)
             cfg = ensure_data_plane(cfg, self.servers)
@@ -320,6 +322,8 @@ class LocalMesh:
                 self.spawn(["-m", "evenflow.kv_index", f"kv{first}"])
             if "balancer" in roles and cfg.num_ep_ranks and cfg.engine == "torch":
                 self.spawn(["-m", "evenflow.balancer", f"eplb{first}"])
+            if "planner" in roles and cfg.planner:
+                self.spawn(["-m", "evenflow.planner", f"plan{first}"])
             if "gateway" in roles:
                 if cfg.num_gateways > 1:
                     self._gateway_metrics = tempfile.mkdtemp(prefix="evenflow-gateway-metrics-")
@@ -345,10 +349,20 @@ class LocalMesh:
         services = [("decode", w) for w in worker_ids("d", cfg.num_decode, ep)] + [
             ("prefill", w) for w in worker_ids("p", cfg.num_prefill, ep)] + [
             ("kv_index", "kv0"), ("balancer", "eplb0"), ("gateway", "gateway"), ("admin", "")]
-        users = {(role, wid): nats_auth.make_user(role, wid) for role, wid in services}
+        services.append(("planner", "plan0"))
+        # a worker that may switch role connects as the same user in either role
+        engine = cfg.role_switching
+        users = {(role, wid): nats_auth.make_user(
+            "engine" if engine and role in ("prefill", "decode") else role, wid)
+            for role, wid in services}
         port = free_port()
         paths = nats_auth.write_secrets(self._secrets_dir(), users, port)
         self.credentials = {key: str(path) for key, path in paths.items()}
+        if engine:
+            for (role, wid), path in list(self.credentials.items()):
+                if role in ("prefill", "decode"):
+                    other = "decode" if role == "prefill" else "prefill"
+                    self.credentials[(other, wid)] = path
         admin = users[("admin", "")]
         self.admin_nats_url = f"nats://{admin.name}:{admin.password}@127.0.0.1:{port}"
         self.servers.append(start_nats(port, str(self._secrets_dir() / "nats-server.conf")))
@@ -443,6 +457,9 @@ class LocalMesh:
 
     def _respawn(self, index: int) -> subprocess.Popen:
         args = self.procs[index].args
+        if self.procs[index].returncode == EXIT_ROLE_SWITCH:  # drained for the other role
+            swap = {"evenflow.prefill": "evenflow.decode", "evenflow.decode": "evenflow.prefill"}
+            args = [swap.get(str(a), a) for a in args]
         if self._gateway_metrics and _role_of(self.procs[index]) == "gateway":
             from prometheus_client import multiprocess  # (its live gauges leave the sums)
 

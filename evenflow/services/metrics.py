@@ -64,6 +64,31 @@ def export_worker_figures(beat: Any) -> None:
     WORKER_PROMPT_TOKENS.labels(*labels).set(beat.prompt_tokens_computed)
     WORKER_STREAM_SECONDS.labels(*labels).set(beat.stream_seconds)
     WORKER_STREAM_TOKENS.labels(*labels).set(beat.stream_tokens)
+    for role in ("prefill", "decode"):  # (a worker that switched role: the old one goes to 0)
+        WORKER_ROLE.labels(beat.worker_id, role).set(1 if role == str(beat.role) else 0)
+
+
+# role switching (services/engine_worker.py) and the planner (evenflow/planner/)
+WORKER_ROLE = Gauge("evenflow_worker_role", "1 for the role a worker serves now, 0 for the one "
+                    "it left (its heartbeat)", ["worker", "role"],
+                    multiprocess_mode="livemostrecent")
+ROLE_SWITCHES = Counter("evenflow_role_switches_total", "Role switches an engine worker made",
+                        ["from_role", "to_role"])
+ROLE_SWITCH_SECONDS = Histogram("evenflow_role_switch_seconds", "A role switch, from the order "
+                                "to serving the new role (its drain included)",
+                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+ROLE_SWITCH_MIGRATED = Counter("evenflow_role_switch_migrated_total", "Requests a switching "
+                               "worker handed back to the gateways (retried elsewhere, what was "
+                               "streamed kept) when its drain bound passed")
+PLANNER_TARGET_WORKERS = Gauge("evenflow_planner_target_workers", "The planner's target worker "
+                               "count per role", ["role"])
+PLANNER_LIVE_WORKERS = Gauge("evenflow_planner_live_workers", "Workers per role as the planner "
+                             "saw them at its last decision", ["role"])
+PLANNER_DECISIONS = Counter("evenflow_planner_decisions_total", "The planner's decisions, by "
+                            "action (hold, switch, start, stop, advise)", ["action"])
+PLANNER_ESTIMATE = Gauge("evenflow_planner_estimate", "What the planner estimated at its last "
+                         "decision (ttft_s, itl_s at the current split; prompt_tps, "
+                         "decode_streams demanded)", ["quantity"])
 
 
 INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway",

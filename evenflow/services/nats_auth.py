@@ -15,6 +15,11 @@ Permissions (`{id}` is the service's own id; P = "evenflow"):
                  sub P.kv.events, P.heartbeat.>
   balancer-{id}  pub P.eplb.placement, P.heartbeat.balancer.{id}
                  sub P.eplb.load, P.heartbeat.>
+  planner-{id}   pub P.control.*, P.heartbeat.planner.{id}
+                 sub P.heartbeat.>
+  engine-{id}    a worker that may switch role (`--planner` with switching): the prefill and
+                 decode permissions of {id} together
+(every prefill and decode worker also subscribes to P.control.{id}: the planner's RoleSwitch.)
   admin          pub >  sub >  (operators, benchmarks, tests)
 
 Deployments whose worker ids are not known in advance (Ray Serve replicas, compose, KubeRay)
@@ -56,7 +61,8 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
     own_heartbeat = subjects.heartbeat(role, worker_id)
     # every worker answers KV pulls from the blocks it holds (prefill workers ask)
     worker_in = (subjects.kv_resync(worker_id), subjects.EXPERT_PLACEMENT,
-                 subjects.heartbeat("gateway", "*"), subjects.kv_pull(worker_id))
+                 subjects.heartbeat("gateway", "*"), subjects.kv_pull(worker_id),
+                 subjects.control(worker_id))
     worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat,
                   subjects.kv_pulled("*"))
     table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -74,12 +80,17 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
                      (subjects.KV_EVENTS, subjects.HEARTBEATS)),
         "balancer": ((subjects.EXPERT_PLACEMENT, own_heartbeat),
                      (subjects.EXPERT_LOAD, subjects.HEARTBEATS)),
+        "planner": ((subjects.control("*"), own_heartbeat), (subjects.HEARTBEATS,)),
         "admin": ((">",), (">",)),
     }
+    if role == "engine":  # both engine roles' permissions: it switches between them
+        (p_pub, p_sub), (d_pub, d_sub) = (permissions(r, worker_id) for r in ("prefill",
+                                                                              "decode"))
+        return tuple(dict.fromkeys(p_pub + d_pub)), tuple(dict.fromkeys(p_sub + d_sub))
     return table[role]
 
 
-ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer", "admin")
+ROLES = ("gateway", "prefill", "decode", "kv_index", "balancer", "planner", "engine", "admin")
 
 
 def make_user(role: str, worker_id: str) -> NatsUser:

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 # A child that exits with this status asked to be restarted (an elastic expert-parallel group
 # re-forming): restarted at once, not counted as a crash.
 EXIT_PLANNED_RESTART = 75
+# An engine worker the planner moved to the other role, drained (`planner_mode` restart): the
+# launcher starts it again at once, in the other role.
+EXIT_ROLE_SWITCH = 76
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class Supervisor:
             code = child.proc.poll()
             if code == EXIT_PLANNED_RESTART:
                 self.report(f"{child.name} asked to restart")
+                self._restart(child, now)
+            elif code == EXIT_ROLE_SWITCH:
+                self.report(f"{child.name} drained for a role switch; starting it in the "
+                            "other role")
                 self._restart(child, now)
             elif code is not None:
                 self._crashed(child, now, f"exited with code {code}")

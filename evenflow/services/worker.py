@@ -43,6 +43,7 @@ class WorkerService:
         self._outbox: asyncio.Queue[tuple[str, Message, Context | None]] = asyncio.Queue()
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # connected, subscribed, heartbeating
+        self.exit_code = 0  # the process's status once run() returns (run_worker)
 
     # -- subclass hooks ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,4 +185,6 @@ def run_worker(service: WorkerService) -> None:
     except NatsAuthError as exc:  # said once, and no restart: it would be refused again
         log.error("%s", exc)
         raise SystemExit(EXIT_NATS_AUTH) from None
+    if service.exit_code:
+        raise SystemExit(service.exit_code)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "evenflow"
-SERVICES = ["gateway", "prefill", "decode", "kv_index", "balancer"]
+SERVICES = ["gateway", "prefill", "decode", "kv_index", "balancer", "planner"]
 ALLOWED = {
     "proto": set(),
     "engine": {"proto", "parallel"},
@@ -21,6 +21,7 @@ ALLOWED = {
     "decode": {"proto", "services", "engine"},
     "kv_index": {"proto", "services"},
     "balancer": {"proto", "services"},
+    "planner": {"proto", "services"},
 }
 
 

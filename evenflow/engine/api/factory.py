@@ -14,12 +14,15 @@ if TYPE_CHECKING:
 def build_engine(kind: str, config: EngineConfig,
                   kv_event_listener: KVEventListener | None = None,
                   collect_kv_events: bool = False, ep_rank: int = 0,
-                  ep_group: str = "", mock_timing_scale: float = 1.0) -> Engine:
+                  ep_group: str = "", mock_timing_scale: float = 1.0,
+                  mock_profile: str = "") -> Engine:
     """`torch`: the real engine; `mock`: the same scheduler and cache with a timing model.
     A serving engine collects its KV events for take_kv_events() (collect_kv_events). With
     config.expert_parallel_size > 1, this is rank `ep_rank` of the DEP group named `ep_group`
     (engine/dep/lockstep.py). The mock engine's modelled step times are scaled by
-    mock_timing_scale (0: no compute at all, to measure everything around the engine)."""
+    mock_timing_scale (0: no compute at all, to measure everything around the engine); with
+    mock_profile (the JSON `evenflow profile-roles` writes), its step costs are those measured
+    from the real engine."""
     if kind == "torch" and config.expert_parallel_size > 1:
         from evenflow.engine.dep.lockstep import LockstepEngine
 
@@ -34,8 +37,9 @@ def build_engine(kind: str, config: EngineConfig,
         from evenflow.engine.api.mock import MockEngine, MockTiming
 
         mock = MockEngine(config, kv_event_listener, collect_kv_events)
+        timing = MockTiming.from_profile(mock_profile) if mock_profile else mock.timing
         mock.runner.timing = MockTiming(**{  # type: ignore[attr-defined]
-            f.name: getattr(mock.timing, f.name) * mock_timing_scale
-            for f in dataclasses.fields(mock.timing)})
+            f.name: getattr(timing, f.name) * mock_timing_scale
+            for f in dataclasses.fields(timing)})
         return mock
     raise ValueError(f"unknown engine {kind!r}: torch or mock")

@@ -5,8 +5,9 @@ sequence, not a model's output."""
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -24,6 +25,14 @@ class MockTiming:
     prefill_s_per_token: float = 0.0001  # 2,048 uncached tokens: ~0.2 s
     decode_s_base: float = 0.004  # per step with any decoding sequence
     decode_s_per_seq: float = 0.0002
+
+    @classmethod
+    def from_profile(cls, path: str) -> MockTiming:
+        """The step costs a roles profile measured from the real engine (`evenflow
+        profile-roles`: a JSON object with these three keys among others)."""
+        with open(path) as f:
+            measured = json.load(f)
+        return cls(**{f.name: float(measured[f.name]) for f in fields(cls)})
 
 
 class MockRunner:

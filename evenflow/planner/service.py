@@ -1,0 +1,213 @@
+"""The planner actor: workers' heartbeats in, every `planner_interval_s` a decision
+(policy.py) from the load since the last one, and the decision carried out: a RoleSwitch to
+one worker (mode `switch`: in place; `restart`: the worker drains and exits, and the launcher
+starts it again in the other role, as a fleet without in-place switching must), or a log line
+and the metrics only (`advisory`). One move at a time: the next decision waits until the
+moved worker heartbeats in its new role. Stopping or replacing the planner touches nothing
+else: the workers keep the roles they have."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from evenflow.planner.policy import Decision, FleetLoad, Planner
+from evenflow.planner.profile import OnlineProfile, RoleProfile
+from evenflow.proto import subjects
+from evenflow.proto.messages import WORKER_ROLES, Message, Role, RoleSwitch, WorkerHeartbeat
+from evenflow.services.bus import MessageBus
+from evenflow.services.config import MeshConfig
+from evenflow.services.metrics import (
+    PLANNER_DECISIONS,
+    PLANNER_ESTIMATE,
+    PLANNER_LIVE_WORKERS,
+    PLANNER_TARGET_WORKERS,
+)
+from evenflow.services.worker import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seen:
+    latest: WorkerHeartbeat
+    seen_at: float  # monotonic
+    baseline: WorkerHeartbeat | None = None  # at the last decision (same epoch)
+
+
+@dataclass
+class _Move:
+    worker_id: str
+    to_role: Role
+    sent_at: float  # monotonic
+    epoch: str  # the worker's epoch when told (a new one: the move is done)
+
+
+def fleet_load(workers: list[_Seen], seconds: float, threshold: int) -> FleetLoad:
+    """The fleet's load since each worker's baseline (workers without one count as
+    present, not as load). A worker draining towards a role counts in that role."""
+    counts = {Role.PREFILL: 0, Role.DECODE: 0}
+    prompt = requests = queued = local = streams = 0.0
+    for w in workers:
+        hb, base = w.latest, w.baseline
+        role = Role(hb.switching_to) if hb.switching_to else hb.role
+        counts[role] += 1
+        if hb.role is Role.PREFILL:
+            queued += hb.queued_prompt_tokens
+        else:
+            streams += hb.running + hb.waiting
+        if base is None or seconds <= 0:
+            continue
+        d_prompt = hb.prompt_tokens_computed - base.prompt_tokens_computed
+        if hb.role is Role.PREFILL:
+            prompt += d_prompt
+            requests += hb.requests_finished - base.requests_finished
+        else:
+            local += d_prompt
+    s = max(seconds, 1e-9)
+    return FleetLoad(counts[Role.PREFILL], counts[Role.DECODE], prompt / s, requests / s, queued,
+                     local / s, streams, threshold)
+
+
+class PlannerService(WorkerService):
+    role = Role.PLANNER
+
+    def __init__(self, config: MeshConfig, worker_id: str, bus: MessageBus | None = None) -> None:
+        super().__init__(config, worker_id, bus)
+        prior = RoleProfile.load(config.planner_profile) if config.planner_profile \
+            else RoleProfile()
+        self.profile = OnlineProfile(prior)
+        self.fixed_profile = bool(config.planner_profile)
+        self.planner = Planner(config.ttft_ms / 1e3, config.itl_ms / 1e3)
+        self.workers: dict[str, _Seen] = {}
+        self.move: _Move | None = None
+        self.decisions: list[Decision] = []  # (the latest few, for tests and the log)
+        self._last_decision = time.monotonic()
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.HEARTBEATS, self._on_heartbeat)
+        self._owned_tasks.append(asyncio.create_task(self._decide_every_interval(),
+                                                     name="planner"))
+        log.info("planner: mode %s, TTFT target %g ms, ITL target %g ms, every %g s, profile "
+                 "%s", self.config.planner_mode, self.config.ttft_ms, self.config.itl_ms,
+                 self.config.planner_interval_s, self.config.planner_profile or "measured online")
+
+    def _on_heartbeat(self, message: Message, _ctx: object) -> None:
+        if not isinstance(message, WorkerHeartbeat) or message.role not in WORKER_ROLES:
+            return
+        seen = self.workers.get(message.worker_id)
+        if seen is None or seen.latest.epoch != message.epoch:  # new, restarted or switched
+            self.workers[message.worker_id] = _Seen(message, time.monotonic())
+        else:
+            seen.latest, seen.seen_at = message, time.monotonic()
+
+    def live(self) -> list[_Seen]:
+        cutoff = time.monotonic() - self.config.worker_timeout_s
+        for worker_id in [w for w, s in self.workers.items() if s.seen_at < cutoff]:
+            del self.workers[worker_id]
+        return [s for s in self.workers.values()
+                if not (s.latest.draining and not s.latest.switching_to)
+                and not s.latest.unhealthy]
+
+    async def _decide_every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.planner_interval_s)
+            try:
+                self.decide_once()
+            except Exception:  # one bad decision must not stop the planner
+                log.exception("planner decision failed")
+
+    def decide_once(self) -> Decision | None:
+        now = time.monotonic()
+        seconds, self._last_decision = now - self._last_decision, now
+        workers = self.live()
+        load = fleet_load(workers, seconds, self.config.local_prefill_threshold)
+        self._learn(workers)
+        for w in workers:  # the next interval's deltas start here
+            w.baseline = w.latest
+        profile = self.profile.current()
+        decision = self.planner.decide(load, profile)
+        self.decisions = [*self.decisions[-63:], decision]
+        self._export(load, decision)
+        if self._move_under_way(workers, now):
+            PLANNER_DECISIONS.labels("wait").inc()
+            return decision
+        if decision.action == "hold":
+            PLANNER_DECISIONS.labels("hold").inc()
+            log.debug("planner: hold: %s", decision.reason)
+            return decision
+        self._act(decision, workers, now)
+        return decision
+
+    def _learn(self, workers: list[_Seen]) -> None:
+        """The online profile's evidence from this interval (unless a file fixed it)."""
+        if self.fixed_profile:
+            return
+        for w in workers:
+            hb, base = w.latest, w.baseline
+            if base is None:
+                continue
+            if hb.role is Role.PREFILL:
+                self.profile.add_prefill(hb.step_seconds - base.step_seconds,
+                                         hb.prompt_tokens_computed - base.prompt_tokens_computed)
+            elif hb.stream_tokens > base.stream_tokens:
+                itl = (hb.stream_seconds - base.stream_seconds) / (
+                    hb.stream_tokens - base.stream_tokens)
+                self.profile.add_decode(float(hb.running), itl)
+
+    def _move_under_way(self, workers: list[_Seen], now: float) -> bool:
+        move = self.move
+        if move is None:
+            return False
+        seen = next((w.latest for w in workers if w.latest.worker_id == move.worker_id), None)
+        if seen is not None and seen.role is move.to_role and seen.epoch != move.epoch:
+            log.info("planner: %s serves %s now", move.worker_id, move.to_role)
+            self.move = None
+            return False
+        bound = self.config.role_switch_drain_s + 3 * self.config.planner_interval_s + 30
+        if now - move.sent_at > bound:
+            log.warning("planner: %s did not come back as %s within %.0f s; planning on",
+                        move.worker_id, move.to_role, bound)
+            self.move = None
+            return False
+        return True
+
+    def _act(self, decision: Decision, workers: list[_Seen], now: float) -> None:
+        to_role = Role.PREFILL if decision.action == "to_prefill" else Role.DECODE
+        donors = [w.latest for w in workers if w.latest.role is not to_role
+                  and not w.latest.draining]
+        if len(donors) < 2 and not (to_role is Role.PREFILL and donors):
+            PLANNER_DECISIONS.labels("hold").inc()
+            return  # (a role keeps one worker)
+        # the donor with least to drain: fewest streams, or the shortest prompt queue
+        donor = min(donors, key=lambda hb: (hb.running + hb.waiting, hb.queued_prompt_tokens))
+        mode = self.config.planner_mode
+        if mode == "advisory":
+            PLANNER_DECISIONS.labels("advise").inc()
+            log.info("planner (advisory): would switch %s %s to %s: %s", donor.role,
+                     donor.worker_id, to_role, decision.reason)
+            return
+        in_place = mode == "switch"
+        PLANNER_DECISIONS.labels("switch" if in_place else "restart").inc()
+        log.info("planner: %s %s %s to %s: %s", "switching" if in_place else "restarting",
+                 donor.role, donor.worker_id, to_role, decision.reason)
+        self.move = _Move(donor.worker_id, to_role, now, donor.epoch)
+        self.send(subjects.control(donor.worker_id), RoleSwitch(
+            worker_id=donor.worker_id, to_role=str(to_role),
+            drain_s=self.config.role_switch_drain_s, reason=decision.reason,
+            in_place=in_place))
+
+    def _export(self, load: FleetLoad, decision: Decision) -> None:
+        PLANNER_TARGET_WORKERS.labels("prefill").set(decision.target_prefill)
+        PLANNER_TARGET_WORKERS.labels("decode").set(decision.target_decode)
+        PLANNER_LIVE_WORKERS.labels("prefill").set(load.prefill_workers)
+        PLANNER_LIVE_WORKERS.labels("decode").set(load.decode_workers)
+        needed = decision.needed
+        for name, value in (("ttft_s", needed.ttft_s), ("itl_s", needed.itl_s),
+                            ("prefill_workers_needed", needed.prefill),
+                            ("decode_workers_needed", needed.decode),
+                            ("prompt_tps", load.prompt_tokens_per_s),
+                            ("decode_streams", load.decode_streams)):
+            PLANNER_ESTIMATE.labels(name).set(value if value < 1e9 else 1e9)
