@@ -237,7 +237,8 @@ BENCHMARKS = {  # `evenflow bench NAME` -> its module (each has main(argv))
     **{name: f"evenflow.bench.offline.{name}_bench"
        for name in ("engine", "quant", "tiers", "sampling", "kernels", "load", "spec")},
     **{name: f"evenflow.bench.mesh.{name}_bench"
-       for name in ("serve", "routing", "wire", "soak", "frontend", "hosts", "admission")},
+       for name in ("serve", "routing", "wire", "soak", "frontend", "hosts", "admission",
+                    "planner")},
     **{name: f"evenflow.bench.experts.{name}_bench" for name in ("eplb", "comm", "ep")},
 }
 

@@ -2,7 +2,7 @@
 cost profile, how many prefill and decode workers the TTFT and ITL targets need (`need`), the
 split of a fixed number of workers that leaves neither role the straggler (`best_split`), and
 when a change is worth making (`Planner.decide`: a gain held for consecutive intervals, or at
-once when a target is being missed; one worker moved per decision).
+once when a target is being missed).
 
 The model, per role (targets planned at `HEADROOM` of the SLA):
   prefill  a request's service time is its prompt x seconds per token; a worker at utilization
@@ -10,14 +10,16 @@ The model, per role (targets planned at `HEADROOM` of the SLA):
            bounds rho; the work is the prompt tokens arriving per second (and the queue, to be
            cleared within one TTFT) x seconds per token.
   decode   a step of b streams takes base + b x per-seq seconds, one token per stream: the ITL
-           target bounds b, and the streams the fleet holds need that many workers; prompts
-           prefilled at decode workers (short ones) add their compute time.
+           target bounds b, hence the tokens a second one worker generates within it; the
+           fleet's tokens a second (or the streams it holds, when it is saturated and they
+           queue) need that many workers; prompts prefilled at decode workers (short ones) add
+           their compute time.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from evenflow.planner.profile import RoleProfile
 
@@ -36,7 +38,7 @@ class FleetLoad:
     queued_prompt_tokens: float = 0.0  # waiting at prefill workers now
     local_prompt_tokens_per_s: float = 0.0  # prefilled at decode workers (short prompts)
     decode_streams: float = 0.0  # running + waiting at decode workers now
-    local_prefill_threshold: int = 0  # (a prompt this short never reaches a prefill worker)
+    decode_tokens_per_s: float = 0.0  # generated at decode workers
 
     @property
     def total(self) -> int:
@@ -77,7 +79,13 @@ def need(load: FleetLoad, profile: RoleProfile, ttft_s: float, itl_s: float) -> 
     per_stream_budget = HEADROOM * itl_s - profile.decode_s_base
     streams_per_worker = max(1.0, per_stream_budget / profile.decode_s_per_seq) \
         if profile.decode_s_per_seq > 0 else math.inf
-    decode = load.decode_streams / streams_per_worker \
+    # Streams held (Little's law: what a saturated fleet's queue shows) or tokens generated (a
+    # fleet with room runs few streams fast: its rate is the demand), against what a worker
+    # carries at the ITL target.
+    tokens_per_worker = streams_per_worker / profile.itl_s(streams_per_worker) \
+        if math.isfinite(streams_per_worker) else math.inf
+    decode = max(load.decode_streams / streams_per_worker,
+                 load.decode_tokens_per_s / tokens_per_worker) \
         + load.local_prompt_tokens_per_s * s_tok / MAX_UTILIZATION
     rho = work / load.prefill_workers if load.prefill_workers else math.inf
     ttft = service + (service * rho / (2 * (1 - rho)) if rho < 1 else math.inf) \
@@ -85,6 +93,13 @@ def need(load: FleetLoad, profile: RoleProfile, ttft_s: float, itl_s: float) -> 
     itl = profile.itl_s(load.decode_streams / load.decode_workers) \
         if load.decode_workers else math.inf
     return Need(prefill, decode, ttft, itl)
+
+
+def describe(load: FleetLoad) -> str:
+    """The load in a few words, for the planner's log lines."""
+    return (f"{load.prompt_tokens_per_s:.0f} prompt tok/s, {load.queued_prompt_tokens:.0f} "
+            f"queued; {load.decode_tokens_per_s:.0f} output tok/s, "
+            f"{load.decode_streams:.0f} streams")
 
 
 def pressure(need_prefill: float, need_decode: float, prefill: int, decode: int) -> float:
@@ -107,7 +122,7 @@ class Decision:
     target_prefill: int
     target_decode: int
     needed: Need
-    action: str  # "hold", or "to_prefill" / "to_decode": move one worker that way
+    action: str  # "hold", or "to_prefill" / "to_decode": move workers that way, to the split
     reason: str
 
 
@@ -115,16 +130,42 @@ class Decision:
 class Planner:
     """Decides each interval. A move is made when the best split lowers the straggler's
     pressure by at least `min_gain` and has for `hold_intervals` decisions in a row; at once
-    when the current split misses a target (pressure above 1) and the move helps."""
+    when the current split misses a target (pressure above 1) and the move helps, unless it
+    undoes a move of the last `settle_intervals` (a backlog the last move released shows up
+    at the other role for a while: it must hold like any other change). Rates are smoothed
+    over intervals (`smoothing`: the weight of the newest); queues and streams are taken as
+    they are now."""
 
     ttft_s: float
     itl_s: float
     min_gain: float = 0.15
     hold_intervals: int = 2
+    settle_intervals: int = 4
+    smoothing: float = 0.5
     min_prefill: int = 1
     _wanted: tuple[int, int] = (-1, 0)  # (the split wanted, decisions in a row)
+    _rates: FleetLoad | None = None
+    _decisions: int = 0
+    _last_move: tuple[str, int] = ("", -1000)  # (action, the decision it was made at)
+
+    def smooth(self, load: FleetLoad) -> FleetLoad:
+        a, old = self.smoothing, self._rates
+        if old is not None:
+            load = replace(load, **{name: a * getattr(load, name) + (1 - a) * getattr(old, name)
+                                    for name in ("prompt_tokens_per_s", "prefill_requests_per_s",
+                                                 "local_prompt_tokens_per_s",
+                                                 "decode_tokens_per_s")})
+        self._rates = load
+        return load
+
+    def moved(self, action: str) -> None:
+        """The caller carried out `action` (the last decision's)."""
+        self._last_move = (action, self._decisions)
+        self._wanted = (-1, 0)
 
     def decide(self, load: FleetLoad, profile: RoleProfile) -> Decision:
+        self._decisions += 1
+        load = self.smooth(load)
         needed = need(load, profile, self.ttft_s, self.itl_s)
         p, total = load.prefill_workers, load.total
         if total < 2:
@@ -139,13 +180,15 @@ class Planner:
         held = self._wanted[1] + 1 if self._wanted[0] == best else 1
         self._wanted = (best, held)
         gain = 1 - then / now if now > 0 and math.isfinite(now) else 1.0
-        urgent = now > 1.0
+        action = "to_prefill" if best > p else "to_decode"
+        last, at = self._last_move
+        undoing = last and last != action and self._decisions - at <= self.settle_intervals
+        urgent = now > 1.0 and not undoing
         if gain < self.min_gain or (held < self.hold_intervals and not urgent):
             return Decision(best, total - best, needed, "hold",
                             f"{best}P/{total - best}D would give pressure {then:.2f} against "
                             f"{now:.2f} ({held} of {self.hold_intervals} intervals)")
-        action = "to_prefill" if best > p else "to_decode"
         return Decision(best, total - best, needed, action,
                         f"pressure {now:.2f} at {p}P/{total - p}D, {then:.2f} at "
                         f"{best}P/{total - best}D (prefill needs {needed.prefill:.2f} workers, "
-                        f"decode {needed.decode:.2f})")
+                        f"decode {needed.decode:.2f}; {describe(load)})")

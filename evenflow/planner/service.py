@@ -2,8 +2,8 @@
 (policy.py) from the load since the last one, and the decision carried out: a RoleSwitch to
 one worker (mode `switch`: in place; `restart`: the worker drains and exits, and the launcher
 starts it again in the other role, as a fleet without in-place switching must), or a log line
-and the metrics only (`advisory`). One move at a time: the next decision waits until the
-moved worker heartbeats in its new role. Stopping or replacing the planner touches nothing
+and the metrics only (`advisory`). While workers move, the next decision waits until
+each heartbeats in its new role. Stopping or replacing the planner touches nothing
 else: the workers keep the roles they have."""
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ class _Move:
     epoch: str  # the worker's epoch when told (a new one: the move is done)
 
 
-def fleet_load(workers: list[_Seen], seconds: float, threshold: int) -> FleetLoad:
+def fleet_load(workers: list[_Seen], seconds: float) -> FleetLoad:
     """The fleet's load since each worker's baseline (workers without one count as
     present, not as load). A worker draining towards a role counts in that role."""
     counts = {Role.PREFILL: 0, Role.DECODE: 0}
-    prompt = requests = queued = local = streams = 0.0
+    prompt = requests = queued = local = streams = generated = 0.0
     for w in workers:
         hb, base = w.latest, w.baseline
         role = Role(hb.switching_to) if hb.switching_to else hb.role
@@ -66,9 +66,10 @@ def fleet_load(workers: list[_Seen], seconds: float, threshold: int) -> FleetLoa
             requests += hb.requests_finished - base.requests_finished
         else:
             local += d_prompt
+            generated += hb.output_tokens - base.output_tokens
     s = max(seconds, 1e-9)
     return FleetLoad(counts[Role.PREFILL], counts[Role.DECODE], prompt / s, requests / s, queued,
-                     local / s, streams, threshold)
+                     local / s, streams, generated / s)
 
 
 class PlannerService(WorkerService):
@@ -82,7 +83,7 @@ class PlannerService(WorkerService):
         self.fixed_profile = bool(config.planner_profile)
         self.planner = Planner(config.ttft_ms / 1e3, config.itl_ms / 1e3)
         self.workers: dict[str, _Seen] = {}
-        self.move: _Move | None = None
+        self.moves: list[_Move] = []  # sent, not yet seen done
         self.decisions: list[Decision] = []  # (the latest few, for tests and the log)
         self._last_decision = time.monotonic()
 
@@ -123,7 +124,7 @@ class PlannerService(WorkerService):
         now = time.monotonic()
         seconds, self._last_decision = now - self._last_decision, now
         workers = self.live()
-        load = fleet_load(workers, seconds, self.config.local_prefill_threshold)
+        load = fleet_load(workers, seconds)
         self._learn(workers)
         for w in workers:  # the next interval's deltas start here
             w.baseline = w.latest
@@ -158,46 +159,52 @@ class PlannerService(WorkerService):
                 self.profile.add_decode(float(hb.running), itl)
 
     def _move_under_way(self, workers: list[_Seen], now: float) -> bool:
-        move = self.move
-        if move is None:
-            return False
-        seen = next((w.latest for w in workers if w.latest.worker_id == move.worker_id), None)
-        if seen is not None and seen.role is move.to_role and seen.epoch != move.epoch:
-            log.info("planner: %s serves %s now", move.worker_id, move.to_role)
-            self.move = None
-            return False
+        """Whether moves sent are still under way (each done once its worker heartbeats in
+        its new role, or given up on after a bound)."""
+        seen = {w.latest.worker_id: w.latest for w in workers}
         bound = self.config.role_switch_drain_s + 3 * self.config.planner_interval_s + 30
-        if now - move.sent_at > bound:
-            log.warning("planner: %s did not come back as %s within %.0f s; planning on",
-                        move.worker_id, move.to_role, bound)
-            self.move = None
-            return False
-        return True
+        for move in list(self.moves):
+            hb = seen.get(move.worker_id)
+            if hb is not None and hb.role is move.to_role and hb.epoch != move.epoch:
+                log.info("planner: %s serves %s now", move.worker_id, move.to_role)
+                self.moves.remove(move)
+            elif now - move.sent_at > bound:
+                log.warning("planner: %s did not come back as %s within %.0f s; planning on",
+                            move.worker_id, move.to_role, bound)
+                self.moves.remove(move)
+        return bool(self.moves)
 
     def _act(self, decision: Decision, workers: list[_Seen], now: float) -> None:
+        """Move as many workers as the decision's split asks (a role keeps one worker): the
+        donors with least to drain (fewest streams, or the shortest prompt queue)."""
         to_role = Role.PREFILL if decision.action == "to_prefill" else Role.DECODE
-        donors = [w.latest for w in workers if w.latest.role is not to_role
-                  and not w.latest.draining]
-        if len(donors) < 2 and not (to_role is Role.PREFILL and donors):
+        live_prefill = sum(1 for w in workers if w.latest.role is Role.PREFILL)
+        count = abs(decision.target_prefill - live_prefill)
+        donors = sorted((w.latest for w in workers if w.latest.role is not to_role
+                         and not w.latest.draining),
+                        key=lambda hb: (hb.running + hb.waiting, hb.queued_prompt_tokens))
+        donors = donors[:max(0, min(count, len(donors) - 1))]
+        if not donors:
             PLANNER_DECISIONS.labels("hold").inc()
-            return  # (a role keeps one worker)
-        # the donor with least to drain: fewest streams, or the shortest prompt queue
-        donor = min(donors, key=lambda hb: (hb.running + hb.waiting, hb.queued_prompt_tokens))
+            return
         mode = self.config.planner_mode
         if mode == "advisory":
             PLANNER_DECISIONS.labels("advise").inc()
-            log.info("planner (advisory): would switch %s %s to %s: %s", donor.role,
-                     donor.worker_id, to_role, decision.reason)
+            log.info("planner (advisory): would switch %s to %s: %s",
+                     ", ".join(f"{hb.role} {hb.worker_id}" for hb in donors), to_role,
+                     decision.reason)
             return
         in_place = mode == "switch"
-        PLANNER_DECISIONS.labels("switch" if in_place else "restart").inc()
-        log.info("planner: %s %s %s to %s: %s", "switching" if in_place else "restarting",
-                 donor.role, donor.worker_id, to_role, decision.reason)
-        self.move = _Move(donor.worker_id, to_role, now, donor.epoch)
-        self.send(subjects.control(donor.worker_id), RoleSwitch(
-            worker_id=donor.worker_id, to_role=str(to_role),
-            drain_s=self.config.role_switch_drain_s, reason=decision.reason,
-            in_place=in_place))
+        for donor in donors:
+            PLANNER_DECISIONS.labels("switch" if in_place else "restart").inc()
+            log.info("planner: %s %s %s to %s: %s", "switching" if in_place else "restarting",
+                     donor.role, donor.worker_id, to_role, decision.reason)
+            self.moves.append(_Move(donor.worker_id, to_role, now, donor.epoch))
+            self.send(subjects.control(donor.worker_id), RoleSwitch(
+                worker_id=donor.worker_id, to_role=str(to_role),
+                drain_s=self.config.role_switch_drain_s, reason=decision.reason,
+                in_place=in_place))
+        self.planner.moved(decision.action)
 
     def _export(self, load: FleetLoad, decision: Decision) -> None:
         PLANNER_TARGET_WORKERS.labels("prefill").set(decision.target_prefill)

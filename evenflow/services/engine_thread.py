@@ -250,6 +250,7 @@ class EngineThread:
         self.stream_seconds = 0.0
         self.stream_tokens = 0
         self._started: dict[str, list[float]] = {}  # request -> [first token at, tokens since]
+        self._imported: set[str] = set()  # requests whose prompt came computed (K/V imported)
         self._last_step_end = 0.0
         self._kernels_checked_at = 0.0
         self._kernels_pending = engine.kernels.pending  # (checked while idle until it is not)
@@ -277,6 +278,7 @@ class EngineThread:
                 self._admit(request_id, lambda: engine.add_request(
                     request_id, prompt, sampling, export_kv))
             case AddPrefilled(request_id, prompt, first, sampling, kv, cached):
+                self._imported.add(request_id)
                 self._admit(request_id, lambda: engine.add_prefilled_request(
                     request_id, prompt, first, sampling, kv, cached))
             case Abort(request_id):
@@ -440,9 +442,12 @@ class EngineThread:
         for out in outputs:
             self.output_tokens += len(out.new_token_ids)
             started_at = self._started.get(out.request_id)
-            if started_at is None:  # its first output: its prompt was computed
-                self._started[out.request_id] = [now, 0.0]
-                self.prompt_tokens_computed += out.num_prompt_tokens - out.num_cached_tokens
+            if started_at is None:  # its first output: its prompt was computed (here, unless
+                self._started[out.request_id] = [now, 0.0]  # its K/V came from a prefill)
+                if out.request_id in self._imported:
+                    self._imported.discard(out.request_id)
+                else:
+                    self.prompt_tokens_computed += out.num_prompt_tokens - out.num_cached_tokens
             else:
                 started_at[1] += len(out.new_token_ids)
             if out.finished and not out.kv_follows:

@@ -41,5 +41,9 @@ def build_engine(kind: str, config: EngineConfig,
         mock.runner.timing = MockTiming(**{  # type: ignore[attr-defined]
             f.name: getattr(timing, f.name) * mock_timing_scale
             for f in dataclasses.fields(timing)})
+        if mock.runner.timing.engine_build_s > 0:  # type: ignore[attr-defined]
+            import time
+
+            time.sleep(mock.runner.timing.engine_build_s)  # type: ignore[attr-defined]
         return mock
     raise ValueError(f"unknown engine {kind!r}: torch or mock")

@@ -25,6 +25,7 @@ class MockTiming:
     prefill_s_per_token: float = 0.0001  # 2,048 uncached tokens: ~0.2 s
     decode_s_base: float = 0.004  # per step with any decoding sequence
     decode_s_per_seq: float = 0.0002
+    engine_build_s: float = 0.0  # the real engine's construction (a mock worker waits it out)
 
     @classmethod
     def from_profile(cls, path: str) -> MockTiming:
@@ -32,7 +33,8 @@ class MockTiming:
         profile-roles`: a JSON object with these three keys among others)."""
         with open(path) as f:
             measured = json.load(f)
-        return cls(**{f.name: float(measured[f.name]) for f in fields(cls)})
+        return cls(**{f.name: float(measured[f.name]) for f in fields(cls)
+                      if f.name in measured})
 
 
 class MockRunner:
