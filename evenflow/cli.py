@@ -446,6 +446,11 @@ def _add_tools(sub: Any) -> None:
                           help="torch.profiler over the offline engine: `evenflow profile --help`")
     prof.add_argument("rest", nargs=argparse.REMAINDER)
     prof.set_defaults(func=_profile)
+    sub.add_parser("profile-roles", add_help=False,
+                   help="measure what a prefill and a decode worker cost here, for the "
+                        "planner: `evenflow profile-roles --help`")
+    sub.add_parser("planner", add_help=False,
+                   help="run the SLA planner against a running mesh: `evenflow planner --help`")
     dev = sub.add_parser("dev", add_help=False,
                          help="developer tools: `evenflow dev hosts --help` (simulated hosts)")
     dev.add_argument("tool", choices=["hosts"])
@@ -467,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
         from evenflow.ops import doctor
 
         return int(doctor.main(argv[1:]))
+    if argv[:1] == ["profile-roles"]:
+        from evenflow.bench.offline import role_profile
+
+        return int(role_profile.main(argv[1:]))
+    if argv[:1] == ["planner"]:
+        from evenflow.planner.__main__ import main as planner_main
+
+        return planner_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
