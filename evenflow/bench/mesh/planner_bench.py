@@ -5,7 +5,9 @@ The workers are mock workers (evenflow/engine/api/mock.py) whose step costs, and
 are those `evenflow profile-roles` measures from the real engine on this machine (measured at
 the start of the run unless `--profile` names a file), times `--timing-scale` (default 40: a
 model that much larger; it keeps the mesh's own per-message cost on two shared cores small
-against a step). The planner gets the same profile (Dynamo's planner plans from profiles too).
+against a step), and the engine's construction times `--start-scale` (default 10), which a
+mock worker waits out at its start. The planner gets the same profile (Dynamo's planner
+plans from profiles too).
 
 The trace (the same Poisson arrivals, seeded, for every configuration): a prefill-heavy phase
 (`--long-prompt` tokens in, 8 out), a decode-heavy phase (32 in, `--long-output` out), and the
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="a roles profile (`evenflow profile-roles`); "
                                                   "default: measured now")
     ap.add_argument("--timing-scale", type=float, default=40.0)
+    ap.add_argument("--start-scale", type=float, default=10.0,
+                    help="the engine's construction (a mock worker's start), scaled")
     ap.add_argument("--phase-s", type=float, default=45.0)
     ap.add_argument("--heavy", type=float, default=0.65,
                     help="the share of the workers the heavy role needs in each phase")
@@ -200,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             measured = json.load(f)
         k = args.timing_scale
         scaled = {key: float(measured[key]) * k for key in (
-            "prefill_s_per_token", "decode_s_base", "decode_s_per_seq", "worker_start_s",
-            "engine_build_s") if key in measured}
+            "prefill_s_per_token", "decode_s_base", "decode_s_per_seq") if key in measured}
+        scaled |= {key: float(measured[key]) * args.start_scale for key in (
+            "worker_start_s", "engine_build_s") if key in measured}
         profile_path = os.path.join(tmp, "scaled.json")
         with open(profile_path, "w") as f:
             json.dump(scaled, f)
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile (the real engine, tiny-moe, 1 thread, x{k:g}): prefill "
               f"{profile.prefill_s_per_token * 1e3:.3f} ms/token, decode step "
               f"{profile.decode_s_base * 1e3:.2f} ms + {profile.decode_s_per_seq * 1e3:.3f} "
-              f"ms/stream, worker start {profile.worker_start_s:.1f} s")
+              f"ms/stream, worker start {profile.worker_start_s:.1f} s (x{args.start_scale:g})")
         service = args.long_prompt * profile.prefill_s_per_token
         ttft_s = args.ttft_ms / 1e3 or 4 * service
         itl_s = args.itl_ms / 1e3 or profile.itl_s(24) / 0.8
