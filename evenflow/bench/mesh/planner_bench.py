@@ -92,13 +92,17 @@ def make_trace(phases: list[tuple[float, int, int]], phase_s: float, vocab: int,
     return arrivals
 
 
-async def _play(url: str, model: str, trace: list[Arrival]) -> list[Outcome]:
+async def _play(url: str, model: str, trace: list[Arrival], timeout_s: float
+                ) -> list[Outcome]:
     outcomes = [Outcome(a.phase) for a in trace]
     async with SSEClient(url, timeout_s=600, max_idle=1024) as client:
         async def one(i: int, a: Arrival) -> None:
             try:
-                timing = await one_request(client, model, a.prompt, a.max_tokens, {})
+                timing = await asyncio.wait_for(
+                    one_request(client, model, a.prompt, a.max_tokens, {}), timeout_s)
                 outcomes[i].ttft, outcomes[i].tpot = timing.ttft, timing.tpot
+            except TimeoutError:
+                outcomes[i].error = f"not finished within {timeout_s:g} s (given up)"
             except REQUEST_ERRORS as exc:
                 outcomes[i].error = str(exc)[:200] or type(exc).__name__
 
@@ -120,7 +124,7 @@ def _metric_sum(url: str, name: str, labels: str = "") -> float:
     return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
-def run_config(name: str, config: object, trace: list[Arrival]) -> Run:
+def run_config(name: str, config: object, trace: list[Arrival], timeout_s: float) -> Run:
     from evenflow.services.launcher import LocalMesh
     from evenflow.services.supervisor import GaveUp, RestartPolicy
 
@@ -142,9 +146,9 @@ def run_config(name: str, config: object, trace: list[Arrival]) -> Run:
         threading.Thread(target=supervise, daemon=True).start()
         model = mesh.config.model_name
         warm = [replace(a, at=0.05 * i) for i, a in enumerate(trace[:4])]
-        run_client(_play(mesh.url, model, warm))
+        run_client(_play(mesh.url, model, warm, timeout_s))
         t0 = time.perf_counter()
-        run.outcomes = run_client(_play(mesh.url, model, trace))
+        run.outcomes = run_client(_play(mesh.url, model, trace, timeout_s))
         run.seconds = time.perf_counter() - t0
         planner_url = mesh.metrics_urls().get("plan0")
         if planner_url:
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing-scale", type=float, default=40.0)
     ap.add_argument("--start-scale", type=float, default=10.0,
                     help="the engine's construction (a mock worker's start), scaled")
-    ap.add_argument("--phase-s", type=float, default=45.0)
+    ap.add_argument("--phase-s", type=float, default=40.0)
     ap.add_argument("--heavy", type=float, default=0.65,
                     help="the share of the workers the heavy role needs in each phase")
     ap.add_argument("--long-prompt", type=int, default=448)
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a moved worker's drain bound (then its streams move on)")
     ap.add_argument("--configs", default="fixed,planner,switch",
                     help="which to run: fixed, planner, switch")
+    ap.add_argument("--request-timeout-s", type=float, default=30.0,
+                    help="a request not finished this long after it was sent is given up "
+                         "(counted failed): an overloaded split's backlog ends with the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-level", default="warning", help="the mesh's (info: the planner's "
                                                           "decisions and the switches)")
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for name, config in configs:
             print(f"  running {name} ...", flush=True)
-            runs.append(run_config(name, config, trace))
+            runs.append(run_config(name, config, trace, args.request_timeout_s))
 
     print(f"\n{total} workers; SLA: TTFT <= {ttft_s * 1e3:.0f} ms and mean ITL <= "
           f"{itl_s * 1e3:.1f} ms")
