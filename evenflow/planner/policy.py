@@ -128,7 +128,8 @@ class Decision:
 
 @dataclass
 class Planner:
-    """Decides each interval. A move is made when the best split lowers the straggler's
+    """Decides each interval. While the straggler role's pressure is under `busy_pressure`
+    nothing moves. A move is made when the best split lowers the straggler's
     pressure by at least `min_gain` and has for `hold_intervals` decisions in a row; at once
     when the current split misses a target (pressure above 1) and the move helps, unless it
     undoes a move of the last `settle_intervals` (a backlog the last move released shows up
@@ -141,6 +142,7 @@ class Planner:
     min_gain: float = 0.15
     hold_intervals: int = 2
     settle_intervals: int = 4
+    busy_pressure: float = 0.7  # below this at the current split, nothing moves
     smoothing: float = 0.5
     min_prefill: int = 1
     _wanted: tuple[int, int] = (-1, 0)  # (the split wanted, decisions in a row)
@@ -173,6 +175,10 @@ class Planner:
         best = best_split(total, needed, p, self.min_prefill)
         now = pressure(needed.prefill, needed.decode, p, total - p)
         then = pressure(needed.prefill, needed.decode, best, total - best)
+        if now < self.busy_pressure:  # every role within its targets, with room: no churn
+            self._wanted = (-1, 0)
+            return Decision(p, total - p, needed, "hold", f"pressure {now:.2f} at "
+                            f"{p}P/{total - p}D: room for the load")
         if best == p or needed.prefill + needed.decode <= 0:
             self._wanted = (-1, 0)
             return Decision(p, total - p, needed, "hold", f"split {p}P/{total - p}D is best "

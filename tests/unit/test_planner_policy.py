@@ -52,7 +52,7 @@ def test_best_split_relieves_the_straggler_and_keeps_a_worker_per_role():
 
 def test_a_gain_must_hold_before_a_move_unless_a_target_is_missed():
     planner = Planner(ttft_s=2.0, itl_s=0.05)
-    mild = FleetLoad(2, 2, prompt_tokens_per_s=1200, prefill_requests_per_s=3,
+    mild = FleetLoad(2, 2, prompt_tokens_per_s=1600, prefill_requests_per_s=4,
                      decode_tokens_per_s=10, decode_streams=1)
     first = planner.decide(mild, PROFILE)
     assert first.action == "hold" and first.target_prefill == 3
@@ -72,9 +72,12 @@ def test_a_move_is_not_undone_at_once_by_the_backlog_it_released():
     assert planner.decide(burst, PROFILE).action == "to_decode"  # it held: now it goes
 
 
-def test_an_idle_or_tiny_fleet_holds():
+def test_an_idle_a_roomy_or_a_tiny_fleet_holds():
     planner = Planner(ttft_s=2.0, itl_s=0.05)
     assert planner.decide(FleetLoad(2, 2), PROFILE).action == "hold"
+    roomy = FleetLoad(2, 2, prompt_tokens_per_s=400, prefill_requests_per_s=1)
+    for _ in range(3):  # a split that would halve the pressure, but there is room
+        assert planner.decide(roomy, PROFILE).action == "hold"
     assert planner.decide(FleetLoad(0, 1, decode_streams=50), PROFILE).action == "hold"
 
 

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: 4x a long prompt's prefill")
     ap.add_argument("--itl-ms", type=float, default=0.0,
                     help="default: a decode step at 24 streams / 0.8")
-    ap.add_argument("--interval-s", type=float, default=2.0, help="the planner's interval")
+    ap.add_argument("--interval-s", type=float, default=1.0, help="the planner's interval")
     ap.add_argument("--drain-s", type=float, default=2.0,
                     help="a moved worker's drain bound (then its streams move on)")
     ap.add_argument("--configs", default="fixed,planner,switch",
