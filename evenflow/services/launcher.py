@@ -459,7 +459,7 @@ class LocalMesh:
         args = self.procs[index].args
         if self.procs[index].returncode == EXIT_ROLE_SWITCH:  # drained for the other role
             swap = {"evenflow.prefill": "evenflow.decode", "evenflow.decode": "evenflow.prefill"}
-            args = [swap.get(str(a), a) for a in args]
+            args = [swap.get(a, a) for a in map(str, _args_of(self.procs[index]))]
         if self._gateway_metrics and _role_of(self.procs[index]) == "gateway":
             from prometheus_client import multiprocess  # (its live gauges leave the sums)
 
@@ -500,8 +500,12 @@ class LocalMesh:
         return stopped
 
 
+def _args_of(proc: subprocess.Popen) -> list[Any]:
+    return list(proc.args) if isinstance(proc.args, list | tuple) else []
+
+
 def _role_of(proc: subprocess.Popen) -> str:
-    return _role_in(list(proc.args) if isinstance(proc.args, list | tuple) else [])
+    return _role_in(_args_of(proc))
 
 
 def _role_in(args: list[Any]) -> str:
