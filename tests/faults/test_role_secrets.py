@@ -97,8 +97,10 @@ def test_evenflow_up_ray_starts_a_secured_nats_and_hands_each_role_its_file():
     mesh = LocalRayMesh(MeshConfig())
     try:
         cfg = mesh._start_secure_nats(mesh.config)
+        # (planner: the SLA planner's; engine: a worker that may switch role holds both
+        # engine roles' permissions)
         assert set(mesh.credentials) == {"gateway", "prefill", "decode", "kv_index", "balancer",
-                                         "admin"}
+                                         "planner", "engine", "admin"}
         for path in mesh.credentials.values():
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
