@@ -124,7 +124,7 @@ class DecodeWorker(EngineWorker):
     def busy(self) -> bool:
         return bool(self.active or self.transfers)
 
-    def autoscaling_stats(self) -> dict[str, float]:
+    def load_stats(self) -> dict[str, float]:
         return {"running_sequences": float(self.engine.num_running + self.engine.num_waiting),
                 "free_kv_fraction": self._free_blocks() / max(1, self.engine.layout.num_kv_blocks)}
 

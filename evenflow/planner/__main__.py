@@ -20,14 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-ms", type=float)
     ap.add_argument("--itl-ms", type=float)
     ap.add_argument("--interval-s", type=float)
-    ap.add_argument("--mode", choices=("switch", "restart", "advisory"))
+    ap.add_argument("--mode", choices=("switch", "restart", "scale", "advisory"))
+    ap.add_argument("--max-workers", type=int, help="mode scale: at most this many workers")
     ap.add_argument("--profile", help="a roles profile (`evenflow profile-roles`)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     config = load_mesh_config()
     overrides = {name: value for name, value in (
         ("nats_url", args.nats), ("ttft_ms", args.ttft_ms), ("itl_ms", args.itl_ms),
         ("planner_interval_s", args.interval_s), ("planner_mode", args.mode),
-        ("planner_profile", args.profile)) if value is not None}
+        ("planner_profile", args.profile), ("max_workers", args.max_workers)) if value is not None}
     config = dataclasses.replace(config, **overrides)
     if not config.nats_url:
         ap.error("the mesh's NATS: --nats URL or EVENFLOW_NATS_URL")

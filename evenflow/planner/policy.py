@@ -2,7 +2,9 @@
 cost profile, how many prefill and decode workers the TTFT and ITL targets need (`need`), the
 split of a fixed number of workers that leaves neither role the straggler (`best_split`), and
 when a change is worth making (`Planner.decide`: a gain held for consecutive intervals, or at
-once when a target is being missed).
+once when a target is being missed); or, for a fleet that can grow and shrink, how many of
+each role to run (`Planner.size`: up at once, down only after the need stayed lower for a
+while).
 
 The model, per role (targets planned at `HEADROOM` of the SLA):
   prefill  a request's service time is its prompt x seconds per token; a worker at utilization
@@ -19,7 +21,7 @@ The model, per role (targets planned at `HEADROOM` of the SLA):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from evenflow.planner.profile import RoleProfile
 
@@ -198,3 +200,67 @@ class Planner:
                         f"pressure {now:.2f} at {p}P/{total - p}D, {then:.2f} at "
                         f"{best}P/{total - best}D (prefill needs {needed.prefill:.2f} workers, "
                         f"decode {needed.decode:.2f}; {describe(load)})")
+
+
+def fleet_size(needed: Need, max_workers: int, current_prefill: int) -> tuple[int, int]:
+    """(prefill, decode) workers for the need: each role rounded up, at least one each, and at
+    most `max_workers` in all (then the best split of that many)."""
+    prefill, decode = max(1, math.ceil(needed.prefill - 1e-9)), \
+        max(1, math.ceil(needed.decode - 1e-9))
+    if prefill + decode > max_workers >= 2:
+        prefill = best_split(max_workers, needed, current_prefill)
+        decode = max_workers - prefill
+    return prefill, decode
+
+
+@dataclass
+class Sizer:
+    """A fleet that can grow and shrink (`planner_mode` scale): the sizes each role needs,
+    raised at once and lowered only once the need has stayed lower for `settle_intervals`
+    decisions in a row (to the largest size those asked for: no flapping). At `max_workers`
+    a role that needs more takes them from the other at once. Rates are smoothed as
+    Planner's are."""
+
+    ttft_s: float
+    itl_s: float
+    max_workers: int
+    settle_intervals: int = 4
+    smoothing: float = 0.5
+    target: tuple[int, int] | None = None  # (prefill, decode) as last decided
+    _lower: list[tuple[int, int]] = field(default_factory=list)  # sizes asked while lower
+    _rates: Planner | None = None
+
+    def decide(self, load: FleetLoad, profile: RoleProfile) -> Decision:
+        if self._rates is None:
+            self._rates = Planner(self.ttft_s, self.itl_s, smoothing=self.smoothing)
+        load = self._rates.smooth(load)
+        needed = need(load, profile, self.ttft_s, self.itl_s)
+        current = self.target or (max(1, load.prefill_workers), max(1, load.decode_workers))
+        wanted = fleet_size(needed, self.max_workers, current[0])
+        why = (f"prefill needs {needed.prefill:.2f} workers, decode {needed.decode:.2f}; "
+               f"{describe(load)}")
+        if wanted[0] >= current[0] and wanted[1] >= current[1]:
+            self._lower.clear()
+            target = wanted
+        else:  # a role would shrink: only after it has asked for less long enough
+            self._lower.append(wanted)
+            held = (max(current[0], wanted[0]), max(current[1], wanted[1]))
+            if len(self._lower) < self.settle_intervals and sum(held) <= self.max_workers:
+                target = self.target = held
+                return Decision(*target, needed, _resize_action(current, target),
+                                f"{why} ({len(self._lower)} of {self.settle_intervals} "
+                                "intervals lower)")
+            target = (max(w[0] for w in self._lower), max(w[1] for w in self._lower))
+            if sum(target) > self.max_workers:  # at the cap one role gives way to the other
+                target = wanted
+            self._lower.clear()
+        self.target = target
+        return Decision(*target, needed, _resize_action(current, target), why)
+
+
+def _resize_action(current: tuple[int, int], target: tuple[int, int]) -> str:
+    """"hold", "grow" (more workers in all), "shrink" (fewer) or "resize" (as many)."""
+    if target == current:
+        return "hold"
+    return "grow" if sum(target) > sum(current) else "shrink" if sum(target) < sum(current) \
+        else "resize"

@@ -1,10 +1,11 @@
 """The planner actor: workers' heartbeats in, every `planner_interval_s` a decision
 (policy.py) from the load since the last one, and the decision carried out: a RoleSwitch to
 one worker (mode `switch`: in place; `restart`: the worker drains and exits, and the launcher
-starts it again in the other role, as a fleet without in-place switching must), or a log line
-and the metrics only (`advisory`). While workers move, the next decision waits until
-each heartbeats in its new role. Stopping or replacing the planner touches nothing
-else: the workers keep the roles they have."""
+starts it again in the other role, as a fleet without in-place switching must), a FleetTarget
+sizing each role for whoever starts and stops workers (`scale`: `evenflow up`'s launcher, or
+Ray Serve's autoscaling policies), or a log line and the metrics only (`advisory`). While
+workers move, the next decision waits until each heartbeats in its new role. Stopping or
+replacing the planner touches nothing else: the workers keep the roles they have."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ import logging
 import time
 from dataclasses import dataclass
 
-from evenflow.planner.policy import Decision, FleetLoad, Planner
+from evenflow.planner.policy import Decision, FleetLoad, Planner, Sizer
 from evenflow.planner.profile import OnlineProfile, RoleProfile
 from evenflow.proto import subjects
-from evenflow.proto.messages import WORKER_ROLES, Message, Role, RoleSwitch, WorkerHeartbeat
+from evenflow.proto.messages import (
+    WORKER_ROLES,
+    FleetTarget,
+    Message,
+    Role,
+    RoleSwitch,
+    WorkerHeartbeat,
+)
 from evenflow.services.bus import MessageBus
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import (
@@ -80,11 +88,10 @@ class PlannerService(WorkerService):
         prior = RoleProfile.load(config.planner_profile) if config.planner_profile \
             else RoleProfile()
         self.profile = OnlineProfile(prior)
-        self.fixed_profile = bool(config.planner_profile)
         self.planner = Planner(config.ttft_ms / 1e3, config.itl_ms / 1e3)
+        self.sizer = Sizer(config.ttft_ms / 1e3, config.itl_ms / 1e3, config.fleet_limit())
         self.workers: dict[str, _Seen] = {}
         self.moves: list[_Move] = []  # sent, not yet seen done
-        self.decisions: list[Decision] = []  # (the latest few, for tests and the log)
         self._last_decision = time.monotonic()
 
     async def start(self) -> None:
@@ -129,8 +136,9 @@ class PlannerService(WorkerService):
         for w in workers:  # the next interval's deltas start here
             w.baseline = w.latest
         profile = self.profile.current()
+        if self.config.planner_mode == "scale":
+            return self._size(load, workers)
         decision = self.planner.decide(load, profile)
-        self.decisions = [*self.decisions[-63:], decision]
         self._export(load, decision)
         if self._move_under_way(workers, now):
             PLANNER_DECISIONS.labels("wait").inc()
@@ -144,7 +152,7 @@ class PlannerService(WorkerService):
 
     def _learn(self, workers: list[_Seen]) -> None:
         """The online profile's evidence from this interval (unless a file fixed it)."""
-        if self.fixed_profile:
+        if self.config.planner_profile:
             return
         for w in workers:
             hb, base = w.latest, w.baseline
@@ -205,6 +213,26 @@ class PlannerService(WorkerService):
                 drain_s=self.config.role_switch_drain_s, reason=decision.reason,
                 in_place=in_place))
         self.planner.moved(decision.action)
+
+    def _size(self, load: FleetLoad, workers: list[_Seen]) -> Decision:
+        """Mode scale: the sizes each role needs, sent every interval (a FleetTarget), with the
+        workers to stop first where a role shrinks: its least loaded."""
+        decision = self.sizer.decide(load, self.profile.current())
+        self._export(load, decision)
+        PLANNER_DECISIONS.labels(decision.action).inc()
+        retire: list[str] = []
+        for role, want in ((Role.PREFILL, decision.target_prefill),
+                           (Role.DECODE, decision.target_decode)):
+            serving = sorted((w.latest for w in workers if w.latest.role is role),
+                             key=lambda hb: (hb.running + hb.waiting, hb.queued_prompt_tokens))
+            retire += [hb.worker_id for hb in serving[:max(0, len(serving) - want)]]
+        if decision.action != "hold":
+            log.info("planner: %s to %dP/%dD: %s", decision.action, decision.target_prefill,
+                     decision.target_decode, decision.reason)
+        self.send(subjects.FLEET_TARGET, FleetTarget(
+            planner_id=self.worker_id, prefill=decision.target_prefill,
+            decode=decision.target_decode, retire=retire, reason=decision.reason))
+        return decision
 
     def _export(self, load: FleetLoad, decision: Decision) -> None:
         PLANNER_TARGET_WORKERS.labels("prefill").set(decision.target_prefill)

@@ -124,7 +124,7 @@ class PrefillWorker(EngineWorker):
     def busy(self) -> bool:
         return bool(self.pending)
 
-    def autoscaling_stats(self) -> dict[str, float]:
+    def load_stats(self) -> dict[str, float]:
         return {"queued_prompt_tokens": float(self._queued_prompt_tokens())}
 
     # -- inbound ----------------------------------------------------------------------------

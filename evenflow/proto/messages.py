@@ -13,6 +13,7 @@ Who sends what (subjects in `subjects.py`):
   every worker -> balancer    ExpertLoad;  balancer -> every worker  ExpertPlacement
   gateway -> worker           ProfileRequest;  worker -> gateway  ProfileResult
   planner -> worker           RoleSwitch (on the worker's control subject)
+  planner -> launcher, workers  FleetTarget (mode `scale`: how many workers each role wants)
 
 KV events follow vLLM's schema (vllm/distributed/kv_events.py): BlockStored, BlockRemoved and
 AllBlocksCleared, each packed as `[tag, *fields]` in the same field order, inside a KVEvents
@@ -462,15 +463,32 @@ class RoleSwitch:
     in_place: bool = True
 
 
+@dataclass(frozen=True, kw_only=True)
+class FleetTarget:
+    """Planner (mode `scale`) -> whoever sizes the fleet, every decision: how many workers
+    each role should have. `evenflow up`'s launcher starts or stops workers to match; on Ray
+    Serve the engine replicas report it and the deployments' autoscaling policies follow it
+    (rayserve/autoscaling.py). Sent each interval, so a listener that starts late learns it
+    at once; `retire` names the workers to stop first where a role shrinks (least to drain)."""
+
+    TYPE: ClassVar[str] = "fleet_target"
+    VERSION: ClassVar[int] = 1
+    planner_id: str
+    prefill: int
+    decode: int
+    retire: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
 Message = (PrefillRequest | DecodeRequest | KVBlockChunk | KVTransferComplete | TokenDeltas
            | Cancel | ErrorMessage | WorkerHeartbeat | KVEvents | KVResyncRequest | KVSnapshot
            | ExpertLoad | ExpertPlacement | ProfileRequest | ProfileResult | KVPullRequest
-           | KVPullDone | RouterSync | RoleSwitch)
+           | KVPullDone | RouterSync | RoleSwitch | FleetTarget)
 
 CODEC = Codec((PrefillRequest, DecodeRequest, KVBlockChunk, KVTransferComplete, TokenDeltas,
                Cancel, ErrorMessage, WorkerHeartbeat, KVEvents, KVResyncRequest, KVSnapshot,
                ExpertLoad, ExpertPlacement, ProfileRequest, ProfileResult, KVPullRequest,
-               KVPullDone, RouterSync, RoleSwitch))
+               KVPullDone, RouterSync, RoleSwitch, FleetTarget))
 REGISTRY = CODEC.registry
 
 

@@ -11,6 +11,9 @@ HEARTBEATS = f"{PREFIX}.heartbeat.>"  # every service's heartbeat (subscribe her
 KV_EVENTS = f"{PREFIX}.kv.events"  # KVEvents and KVSnapshot from every worker to the KV index
 EXPERT_LOAD = f"{PREFIX}.eplb.load"  # ExpertLoad from every worker to the balancer
 EXPERT_PLACEMENT = f"{PREFIX}.eplb.placement"  # ExpertPlacement from the balancer to workers
+# FleetTarget from the planner (mode `scale`) to whoever sizes the fleet: `evenflow up`'s
+# launcher, and the engine workers (who report it to Ray Serve's autoscaling policies)
+FLEET_TARGET = f"{PREFIX}.fleet.target"
 
 
 def heartbeat(role: str, worker_id: str) -> str:

@@ -64,7 +64,11 @@ SERVICES = {
     "decode": "evenflow.decode.service:DecodeWorker",
     "kv_index": "evenflow.kv_index.service:KVIndexService",
     "balancer": "evenflow.balancer.service:BalancerService",
+    "planner": "evenflow.planner.service:PlannerService",
 }
+
+
+_ID_PREFIX = {"planner": "plan"}  # (the others: p-, d-, k-, b- and the replica's id)
 
 
 class ServiceReplica:
@@ -76,7 +80,7 @@ class ServiceReplica:
         service_cls = getattr(importlib.import_module(module), name)
         replica = serve.get_replica_context().replica_id.unique_id
         self.role = role
-        config, worker_id = _config(args), f"{role[0]}-{replica}"
+        config, worker_id = _config(args), f"{_ID_PREFIX.get(role, role[0])}-{replica}"
         self.ranks: list[subprocess.Popen] = []
         self.hosts: list[Any] = []  # RankHost actors on the group's other nodes
         self._store: Any = None
@@ -262,6 +266,14 @@ def kv_index_app(args: dict[str, Any]):
 
 def balancer_app(args: dict[str, Any]):
     return _service_app("balancer", {**args, "max_replicas": 1}, None)
+
+
+def planner_app(args: dict[str, Any]):
+    """The SLA planner, one replica. On Ray Serve run it with `planner_mode: scale`: it sends
+    each role's size, and the prefill and decode deployments' policies follow it (within
+    their min and max replicas); switching roles in place would move replicas between
+    deployments behind Serve's back."""
+    return _service_app("planner", {**args, "max_replicas": 1}, None)
 
 
 def gateway_app(args: dict[str, Any]):

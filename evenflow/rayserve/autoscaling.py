@@ -1,6 +1,8 @@
 """Custom Ray Serve autoscaling policies, one per service signal. Pure functions of Serve's
 AutoscalingContext: desired replicas from the replicas' reported metrics, scaled up at once,
-down only after the signal has stayed low for a few periods (no flapping)."""
+down only after the signal has stayed low for a few periods (no flapping). Where an SLA
+planner runs in mode scale (evenflow/planner/), the replicas report its sizes for their role
+(`planner_target`), and the policy follows those instead of its own signal."""
 
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ TARGET_RUNNING = 32.0  # decode
 def _metric_total(ctx: Any, name: str) -> float:
     per_replica = (ctx.aggregated_metrics or {}).get(name, {})
     return float(sum(per_replica.values()))
+
+
+def _planner_target(ctx: Any) -> int | None:
+    """The planner's size for this deployment, as its replicas report it (the largest: a
+    replica that heard a newer, larger target should not wait for the others)."""
+    reported = (ctx.aggregated_metrics or {}).get("planner_target", {})
+    return max(1, math.ceil(max(reported.values()))) if reported else None
 
 
 def _decide(ctx: Any, desired: int) -> tuple[int, dict[str, Any]]:
@@ -51,6 +60,9 @@ class PrefillPolicy:
         self.target = target_queued_tokens
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        planned = _planner_target(ctx)
+        if planned is not None:
+            return _decide(ctx, planned)
         queued = _metric_total(ctx, "queued_prompt_tokens")
         return _decide(ctx, max(1, math.ceil(queued / self.target)))
 
@@ -63,6 +75,9 @@ class DecodePolicy:
         self.target, self.min_free = target_running, min_free_kv_fraction
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        planned = _planner_target(ctx)
+        if planned is not None:
+            return _decide(ctx, planned)
         running = _metric_total(ctx, "running_sequences")
         desired = max(1, math.ceil(running / self.target))
         free = (ctx.aggregated_metrics or {}).get("free_kv_fraction", {})

@@ -216,12 +216,21 @@ class MeshConfig(EngineConfig):
                                                           "to other workers")
     planner: bool = setting(False, flag=True, commands=("up",),
                             help="run the SLA planner: it sizes the prefill and decode pools "
-                                 "for --ttft-ms / --itl-ms, by switching workers' roles")
-    planner_mode: str = setting("switch", choices=("switch", "restart", "advisory"), flag=True,
+                                 "for --ttft-ms / --itl-ms, by switching workers' roles "
+                                 "(or, --planner-mode scale, by starting and stopping them)")
+    planner_mode: str = setting("switch", choices=("switch", "restart", "scale", "advisory"),
+                                flag=True,
                                 help="switch: the planner switches workers' roles in place; "
                                      "restart: the worker drains and exits, and the launcher "
-                                     "starts it in the other role; advisory: it only logs and "
+                                     "starts it in the other role; scale: the launcher (or Ray "
+                                     "Serve) starts and stops workers to the sizes the planner "
+                                     "sends, within --max-workers; advisory: it only logs and "
                                      "exports what it would do")
+    max_workers: int = setting(0, ge=0, flag=True,
+                               help="--planner-mode scale: at most this many prefill and decode "
+                                    "workers in all (0: as many as the mesh starts with); "
+                                    "`evenflow up` also keeps a torch engine's workers within "
+                                    "the machine's cores")
     ttft_ms: float = setting(2000.0, gt=0, flag=True, help="the planner's TTFT target")
     itl_ms: float = setting(100.0, gt=0, flag=True, help="the planner's ITL target")
     planner_interval_s: float = setting(5.0, gt=0, flag=True,
@@ -362,6 +371,16 @@ class MeshConfig(EngineConfig):
             return self.num_gateways
         cores = cores or os.cpu_count() or 1
         return max(1, min(cores // 4, 8, 2 * (self.num_prefill + self.num_decode)))
+
+    def fleet_limit(self, cores: int | None = None) -> int:
+        """The most prefill and decode workers `--planner-mode scale` may run: max_workers, or
+        (0) the mesh's own count; a torch engine's workers also within the machine's cores
+        (never below the count the mesh starts with)."""
+        start = self.num_prefill + self.num_decode
+        limit = self.max_workers or start
+        if self.engine == "torch":
+            limit = min(limit, max(start, cores or os.cpu_count() or 1))
+        return max(2, limit)
 
     def to_env(self) -> dict[str, str]:
         """EVENFLOW_* variables that rebuild this config in a child process."""

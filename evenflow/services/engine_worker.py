@@ -30,6 +30,7 @@ from evenflow.proto.messages import (
     ErrorMessage,
     ExpertLoad,
     ExpertPlacement,
+    FleetTarget,
     KVEvents,
     KVSnapshot,
     KVTransferComplete,
@@ -115,6 +116,8 @@ class EngineWorker(WorkerService):
         self._kv_disk_seen: dict[str, int] = {}  # the disk tier's counts at their last export
         self._spec_seen: dict[str, int] = {}  # speculative decoding's, likewise
         self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
+        # the planner's latest FleetTarget (mode scale) and when it came (monotonic)
+        self._fleet_target: tuple[FleetTarget, float] | None = None
 
     # -- the worker lifecycle's hooks -------------------------------------------------------
     def heartbeat(self) -> WorkerHeartbeat:
@@ -325,6 +328,7 @@ class EngineWorker(WorkerService):
         await self.bus.subscribe(subjects.kv_pull(self.worker_id), self.pull_server.on_request)
         await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
                                  self._on_gateway_heartbeat)
+        await self.bus.subscribe(subjects.FLEET_TARGET, self._on_fleet_target)
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
         if self.config.stats_log_interval_s > 0:
             self._owned_tasks.append(asyncio.create_task(self._log_stats(), name="stats"))
@@ -436,6 +440,26 @@ class EngineWorker(WorkerService):
         steps = max(1, min(request.steps, MAX_PROFILE_STEPS))
         timeout = max(0.1, min(request.timeout_s, MAX_PROFILE_SECONDS))
         self.engine_thread.submit(Profile(request.request_id, steps, timeout, trace))
+
+    # -- the planner's sizes, for an autoscaler (Ray Serve) ----------------------------------
+    def _on_fleet_target(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, FleetTarget):
+            self._fleet_target = (message, time.monotonic())
+
+    def load_stats(self) -> dict[str, float]:
+        """This role's load signal (the autoscaling policy's when no planner sizes it)."""
+        return {}
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """The load signal, and `planner_target`: the workers the planner's latest FleetTarget
+        wants in this role, while it is fresh (rayserve/autoscaling.py follows it)."""
+        stats = self.load_stats()
+        if self._fleet_target is not None:
+            target, at = self._fleet_target
+            if time.monotonic() - at <= max(30.0, 4 * self.config.planner_interval_s):
+                stats["planner_target"] = float(
+                    target.prefill if self.role is Role.PREFILL else target.decode)
+        return stats
 
     # -- orphans: requests of a gateway that died ---------------------------------------------
     def gateway_alive(self, reply_subject: str) -> None:

@@ -29,6 +29,7 @@ import orjson
 from evenflow.services import nats_auth
 from evenflow.services.bus import EXIT_NATS_AUTH
 from evenflow.services.config import MeshConfig
+from evenflow.services.fleet_agent import FleetAgent, resize_plan
 from evenflow.services.supervisor import EXIT_ROLE_SWITCH, Child, RestartPolicy, Supervisor
 
 
@@ -278,6 +279,11 @@ class LocalMesh:
     first_index: int = 0
     # serve the DEP groups' rendezvous store (config.ep_rendezvous) from this host
     serve_rendezvous: bool = False
+    # with a planner or role switching: the planner's sizes and the roles workers serve,
+    # heard on the bus (services/fleet_agent.py)
+    _fleet: FleetAgent | None = None
+    _retired: set[int] = field(default_factory=set)  # indices in procs stopped for the planner
+    _retiring: dict[int, float] = field(default_factory=dict)  # ... still draining: deadline
 
     @property
     def url(self) -> str:
@@ -333,6 +339,9 @@ class LocalMesh:
                 self.wait_started()
             else:
                 self.wait_healthy(health_timeout_s)
+            if (cfg.planner or cfg.role_switching) and not self.roles:
+                self._fleet = FleetAgent(self.admin_nats_url or cfg.nats_url or "")
+                self._fleet.start()
         except BaseException:
             self.stop()
             raise
@@ -346,8 +355,10 @@ class LocalMesh:
         """nats-server with a user per service (and an admin), each with its permissions;
         each service gets a credentials file of its own."""
         ep = cfg.expert_parallel_size
-        services = [("decode", w) for w in worker_ids("d", cfg.num_decode, ep)] + [
-            ("prefill", w) for w in worker_ids("p", cfg.num_prefill, ep)] + [
+        # a planner that sizes the fleet may start workers up to its limit, in either role
+        spare = cfg.fleet_limit() if cfg.planner and cfg.planner_mode == "scale" else 0
+        services = [("decode", w) for w in worker_ids("d", max(cfg.num_decode, spare), ep)] + [
+            ("prefill", w) for w in worker_ids("p", max(cfg.num_prefill, spare), ep)] + [
             ("kv_index", "kv0"), ("balancer", "eplb0"), ("gateway", "gateway"), ("admin", "")]
         services.append(("planner", "plan0"))
         # a worker that may switch role connects as the same user in either role
@@ -453,13 +464,76 @@ class LocalMesh:
                 name = _command(proc).split(" -m ", 1)[-1]  # "evenflow.decode d0"
                 self._supervisor.children.append(Child(
                     name, functools.partial(self._respawn, i), proc))
+        self._follow_planner(report or print)
         self._supervisor.check()
+        self._reap_retiring()
+
+    def _follow_planner(self, report: Callable[[str], None]) -> None:
+        """`--planner-mode scale`: start and stop workers to the planner's newest sizes."""
+        if self._fleet is None or self.config.planner_mode != "scale" \
+                or self._supervisor is None:
+            return
+        target = self._fleet.take_target()
+        if target is None:
+            return
+        if self.config.expert_parallel_size > 1:
+            report("planner: sizing DEP groups is not supported; ignoring its sizes")
+            return
+        limit = self.config.fleet_limit()
+        if target.prefill + target.decode > limit:
+            report(f"planner: {target.prefill}P/{target.decode}D is over --max-workers "
+                   f"{limit}; ignored")
+            return
+        serving: dict[str, list[str]] = {"prefill": [], "decode": []}
+        taken: set[str] = set()
+        for i, proc in enumerate(self.procs):
+            role, worker_id = _role_of(proc), str(_args_of(proc)[-1])
+            if role not in serving or (i in self._retired and i not in self._retiring):
+                continue
+            taken.add(worker_id)
+            if i not in self._retired:
+                serving[self._fleet.role_of(worker_id) or role].append(worker_id)
+        plan = resize_plan(serving, target, taken)
+        for worker_id in plan.stop:
+            i = next(i for i, p in enumerate(self.procs) if i not in self._retired
+                     and str(_args_of(p)[-1]) == worker_id)
+            report(f"planner: stopping {worker_id} (target {target.prefill}P/"
+                   f"{target.decode}D)")
+            proc = self.procs[i]
+            self._supervisor.children = [c for c in self._supervisor.children
+                                         if c.proc is not proc]
+            self._retired.add(i)
+            self._retiring[i] = time.monotonic() + self.config.drain_timeout_s + 10
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # drains: in-flight requests finish
+        for role, worker_id in plan.start:
+            report(f"planner: starting {role} {worker_id} (target {target.prefill}P/"
+                   f"{target.decode}D)")
+            proc = self.spawn(["-m", f"evenflow.{role}", worker_id])
+            self._supervisor.children.append(Child(
+                f"evenflow.{role} {worker_id}",
+                functools.partial(self._respawn, len(self.procs) - 1), proc))
+
+    def _reap_retiring(self) -> None:
+        """Workers stopped for the planner that exited, or outstayed their drain: killed."""
+        for i, deadline in list(self._retiring.items()):
+            proc = self.procs[i]
+            if proc.poll() is None and time.monotonic() > deadline:
+                proc.kill()
+            if proc.poll() is not None:
+                del self._retiring[i]
 
     def _respawn(self, index: int) -> subprocess.Popen:
         args = self.procs[index].args
-        if self.procs[index].returncode == EXIT_ROLE_SWITCH:  # drained for the other role
-            swap = {"evenflow.prefill": "evenflow.decode", "evenflow.decode": "evenflow.prefill"}
-            args = [swap.get(a, a) for a in map(str, _args_of(self.procs[index]))]
+        launched = _role_of(self.procs[index])
+        if launched in ("prefill", "decode"):  # in the role it serves, not the one it began in
+            worker_id = str(_args_of(self.procs[index])[-1])
+            heard = self._fleet.role_of(worker_id) if self._fleet else None
+            serving = heard or launched
+            if self.procs[index].returncode == EXIT_ROLE_SWITCH:  # drained for the other role
+                serving = "decode" if serving == "prefill" else "prefill"
+            args = [f"evenflow.{serving}" if a == f"evenflow.{launched}" else a
+                    for a in map(str, _args_of(self.procs[index]))]
         if self._gateway_metrics and _role_of(self.procs[index]) == "gateway":
             from prometheus_client import multiprocess  # (its live gauges leave the sums)
 
@@ -481,6 +555,9 @@ class LocalMesh:
         """Stop everything in order, each stage after the one before has exited: the gateways
         (no new requests), then the workers, the KV index and the balancer, then NATS and Redis
         (so no service sees its bus vanish under it). Returns how many processes it stopped."""
+        if self._fleet is not None:
+            self._fleet.stop()
+            self._fleet = None
         stopped = sum(p.poll() is None for p in self.procs) + \
             sum(s.proc.poll() is None for s in self.servers)
         gateways = [p for p in self.procs if _role_of(p) == "gateway"]

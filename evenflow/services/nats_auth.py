@@ -15,11 +15,12 @@ Permissions (`{id}` is the service's own id; P = "evenflow"):
                  sub P.kv.events, P.heartbeat.>
   balancer-{id}  pub P.eplb.placement, P.heartbeat.balancer.{id}
                  sub P.eplb.load, P.heartbeat.>
-  planner-{id}   pub P.control.*, P.heartbeat.planner.{id}
+  planner-{id}   pub P.control.*, P.fleet.target, P.heartbeat.planner.{id}
                  sub P.heartbeat.>
   engine-{id}    a worker that may switch role (`--planner` with switching): the prefill and
                  decode permissions of {id} together
-(every prefill and decode worker also subscribes to P.control.{id}: the planner's RoleSwitch.)
+(every prefill and decode worker also subscribes to P.control.{id}, the planner's RoleSwitch,
+and to P.fleet.target, its FleetTarget, which a Ray Serve replica reports to the autoscaler.)
   admin          pub >  sub >  (operators, benchmarks, tests)
 
 Deployments whose worker ids are not known in advance (Ray Serve replicas, compose, KubeRay)
@@ -62,7 +63,7 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
     # every worker answers KV pulls from the blocks it holds (prefill workers ask)
     worker_in = (subjects.kv_resync(worker_id), subjects.EXPERT_PLACEMENT,
                  subjects.heartbeat("gateway", "*"), subjects.kv_pull(worker_id),
-                 subjects.control(worker_id))
+                 subjects.control(worker_id), subjects.FLEET_TARGET)
     worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat,
                   subjects.kv_pulled("*"))
     table: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -80,7 +81,8 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
                      (subjects.KV_EVENTS, subjects.HEARTBEATS)),
         "balancer": ((subjects.EXPERT_PLACEMENT, own_heartbeat),
                      (subjects.EXPERT_LOAD, subjects.HEARTBEATS)),
-        "planner": ((subjects.control("*"), own_heartbeat), (subjects.HEARTBEATS,)),
+        "planner": ((subjects.control("*"), subjects.FLEET_TARGET, own_heartbeat),
+                    (subjects.HEARTBEATS,)),
         "admin": ((">",), (">",)),
     }
     if role == "engine":  # both engine roles' permissions: it switches between them

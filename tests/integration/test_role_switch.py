@@ -1,7 +1,8 @@
 """Role switching through a real mesh (mock engine, a real NATS with per-service users): a
 decode worker told to switch drains, hands its unfinished streams back (they finish elsewhere,
 every token there), and serves prefill from the same process; not in place, it exits and the
-launcher starts it again in the other role. The gateway routes by the new role at once."""
+launcher starts it again in the other role. The gateway routes by the new role at once, and a
+switched worker that dies comes back in the role it served."""
 
 from __future__ import annotations
 
@@ -89,3 +90,19 @@ def test_a_switch_by_restart_comes_back_in_the_other_role(mesh):
     assert tokens == [120] * 8
     assert wait_for(lambda: _live(mesh) == {"prefill": 2.0, "decode": 1.0}, 60)
     assert _roles(mesh)["d0"] == "prefill"
+
+
+def test_a_switched_worker_that_dies_comes_back_in_the_role_it_served(mesh):
+    import signal
+
+    # d0 runs as `evenflow.prefill` since the restart above; in place it goes back to decode
+    assert wait_for(lambda: _roles(mesh).get("d0") == "prefill", 60)
+    asyncio.run(_switch(mesh, "d0", "decode", in_place=True, drain_s=0.3))
+    assert wait_for(lambda: _live(mesh) == {"prefill": 1.0, "decode": 2.0}, 20)
+    (proc,) = [p for p in mesh.procs if p.poll() is None and str(p.args[-1]) == "d0"]
+    proc.send_signal(signal.SIGKILL)
+    assert wait_for(lambda: any(p.poll() is None and str(p.args[-1]) == "d0"
+                                and p is not proc for p in mesh.procs), 30)
+    (back,) = [p for p in mesh.procs if p.poll() is None and str(p.args[-1]) == "d0"]
+    assert "evenflow.decode" in [str(a) for a in back.args]
+    assert wait_for(lambda: _live(mesh) == {"prefill": 1.0, "decode": 2.0}, 30)

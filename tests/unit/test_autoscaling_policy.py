@@ -42,3 +42,14 @@ def test_a_replica_still_starting_is_not_scaled_away():
         n, state = policy(ctx(2, {"queued_prompt_tokens": {"a": 0.0, "b": 0.0}}, state))
         assert n == 2
     assert policy(ctx(2, {"queued_prompt_tokens": {"a": 0.0, "b": 0.0}}, state))[0] == 1
+
+
+def test_a_planners_size_overrides_the_load_signal():
+    # the replicas report the SLA planner's size for their role (FleetTarget, mode scale)
+    prefill, decode = PrefillPolicy(target_queued_tokens=100), DecodePolicy(target_running=10)
+    metrics = {"queued_prompt_tokens": {"a": 0.0}, "planner_target": {"a": 3.0, "b": 2.0}}
+    assert prefill(ctx(1, metrics))[0] == 3  # the newest (largest) report, not the queue's 1
+    assert decode(ctx(1, {"running_sequences": {"a": 99.0}, "planner_target": {"a": 2.0}}))[0] \
+        == 2
+    assert decode(ctx(1, {"running_sequences": {"a": 99.0}, "planner_target": {"a": 9.0}}))[0] \
+        == 4  # still within the deployment's max replicas

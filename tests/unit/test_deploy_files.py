@@ -23,7 +23,7 @@ def test_serve_config_validates_with_ray():
     config = schema.ServeDeploySchema.model_validate(raw) if hasattr(
         schema.ServeDeploySchema, "model_validate") else schema.ServeDeploySchema.parse_obj(raw)
     names = {app.name for app in config.applications}
-    assert names == {"gateway", "prefill", "decode", "kv_index", "balancer"}
+    assert names == {"gateway", "prefill", "decode", "kv_index", "balancer", "planner"}
     assert all(_resolves(app.import_path) for app in config.applications)
 
 

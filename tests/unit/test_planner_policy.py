@@ -1,11 +1,21 @@
 """The planner's arithmetic: what each role needs for the targets, the split that leaves no
-role the straggler, and when a move is made (held, urgent, not undone at once)."""
+role the straggler, and when a move is made (held, urgent, not undone at once); for a fleet
+that grows and shrinks, the sizes (up at once, down after a settled spell, within the cap);
+and which workers the launcher starts and stops for a size."""
 
 from __future__ import annotations
 
 import pytest
 
-from evenflow.planner.policy import FleetLoad, Planner, best_split, max_utilization, need
+from evenflow.planner.policy import (
+    FleetLoad,
+    Planner,
+    Sizer,
+    best_split,
+    fleet_size,
+    max_utilization,
+    need,
+)
 from evenflow.planner.profile import OnlineProfile, RoleProfile
 
 PROFILE = RoleProfile(prefill_s_per_token=0.001, decode_s_base=0.002, decode_s_per_seq=0.002)
@@ -97,3 +107,50 @@ def test_profile_round_trips_through_its_file(tmp_path):
     path = str(tmp_path / "roles.json")
     RoleProfile(0.002, 0.01, 0.001, 12.0).save(path, machine="test")
     assert RoleProfile.load(path) == RoleProfile(0.002, 0.01, 0.001, 12.0)
+
+
+def test_fleet_size_rounds_each_role_up_within_the_cap():
+    needed = need(prefill_heavy(), PROFILE, ttft_s=1.0, itl_s=0.05)
+    p, d = fleet_size(needed, max_workers=16, current_prefill=1)
+    assert p >= 3 and d == 1  # 2.4 worker-seconds of prompts a second, little decode
+    assert sum(fleet_size(needed, max_workers=3, current_prefill=1)) == 3
+    idle = need(FleetLoad(1, 1), PROFILE, ttft_s=1.0, itl_s=0.05)
+    assert fleet_size(idle, 16, 1) == (1, 1)  # a role never goes to zero
+
+
+def test_sizer_grows_at_once_and_shrinks_only_after_settling():
+    sizer = Sizer(ttft_s=1.0, itl_s=0.05, max_workers=8, settle_intervals=3, smoothing=1.0)
+    grown = sizer.decide(prefill_heavy(1, 1), PROFILE)
+    assert grown.action == "grow" and grown.target_prefill >= 3
+    quiet = FleetLoad(grown.target_prefill, 1)
+    held = [sizer.decide(quiet, PROFILE) for _ in range(2)]
+    assert [d.action for d in held] == ["hold", "hold"]
+    assert held[-1].target_prefill == grown.target_prefill
+    shrunk = sizer.decide(quiet, PROFILE)
+    assert shrunk.action == "shrink" and (shrunk.target_prefill, shrunk.target_decode) == (1, 1)
+    # a burst within the settling spell resets it
+    sizer.decide(prefill_heavy(1, 1), PROFILE)
+    sizer.decide(quiet, PROFILE)
+    assert sizer.decide(prefill_heavy(1, 1), PROFILE).action == "hold"
+
+
+def test_sizer_at_the_cap_trades_workers_between_roles_at_once():
+    sizer = Sizer(ttft_s=1.0, itl_s=0.05, max_workers=4, settle_intervals=5, smoothing=1.0)
+    first = sizer.decide(decode_heavy(1, 3), PROFILE)
+    assert (first.target_prefill, first.target_decode) == (1, 3)
+    flipped = sizer.decide(prefill_heavy(1, 3), PROFILE)
+    assert flipped.target_prefill + flipped.target_decode <= 4
+    assert flipped.target_prefill >= 2 and flipped.action == "resize"
+
+
+def test_resize_plan_stops_the_named_then_newest_and_reuses_free_ids():
+    from evenflow.proto.messages import FleetTarget
+    from evenflow.services.fleet_agent import resize_plan
+
+    serving = {"prefill": ["p0", "p1", "p2"], "decode": ["d0"]}
+    plan = resize_plan(serving, FleetTarget(planner_id="x", prefill=1, decode=3,
+                                            retire=["p1"]), {"p0", "p1", "p2", "d0", "d1"})
+    assert plan.stop == ["p1", "p2"]
+    assert plan.start == [("decode", "d2"), ("decode", "d3")]  # d1 is still draining
+    assert resize_plan(serving, FleetTarget(planner_id="x", prefill=3, decode=1),
+                       set()).start == plan.stop[:0]
