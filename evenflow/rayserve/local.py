@@ -84,6 +84,10 @@ class LocalRayMesh:
         if cfg.num_ep_ranks:
             serve.run(app.balancer_app(of("balancer")), name="balancer", route_prefix=None,
                       blocking=False)
+        if cfg.planner:  # on Serve it sizes the deployments (mode scale), see planner_app
+            serve.run(app.planner_app(of("planner", planner_mode="scale",
+                                         max_workers=cfg.max_workers or 8)),
+                      name="planner", route_prefix=None, blocking=False)
         serve.run(app.gateway_app(of("gateway")), name="gateway", route_prefix="/",
                   blocking=False)
         wait_for_health(self.url, health_timeout_s)

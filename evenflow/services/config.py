@@ -374,12 +374,12 @@ class MeshConfig(EngineConfig):
 
     def fleet_limit(self, cores: int | None = None) -> int:
         """The most prefill and decode workers `--planner-mode scale` may run: max_workers, or
-        (0) the mesh's own count; a torch engine's workers also within the machine's cores
-        (never below the count the mesh starts with)."""
+        (0) the mesh's own count; given the machine's `cores` (a mesh on one machine), a torch
+        engine's workers also within them (never below the count the mesh starts with)."""
         start = self.num_prefill + self.num_decode
         limit = self.max_workers or start
-        if self.engine == "torch":
-            limit = min(limit, max(start, cores or os.cpu_count() or 1))
+        if cores and self.engine == "torch":
+            limit = min(limit, max(start, cores))
         return max(2, limit)
 
     def to_env(self) -> dict[str, str]:

@@ -298,6 +298,8 @@ class LocalMesh:
                                   "URLs (--nats, --redis)")
             if cfg.planner:  # its moves need workers that can switch role
                 cfg = replace(cfg, role_switching=True)
+            if cfg.planner and cfg.planner_mode == "scale":  # the planner's and ours agree
+                cfg = replace(cfg, max_workers=cfg.fleet_limit(os.cpu_count()))
             if not cfg.nats_url and cfg.nats_auth:
                 cfg = self._start_secure_nats(cfg)
             cfg = ensure_data_plane(cfg, self.servers)

@@ -1,6 +1,7 @@
 """The mesh on a local Ray instance: the Serve applications start, a streamed chat completion
 goes through the gateway deployment, prefill scales from 1 to 2 replicas under queued load and
-back afterwards, every request completes, and the new replica takes requests."""
+back afterwards, every request completes, and the new replica takes requests. With the SLA
+planner (`evenflow up --ray --planner`), prefill scales to the size the planner sends."""
 
 from __future__ import annotations
 
@@ -126,3 +127,47 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_planner_sizes_the_serve_deployments():
+    pytest.importorskip("ray")
+    from ray import serve
+
+    from evenflow.rayserve.local import LocalRayMesh
+    from evenflow.services.config import MeshConfig
+
+    config = MeshConfig(host="127.0.0.1", port=free_port(), engine="mock",
+                        mock_timing_scale=10.0, num_prefill=1, num_decode=1, num_ep_ranks=0,
+                        local_prefill_threshold=0, planner=True, max_workers=3,
+                        planner_interval_s=1.0, ttft_ms=600, itl_ms=200,
+                        heartbeat_interval_s=0.2, worker_timeout_s=10, router="least_load",
+                        stats_log_interval_s=0, log_level="warning")
+    mesh = LocalRayMesh(config)
+    try:
+        mesh.start(health_timeout_s=240)
+        assert "planner" in serve.status().applications
+
+        def one(i: int) -> int:  # 400-token prompts: 0.4 s of prefill each at this scale
+            return httpx.post(mesh.url + "/v1/completions", timeout=120, json={
+                "model": config.model_name, "prompt": [3 + i % 400] * 400, "max_tokens": 4,
+                "ignore_eos": True}).status_code
+
+        started, scaled_up_at = time.monotonic(), None
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = []
+            while time.monotonic() - started < 120 and (
+                    scaled_up_at is None or time.monotonic() - scaled_up_at < 5):
+                futures.append(pool.submit(one, len(futures)))
+                time.sleep(0.25)  # ~4 a second: the planner wants a second prefill worker
+                if scaled_up_at is None and prefill_replicas(serve) == 2:
+                    scaled_up_at = time.monotonic()
+            codes = [f.result() for f in futures]
+        assert scaled_up_at is not None, "the planner's size never reached the deployment"
+        print(f"prefill at 2 replicas after {scaled_up_at - started:.1f} s")
+        # what the policy followed (test_autoscaling_policy: over the queue's own signal)
+        stats = serve.get_deployment_handle("prefill", "prefill") \
+            .record_autoscaling_stats.remote().result(timeout_s=30)
+        assert stats.get("planner_target", 0) >= 2, stats
+        assert codes and all(code == 200 for code in codes)
+    finally:
+        mesh.stop()
