@@ -17,8 +17,11 @@ from evenflow.services.metrics import TTFT, VLLM_ITL, VLLM_TTFT, labelled
 class ChoiceOutput:
     """What one choice's deltas become: text pieces, and its job's usage and timings."""
 
-    def __init__(self, job, detok: IncrementalDetokenizer, vocab: int, started: float) -> None:
+    def __init__(self, job, detok: IncrementalDetokenizer, vocab: int, started: float,
+                 unprinted: frozenset[int] = frozenset()) -> None:
         self.job, self.detok, self.vocab = job, detok, vocab
+        # token ids kept out of the text (the end of sequence, where special tokens print)
+        self.unprinted = unprinted
         self.first = True
         # a piece went to the request's task (which renders the stream's first event: the
         # chat role, the first-chunk timing); until then the direct path takes nothing
@@ -57,7 +60,10 @@ class ChoiceOutput:
                                              previous_id=previous))
                 previous = token
             self.previous = previous
-        text = self.detok.add(delta.token_ids)
+        ids = delta.token_ids
+        if self.unprinted:
+            ids = [t for t in ids if t not in self.unprinted]
+        text = self.detok.add(ids)
         if self.detok.stopped:  # a stop string: cut here; the stream cancels downstream
             return Piece(text, "stop", logprobs)
         finish = delta.finish_reason

@@ -129,5 +129,5 @@ class DirectStream:
 
 def plain(job: Any) -> bool:
     """A job whose middle events the direct path may write: one choice, text only."""
-    return (job.n == 1 and job.tools is None and job.logprobs is None
+    return (job.n == 1 and job.shape is None and job.logprobs is None
             and not job.continuous_usage)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from evenflow import models
 from evenflow.gateway.admission import Admission, Slot
+from evenflow.gateway.agent_input import output_shape, template_messages, tool_parser_name
+from evenflow.gateway.agent_output import OutputShape
 from evenflow.gateway.choice import ChoiceOutput
 from evenflow.gateway.client import GatewayClient
 from evenflow.gateway.direct import DirectStream, DirectWriter, plain
@@ -34,12 +36,7 @@ from evenflow.gateway.render import (
     TokenLogprob,
     Usage,
 )
-from evenflow.gateway.structured import (
-    GuideCompiler,
-    ToolMode,
-    requested_format,
-    requested_tools,
-)
+from evenflow.gateway.structured import GuideCompiler, requested_format, requested_tools
 from evenflow.gateway.timings import FirstTokenTimings
 from evenflow.proto import errors
 from evenflow.proto.hashing import namespace_salt
@@ -82,7 +79,8 @@ class Job:
     drop_output: bool = False  # echo with max_tokens 0: the one generated token is dropped
     # echo + logprobs: prompt tokens 1, 2, ... (the first has no logprob), from the first delta
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    tools: ToolMode | None = None  # a forced tool call: how the output becomes tool_calls
+    # a chat output split into content, reasoning and tool calls (gateway/agent_output.py)
+    shape: OutputShape | None = None
     # a streamed single-choice request: its time to first token, split (gateway/timings.py)
     timings: FirstTokenTimings | None = None
     created: int = field(default_factory=lambda: int(time.time()))  # every chunk carries it
@@ -150,6 +148,9 @@ class Gateway:
         self.output_vocab = max(self.tokenizer.vocab_size, models.output_vocab_size(model_dir))
         eos = self.tokenizer.eos_token_id
         self.guides = GuideCompiler(model_dir, [] if eos is None else [eos])
+        # what ends a sequence, kept out of the text when a parser reads special tokens
+        self.eos_ids = frozenset(([] if eos is None else [eos]) + models.eos_token_ids(model_dir))
+        self.tool_parser = tool_parser_name(config.tool_call_parser, self.tokenizer.chat_template)
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
         self.token_id_renderer = TokenIdRenderer(self.tokenizer)
         self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
@@ -176,8 +177,7 @@ class Gateway:
         try:
             if req.messages is not None:
                 text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.text()} for m in req.messages],
-                    req.add_generation_prompt)
+                    template_messages(req.messages), req.add_generation_prompt)
                 return self.tokenizer.encode(text, bool(req.add_special_tokens))
             assert req.prompt is not None
             return self.tokenizer.encode(req.prompt, req.add_special_tokens is not False)
@@ -218,10 +218,11 @@ class Gateway:
         request names checked against the vocabulary; raises APIError."""
         try:
             if isinstance(req, ChatCompletionRequest):
+                requested_tools(req)  # (checked before the template renders them)
                 prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.text()} for m in req.messages],
-                    req.add_generation_prompt, req.tools if req.tool_choice != "none" else None),
-                    add_special_tokens=req.add_special_tokens)
+                    template_messages(req.messages), req.add_generation_prompt,
+                    req.tools if req.tool_choice != "none" else None,
+                    req.chat_template_kwargs), add_special_tokens=req.add_special_tokens)
             elif isinstance(req.prompt, str):
                 prompt_ids = self.tokenizer.encode(req.prompt, req.add_special_tokens)
             else:
@@ -279,15 +280,17 @@ class Gateway:
     async def attach_guide(self, job: Job, req: CompletionRequest | ChatCompletionRequest
                            ) -> None:
         """Structured output or a forced tool call: the job's grammar, compiled and validated
-        off the event loop (gateway/structured.py); raises APIError."""
+        off the event loop (gateway/structured.py); and a chat job's output shape (tool calls,
+        reasoning: gateway/agent_output.py). Raises APIError."""
         fmt = requested_format(req)
-        tools = requested_tools(req) if isinstance(req, ChatCompletionRequest) else None
-        if fmt is not None and tools is not None:
-            raise APIError(400, f"{fmt[2]} and a forced tool call cannot be combined",
-                           param="tool_choice")
-        if tools is not None:
-            job.tools = tools[1]
-            fmt = ("json_schema", tools[0], "tools")
+        if isinstance(req, ChatCompletionRequest):
+            tools = requested_tools(req)
+            if tools is not None and tools.schema is not None:
+                if fmt is not None:
+                    raise APIError(400, f"{fmt[2]} and a forced tool call cannot be combined",
+                                   param="tool_choice")
+                fmt = ("json_schema", tools.schema, "tools")
+            job.shape = output_shape(tools, self.tool_parser, self.config.reasoning_parser)
         if fmt is not None:
             job.spec = dataclasses.replace(job.spec, guide=await self.guides.compile(*fmt))
 
@@ -295,9 +298,12 @@ class Gateway:
         """Yield the choice's pieces (text, finish reason, logprobs); job.usage follows along.
         With job.writer (a streamed plain job), deltas in the middle of the stream may go
         straight from the inbox to the socket instead (gateway/direct.py)."""
+        special = job.shape is not None and job.shape.needs_special_tokens
         output = ChoiceOutput(job, IncrementalDetokenizer(
             self.tokenizer, job.prompt_ids, list(job.spec.stop),
-            job.spec.include_stop_str_in_output), self.output_vocab, time.monotonic())
+            job.spec.include_stop_str_in_output, skip_special_tokens=not special),
+            self.output_vocab, time.monotonic(),
+            self.eos_ids | set(job.spec.stop_token_ids) if special else frozenset())
         attempts = self.client.attempts(job.prompt_ids, job.spec, job.request_id,
                                         lambda: min(job.deadline, self.drain_deadline),
                                         job.timings, job.served)

@@ -250,6 +250,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
+    # an assistant turn's calls, and a tool turn's answer to one (gateway/agent_input.py)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -262,11 +266,14 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: StrictBool = True
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    # Forced tool calls (gateway/structured.py): tool_choice "required" or a named function
+    # Tool calls (gateway/structured.py, agent_output.py): "auto" (the default with tools)
+    # reads the model's own syntax; "required" and a named function are forced by a grammar
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None  # False: "required" makes one call at most
     add_special_tokens: StrictBool = False
+    # extra variables for the chat template (Qwen3's enable_thinking, say), as vLLM takes them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

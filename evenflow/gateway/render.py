@@ -136,11 +136,12 @@ def completion_body(kind: str, request_id: str, model: str, choices: list[dict[s
 
 def choice_body(kind: str, index: int, text: str, finish: str | None,
                 logprobs: dict[str, Any] | None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                message: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole response; `message`: a chat message split into its parts
+    (gateway/agent_output.py) instead of `text` as content."""
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-    if tool_calls:
-        choice["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-        choice["finish_reason"] = "tool_calls"
+    if message is not None:
+        choice["message"] = message
     elif kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -189,17 +190,21 @@ class ChunkTemplate:
         return self._head + orjson.dumps(text) + self._tail
 
 
-def tool_calls_chunk(request_id: str, model: str, index: int,
-                     tool_calls: list[dict[str, Any]], created: int | None = None
-                     ) -> dict[str, Any]:
-    """A forced tool call, streamed: the whole call in one delta once the output is complete."""
-    delta = {"role": "assistant", "content": None,
-             "tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
-    return {"id": request_id, "object": "chat.completion.chunk",
-            "created": int(time.time()) if created is None else created,
-            "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": index, "delta": delta, "logprobs": None,
-                         "finish_reason": "tool_calls"}]}
+def delta_chunk(request_id: str, model: str, index: int, delta: dict[str, Any],
+                finish: str | None, first: bool, logprobs: dict[str, Any] | None,
+                usage: Usage | None = None, created: int | None = None) -> dict[str, Any]:
+    """A chat stream chunk whose delta has parts of its own (content, reasoning_content,
+    tool_calls: gateway/agent_output.py)."""
+    if first:
+        delta = {"role": "assistant", **delta}
+    body = {"id": request_id, "object": "chat.completion.chunk",
+            "created": int(time.time()) if created is None else created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage.body()
+    return body
 
 
 def usage_chunk(kind: str, request_id: str, model: str, usage: Usage,

@@ -27,10 +27,9 @@ from evenflow.gateway.render import (
     choice_body,
     chunk_body,
     completion_body,
-    tool_calls_chunk,
+    delta_chunk,
     usage_chunk,
 )
-from evenflow.gateway.structured import tool_calls
 from evenflow.services import tracing
 from evenflow.services.metrics import INFLIGHT, REQUESTS, labelled
 
@@ -99,9 +98,13 @@ async def complete(gateway: Gateway, job: Job, ctx: Context | None,
     for i in range(job.n):
         if job.echo_text is None:
             rendered = _rendered_logprobs(gateway, job, Piece("", None, logprobs[i]), 0)
-            calls = (tool_calls(job.tools, texts[i])
-                     if job.tools is not None and finishes[i] != "length" else None)
-            body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered, calls))
+            if job.shape is None:
+                body.append(choice_body(job.kind, i, texts[i], finishes[i], rendered))
+                continue
+            split = job.shape.split()  # content, reasoning and tool calls
+            split.feed(texts[i], final=True)
+            body.append(choice_body(job.kind, i, texts[i], split.finish_reason(finishes[i]),
+                                    rendered, split.message()))
             continue
         rendered = None if job.logprobs is None else _renderer(gateway, job).echoed(
             job.prompt_ids[0], choices[i].prompt_logprobs, logprobs[i])
@@ -126,20 +129,27 @@ async def stream(gateway: Gateway, job: Job, ctx: Context | None,
     choices = job.choices()
     first, offsets = [True] * job.n, [0] * job.n
     finishes: list[str | None] = [None] * job.n
-    held = [""] * job.n  # a forced tool call's output, until it is complete
+    # content, reasoning and tool calls, split as they come (gateway/agent_output.py)
+    splits = [job.shape.split() for _ in range(job.n)] if job.shape is not None else None
     tail: list[bytes] = []  # the events that go out with [DONE]
     try:
         async for index, piece in merged(_runs(gateway, choices)):
             event = None
-            if job.tools is not None:
-                held[index] += piece.text
-                if piece.finish is None:
+            if splits is not None:
+                split = splits[index]
+                delta = split.feed(piece.text, final=piece.finish is not None)
+                finish = split.finish_reason(piece.finish) if piece.finish else None
+                rendered = _rendered_logprobs(gateway, job, piece, offsets[index])
+                offsets[index] += len(piece.text)
+                if delta is None and finish is None and rendered is None:
                     continue
-                calls = None if piece.finish == "length" else tool_calls(job.tools, held[index])
-                if calls:
-                    event = _sse(tool_calls_chunk(job.request_id, job.model, index, calls,
-                                                  job.created))
-                piece = Piece(held[index], piece.finish)  # no calls: the text as content
+                usage = job.total_usage(choices) if job.continuous_usage else None
+                event = _sse(delta_chunk(job.request_id, job.model, index, delta or {}, finish,
+                                         first[index], rendered, usage, job.created))
+                if first[index] and job.timings is not None:
+                    job.timings.first_chunk()
+                first[index] = False
+                piece = Piece("", finish)
             if event is None:
                 usage = job.total_usage(choices) if job.continuous_usage else None
                 event = _sse(chunk_body(job.kind, job.request_id, job.model, index, piece.text,

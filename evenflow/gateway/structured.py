@@ -1,21 +1,23 @@
 """Structured output and tool calls at the gateway: which output format a request asks for
 (`response_format`, vLLM's `guided_*` / `structured_outputs` extras, or `tools` with a
 `tool_choice` that forces a call), its grammar compiled and validated against the model's
-vocabulary off the event loop (a bad schema is a 400 before any work), and a finished output
-turned back into OpenAI `tool_calls`.
+vocabulary off the event loop (a bad schema is a 400 before any work).
 
-Tool calls go through the same constrained decoding, as vLLM does without a model-specific
-parser: `tool_choice: {"type": "function", ...}` makes the output that function's arguments
-(a JSON object matching its `parameters`); `"required"` makes it a JSON array of
-`{"name", "parameters"}` calls, one of the tools each. `"auto"` (also the default when `tools`
-are given) would need a parser for a model family's own tool-call syntax; it is refused with 400.
+Forced tool calls go through the same constrained decoding, as vLLM does without a
+model-specific parser: `tool_choice: {"type": "function", ...}` makes the output that
+function's arguments (a JSON object matching its `parameters`); `"required"` makes it a JSON
+array of `{"name", "parameters"}` calls, one of the tools each: at most one with
+`parallel_tool_calls: false`, otherwise at most MAX_PARALLEL_CALLS (enough for an agent's
+fan-out, and a bound on a model that would add calls until max_tokens). `"auto"` (also the
+default when `tools` are given) constrains nothing: the model's own tool syntax is read back by
+its family's parser (gateway/tool_parsers.py). The output becomes `tool_calls` in
+gateway/agent_output.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +31,16 @@ from evenflow.proto.grammar import GrammarError, guide_grammar, guide_vocabulary
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-@dataclass(frozen=True)
-class ToolMode:
-    """How a finished output becomes tool calls: `named` (the output is that function's
-    arguments) or, with named None, "required" (the output is a JSON array of calls)."""
+MAX_PARALLEL_CALLS = 8
 
-    named: str | None
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """What a request's tools ask of the output: `schema` (a forced call's grammar: the named
+    function's arguments, or "required"'s array of calls) or, with schema None, "auto"."""
+
+    schema: dict[str, Any] | None
+    named: str | None = None
 
 
 def _loads(value: Any, param: str) -> Any:
@@ -87,48 +93,57 @@ def requested_format(req: CompletionRequest | ChatCompletionRequest) -> tuple[st
     return found[0] if found else None
 
 
-def requested_tools(req: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode] | None:
-    """The JSON schema a forced tool call's output must match, and how to read it back."""
+def requested_tools(req: ChatCompletionRequest) -> ToolRequest | None:
+    """What the request's tools and tool_choice ask of the output (None: no tool calls)."""
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
-        if choice not in (None, "none"):
+        if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
     params: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"tools[{i}] must be a function tool", param="tools")
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(function, dict):
+            raise APIError(400, f"tools[{i}] must be a function tool: {{\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param=f"tools[{i}]")
         name = function.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
             raise APIError(400, f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}",
-                           param="tools")
-        schema = function.get("parameters") or {"type": "object"}
-        if not isinstance(schema, dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
-                           param="tools")
+                           param=f"tools[{i}].function.name")
+        if name in params:
+            raise APIError(400, f"tools[{i}]: a second function named {name!r}",
+                           param=f"tools[{i}].function.name")
+        schema = function.get("parameters")
+        schema = {"type": "object", "properties": {}} if schema is None else schema
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema of an "
+                           "object (the arguments are a JSON object)",
+                           param=f"tools[{i}].function.parameters")
         params[name] = schema
     if choice == "none":
         return None
     if choice in (None, "auto"):
-        raise APIError(400, 'tool_choice "auto" is not supported by evenflow (it needs a '
-                       "tool-call parser for the model's own syntax); use \"required\" or "
-                       "name a function", param="tool_choice")
+        return ToolRequest(None)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name},
                                                    "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in params.items()]
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if req.parallel_tool_calls is False:
-            array["maxItems"] = 1
-        return array, ToolMode(None)
-    named = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(named, str) or named not in params:
-        raise APIError(400, "tool_choice must be \"none\", \"required\" or name one of the "
-                       "tools: {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                                 "maxItems": 1 if req.parallel_tool_calls is False
+                                 else MAX_PARALLEL_CALLS}
+        return ToolRequest(array)
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" \
+            or not isinstance(choice.get("function"), dict):
+        raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or name one "
+                       "of the tools: {\"type\": \"function\", \"function\": {\"name\": ...}}",
                        param="tool_choice")
-    return params[named], ToolMode(named)
+    named = choice["function"].get("name")
+    if named not in params:
+        raise APIError(400, f"tool_choice names {named!r}, which is not one of the tools "
+                       f"({', '.join(params)})", param="tool_choice")
+    return ToolRequest(params[named], named)
 
 
 class GuideCompiler:
@@ -192,22 +207,3 @@ def user_reason(kind: str, error: str) -> str:
     if kind in _WHAT:
         head = f"{_WHAT[kind]}: {head}"
     return " ".join(head.split())[:400]
-
-
-def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI tool_calls a finished output makes, or None when it does not parse (cut
-    short by max_tokens: it is then returned as content)."""
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return None
-    calls: list[tuple[Any, Any]]
-    if mode.named is not None:
-        calls = [(mode.named, value)]
-    elif isinstance(value, list):
-        calls = [(c.get("name"), c.get("parameters")) for c in value if isinstance(c, dict)]
-    else:
-        return None
-    return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
-            for name, args in calls]

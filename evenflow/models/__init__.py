@@ -138,6 +138,21 @@ def output_vocab_size(model_dir: Path) -> int:
     return int((raw.get("text_config") or raw).get("vocab_size") or 0)
 
 
+def eos_token_ids(model_dir: Path) -> list[int]:
+    """The token ids that end a sequence, as config.json and generation_config.json name
+    them (an id or a list)."""
+    found: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        value = (raw.get("text_config") or raw).get("eos_token_id", raw.get("eos_token_id"))
+        found += [int(v) for v in (value if isinstance(value, list) else [value])
+                  if isinstance(v, int)]
+    return found
+
+
 def default_max_model_len(model_dir: Path, requested: int | None = None) -> int:
     """The context limit the engine serves: the model's, capped."""
     raw = json.loads((model_dir / "config.json").read_text())

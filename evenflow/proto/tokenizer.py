@@ -67,14 +67,15 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, context_ids: Sequence[int]) -> Callable[[int], str | None] | None:
+    def decode_stream(self, context_ids: Sequence[int], skip_special_tokens: bool = True
+                      ) -> Callable[[int], str | None] | None:
         """tokenizers' DecodeStream (incremental, in Rust: one call a token), seeded with the
         tokens before the output, as a function of the next token id; None where this
         tokenizers release has none."""
         try:
             from tokenizers.decoders import DecodeStream
 
-            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=True)
+            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         except (ImportError, TypeError):
             return None
         backend = self._tok
@@ -83,8 +84,10 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        """Render the checkpoint's chat template, the way transformers does."""
+        """Render the checkpoint's chat template, the way transformers does (`extra`: a
+        request's chat_template_kwargs, such as Qwen3's enable_thinking)."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; use the completions API")
         if self._template is None:
@@ -96,6 +99,7 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
+                **(extra or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools or None,
@@ -129,8 +133,10 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -143,7 +149,8 @@ class IncrementalDetokenizer:
         # With no stop string (no rewind, nothing held back), tokenizers' own incremental
         # decoder, ~4x cheaper a token, the same text (checked on random ids of byte-level and
         # SentencePiece vocabularies: tests/unit/test_direct_stream.py).
-        self._step = None if self._stop else tokenizer.decode_stream(self._ids)
+        self._step = None if self._stop else tokenizer.decode_stream(self._ids,
+                                                                     skip_special_tokens)
 
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
@@ -156,8 +163,9 @@ class IncrementalDetokenizer:
             return self._take(final=False)
         for token_id in token_ids:
             self._ids.append(token_id)
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._tok.decode(self._ids[self._prefix_offset :])
+            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset],
+                                      self._skip_special)
+            full = self._tok.decode(self._ids[self._prefix_offset :], self._skip_special)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix) :]
                 self._prefix_offset = self._read_offset

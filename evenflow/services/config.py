@@ -89,6 +89,13 @@ class MeshConfig(EngineConfig):
                  "purpose (`evenflow doctor` must name it): MS for every worker, or "
                  "WORKER=MS,...")
     # Gateway
+    tool_call_parser: str = setting(
+        "", choices=("", "hermes", "llama3_json", "mistral", "deepseek_v3", "openai"),
+        flag=True, help="how tool_choice \"auto\" reads the model's own tool-call syntax "
+                        "(empty: detected from the chat template; hermes when it names none)")
+    reasoning_parser: str = setting(
+        "", choices=("", "deepseek_r1", "qwen3", "gpt_oss"), flag=True,
+        help="split the model's reasoning into reasoning_content (empty: off)")
     host: str = setting("127.0.0.1", flag=True, help="the gateway's address")
     port: int = setting(8000, ge=0, le=65535, flag=True, help="the gateway's port")
     api_keys: tuple[str, ...] = setting(
