@@ -235,7 +235,8 @@ def _supervise(mesh: Any, kernels: Any) -> int:
 
 BENCHMARKS = {  # `evenflow bench NAME` -> its module (each has main(argv))
     **{name: f"evenflow.bench.offline.{name}_bench"
-       for name in ("engine", "quant", "tiers", "sampling", "kernels", "load", "spec")},
+       for name in ("engine", "quant", "tiers", "sampling", "kernels", "load", "spec",
+                     "lora")},
     **{name: f"evenflow.bench.mesh.{name}_bench"
        for name in ("serve", "routing", "wire", "soak", "frontend", "hosts", "admission",
                     "planner")},

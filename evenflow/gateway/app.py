@@ -36,7 +36,9 @@ from evenflow.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
     validation_error,
 )
 from evenflow.gateway.responses import AdmittedStream, complete, json_response, stream
@@ -167,11 +169,30 @@ async def list_models(request: Request) -> Response:
                 "kv_cache_dtype": state.heartbeat.kv_cache_dtype,
                 "kernels": state.heartbeat.kernels}
                for role in WORKER_ROLES for state in registry.live(role)]
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "evenflow",
+                 "root": path, "parent": gateway.config.model_name,
+                 "max_model_len": gateway.max_model_len, "permission": []}
+                for name, path in sorted(gateway.adapters.paths.items())]
     return json_response({"object": "list", "data": [{
         "id": gateway.config.model_name, "object": "model", "created": 0,
         "owned_by": "evenflow", "root": gateway.config.model, "parent": None,
         "max_model_len": gateway.max_model_len, "permission": [],
-        "workers": sorted(workers, key=lambda w: w["id"])}]})
+        "workers": sorted(workers, key=lambda w: w["id"])}, *adapters]})
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response:
+    """vLLM's: serve a PEFT LoRA checkpoint under a name (gateway/lora.py)."""
+    _gateway(request).adapters.load(body.lora_name, body.lora_path)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                    media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Response:
+    _gateway(request).adapters.unload(body.lora_name)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                    media_type="text/plain")
 
 
 @router.post("/v1/completions")

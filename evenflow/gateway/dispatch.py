@@ -15,7 +15,7 @@ from evenflow.gateway.fleet import Fleet
 from evenflow.gateway.flight import Flight, RequestFailed
 from evenflow.gateway.router import WorkerState
 from evenflow.proto import errors, subjects
-from evenflow.proto.hashing import chain_hashes
+from evenflow.proto.hashing import adapter_salt, chain_hashes
 from evenflow.proto.messages import Cancel, DecodeRequest, PrefillRequest, Role
 from evenflow.proto.sampling import SamplingParams
 from evenflow.services.config import MeshConfig
@@ -111,7 +111,8 @@ class Dispatcher:
         decided, cpu = time.perf_counter(), time.thread_time()
         flight.waited_s = 0.0
         with self.tracer.start_as_current_span("route") as span:
-            hashes = chain_hashes(prompt, bs, self.salt)
+            hashes = chain_hashes(prompt, bs, adapter_salt(self.salt, spec.lora_name)
+                                  if spec.lora_name else self.salt)
             total = -(-len(prompt) // bs)
             matched, index_source = await self.lookup(hashes)
             reason = self.config.router if matched is not None else "redis_unavailable"

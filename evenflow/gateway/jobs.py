@@ -22,6 +22,7 @@ from evenflow.gateway.choice import ChoiceOutput
 from evenflow.gateway.client import GatewayClient
 from evenflow.gateway.direct import DirectStream, DirectWriter, plain
 from evenflow.gateway.flight import RequestFailed, Served
+from evenflow.gateway.lora import LoRAAdapters
 from evenflow.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -151,6 +152,7 @@ class Gateway:
         # what ends a sequence, kept out of the text when a parser reads special tokens
         self.eos_ids = frozenset(([] if eos is None else [eos]) + models.eos_token_ids(model_dir))
         self.tool_parser = tool_parser_name(config.tool_call_parser, self.tokenizer.chat_template)
+        self.adapters = LoRAAdapters(config.lora_modules, config.model_name)
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
         self.token_id_renderer = TokenIdRenderer(self.tokenizer)
         self.max_model_len = models.default_max_model_len(  # the same limit as the engine's
@@ -186,7 +188,8 @@ class Gateway:
 
     def build_job(self, kind: str, req: CompletionRequest | ChatCompletionRequest) -> Job:
         """Tokenize and check a request against the model; raises APIError."""
-        if req.model != self.config.model_name:
+        adapter = self.adapters.path_of(req.model)
+        if req.model != self.config.model_name and adapter is None:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError",
                            "model", "model_not_found")
         prompt_ids = self._prompt_ids(req)
@@ -199,6 +202,8 @@ class Gateway:
             spec = req.to_sampling_params(max_tokens, echo)
         except ValueError as exc:
             raise APIError(400, str(exc), param=_param_of(exc)) from None
+        if adapter is not None:  # (the workers load it from its path: gateway/lora.py)
+            spec = dataclasses.replace(spec, lora_name=req.model, lora_path=adapter)
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
         budget = min(req.timeout or self.config.request_timeout_s, self.config.request_timeout_s)
         options = req.stream_options

@@ -304,6 +304,19 @@ class TokenizeRequest(BaseModel):
         return self
 
 
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve a PEFT checkpoint under a name."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: StrictStr
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None

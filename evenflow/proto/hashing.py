@@ -45,3 +45,9 @@ def chain_hashes(
 def namespace_salt(model_name: str) -> bytes:
     """The salt for a model: 16 bytes derived from its name, so ids never collide across models."""
     return hashlib.blake2b(model_name.encode(), digest_size=16).digest()
+
+
+def adapter_salt(model_salt: bytes, adapter: str) -> bytes:
+    """The salt of a LoRA adapter's requests on a model: their K/V differs from the base
+    model's, so their blocks' ids must too (the engine, the gateway and the KV index agree)."""
+    return hashlib.blake2b(adapter.encode(), digest_size=16, key=model_salt[:16]).digest()

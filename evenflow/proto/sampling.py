@@ -56,6 +56,10 @@ class SamplingParams:
     # queue take requests in this order (aged, so nothing starves), and under memory pressure
     # the engine preempts the running request of the highest value first.
     priority: int = 0
+    # a LoRA adapter (engine/model/lora.py): its name, and the PEFT checkpoint any worker loads
+    # it from (the request carries both, so it survives a hand-off or a migration)
+    lora_name: str = ""
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -115,6 +119,9 @@ class SamplingParams:
               "resumed_output_tokens", "must be an int >= 0")
         check(integer(self.priority) and -(1 << 31) <= self.priority < (1 << 31), "priority",
               f"must be a 32-bit int, got {self.priority!r}")
+        check(isinstance(self.lora_name, str) and isinstance(self.lora_path, str)
+              and (bool(self.lora_name) or not self.lora_path), "lora_name",
+              "and lora_path must be strings (a path needs a name)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (integer(value) and 0 <= value <= MAX_LOGPROBS), name,

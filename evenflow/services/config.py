@@ -89,6 +89,9 @@ class MeshConfig(EngineConfig):
                  "purpose (`evenflow doctor` must name it): MS for every worker, or "
                  "WORKER=MS,...")
     # Gateway
+    lora_modules: tuple[str, ...] = setting(
+        (), flag=True, help="LoRA adapters to serve, NAME=PATH each (PEFT checkpoints, readable "
+                            "where the workers run): a request's \"model\": NAME selects one")
     tool_call_parser: str = setting(
         "", choices=("", "hermes", "llama3_json", "mistral", "deepseek_v3", "openai"),
         flag=True, help="how tool_choice \"auto\" reads the model's own tool-call syntax "

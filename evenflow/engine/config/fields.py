@@ -117,6 +117,9 @@ def add_flags(parser: argparse._ActionsContainer, cls: type, command: str,
         if kind is bool:
             parser.add_argument(flag, dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=text)
+        elif typing.get_origin(kind) is tuple:  # one or more values after the flag
+            parser.add_argument(flag, dest=f.name, default=None, nargs="+", help=text,
+                                metavar=flag[2:].upper().replace("-", "_"))
         else:
             parser.add_argument(flag, dest=f.name, default=None, type=kind,
                                 choices=list(s.choices) or None, help=text,
@@ -127,7 +130,8 @@ def add_flags(parser: argparse._ActionsContainer, cls: type, command: str,
 
 def flag_values(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     """The flags given on the command line (None: not given)."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return {name: tuple(value) if isinstance(value, list) else value
+            for name in names if (value := getattr(args, name)) is not None}
 
 
 def default_of(f: dataclasses.Field) -> Any:

@@ -159,6 +159,9 @@ class EngineConfig:
                                 help="a KV disk tier of this many GiB: blocks evicted from RAM "
                                      "go there and come back on a prefix hit (0: none)")
     max_num_seqs: int = setting(64, ge=1, flag=True, help="sequences per batch")
+    max_loras: int = setting(4, ge=1, flag=True,
+                             help="LoRA adapters in one batch at most (a request of another "
+                                  "waits until one of them has no running request)")
     max_num_batched_tokens: int = setting(2048, ge=1, help="tokens per step (chunked prefill)")
     max_model_len: int | None = setting(None, ge=1, flag=True,
                                         help="context length (unset: the model's, at most 8192)")

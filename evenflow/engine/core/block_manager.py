@@ -27,7 +27,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from evenflow.engine.core.sequence import Sequence
-from evenflow.proto.hashing import ROOT_PARENT, block_hash
+from evenflow.proto.hashing import ROOT_PARENT, adapter_salt, block_hash
 from evenflow.proto.messages import BlockRemoved, BlockStored, KVCacheEvent
 
 KVEventListener = Callable[[list[KVCacheEvent]], None]
@@ -83,13 +83,18 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def salt_for(self, seq: Sequence) -> bytes:
+        """The model's salt, or a LoRA adapter's own (KV never crosses adapters)."""
+        name = seq.params.lora_name
+        return self.salt if not name else adapter_salt(self.salt, name)
+
     def update_hashes(self, seq: Sequence) -> None:
         """Extend seq.block_hashes to cover every full block of its tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            seq.block_hashes.append(block_hash(parent, tokens, self.salt))
+            seq.block_hashes.append(block_hash(parent, tokens, self.salt_for(seq)))
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is always

@@ -46,6 +46,8 @@ class SchedulerConfig:
     # A waiting sequence's priority improves by one level per this many seconds waited (0: no
     # aging); it keeps the rank it reached once running.
     priority_aging_s: float = 10.0
+    # LoRA adapters running in one step at most (SamplingParams.lora_name)
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -123,8 +125,13 @@ class Scheduler:
         deferred: list[Sequence] = []
         evicted: list[Sequence] = []  # preempted for a better-ranked one: back next step
         best_admitted: int | None = None  # (priorities mixed: the first admitted's rank)
+        adapters = {s.params.lora_name for s in self.running if s.params.lora_name}
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            lora = seq.params.lora_name
+            if lora and lora not in adapters and len(adapters) >= self.config.max_loras:
+                deferred.append(self.waiting.popleft())  # a batch of other adapters is full
+                continue
             if self._prioritized:
                 seq.rank = (self._aged(seq), seq.rank[1])
                 if best_admitted is not None and seq.rank[0] > best_admitted:
@@ -170,6 +177,8 @@ class Scheduler:
             self.blocks.allocate_first(seq, hits, computed + n)
             seq.status = SequenceStatus.RUNNING
             self._run(seq)
+            if lora:
+                adapters.add(lora)
             if best_admitted is None:
                 best_admitted = seq.rank[0]
             chunks.append(ScheduledChunk(seq, n))

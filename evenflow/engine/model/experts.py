@@ -114,6 +114,23 @@ class FusedExperts(_PerExpert):
     def fused_args(self) -> tuple:
         return self.w13, self.w2
 
+    def linears(self) -> tuple[ExpertLinear, ExpertLinear]:
+        """Per expert, through plain copies unpacked from the panels at the first call and
+        kept (the fused kernel is the fast path; this one serves what it cannot: LoRA deltas
+        on experts, at the cost of a second copy of the experts it ran)."""
+        from evenflow.engine.kernels.panels import unpack_weight
+
+        plain: dict[tuple[int, int], Tensor] = self.__dict__.setdefault("_plain", {})
+
+        def weight(part: int, e: int) -> Tensor:
+            w = plain.get((part, e))
+            if w is None:
+                packed = (self.w13 if part == 0 else self.w2)[e]
+                w = plain[(part, e)] = unpack_weight(packed, gate_up=part == 0).contiguous()
+            return w
+
+        return (lambda x, e: F.linear(x, weight(0, e))), (lambda x, e: F.linear(x, weight(1, e)))
+
 
 class QuantizedExperts(ExpertWeights):
     form = "quantized"

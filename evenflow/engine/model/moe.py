@@ -95,6 +95,9 @@ class MoE(nn.Module):
         # reference: a new placement object means new slots)
         self._slot_biases: tuple[SlotPlacement | None, Tensor | None, Tensor | None] | None = \
             None
+        # LoRA (model/lora.py): the model's adapters, set once one is loaded; this layer's index
+        self.adapters: Any = None
+        self.layer_index = 0
 
     @property
     def fused_epilogue(self) -> dict[str, Any] | None:
@@ -203,6 +206,11 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (T, H)
         weights, experts = route(self.gate, x, self.routing, self.counts,
                                  self.score_bias, self.route_kernel)  # (T, k) each
+        adapters = self.adapters
+        if adapters is not None and adapters.step is not None and self.ep is None and any(
+                (self.layer_index, w) in a.experts for a, _ in adapters.step.groups
+                for w in ("w13", "w2")):
+            return self._add_shared_expert(x, self._experts_with_adapters(x, weights, experts))
         groups = flat_experts = experts.flatten()  # (T*k,)
         counts: Tensor | None = None
         if self.placement is not None:  # each pair goes to one physical slot of its expert
@@ -227,6 +235,47 @@ class MoE(nn.Module):
                 counts = torch.bincount(groups, minlength=self.num_slots)
             out = self._grouped(x, groups, counts, weights, in_use)
         return self._add_shared_expert(x, out)
+
+    def _experts_with_adapters(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """The routed experts with each row's LoRA deltas (model/lora.py) on its expert's
+        gate_up and down projections: expert by expert, through the stored form's own
+        per-expert linears."""
+        from evenflow.engine.model.lora import apply
+
+        adapters = self.adapters
+        step, row_adapter = adapters.step, adapters.row_adapter
+        flat = experts.flatten()
+        groups = flat if self.placement is None else self.placement.slots_for(flat)
+        if self.slot_counts is not None and self.placement is not None:
+            self.slot_counts += torch.bincount(groups, minlength=self.num_slots)
+        gate_up, down = self.experts_in_use().linears()
+        flat_weights = weights.flatten()
+        out = torch.zeros(x.shape, dtype=torch.float32)
+
+        def add(h: Tensor, y: Tensor, tokens: Tensor, which: str, logical: int) -> Tensor:
+            for i, (adapter, _) in enumerate(step.groups):
+                deltas = adapter.experts.get((self.layer_index, which), {}).get(logical, ())
+                if not deltas:
+                    continue
+                mine = (row_adapter[tokens] == i).nonzero().flatten()
+                for delta in deltas:
+                    y[mine, delta.cols] += apply(h[mine], delta).to(y.dtype)
+            return y
+
+        for slot in torch.unique(groups).tolist():
+            pairs = (groups == slot).nonzero().flatten()
+            tokens = pairs // self.top_k
+            logical = int(flat[pairs[0]])
+            h = x[tokens]
+            g = add(h, gate_up(h, slot), tokens, "w13", logical)
+            if self.b13 is not None:
+                g = g + self.b13[logical]
+            a = self._activate(g)
+            y = add(a, down(a, slot), tokens, "w2", logical)
+            if self.b2 is not None:
+                y = y + self.b2[logical]
+            out.index_add_(0, tokens, y.float() * flat_weights[pairs].unsqueeze(1))
+        return out.to(x.dtype)
 
     def _add_shared_expert(self, x: Tensor, out: Tensor) -> Tensor:
         if self.shared_expert is None:

@@ -11,7 +11,7 @@ Module names follow the HF checkpoints, so loading is a rename only where expert
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -149,6 +149,8 @@ class CausalLM(nn.Module):
         # in hidden_rows, for speculative decoding's next-token layer (model/next_token.py)
         self.keep_hidden = False
         self.hidden_rows: Tensor | None = None
+        # LoRA adapters (model/lora.py Adapters), made when the first one is loaded
+        self.adapters: Any = None
 
     def set_tensor_parallel(self, group: ProcessGroup) -> None:
         self.tp = group
@@ -179,7 +181,8 @@ class CausalLM(nn.Module):
         logit_rows: Tensor,  # (S,) rows of the flat batch whose next token is sampled
     ) -> Tensor:  # (S, vocab) float32
         assert self._cos is not None and self._sin is not None, "call init_rope first"
-        fast = self._fast_decode(meta, kv_caches)
+        adapting = self.adapters is not None and self.adapters.step is not None
+        fast = None if adapting else self._fast_decode(meta, kv_caches)
         if fast is not None and len(logit_rows) == len(input_ids) and fast.head_usable() and \
                 not self.keep_hidden:
             return fast.step(input_ids, positions, kv_caches, meta)  # the whole step in C++

@@ -38,6 +38,7 @@ class ChunkInput:
     # the sliding-window layers' blocks (-1: given back), where they have a pool of their own
     window_table: list[int] | None = None
     drafts: int = 0  # its last tokens are a draft to verify: every row's logits, unsampled
+    adapter: str = ""  # its LoRA adapter's name (model/lora.py; "": the base model)
 
     @classmethod
     def of(cls, chunk: ScheduledChunk) -> ChunkInput:
@@ -48,7 +49,7 @@ class ChunkInput:
         own = chunk.num_tokens - len(chunk.draft)
         return cls(seq.token_ids[start : start + own] + list(chunk.draft), start,
                    seq.block_table, chunk.samples, every_row, seq.window_table or None,
-                   len(chunk.draft))
+                   len(chunk.draft), seq.params.lora_name)
 
     @property
     def logit_rows(self) -> int:
@@ -67,7 +68,8 @@ def one_token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
     for c in chunks:
         last = len(c.token_ids) - 1
         rows.extend(ChunkInput([t], c.start + i, c.block_table,
-                               c.every_row or (i == last and c.samples), False, c.window_table)
+                               c.every_row or (i == last and c.samples), False, c.window_table,
+                               adapter=c.adapter)
                     for i, t in enumerate(c.token_ids))
     return rows
 
@@ -377,11 +379,24 @@ class ModelRunner:
         elif any(c.drafts for c in chunks):
             return self._forward_with_drafts(chunks)
         input_ids, positions, meta, logit_rows = self.prepare(chunks)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        logits = self._model_step(chunks, input_ids, positions, meta, logit_rows)
         if self.model.keep_hidden:
             assert self.model.hidden_rows is not None
             self.chunk_hidden = list(self.model.hidden_rows.split(lengths))
         return logits
+
+    def _model_step(self, chunks: list[ChunkInput], input_ids: Tensor, positions: Tensor,
+                    meta: AttentionMetadata, logit_rows: Tensor) -> Tensor:
+        """The model over a prepared step; rows of LoRA requests with their adapters'
+        deltas (model/lora.py: the rows in the chunks' order, as prepare lays them out)."""
+        adapters = self.model.adapters
+        if adapters is None or not any(c.adapter for c in chunks):
+            return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        adapters.begin_step([c.adapter for c in chunks for _ in c.token_ids])
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        finally:
+            adapters.end_step()
 
     def _forward_with_drafts(self, chunks: list[ChunkInput]) -> Tensor:
         """A draft's tokens run as decoded tokens do (one_token_rows: each row attends to its
@@ -392,7 +407,7 @@ class ModelRunner:
         rows = [i for i, is_prefill in enumerate(prefill) if not is_prefill]
         order = [chunks[i] for i in prefills] + one_token_rows([chunks[i] for i in rows])
         input_ids, positions, meta, logit_rows = self.prepare(order, decode_seqs=len(rows))
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logit_rows)
+        logits = self._model_step(order, input_ids, positions, meta, logit_rows)
         # the logits in prefills + rows order, each chunk's run back to its own place
         runs = dict(zip(prefills + rows, logits.split(
             [chunks[i].logit_rows for i in prefills + rows]), strict=True))

@@ -109,7 +109,7 @@ class Engine:
         self.kernels = KernelSwitch(self)
         self._set_threads()
         self.model_dir = model_directory(config.model)
-        dtype = torch_dtype(config)
+        dtype = self.dtype = torch_dtype(config)
         cfg = self.model_config = self._load(dtype)
         self.weight_form = weight_form(config, self.model_dir, dtype)
         if ep_group is not None:
@@ -185,7 +185,8 @@ class Engine:
             # order depends on the row count: a step stays below that
             max_seqs, max_tokens = min(max_seqs, 63), min(max_tokens, 63)
         return Scheduler(SchedulerConfig(max_seqs, max_tokens, self.max_model_len,
-                                         config.defer_shared_prefill), self.blocks,
+                                         config.defer_shared_prefill,
+                                         max_loras=config.max_loras), self.blocks,
                          self.speculation.propose if self.speculation is not None else None)
 
     def _disk_tier(self, salt: bytes) -> KVTiers | None:
@@ -287,6 +288,25 @@ class Engine:
         return self._tp is not None
 
     # -- requests ---------------------------------------------------------------------------
+    def _load_adapter(self, params: SamplingParams) -> None:
+        """A LoRA request's adapter, loaded on first use (model/lora.py); raises ValueError."""
+        if not params.lora_name:
+            return
+        if not params.lora_path and (self.model.adapters is None
+                                     or params.lora_name not in self.model.adapters.loaded):
+            raise ValueError(f"LoRA adapter {params.lora_name!r} is not loaded here and the "
+                             "request names no path to load it from")
+        if self.tensor_parallel or self.config.expert_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor or expert parallelism")
+        from evenflow.engine.model.lora import AdapterError, Adapters
+
+        if self.model.adapters is None:
+            self.model.adapters = Adapters(self.model, self.model_config, self.dtype)
+        try:
+            self.model.adapters.get(params.lora_name, params.lora_path)
+        except AdapterError as exc:
+            raise ValueError(str(exc)) from None
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, export_kv: bool = False) -> None:
         """Queue a request; raises ValueError naming the problem if it cannot be served.
@@ -306,6 +326,7 @@ class Engine:
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"the prompt needs more KV blocks than the cache has "
                              f"({self.blocks.num_blocks} of {self.config.block_size} tokens)")
+        self._load_adapter(params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids),
                        params, export_kv=export_kv)
         self.guides.start(seq)
@@ -324,6 +345,7 @@ class Engine:
             raise ValueError("the prefilled prompt is empty or fills the context")
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token id {first_token_id} is outside the vocabulary")
+        self._load_adapter(params)
         expected = self.runner.kv_shape(self.blocks.blocks_needed(len(prompt_token_ids)))
         if kv.shape != expected or kv.dtype != self.kv_dtype_name:
             raise KVHandoffError(f"K/V {kv.dtype} {kv.shape} does not match this engine's "
