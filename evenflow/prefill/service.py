@@ -176,7 +176,8 @@ class PrefillWorker(EngineWorker):
         has of them), when the index credits the holder with at least kv_pull_min_tokens of
         them (empty: recompute)."""
         min_tokens = self.config.kv_pull_min_tokens
-        if not req.kv_source or req.kv_source == self.worker_id or min_tokens <= 0:
+        if not req.kv_source or req.kv_source == self.worker_id or min_tokens <= 0 \
+                or req.sampling.lora_name:  # (pulls name blocks by the base model's hashes)
             return 0, 0
         bs = self.engine.layout.block_size
         last = (len(req.prompt_token_ids) - 1) // bs

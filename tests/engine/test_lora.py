@@ -141,3 +141,28 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(mixtral, tmp_path):
         (root / "a" / "adapter_model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="use_dora"):
         engine.add_request("y", [3, 4], _params(tmp_path, "dora"))
+
+
+def test_dense_mlp_and_shared_expert_adapters_match_peft(tmp_path):
+    """Qwen2-MoE: a dense MLP layer and a MoE layer's shared expert, adapted."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    make_checkpoint("qwen2_moe", tmp_path / "base")
+
+    def fresh():
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+        return hf
+
+    _adapter(fresh(), tmp_path / "m", 5, ["q_proj", "gate_proj", "up_proj", "down_proj"], [])
+    oracle = PeftModel.from_pretrained(fresh(), tmp_path / "m").eval()
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), dtype="float32", block_size=4))
+    prompts = {"": _prompt(8, 9), "m": _prompt(12, 10)}
+    for name, prompt in prompts.items():
+        engine.add_request(name or "base", prompt, _params(tmp_path, name))
+    out = _run(engine)
+    assert out["m"] == hf_greedy(oracle, prompts["m"], NEW) != hf_greedy(fresh(), prompts["m"],
+                                                                           NEW)
+    assert out["base"] == hf_greedy(fresh(), prompts[""], NEW)

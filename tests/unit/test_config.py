@@ -149,3 +149,16 @@ def test_docs_configuration_table_is_current():
 
     path = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert path.read_text() == render(), "run `python -m evenflow.ops.settings_doc`"
+
+
+def test_lora_modules_and_the_agent_flags_reach_the_mesh_config():
+    args = build_parser().parse_args([
+        "up", "--lora-modules", "a=/adapters/a", "b=/adapters/b", "--max-loras", "2",
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    config = load_mesh_config(_mesh_settings(args), environ={})
+    assert config.lora_modules == ("a=/adapters/a", "b=/adapters/b")
+    assert config.engine_config().max_loras == 2
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
+    # and through the environment, as the launcher passes them on
+    again = load_mesh_config(environ=config.to_env())
+    assert again.lora_modules == config.lora_modules and again.max_loras == 2

@@ -1,19 +1,20 @@
 """LoRA adapters served beside the base model, several in one batch.
 
-An adapter is a PEFT checkpoint (adapter_config.json + adapter_model.safetensors) whose low-rank
-factors are read onto this engine's fused projections (`load_adapter`): q_proj / k_proj /
-v_proj as column ranges of qkv_proj, o_proj, a dense MLP's gate / up / down projections, and
-routed experts, as PEFT writes them for transformers' fused expert parameters
-(`target_parameters` experts.gate_up_proj / experts.down_proj: one factor pair per expert) or
-for per-expert linears (experts.N.w1 / w3 / w2, or gate_proj / up_proj / down_proj): per-expert
-adapters either way. Nothing is merged into the base weights: each row of a batch gets its own
-adapter's deltas (x A^T B^T x scale) on top of the base projection, so sequences of several
-adapters and of none share a step (`Adapters.begin_step`). Dense projections take them through
-forward hooks; MoE layers run their routed experts through `MoE._experts_with_adapters`.
+An adapter is a PEFT checkpoint (adapter_config.json + adapter_model.safetensors) whose
+low-rank factors are read onto this engine's fused projections (`load_adapter`): q_proj /
+k_proj / v_proj as column ranges of qkv_proj, o_proj, a dense MLP's gate / up / down, a MoE
+layer's shared expert, and routed experts per expert, as PEFT writes them for transformers'
+fused expert parameters (`target_parameters` experts.gate_up_proj / experts.down_proj) or
+for per-expert linears (experts.N.w1 / w3 / w2, or gate_proj / up_proj / down_proj).
 
-Served as the base model's own forms: the base weights may be in any form; the factors stay in
-the engine's dtype. Not supported (refused at load): DoRA, LoRA biases, fan_in_fan_out, rank or
-alpha patterns, embedding / lm_head adapters, tensor parallel."""
+Nothing is merged into the base weights: each row of a batch gets its own adapter's deltas
+(x A^T B^T x scale) on top of the base projection, so sequences of several adapters and of
+none share a step (`Adapters.begin_step`). Dense projections take them through forward
+hooks; MoE layers run their routed experts through `MoE._experts_with_adapters`.
+
+The base weights may be in any stored form; the factors stay in the engine's dtype. Refused
+at load: DoRA, LoRA biases, fan_in_fan_out, rank or alpha patterns, embedding and lm_head
+adapters; the engine refuses tensor and expert parallelism."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from torch import Tensor, nn
 
 from evenflow.engine.config.settings import ModelConfig
 
-LINEAR_TARGETS = ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_TARGETS = ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 
 
 class AdapterError(ValueError):
@@ -128,6 +130,11 @@ def _place(adapter: Adapter, cfg: ModelConfig, layer: int, module: str, a: Tenso
     elif module in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") \
             and not cfg.sparse_layers[layer]:
         linear(leaf, slice(None))
+    elif module in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                    "mlp.shared_expert.down_proj", "mlp.shared_experts.gate_proj",
+                    "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj") \
+            and cfg.sparse_layers[layer] and cfg.shared_expert_intermediate_size:
+        linear(f"shared_expert.{leaf}", slice(None))
     elif per_expert is not None and cfg.sparse_layers[layer]:
         e, which = int(per_expert[1]), per_expert[2]
         target, cols = {"w1": ("w13", slice(0, inter)), "gate_proj": ("w13", slice(0, inter)),
@@ -215,6 +222,10 @@ class Adapters:
                 modules |= {n: getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")}
             else:
                 mlp.adapters, mlp.layer_index = self, layer
+                shared = getattr(mlp, "shared_expert", None)
+                if shared is not None:
+                    modules |= {f"shared_expert.{n}": getattr(shared, n)
+                                for n in ("gate_proj", "up_proj", "down_proj")}
             for target, module in modules.items():
                 if module is not None:
                     module.register_forward_hook(self._hook(layer, target))
