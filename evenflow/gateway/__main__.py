@@ -20,7 +20,8 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
-from evenflow.gateway.app import create_app
+from evenflow.gateway.app import create_app, router
+from evenflow.gateway.counting import CountResponses, app_routes
 from evenflow.gateway.direct import ExposeConnection
 from evenflow.gateway.jobs import Gateway
 from evenflow.gateway.lane import FastLane
@@ -71,7 +72,8 @@ def shared_socket(host: str, port: int) -> socket.socket:
 def main(config: MeshConfig) -> None:
     config.configure_logging(f"gateway/{os.getpid()}")
     app = create_app(config)  # (its lifespan runs through ExposeConnection unchanged)
-    served = ExposeConnection(FastLane(app, config)) if config.direct_stream else app
+    served = ExposeConnection(CountResponses(FastLane(app, config), app_routes(router))) \
+        if config.direct_stream else app
     server = DrainingServer(uvicorn.Config(
         served, host=config.host, port=config.port, loop="uvloop",
         log_level="warning" if config.log_level == "info" else config.log_level,

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evenflow import __version__
 from evenflow.gateway.admission import DEFAULT_TENANT
+from evenflow.gateway.counting import CountResponses, app_routes
 from evenflow.gateway.edge import TENANT_KEY, EdgeMiddleware, read_api_keys
 from evenflow.gateway.flight import RequestFailed
 from evenflow.gateway.jobs import Gateway
@@ -273,6 +274,8 @@ def create_app(config: MeshConfig) -> FastAPI:
     app.state.gateway = None
     app.include_router(router)
     app.add_middleware(EdgeMiddleware, config=config, api_keys=read_api_keys(config))
+    # (added last: outermost, it sees the edge's refusals too)
+    app.add_middleware(CountResponses, routes=app_routes(router))
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:

@@ -91,8 +91,12 @@ class Dispatcher:
                 now = time.monotonic()
                 if exclude and not live:
                     flight.no_worker_since = flight.no_worker_since or now
-                if not (exclude and not live) or \
-                        now - flight.no_worker_since > self.config.migration_wait_s:
+                if not live and (not exclude or now - flight.no_worker_since
+                                 > self.config.migration_wait_s):
+                    waited = f"; waited {now - flight.no_worker_since:.1f} s (migration_wait_s)" \
+                        if exclude else ""
+                    raise RequestFailed(errors.NO_CAPACITY, f"no decode worker alive{waited}")
+                if live:
                     raise RequestFailed(errors.NO_CAPACITY, "no live decode worker has room "
                                         f"for {total_blocks} KV blocks")
             if time.monotonic() >= give_up:

@@ -34,7 +34,7 @@ from evenflow.proto.messages import (
     TokenDeltas,
     WorkerHeartbeat,
 )
-from evenflow.services.bus import MessageBus, NatsAuthError
+from evenflow.services.bus import MessageBus, NatsAuthError, unreachable_reason
 from evenflow.services.config import MeshConfig
 from evenflow.services.metrics import LIVE_WORKERS, export_worker_figures
 
@@ -78,8 +78,8 @@ class Fleet:
         except NatsAuthError:
             raise  # refused credentials: the gateway cannot serve, and says so (app.py)
         except Exception as exc:  # nats-py retries a first connect forever: stop waiting
-            log.warning("NATS unreachable at start (%s); still trying",
-                        exc or type(exc).__name__)
+            log.warning("NATS at %s unreachable at start (%s); still trying",
+                        self.config.nats_url, unreachable_reason(exc, self.bus))
             self._connecting = asyncio.create_task(self._connect_until_up(), name="connect")
         if self.kv is not None:
             try:

@@ -152,6 +152,13 @@ class PrefillWorker(EngineWorker):
         if self.draining:
             self._fail(req, self.draining_code(), "prefill worker is draining", ctx)
             return
+        if req.sampling.max_tokens < 1:  # (checked before any token is sent)
+            self._fail(req, errors.BAD_REQUEST, "max_tokens must be at least 1", ctx)
+            return
+        if not self.decode_alive(req.decode_worker):
+            self._fail(req, errors.NO_CAPACITY, f"decode worker {req.decode_worker!r} is not "
+                       f"alive (no heartbeat within {self.config.worker_timeout_s:g} s)", ctx)
+            return
         span = self.tracer.start_span("prefill.queue", context=ctx, attributes={
             "gen_ai.request.id": req.request_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})

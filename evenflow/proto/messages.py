@@ -93,6 +93,8 @@ class KVBlockChunk:
     first_block: int
     num_blocks: int
     data: bytes | memoryview  # memoryview on the sending side (no copy until packed)
+    # a pull's answer: the pull's nonce (KVPullRequest), which only the asked holder learned
+    nonce: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +142,9 @@ class KVPullRequest:
     prompt_token_ids: list[int]
     first_block: int
     reply_subject: str
+    # fresh per pull, sent only on the holder's own subject: each answer must carry it, so no
+    # other worker (all may publish to the asker's reply subject) can forge one
+    nonce: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +162,7 @@ class KVPullDone:
     dtype: str
     worker_id: str
     error: str = ""
+    nonce: str = ""  # the pull's (KVPullRequest.nonce)
 
 
 @lean_init  # (built per token per step)

@@ -56,6 +56,8 @@ async def deliver(subject: str, payload: bytes, context: Context,
     message = decode(payload)
     if isinstance(message, WireError):
         return message.reason
+    if getattr(message, "reply_subject", None) == "":  # nowhere to answer: nothing to do
+        return f"{type(message).__name__} with an empty reply subject"
     if isinstance(message, WorkerHeartbeat) and subject != subjects.heartbeat(
             message.role, message.worker_id):
         # Permissions let a service heartbeat on its own subject only; a heartbeat naming
@@ -68,6 +70,15 @@ async def deliver(subject: str, payload: bytes, context: Context,
     except Exception:
         log.exception("handler for %s failed on %s", subject, type(message).__name__)
     return None
+
+
+def unreachable_reason(exc: BaseException, bus: object) -> str:
+    """Why a first connect failed, in words: the attempt's own error, else what nats-py's
+    error callback last said (the attempt itself only timed out), else the timeout."""
+    for candidate in (exc, getattr(bus, "last_connect_error", None)):
+        if candidate is not None and str(candidate):
+            return f"{type(candidate).__name__}: {candidate}"
+    return f"no answer ({type(exc).__name__})"
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,9 @@ class Bus:
     def __init__(self, name: str, budget: ReassemblyBudget | None = None) -> None:
         self.name = name
         self.budget = budget or ReassemblyBudget()
+        # one for every subscription: a peer's budget is per receiving process
+        self.frames = Reassembly(self.budget, on_drop=self._count_dropped)
+        self._expiry: asyncio.Task | None = None
         self.nc: NATS | None = None
         self.dropped = 0  # malformed or unknown messages received
         self._last_error_log = 0.0
@@ -126,6 +140,9 @@ class Bus:
         # When the connection last came back (monotonic): what was published around an outage
         # may be lost (a server restart forgets subscriptions until clients renew them).
         self.last_reconnect_at = 0.0
+        # why the last connection attempt failed (nats-py's error callback says it; the
+        # attempt itself only times out)
+        self.last_connect_error: Exception | None = None
         self._subs: list = []
 
     @property
@@ -153,6 +170,8 @@ class Bus:
         nc = NATS()
 
         async def on_error(exc: Exception) -> None:
+            if not nc.is_connected:
+                self.last_connect_error = exc
             if not nc.is_connected and is_auth_error(exc):
                 if not refused.done():  # said once, by the caller
                     reasons.append(exc)
@@ -223,7 +242,9 @@ class Bus:
         holding many messages was handled one loop round apiece; the callback task takes what
         is queued back to back (the gateway's socket writes for them coalesce: direct.py)."""
         assert self.nc is not None, "connect first"
-        frames = Reassembly(self.budget, on_drop=self._count_dropped)
+        frames = self.frames
+        if self._expiry is None:
+            self._expiry = asyncio.create_task(self._expire_frames(), name="frame expiry")
 
         async def on_message(raw: Msg) -> None:
             frame = (raw.headers or {}).get(FRAME_HEADER)
@@ -234,8 +255,17 @@ class Bus:
             if payload is not None:
                 await self._dispatch(raw.subject, payload, raw.headers, handler)
 
+        # (what nats-py queues before reassembly sees it is bounded too: a subscriber that
+        # falls this far behind loses messages, which nats-py reports as a slow consumer)
         self._subs.append(await self.nc.subscribe(
-            subject, cb=on_message, pending_msgs_limit=1_000_000, pending_bytes_limit=2**30))
+            subject, cb=on_message, pending_msgs_limit=1_000_000,
+            pending_bytes_limit=max(self.budget.total_bytes, 64 * 2**20)))
+
+    async def _expire_frames(self) -> None:
+        """Incomplete framed messages go at their timeout even when no frame comes after."""
+        while True:
+            await asyncio.sleep(max(0.5, self.budget.timeout_s / 4))
+            self.frames.expire()
 
     def _count_dropped(self, reason: str) -> None:
         self.dropped += 1
@@ -253,6 +283,9 @@ class Bus:
         run while it drains (a subscription's drain waits for its queue to be read: with them
         cancelled first, every close waited out its 2 s bound and logged a lost future)."""
         self._closing = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=2)

@@ -87,6 +87,7 @@ class ExportPrefix:
     prompt_token_ids: list[int]
     first_block: int
     reply_subject: str
+    nonce: str = ""  # the pull's, carried back in every answer
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class PrefixExported:
     first_block: int
     kv: KVPayload | None  # None: it failed (error says why)
     error: str = ""
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -300,14 +302,15 @@ class EngineThread:
                 self._flush_kv_events()  # the snapshot's sequence number covers these
                 self._emit(KVSnapshotTaken(engine.prefix.cached_block_hashes(),
                                                engine.prefix.disk_block_hashes()))
-            case ExportPrefix(request_id, prompt, first_block, reply_subject):
+            case ExportPrefix(request_id, prompt, first_block, reply_subject, nonce):
                 try:
                     kv = engine.prefix.export_prefix(prompt, first_block)
                 except Exception as exc:  # a bad request must not stop the engine
                     self._emit(PrefixExported(request_id, reply_subject, first_block, None,
-                                              _reason(exc)))
+                                              _reason(exc), nonce))
                 else:
-                    self._emit(PrefixExported(request_id, reply_subject, first_block, kv))
+                    self._emit(PrefixExported(request_id, reply_subject, first_block, kv,
+                                              nonce=nonce))
             case ImportPrefix(request_id, prompt, first_block, kv):
                 try:
                     written = engine.prefix.import_prefix(prompt, first_block, kv)

@@ -116,6 +116,8 @@ class EngineWorker(WorkerService):
         self._kv_disk_seen: dict[str, int] = {}  # the disk tier's counts at their last export
         self._spec_seen: dict[str, int] = {}  # speculative decoding's, likewise
         self._profiles: dict[str, str] = {}  # profile request id -> the asking gateway's inbox
+        self.decode_seen: dict[str, float] = {}  # decode worker -> its last heartbeat (monotonic)
+        self._born = time.monotonic()
         # the planner's latest FleetTarget (mode scale) and when it came (monotonic)
         self._fleet_target: tuple[FleetTarget, float] | None = None
 
@@ -328,6 +330,7 @@ class EngineWorker(WorkerService):
         await self.bus.subscribe(subjects.kv_pull(self.worker_id), self.pull_server.on_request)
         await self.bus.subscribe(subjects.heartbeat(Role.GATEWAY, "*"),
                                  self._on_gateway_heartbeat)
+        await self.bus.subscribe(subjects.heartbeat(Role.DECODE, "*"), self._on_decode_heartbeat)
         await self.bus.subscribe(subjects.FLEET_TARGET, self._on_fleet_target)
         self._owned_tasks.append(asyncio.create_task(self._sweep_orphans(), name="orphans"))
         if self.config.stats_log_interval_s > 0:
@@ -465,6 +468,18 @@ class EngineWorker(WorkerService):
     def gateway_alive(self, reply_subject: str) -> None:
         """A sign of life from the gateway behind reply_subject (a heartbeat or a request)."""
         self._gateways_seen[reply_subject] = time.monotonic()
+
+    def _on_decode_heartbeat(self, message: Message, _ctx: object) -> None:
+        if isinstance(message, WorkerHeartbeat) and message.role is Role.DECODE \
+                and not message.draining:
+            self.decode_seen[message.worker_id] = time.monotonic()
+
+    def decode_alive(self, worker_id: str) -> bool:
+        """Whether `worker_id` heartbeats as a decode worker (or this worker started too
+        recently to have heard every one)."""
+        now, timeout = time.monotonic(), self.config.worker_timeout_s
+        seen = self.decode_seen.get(worker_id)
+        return (seen is not None and now - seen <= timeout) or now - self._born < 2 * timeout
 
     def _on_gateway_heartbeat(self, message: Message, _ctx: object) -> None:
         if isinstance(message, WorkerHeartbeat) and message.role is Role.GATEWAY:

@@ -6,14 +6,22 @@ reverse, in the same chunks (proto/kv_handoff.py).
 `PullServer` is every worker's holder side: a KVPullRequest becomes an export on its engine
 thread (between steps), sent back as KVBlockChunks and a KVPullDone. `KVPuller` is the prefill
 worker's asking side: it gathers one pull's chunks within `timeout_s` and hands back the K/V,
-or None on a timeout, a refusal, a reply from the wrong worker or broken chunks. The caller
-then recomputes: a request never fails because of a pull.
+or None on a timeout, a refusal or broken chunks. The caller then recomputes: a request never
+fails because of a pull.
+
+Every worker may publish to a puller's reply subject, so a reply proves where it comes from
+by the pull's nonce: 128 random bits sent only to the asked holder, on the holder's own
+subject (which only it may read). A chunk or a completion without it is dropped and counted
+(`evenflow_kv_pull_replies_dropped_total`), so no other worker's credentials can put a single
+block into the asker's prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +31,12 @@ from opentelemetry.context import Context
 from evenflow.proto import kv_handoff, subjects
 from evenflow.proto.messages import KVBlockChunk, KVPullDone, KVPullRequest, Message
 from evenflow.services.engine_thread import EngineCommand, ExportPrefix, PrefixExported
-from evenflow.services.metrics import KV_PULL_SECONDS, KV_PULLS, KV_PULLS_SERVED
+from evenflow.services.metrics import (
+    KV_PULL_REPLIES_DROPPED,
+    KV_PULL_SECONDS,
+    KV_PULLS,
+    KV_PULLS_SERVED,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +58,7 @@ class PullServer:
             log.warning("ignored a KV pull answering to %r", message.reply_subject)
             return
         self._submit(ExportPrefix(message.request_id, message.prompt_token_ids,
-                                  message.first_block, message.reply_subject))
+                                  message.first_block, message.reply_subject, message.nonce))
 
     def on_exported(self, event: PrefixExported) -> None:
         """The export is done (engine thread): send its chunks and the completion."""
@@ -54,16 +67,17 @@ class PullServer:
             self._send(event.reply_subject, KVPullDone(
                 request_id=event.request_id, num_chunks=0, num_blocks=0,
                 first_block=event.first_block, dtype="", worker_id=self.worker_id,
-                error=event.error or "export failed"), None)
+                error=event.error or "export failed", nonce=event.nonce), None)
             return
         chunks = kv_handoff.split(kv, self.chunk_bytes) if kv.num_blocks else []
         for chunk in chunks:
             self._send(event.reply_subject, KVBlockChunk(
                 request_id=event.request_id, seq=chunk.seq, first_block=chunk.first_block,
-                num_blocks=chunk.num_blocks, data=chunk.data), None)
+                num_blocks=chunk.num_blocks, data=chunk.data, nonce=event.nonce), None)
         self._send(event.reply_subject, KVPullDone(
             request_id=event.request_id, num_chunks=len(chunks), num_blocks=kv.num_blocks,
-            first_block=event.first_block, dtype=kv.dtype, worker_id=self.worker_id), None)
+            first_block=event.first_block, dtype=kv.dtype, worker_id=self.worker_id,
+            nonce=event.nonce), None)
         KV_PULLS_SERVED.labels(what="pulls").inc()
         KV_PULLS_SERVED.labels(what="blocks").inc(kv.num_blocks)
 
@@ -72,6 +86,7 @@ class PullServer:
 class _Pull:
     holder: str
     done: asyncio.Future[kv_handoff.KVPayload | None]
+    nonce: str
     assembler: kv_handoff.Assembler = field(default_factory=kv_handoff.Assembler)
 
 
@@ -93,10 +108,12 @@ class KVPuller:
         """Blocks first_block, first_block + 1, ... of the prompt from `holder`, as far as it
         holds them; None when there are none or the pull failed (the caller recomputes)."""
         started = time.perf_counter()
-        pull = self._pulls[request_id] = _Pull(holder, asyncio.get_running_loop().create_future())
+        nonce = secrets.token_hex(16)
+        pull = self._pulls[request_id] = _Pull(
+            holder, asyncio.get_running_loop().create_future(), nonce)
         self._send(subjects.kv_pull(holder), KVPullRequest(
             request_id=request_id, prompt_token_ids=prompt, first_block=first_block,
-            reply_subject=self.reply_subject), None)
+            reply_subject=self.reply_subject, nonce=nonce), None)
         try:
             kv = await asyncio.wait_for(pull.done, self.timeout_s)
         except TimeoutError:
@@ -116,9 +133,22 @@ class KVPuller:
         if pull is not None and not pull.done.done():
             pull.done.set_result(None)
 
+    def _pull_of(self, message: KVBlockChunk | KVPullDone) -> _Pull | None:
+        """The pull a reply answers, if it carries that pull's nonce; else it is dropped."""
+        pull = self._pulls.get(message.request_id)
+        if pull is None:
+            KV_PULL_REPLIES_DROPPED.labels(reason="no_pull").inc()  # late, or forged
+            return None
+        if not hmac.compare_digest(message.nonce, pull.nonce):
+            KV_PULL_REPLIES_DROPPED.labels(reason="bad_nonce").inc()
+            log.warning("dropped a KV pull reply for %s without its pull's nonce (forged, "
+                        "or not from %s)", message.request_id, pull.holder)
+            return None
+        return pull
+
     def on_message(self, message: Message, ctx: Context) -> None:
         if isinstance(message, KVBlockChunk):
-            pull = self._pulls.get(message.request_id)
+            pull = self._pull_of(message)
             if pull is not None:
                 pull.assembler.add(message.seq, message.first_block, message.num_blocks,
                                    bytes(message.data))
@@ -126,12 +156,8 @@ class KVPuller:
             self._on_done(message)
 
     def _on_done(self, done: KVPullDone) -> None:
-        pull = self._pulls.get(done.request_id)
+        pull = self._pull_of(done)
         if pull is None or pull.done.done():
-            return
-        if done.worker_id != pull.holder:  # not from the worker asked: ignored
-            log.warning("a KV pull reply for %s came from %s, not %s", done.request_id,
-                        done.worker_id, pull.holder)
             return
         if done.error or not done.num_blocks:
             KV_PULLS.labels(outcome="refused" if done.error else "empty").inc()

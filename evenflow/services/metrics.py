@@ -91,6 +91,11 @@ PLANNER_ESTIMATE = Gauge("evenflow_planner_estimate", "What the planner estimate
                          "decode_streams demanded)", ["quantity"])
 
 
+HTTP_REQUESTS = Counter("evenflow_http_requests_total",
+                        "HTTP responses of the gateway, by status code and route (other: a path "
+                        "that is not the gateway's)", ["code", "route"])
+REFUSALS = Counter("evenflow_refusals_total", "Requests the gateway refused (status 400 and "
+                   "up), by the error's code", ["reason"])
 INFLIGHT = Gauge("evenflow_inflight_requests", "Requests in flight at the gateway",
                  multiprocess_mode="livesum")
 QUEUED_REQUESTS = Gauge("evenflow_queued_requests", "Requests waiting for an admission slot at "
@@ -142,6 +147,10 @@ KV_PULLED_BLOCKS = Counter("evenflow_kv_pulled_blocks_total",
                            "KV blocks pulled from other workers into this prefix cache")
 KV_PULLS_SERVED = Counter("evenflow_kv_pulls_served_total",
                           "KV pulls this worker answered, and the blocks it sent", ["what"])
+KV_PULL_REPLIES_DROPPED = Counter(
+    "evenflow_kv_pull_replies_dropped_total",
+    "KV pull answers dropped: for no pull under way, or without the pull's nonce (forged)",
+    ["reason"])
 KV_PULL_SECONDS = Histogram("evenflow_kv_pull_seconds",
                             "A successful KV pull, request to the last byte",
                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,

@@ -7,10 +7,11 @@ Permissions (`{id}` is the service's own id; P = "evenflow"):
   gateway        pub P.prefill.*, P.decode.*, P.kv.resync.*, P.heartbeat.gateway.*
                  sub P.gateway.*, P.heartbeat.>, P.kv.events (its copy of the KV index)
   prefill-{id}   pub P.gateway.*, P.kvx.*, P.kv.events, P.eplb.load, P.heartbeat.prefill.{id}
-                 sub P.prefill.{id}, P.kv.resync.{id}, P.eplb.placement, P.heartbeat.gateway.*
+                 sub P.prefill.{id}, P.kv.resync.{id}, P.eplb.placement, P.heartbeat.gateway.*,
+                     P.heartbeat.decode.* (a request's decode worker must be alive)
   decode-{id}    pub P.gateway.*, P.kv.events, P.eplb.load, P.heartbeat.decode.{id}
                  sub P.decode.{id}, P.kvx.{id}, P.kv.resync.{id}, P.eplb.placement,
-                     P.heartbeat.gateway.*
+                     P.heartbeat.gateway.*, P.heartbeat.decode.*
   kv_index-{id}  pub P.kv.resync.*, P.heartbeat.kv_index.{id}
                  sub P.kv.events, P.heartbeat.>
   balancer-{id}  pub P.eplb.placement, P.heartbeat.balancer.{id}
@@ -62,7 +63,8 @@ def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, 
     own_heartbeat = subjects.heartbeat(role, worker_id)
     # every worker answers KV pulls from the blocks it holds (prefill workers ask)
     worker_in = (subjects.kv_resync(worker_id), subjects.EXPERT_PLACEMENT,
-                 subjects.heartbeat("gateway", "*"), subjects.kv_pull(worker_id),
+                 subjects.heartbeat("gateway", "*"), subjects.heartbeat("decode", "*"),
+                 subjects.kv_pull(worker_id),
                  subjects.control(worker_id), subjects.FLEET_TARGET)
     worker_out = (f"{P}.gateway.*", subjects.KV_EVENTS, subjects.EXPERT_LOAD, own_heartbeat,
                   subjects.kv_pulled("*"))

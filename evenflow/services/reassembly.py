@@ -7,10 +7,14 @@ announcing many parts and never finishing. This module bounds that: each peer ma
 `peer_bytes` of incomplete messages and everyone together `total_bytes`; a frame that would pass
 the peer's budget drops that peer's message, one that would pass the total drops the oldest
 incomplete messages of the peer holding the most. Incomplete messages also expire after
-`timeout_s`. Every drop has a reason the bus counts and logs.
+`timeout_s` (`expire`, which the bus also calls on a timer: a peer that stops sending must
+not leave its frames held). Every drop has a reason the bus counts and logs. One Reassembly
+serves all of a bus's subscriptions, so a peer's budget is per receiving process, not per
+subject it sends on.
 
 Frame header: `<message id> <index> <count> [<sender>]` (the sender is absent in frames from
-senders older than this module; they share one anonymous peer's budget).
+senders older than this module, or foreign ones; they share one bucket of their own, named
+"(no sender)" in the log, apart from every named peer's).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ANONYMOUS_PEER = "?"
+ANONYMOUS_PEER = "(no sender)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +61,7 @@ class Reassembly:
 
     def add(self, header: str, data: bytes) -> bytes | None:
         """Store one frame; the whole payload once every frame of its message is there."""
-        self._expire()
+        self.expire()
         try:
             message_id, index, count, peer = _parse(header, self.budget.max_frames)
         except ValueError:
@@ -96,7 +100,8 @@ class Reassembly:
         self._drop(min(victims)[1], "total reassembly budget exceeded")
         return True
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Drop the incomplete messages older than the budget's timeout."""
         now = self.clock()
         for message_id in [m for m, p in self._partials.items()
                            if now - p.started > self.budget.timeout_s]:

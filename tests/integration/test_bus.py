@@ -126,3 +126,81 @@ def test_a_flood_of_never_finished_frames_stays_inside_the_receivers_budget(nats
     # 3 of the 200 still missing after the wait).
     assert seen["max_held"] <= 4 * 2**20
     assert seen["frames"] >= 100 and dropped >= seen["frames"] - 64
+
+
+def test_a_message_with_an_empty_reply_subject_is_one_drop_line(nats_server, caplog):
+    """Nowhere to answer: dropped and counted, one warning, no traceback, handler untouched."""
+    from evenflow.proto.messages import PrefillRequest
+    from evenflow.proto.sampling import SamplingParams
+
+    async def scenario() -> tuple[int, list]:
+        bus = Bus("worker")
+        await bus.connect(nats_server.url)
+        seen: list = []
+        await bus.subscribe("evenflow.prefill.p0", lambda m, _c: seen.append(m))
+        sender = Bus("sender")
+        await sender.connect(nats_server.url)
+        await sender.publish("evenflow.prefill.p0", PrefillRequest(
+            request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams(),
+            reply_subject="", decode_worker="d0", enqueued_at=0.0))
+        for _ in range(100):
+            if bus.dropped:
+                break
+            await asyncio.sleep(0.02)
+        await sender.close()
+        await bus.close()
+        return bus.dropped, seen
+
+    with caplog.at_level("WARNING"):
+        dropped, seen = asyncio.run(scenario())
+    assert dropped == 1 and seen == []
+    lines = [r for r in caplog.records if "empty reply subject" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_an_unreachable_nats_is_said_with_its_reason():
+    from evenflow.services.bus import unreachable_reason
+    from evenflow.services.launcher import free_port
+
+    async def scenario() -> str:
+        bus = Bus("gateway")
+        try:
+            await asyncio.wait_for(bus.connect(f"nats://127.0.0.1:{free_port()}"), 1.5)
+        except Exception as exc:
+            return unreachable_reason(exc, bus)
+        return "connected?"
+
+    reason = asyncio.run(scenario())
+    assert reason and "TimeoutError" not in reason and reason != "connected?", reason
+
+
+def test_one_budget_for_all_subscriptions_and_held_frames_expire_without_new_ones(nats_server):
+    """A peer framing into two subjects of one receiver holds one peer budget between them, and
+    what it left incomplete is let go at the timeout though nothing else arrives."""
+    from evenflow.services.reassembly import ReassemblyBudget
+
+    async def scenario() -> tuple[int, int, int]:
+        budget = ReassemblyBudget(peer_bytes=2 * 2**20, total_bytes=8 * 2**20, timeout_s=1.0)
+        rogue, receiver = Bus("rogue"), Bus("receiver", budget)
+        for bus in (rogue, receiver):
+            await bus.connect(nats_server.url)
+        for subject in ("t.a", "t.b"):
+            await receiver.subscribe(subject, lambda m, _c: None)
+        await receiver.nc.flush()
+        for i in range(40):  # 40 x 128 KiB, never finished, over two subjects: 5 MiB
+            await rogue.nc.publish("t.a" if i % 2 else "t.b", bytes(128 * 1024),
+                                   headers={"Evenflow-Frame": f"f{i} 0 9 rogue"})
+        await rogue.nc.flush()
+        held_max = 0
+        for _ in range(40):
+            held_max = max(held_max, receiver.frames.held_by("rogue"))
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0 + budget.timeout_s)  # the timer's round, then nothing held
+        held_after = receiver.frames.held_bytes
+        for bus in (rogue, receiver):
+            await bus.close()
+        return held_max, held_after, receiver.dropped
+
+    held_max, held_after, dropped = asyncio.run(scenario())
+    assert 0 < held_max <= 2 * 2**20 and held_after == 0 and dropped > 0

@@ -86,3 +86,25 @@ def test_garbage_on_every_subject_leaves_the_mesh_serving(mesh, client):
     assert httpx.get(mesh.url + "/metrics").status_code == 401  # behind the key by default
     metrics = httpx.get(mesh.url + "/metrics", headers=AUTH).text
     assert "evenflow_messages_dropped_total" in metrics
+
+
+def test_every_refusal_is_counted_by_code_route_and_reason(mesh):
+    """Refusals show in the gateway's metrics (summed over its gateway processes)."""
+    import re
+
+    def counts() -> tuple[float, float, float]:
+        text = httpx.get(mesh.url + "/metrics", headers=AUTH, timeout=10).text
+
+        def value(pattern: str) -> float:
+            return sum(float(v) for v in re.findall(pattern + r" (\S+)$", text, re.M))
+
+        return (value(r'^evenflow_refusals_total\{reason="model_not_found"\}'),
+                value(r'^evenflow_http_requests_total\{code="404",route="/v1/chat/completions"\}'),
+                value(r'^evenflow_refusals_total\{reason="invalid_api_key"\}'))
+
+    before = counts()
+    assert_error(post(mesh, "/v1/chat/completions", {**CHAT, "model": "nope"}), 404)
+    assert post(mesh, "/v1/chat/completions", CHAT, headers={
+        "Authorization": "Bearer wrong"}).status_code == 401
+    after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1], (before, after)

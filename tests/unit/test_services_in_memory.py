@@ -440,3 +440,60 @@ def test_the_request_log_line_names_the_worker_that_served_it():
             await w.bus.close()
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_request_that_cannot_finish_is_refused_before_any_token():
+    """A decode worker that does not heartbeat: an error at once, no token (before, the first
+    token went out and then nothing came); max_tokens 0 does not even decode: dropped and
+    counted, nothing sent."""
+    config = MeshConfig(nats_url="memory://", engine="mock", num_ep_ranks=0,
+                        heartbeat_interval_s=0.05, worker_timeout_s=0.2)
+
+    async def scenario() -> None:
+        broker = InMemoryBroker()
+        worker = PrefillWorker(config, "p0", InMemoryBus(broker, "p0"))
+        async with serving(worker, broker) as gateway:
+            decode_bus = InMemoryBus(broker, "d0")
+            await decode_bus.connect("memory://")
+
+            async def beats() -> None:
+                while True:
+                    await decode_bus.publish(subjects.heartbeat(Role.DECODE, "d0"),
+                                             WorkerHeartbeat(worker_id="d0", role=Role.DECODE,
+                                                             model="tiny-moe"))
+                    await asyncio.sleep(0.05)
+
+            beating = asyncio.create_task(beats())
+            await asyncio.sleep(0.5)  # past the worker's start-up grace
+            zero = dataclasses.replace(GREEDY)
+            object.__setattr__(zero, "max_tokens", 0)  # (as a raw wire message could say)
+            for request_id, params, decode in (("zero", zero, "d0"), ("nobody", GREEDY, "d9"),
+                                               ("fine", GREEDY, "d0")):
+                await gateway.bus.publish(subjects.prefill_worker("p0"), PrefillRequest(
+                    request_id=request_id, prompt_token_ids=[5] * 8, sampling=params,
+                    reply_subject=INBOX, decode_worker=decode, enqueued_at=0.0))
+            assert await gateway.outcome("nobody") == ([], errors.NO_CAPACITY)
+            first = await asyncio.wait_for(gateway.items.get(), 20)  # (decode continues it)
+            assert isinstance(first, TokenDeltas) and first.deltas[0].request_id == "fine"
+            assert worker.bus.dropped == 1 and gateway.items.empty()  # nothing for "zero"
+            beating.cancel()
+            await decode_bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_no_decode_worker_alive_a_request_is_a_clear_503_at_once():
+    config = MeshConfig(nats_url="memory://", num_prefill=0)
+
+    async def scenario() -> None:
+        client = await a_gateway_seeing(InMemoryBroker(), [], config)
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            async for _ in client.generate([1, 2, 3], GREEDY, "r1"):
+                pass
+        assert time.monotonic() - started < 2
+        assert failed.value.code == errors.NO_CAPACITY
+        assert "no decode worker alive" in str(failed.value)
+        await client.close()
+
+    asyncio.run(scenario())
