@@ -72,6 +72,17 @@ async def deliver(subject: str, payload: bytes, context: Context,
     return None
 
 
+def drop_kind(reason: str) -> str:
+    """A dropped message's reason (free text, for the log) as a metric label: empty_reply,
+    forged_heartbeat, reassembly_budget, reassembly_timeout, bad_frame or malformed."""
+    for marker, kind in (("empty reply subject", "empty_reply"),
+                         ("heartbeat of", "forged_heartbeat"), ("budget", "reassembly_budget"),
+                         ("timed out", "reassembly_timeout"), ("frame", "bad_frame")):
+        if marker in reason:
+            return kind
+    return "malformed"
+
+
 def unreachable_reason(exc: BaseException, bus: object) -> str:
     """Why a first connect failed, in words: the attempt's own error, else what nats-py's
     error callback last said (the attempt itself only timed out), else the timeout."""
@@ -269,7 +280,7 @@ class Bus:
 
     def _count_dropped(self, reason: str) -> None:
         self.dropped += 1
-        MESSAGES_DROPPED.labels(service=self.name).inc()
+        MESSAGES_DROPPED.labels(service=self.name, reason=drop_kind(reason)).inc()
         log.warning("dropped a message: %s", reason)
 
     async def _dispatch(self, subject: str, data: bytes, headers: dict | None,

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MESSAGES_DROPPED = Counter("evenflow_messages_dropped_total",
-                           "Wire messages dropped as malformed or unknown", ["service"])
+                           "Wire messages dropped, by why (services/bus.py drop_kind)",
+                           ["service", "reason"])
 REQUESTS = Counter("evenflow_requests_total", "Requests finished at the gateway",
                    ["endpoint", "outcome"])
 TTFT = Histogram("evenflow_ttft_seconds", "Time to first token at the gateway",

@@ -151,9 +151,13 @@ def test_a_message_with_an_empty_reply_subject_is_one_drop_line(nats_server, cap
         await bus.close()
         return bus.dropped, seen
 
+    from evenflow.services.metrics import MESSAGES_DROPPED
+
+    counted = MESSAGES_DROPPED.labels(service="worker", reason="empty_reply")
+    before = counted._value.get()
     with caplog.at_level("WARNING"):
         dropped, seen = asyncio.run(scenario())
-    assert dropped == 1 and seen == []
+    assert dropped == 1 and seen == [] and counted._value.get() - before == 1
     lines = [r for r in caplog.records if "empty reply subject" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
