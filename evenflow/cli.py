@@ -239,7 +239,7 @@ BENCHMARKS = {  # `evenflow bench NAME` -> its module (each has main(argv))
                      "lora")},
     **{name: f"evenflow.bench.mesh.{name}_bench"
        for name in ("serve", "routing", "wire", "soak", "frontend", "hosts", "admission",
-                    "planner")},
+                    "planner", "chaos")},
     **{name: f"evenflow.bench.experts.{name}_bench" for name in ("eplb", "comm", "ep")},
 }
 
