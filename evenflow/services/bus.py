@@ -174,7 +174,9 @@ class Bus:
         if security is not None:
             kwargs = security.connect_kwargs()
         # several servers (a NATS cluster, one per host): "nats://a:4222,nats://b:4222";
-        # nats-py picks one and fails over to the others
+        # taken in the order given (list this host's own first), failing over to the next:
+        # a service that picked another host's server at random would lose the bus, and every
+        # worker's heartbeats with it, whenever that host's link did (bench chaos found it)
         servers = [u.strip() for u in url.split(",") if u.strip()]
         refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reasons: list[Exception] = []
@@ -195,7 +197,8 @@ class Bus:
         options: dict[str, Any] = dict(
             name=self.name, connect_timeout=timeout_s, reconnect_time_wait=0.25, drain_timeout=1.5,
             max_reconnect_attempts=-1, ping_interval=2, max_outstanding_pings=3,
-            allow_reconnect=True, error_cb=on_error, disconnected_cb=self._on_disconnect,
+            allow_reconnect=True, dont_randomize=True, error_cb=on_error,
+            disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect, **kwargs)
         connecting = asyncio.ensure_future(nc.connect(servers, **options))
         try:

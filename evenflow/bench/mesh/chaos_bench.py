@@ -4,7 +4,8 @@ under steady mixed load while a fault comes every 30-90 s, and what it cost.
 The mesh, as a user deploys it with `evenflow serve` (deterministic, float32, tiny-moe): a NATS
 cluster (a server per host, routes between them), Redis, the gateway and the KV index on A;
 prefill p1 and decode d1 on B, p2 and d2 on C; and decode d5, a DEP group of two ranks, rank 0
-on B and rank 1 on C (its rendezvous store on B). Each host's `serve` restarts what dies.
+on B and rank 1 on C (its rendezvous store on B). Each host's `serve` restarts what dies, and
+each lists its own NATS server first.
 
 The load (run on host A, the only place the gateway's address is reachable): clients sending
 streamed greedy completions of a fixed prompt set (their fault-free text is taken first),
@@ -204,22 +205,28 @@ class Chaos:
         for name, host in self.hosts.items():
             self.nats[name] = self.procs.start(host, self.nats_argv(name), f"nats-{name}")
         self.redis = self.procs.start(a, self.redis_argv(), "redis")
-        common = ["--nats-url", ",".join(f"nats://{h.address}:4222"
-                                         for h in self.hosts.values()),
-                  "--redis-url", f"redis://{a.address}:6379", "--model", "tiny-moe",
-                  "--dtype", "float32", "--deterministic"]
-        serve = [sys.executable, "-m", "evenflow.cli", "serve", *common]
-        self.procs.start(a, [*serve, "--roles", "gateway,kv_index", "--host", a.address,
-                             "--port", "8000"], "serve-A")
+        def serve(host: str, *extra: str, deterministic: bool = True) -> list[str]:
+            """`evenflow serve` on `host`, its own NATS server first in the cluster's list."""
+            order = [host] + [n for n in self.hosts if n != host]
+            return [sys.executable, "-m", "evenflow.cli", "serve", "--nats-url",
+                    ",".join(f"nats://{self.hosts[n].address}:4222" for n in order),
+                    "--redis-url", f"redis://{a.address}:6379", "--model", "tiny-moe",
+                    "--dtype", "float32", *(["--deterministic"] if deterministic else []),
+                    *extra]
+
+        self.procs.start(a, serve("A", "--roles", "gateway,kv_index", "--host", a.address,
+                                  "--port", "8000"), "serve-A")
         for name, index in (("B", 1), ("C", 2)):
-            self.procs.start(self.hosts[name], [*serve, "--roles", "prefill,decode", "--index",
-                                                str(index)], f"serve-{name}")
+            self.procs.start(self.hosts[name], serve(name, "--roles", "prefill,decode",
+                                                     "--index", str(index)), f"serve-{name}")
         # (deterministic mode does not serve expert parallelism: the group's streams are not
         # held to the fault-free text)
-        dep = [sys.executable, "-m", "evenflow.cli", "serve", *common[:-1], "--roles", "decode",
-               "--index", "5", "--ep", "2", "--ep-rendezvous", f"{b.address}:{RENDEZVOUS_PORT}"]
-        self.procs.start(b, [*dep, "--ep-ranks", "0", "--ep-rendezvous-serve"], "serve-dep-B")
-        self.procs.start(self.hosts["C"], [*dep, "--ep-ranks", "1"], "serve-dep-C")
+        dep = ("--roles", "decode", "--index", "5", "--ep", "2", "--ep-rendezvous",
+               f"{b.address}:{RENDEZVOUS_PORT}")
+        self.procs.start(b, serve("B", *dep, "--ep-ranks", "0", "--ep-rendezvous-serve",
+                                  deterministic=False), "serve-dep-B")
+        self.procs.start(self.hosts["C"], serve("C", *dep, "--ep-ranks", "1",
+                                                deterministic=False), "serve-dep-C")
         return f"http://{a.address}:8000"
 
     def wait_ready(self, url: str, within_s: float) -> dict:
