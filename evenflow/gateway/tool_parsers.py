@@ -158,6 +158,13 @@ def call_from_object(text: str, start: int, args_keys: tuple[str, ...] = ("argum
     return Call(name, arguments or ("{}" if complete else ""), complete), scanned.end
 
 
+def call_at(name: str, text: str, start: int) -> tuple[Call, int | None]:
+    """A call whose arguments are the JSON value at `start`, as far as the text goes, and
+    where that value ends (None: not yet)."""
+    end = value_end(text, start)
+    return Call(name, text[start:len(text) if end is None else end], end is not None), end
+
+
 def held_back(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of a marker."""
     longest = 0
@@ -279,11 +286,8 @@ class MistralParser(ToolParser):
             args = text.find(self.ARGS, i)  # v11+: name[ARGS]{...}
             if args < 0:
                 break
-            name = text[i:args].strip()
-            body = skip_ws(text, args + len(self.ARGS))
-            end = value_end(text, body)
-            parsed.calls.append(Call(name, text[body:len(text) if end is None else end],
-                                     end is not None))
+            call, end = call_at(text[i:args].strip(), text, skip_ws(text, args + len(self.ARGS)))
+            parsed.calls.append(call)
             if end is None:
                 break
             at = text.find(self.START, end)
@@ -321,9 +325,8 @@ class DeepSeekV3Parser(ToolParser):
             i = skip_ws(text, i)
             if i < len(text) and text[i] != "{" and not final:
                 break  # (the fence still coming)
-            end = value_end(text, i)
-            parsed.calls.append(Call(name, text[i:len(text) if end is None else end],
-                                     end is not None))
+            call, end = call_at(name, text, i)
+            parsed.calls.append(call)
             if end is None:
                 break
             begin = text.find(self.BEGIN, end)
