@@ -78,8 +78,8 @@ class Fleet:
         except NatsAuthError:
             raise  # refused credentials: the gateway cannot serve, and says so (app.py)
         except Exception as exc:  # nats-py retries a first connect forever: stop waiting
-            log.warning("NATS at %s unreachable at start (%s); still trying",
-                        self.config.nats_url, unreachable_reason(exc, self.bus))
+            log.warning("NATS unreachable at start (%s at %s); still trying",
+                        unreachable_reason(exc, self.bus), self.config.nats_url)
             self._connecting = asyncio.create_task(self._connect_until_up(), name="connect")
         if self.kv is not None:
             try:
