@@ -305,3 +305,21 @@ def add_next_token_layer(path: Path, hf, seed: int = 1) -> dict[str, torch.Tenso
     save_file({f"model.layers.{stored}.{k}": v for k, v in shipped.items()},
               str(path / "model-next-token.safetensors"))
     return layer
+
+
+def write_peft_adapter(hf, path: Path, seed: int, targets: list[str], parameters: list[str],
+                       rank: int = 4, gain: float = 3.0) -> None:
+    """A LoRA adapter written by PEFT itself onto `hf` (target_modules `targets`,
+    target_parameters `parameters` for fused experts), its random factors times `gain`: large
+    enough to change greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=4 * rank, target_modules=targets,
+                                         target_parameters=parameters or None,
+                                         init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(gain)
+    peft.save_pretrained(path)

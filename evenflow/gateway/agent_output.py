@@ -120,7 +120,8 @@ class OutputSplit:
 
     def finish_reason(self, finish: str | None) -> str | None:
         """A choice that ended by itself after calls finishes with "tool_calls"."""
-        return "tool_calls" if finish == "stop" and self.tool_calls() else finish
+        has_calls = bool(self.parsed.calls) and self.parsed.calls[0].name is not None
+        return "tool_calls" if finish == "stop" and has_calls else finish
 
     def tool_calls(self) -> list[dict[str, Any]]:
         calls = []

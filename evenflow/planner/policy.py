@@ -129,6 +129,25 @@ class Decision:
 
 
 @dataclass
+class RateSmoother:
+    """A load's rates smoothed over intervals (`weight`: the newest's); queues and streams
+    are taken as they are now."""
+
+    weight: float
+    _last: FleetLoad | None = None
+
+    def smooth(self, load: FleetLoad) -> FleetLoad:
+        a, old = self.weight, self._last
+        if old is not None:
+            load = replace(load, **{name: a * getattr(load, name) + (1 - a) * getattr(old, name)
+                                    for name in ("prompt_tokens_per_s", "prefill_requests_per_s",
+                                                 "local_prompt_tokens_per_s",
+                                                 "decode_tokens_per_s")})
+        self._last = load
+        return load
+
+
+@dataclass
 class Planner:
     """Decides each interval. While the straggler role's pressure is under `busy_pressure`
     nothing moves. A move is made when the best split lowers the straggler's
@@ -148,19 +167,14 @@ class Planner:
     smoothing: float = 0.5
     min_prefill: int = 1
     _wanted: tuple[int, int] = (-1, 0)  # (the split wanted, decisions in a row)
-    _rates: FleetLoad | None = None
+    _rates: RateSmoother | None = None
     _decisions: int = 0
     _last_move: tuple[str, int] = ("", -1000)  # (action, the decision it was made at)
 
     def smooth(self, load: FleetLoad) -> FleetLoad:
-        a, old = self.smoothing, self._rates
-        if old is not None:
-            load = replace(load, **{name: a * getattr(load, name) + (1 - a) * getattr(old, name)
-                                    for name in ("prompt_tokens_per_s", "prefill_requests_per_s",
-                                                 "local_prompt_tokens_per_s",
-                                                 "decode_tokens_per_s")})
-        self._rates = load
-        return load
+        if self._rates is None:
+            self._rates = RateSmoother(self.smoothing)
+        return self._rates.smooth(load)
 
     def moved(self, action: str) -> None:
         """The caller carried out `action` (the last decision's)."""
@@ -228,11 +242,11 @@ class Sizer:
     smoothing: float = 0.5
     target: tuple[int, int] | None = None  # (prefill, decode) as last decided
     _lower: list[tuple[int, int]] = field(default_factory=list)  # sizes asked while lower
-    _rates: Planner | None = None
+    _rates: RateSmoother | None = None
 
     def decide(self, load: FleetLoad, profile: RoleProfile) -> Decision:
         if self._rates is None:
-            self._rates = Planner(self.ttft_s, self.itl_s, smoothing=self.smoothing)
+            self._rates = RateSmoother(self.smoothing)
         load = self._rates.smooth(load)
         needed = need(load, profile, self.ttft_s, self.itl_s)
         current = self.target or (max(1, load.prefill_workers), max(1, load.decode_workers))

@@ -11,7 +11,13 @@ import json
 
 import pytest
 import torch
-from checkpoints import VOCAB, hf_greedy, make_checkpoint, prefill_then_decode
+from checkpoints import (
+    VOCAB,
+    hf_greedy,
+    make_checkpoint,
+    prefill_then_decode,
+    write_peft_adapter,
+)
 
 from evenflow import SamplingParams
 from evenflow.engine.serving.engine import Engine, EngineConfig
@@ -20,17 +26,7 @@ NEW = 12
 
 
 def _adapter(hf, path, seed: int, targets: list[str], parameters: list[str]) -> None:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=targets,
-                        target_parameters=parameters or None, init_lora_weights=False)
-    peft = get_peft_model(hf, config)
-    with torch.no_grad():  # large enough to change the greedy tokens
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.mul_(3.0)
-    peft.save_pretrained(path)
+    write_peft_adapter(hf, path, seed, targets, parameters, rank=4, gain=3.0)
 
 
 @pytest.fixture(scope="module")

@@ -23,22 +23,14 @@ PROMPT = "count from 200 : " + " ".join(map(str, range(200, 214)))
 
 
 def _write_adapter(path, seed: int, targets: list[str], parameters: list[str]) -> None:
-    from peft import LoraConfig, get_peft_model
+    from checkpoints import write_peft_adapter
     from transformers import AutoModelForCausalLM
 
     from evenflow import models
 
     hf = AutoModelForCausalLM.from_pretrained(models.resolve_model("tiny-moe"),
                                               dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=32, target_modules=targets,
-                                         target_parameters=parameters or None,
-                                         init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.mul_(4.0)
-    peft.save_pretrained(path)
+    write_peft_adapter(hf, path, seed, targets, parameters, rank=8, gain=4.0)
 
 
 @pytest.fixture(scope="module")
