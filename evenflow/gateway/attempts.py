@@ -179,6 +179,9 @@ class Attempts:
             self.retries -= 1
             if flight.decode and item.code != errors.LOST_IN_OUTAGE:
                 self.exclude.add(flight.decode)  # before release forgets it: not again
+        if flight.decode and self.emitted:
+            # (moving off a batch-invariant worker: to one of the same numerics if one is live)
+            self.exclude |= self.fleet.registry.other_numerics(flight.decode)
         self.dispatch.cancel(self.wire_id, flight)
         self.dispatch.release(flight)
         self.fleet.flights.pop(self.wire_id, None)

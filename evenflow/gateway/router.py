@@ -176,6 +176,18 @@ class WorkerRegistry:
         self._live[role] = (self._changes, now, found)
         return found
 
+    def other_numerics(self, decode_id: str) -> set[str]:
+        """For a stream moving off `decode_id` after some tokens: where that worker is
+        batch-invariant (its heartbeat's numerics, e.g. "deterministic float32"), the live
+        decode workers whose numerics differ and could continue the stream with other text.
+        The caller excludes them as a preference (with none of the same numerics live, the
+        stream still goes on elsewhere)."""
+        state = self.workers.get(decode_id)
+        numerics = state.heartbeat.numerics if state is not None else ""
+        if not numerics:
+            return set()
+        return {s.worker_id for s in self.live(Role.DECODE) if s.heartbeat.numerics != numerics}
+
     def _pick(self, role: Role, candidates: list[WorkerState], total_blocks: int,
               matched: Mapping[str, float], load: dict[str, float]) -> WorkerState | None:
         if not candidates:

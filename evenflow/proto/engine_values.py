@@ -15,6 +15,10 @@ class ServingForm:
     weights: str = ""
     kv_cache: str = ""
     kernels: str = ""
+    # "deterministic <dtype>" where the engine is batch-invariant (a stream's text does not
+    # depend on its batch), else empty: a stream moved off such a worker continues identically
+    # only on a worker with the same numerics
+    numerics: str = ""
 
 
 @dataclass(frozen=True)

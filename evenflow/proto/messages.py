@@ -361,8 +361,8 @@ class WorkerHeartbeat:
     # 3: `draining` is its own field (was folded into role); 4: the engine's cumulative step
     # time and tokens (an operator's tools compare workers from them, no tracing needed); 5:
     # what an engine worker runs (weights, KV cache dtype, kernels), for /v1/models; 6: role
-    # switches (the role it drains to switch to, how many it made)
-    VERSION: ClassVar[int] = 6
+    # switches (the role it drains to switch to, how many it made); 7: numerics
+    VERSION: ClassVar[int] = 7
     worker_id: str
     role: Role
     model: str
@@ -394,6 +394,9 @@ class WorkerHeartbeat:
     weights: str = ""  # e.g. "int4-g32 W4A8 (bf16 rest)", "MXFP4 experts (bf16 rest)"
     kv_cache_dtype: str = ""  # bf16, int8, ...
     kernels: str = ""  # which native kernels serve, and which are torch's
+    # "deterministic float32" where the engine is batch-invariant, else empty: a stream moved
+    # off such a worker goes to one of the same numerics where one is live (identical text)
+    numerics: str = ""
     # engine workers that may switch role (planner/): the role it drains to switch to (empty:
     # none under way), and the switches it made since it started
     switching_to: str = ""

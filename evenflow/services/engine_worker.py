@@ -138,7 +138,8 @@ class EngineWorker(WorkerService):
                                stream_seconds=thread.stream_seconds if thread else 0.0,
                                stream_tokens=thread.stream_tokens if thread else 0,
                                weights=form.weights, kv_cache_dtype=form.kv_cache,
-                               kernels=form.kernels, switching_to=self.switching_to,
+                               kernels=form.kernels, numerics=form.numerics,
+                               switching_to=self.switching_to,
                                role_switches=self.role_switches,
                                requests_finished=self.requests_finished)
 

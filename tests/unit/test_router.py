@@ -96,3 +96,20 @@ def test_own_requests_count_from_the_gateway_others_from_the_heartbeat():
     registry.workers["p1"].inflight_blocks = 30
     # p0: another gateway's 40 blocks; p1: our 30 in flight (its heartbeat's 20 included).
     assert registry.pick_prefill(4, {}, block_size=16).worker_id == "p1"
+
+
+def test_a_stream_leaving_a_deterministic_worker_prefers_one_of_the_same_numerics():
+    import dataclasses
+
+    registry = WorkerRegistry(timeout_s=60, weights=RouterWeights(policy="least_load"))
+    same = "deterministic float32"
+    for name, numerics, running in (("d1", same, 0), ("d2", same, 5), ("d5", "", 0)):
+        hb = dataclasses.replace(worker(name, "decode", running=running).heartbeat,
+                                 numerics=numerics)
+        registry.observe(hb)
+    # d1 died mid-stream: d5 is less loaded than d2, but would continue with other numbers
+    exclude = {"d1"} | registry.other_numerics("d1")
+    assert exclude == {"d1", "d5"}
+    assert registry.pick_decode(4, {}, exclude=exclude).worker_id == "d2"
+    assert registry.other_numerics("d5") == set()  # (not batch-invariant: anywhere)
+    assert registry.other_numerics("gone") == set()

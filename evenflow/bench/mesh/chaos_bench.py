@@ -220,7 +220,8 @@ class Chaos:
             self.procs.start(self.hosts[name], serve(name, "--roles", "prefill,decode",
                                                      "--index", str(index)), f"serve-{name}")
         # (deterministic mode does not serve expert parallelism: the group's streams are not
-        # held to the fault-free text)
+        # held to the fault-free text; the gateway moves a deterministic worker's streams to
+        # the other deterministic worker while one is live, by the heartbeats' numerics)
         dep = ("--roles", "decode", "--index", "5", "--ep", "2", "--ep-rendezvous",
                f"{b.address}:{RENDEZVOUS_PORT}")
         self.procs.start(b, serve("B", *dep, "--ep-ranks", "0", "--ep-rendezvous-serve",

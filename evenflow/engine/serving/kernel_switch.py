@@ -29,6 +29,7 @@ class KernelOwner(Protocol):
     runner: Any  # the model runner (attach: the reloaded model)
     placement: Any  # its slot_counts, which the reloaded MoE layers count into
     weight_form: str
+    dtype: torch.dtype  # the model's compute dtype
 
     @property
     def kv_dtype(self) -> torch.dtype: ...
@@ -57,8 +58,10 @@ class KernelSwitch:
         # (what the runner decided when it built the model's forward, not the environment now)
         fast = "" if engine.model.decode_stack_builder is not None else "; fast decode off " \
             "(EVENFLOW_FAST_DECODE=0)"
+        deterministic = getattr(engine.runner, "deterministic", False)
+        numerics = f"deterministic {short_dtype(engine.dtype)}" if deterministic else ""
         return ServingForm(engine.weight_form, short_dtype(engine.kv_dtype),
-                           native.summary() + fast)
+                           native.summary() + fast, numerics)
 
     def switch_when_ready(self) -> str | None:
         """Reload onto the native kernels once their build is done (called while idle).
