@@ -207,3 +207,20 @@ def test_int4_with_int8_rows_still_does_the_tasks(group):
     if not w4a8_layout(group, llm.engine.model_config.hidden_size):
         pytest.skip("no VNNI here: int4 rows stay at full precision")
     assert_counts_and_reverses(llm)
+
+
+def test_quant_skip_keeps_the_named_modules_unquantized(tmp_path):
+    from evenflow.engine.model.moe import MoE
+
+    make_checkpoint("mixtral", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="int8",
+              quant_skip=r"self_attn|layers\.1\.mlp\.experts")
+    layers = llm.engine.model.model.layers
+    assert not any(isinstance(m, QuantLinear) for m in layers[0].self_attn.modules())
+    moe = [layer.mlp for layer in layers]
+    assert all(isinstance(m, MoE) for m in moe) and len(moe) >= 2
+    quantized = [type(m.stored).__name__ == "QuantizedExperts" for m in moe]
+    assert quantized[0] and not quantized[1]
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == 24
+    with pytest.raises(ValueError, match="quant_skip"):
+        LLM(str(tmp_path), dtype="float32", quantization="int8", quant_skip="(")

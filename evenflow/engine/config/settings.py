@@ -190,6 +190,10 @@ class EngineConfig:
                                     help="int4 group size (32, 64 or 128)")
     quant_symmetric: bool = setting(False, help="int4 without zero points")
     quantize_lm_head: bool = setting(False, help="quantize the output head too")
+    quant_skip: str = setting(
+        "", help="a regular expression: weights whose module name it finds stay unquantized "
+                 "(vLLM's modules_to_not_convert), e.g. 'self_attn' or 'layers\\.0\\.'; "
+                 "names as `model.layers.3.self_attn.o_proj`, `model.layers.3.mlp.experts`")
     tensor_parallel_size: int = setting(
         1, ge=1, flag="--tp", commands=_ENGINE_FLAGS,
         help="tensor parallelism: each engine is this many rank processes on this host, each "

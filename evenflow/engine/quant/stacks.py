@@ -33,6 +33,7 @@ row wins.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,21 @@ class QuantConfig:
     group_size: int = 64  # int4 only
     symmetric: bool = False  # int4: no zero points
     quantize_lm_head: bool = False  # the embedding and lm_head stay unquantized by default
+    # a regular expression: modules whose name it finds stay unquantized (quant_skip)
+    skip: str = ""
 
     def __post_init__(self) -> None:
         check_quantization(self.method, self.group_size)
+        if self.skip:
+            try:
+                re.compile(self.skip)
+            except re.error as exc:
+                raise ValueError(f"quant_skip is not a regular expression: {exc}") from None
+
+    def takes(self, name: str) -> bool:
+        """Whether the module `name` (`model.layers.3.self_attn.o_proj`,
+        `model.layers.3.mlp.experts`, `lm_head`) is quantized (quant_skip leaves it alone)."""
+        return not self.skip or re.search(self.skip, name) is None
 
     def fits(self, weight_shape: tuple[int, ...]) -> bool:
         """Whether a weight (..., N, K) can take this method (else it stays unquantized)."""

@@ -361,7 +361,7 @@ def _load_by_layer(model: CausalLM, files: list[Path], expected: dict[str, Tenso
         if shard is not None:
             shard.shard_layer(module, cfg)  # type: ignore[arg-type]
         if quantization is not None or given:
-            quantize_layer(module, quantization, dtype, given)  # type: ignore[arg-type]
+            quantize_layer(module, quantization, dtype, given, layer)  # type: ignore[arg-type]
         del tensors, state, given, given_hf
         _return_freed_memory()
         progress.update()
@@ -423,7 +423,7 @@ def load_extra_layer(model_dir: Path, cfg: ModelConfig, stored: int, layer: torc
     if cfg.rope_interleave and not cfg.mla:
         _fold_rope_interleave(layer, cfg, {})
     if quantization is not None:
-        quantize_layer(layer, quantization, dtype, {})  # type: ignore[arg-type]
+        quantize_layer(layer, quantization, dtype, {}, stored)  # type: ignore[arg-type]
     return extra
 
 
@@ -500,6 +500,8 @@ def _expert_names(cfg: ModelConfig, layer: int, names: dict[Path, list[str]],
                  if (m := EXPERT.match(name)) and int(m[1]) == layer and name in in_file}
     except (OSError, safetensors_io.SafetensorsError) as exc:
         raise ModelLoadError(f"corrupt or unreadable safetensors file ({exc})") from exc
+    if not config.takes(f"model.layers.{layer}.mlp.experts"):
+        return None  # (quant_skip: read with the layer, as stored)
     if len(found) != 3 * cfg.num_experts or not all(config.fits(shape)
                                                     for _, _, shape in found.values()):
         return None
@@ -580,7 +582,7 @@ def quant_config(config: EngineConfig) -> QuantConfig | None:
     if config.quantization is None:
         return None
     return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
-                       config.quantize_lm_head)
+                       config.quantize_lm_head, config.quant_skip)
 
 
 def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,

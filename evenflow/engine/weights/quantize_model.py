@@ -52,10 +52,11 @@ _LATENT = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 def quantize_layer(layer: DecoderLayer, config: QuantConfig | None, dtype: torch.dtype,
-                   given: dict[str, list[QuantValues]] | None = None) -> None:
+                   given: dict[str, list[QuantValues]] | None = None, index: int = 0) -> None:
     """Replace this layer's quantizable weights (in place). `given`: pre-quantized values by
     name relative to the layer (`self_attn.qkv_proj`, `mlp.w13` as one entry per expert; MXFP4
-    experts as Mxfp4Values). config None: only `given` is used (the rest stays as loaded)."""
+    experts as Mxfp4Values). config None: only `given` is used (the rest stays as loaded).
+    `index`: the layer's, for config.skip's names (`model.layers.<index>.self_attn.o_proj`)."""
     given = given or {}
     attn = layer.self_attn
     names = list(_ATTENTION) if isinstance(attn, Attention) else [
@@ -71,12 +72,13 @@ def quantize_layer(layer: DecoderLayer, config: QuantConfig | None, dtype: torch
         linear = getattr(parent, attr)
         values = given.get(name)
         if values is None and config is not None and isinstance(linear, nn.Linear) and \
-                config.fits(linear.weight.shape):
+                config.fits(linear.weight.shape) and config.takes(f"model.layers.{index}.{name}"):
             values = [quantize(linear.weight.data, config)]
         if values is not None:
             setattr(parent, attr, QuantLinear(build_stack(values, dtype), linear.bias))
     if isinstance(mlp, MoE):
-        _quantize_experts(mlp, config, dtype, given)
+        _quantize_experts(mlp, config if config is None or config.takes(
+            f"model.layers.{index}.mlp.experts") else None, dtype, given)
 
 
 def _quantize_experts(moe: MoE, config: QuantConfig | None, dtype: torch.dtype,
@@ -99,6 +101,7 @@ def quantize_head(model: CausalLM, config: QuantConfig | None, dtype: torch.dtyp
     """lm_head, only when asked (or pre-quantized): it decides every token."""
     head = model.lm_head
     if given is None and config is not None and config.quantize_lm_head and \
+            config.takes("lm_head") and \
             isinstance(head, nn.Linear) and not model.config.tie_word_embeddings and \
             config.fits(head.weight.shape):
         given = quantize(head.weight.data, config)
