@@ -11,6 +11,18 @@ from evenflow.engine.quant.panel_stack import PanelStack, w4a8_layout
 W4A8_MAX_ROWS = 16  # kernels/panel_quant.h kDequantRowsW4A8: from here a dequantized panel
 
 
+def int8_rows_below(stack: PanelStack) -> int:
+    """Rows below this count meet the stack's codes as int8 rows (w8a8 and int8 in its layout:
+    per row; int4 / 5-bit codes in the VNNI layout: per group); from it on, a dequantized
+    panel meets the rows as they are. The stack's kernel plan where it has one, else the
+    kernels' built-in thresholds (panel_quant.h dequant_rows)."""
+    if stack.form not in ("w8a8", "int8 rows", "int4 vnni", "int5", "mxfp4"):
+        return 0
+    if stack.dequant_from:
+        return stack.dequant_from
+    return 2**62 if stack.form in ("w8a8", "int8 rows") else W4A8_MAX_ROWS
+
+
 def w4a8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
     """x (..., K) as the W4A8 kernel sees it, in float32."""
     xf = x.float()
@@ -22,11 +34,14 @@ def w4a8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def seen_rows(stack: object, x: torch.Tensor) -> torch.Tensor:
-    """The rows as a panel stack's kernel multiplies them: W4A8-quantized when the stack is
-    int4 (or 5-bit codes) in the VNNI layout and x has few rows, else x in float32."""
-    if isinstance(stack, PanelStack) and stack.bits in (4, 5) and x.shape[0] < W4A8_MAX_ROWS and \
-            w4a8_layout(stack.group_size, stack.in_features):
-        return w4a8_rows(x, stack.group_size)
+    """The rows as a panel stack's kernel multiplies them: int8-quantized (per row for w8a8
+    and int8 rows, per group for W4A8) when x has fewer rows than int8_rows_below, else x in
+    float32."""
+    if isinstance(stack, PanelStack) and x.shape[0] < int8_rows_below(stack):
+        if stack.form in ("w8a8", "int8 rows"):
+            return w4a8_rows(x, x.shape[-1])
+        if stack.bits in (4, 5) and w4a8_layout(stack.group_size, stack.in_features):
+            return w4a8_rows(x, stack.group_size)
     return x.float()
 
 

@@ -69,6 +69,11 @@ ENGINE_SWITCHES: dict[str, EngineSwitch] = {s.name: s for s in (
     EngineSwitch("EVENFLOW_NATIVE_W4A8", "1", "int4 weights (where VNNI is) against rows "
                  "quantized to int8 per group, for a decode step's few rows (as llama.cpp's Q4_0 "
                  "x Q8_0)"),
+    EngineSwitch("EVENFLOW_NATIVE_INT8_ROWS", "1", "int8 weights (where VNNI is) in w8a8's "
+                 "layout, so that rows may meet them as int8 rows (quantized per token) where "
+                 "the kernel plan measures that faster (0: weight-only numerics at every count)"),
+    EngineSwitch("EVENFLOW_KERNEL_PLANS", "1", "measure once per machine from how many rows a "
+                 "quantized panel is dequantized first (0: the kernels' built-in thresholds)"),
     EngineSwitch("EVENFLOW_FAST_DECODE", "1", "a decode step's layers as one native call"),
     EngineSwitch("EVENFLOW_WINDOW_POOL", "1", "sliding-window layers keep their K/V in a pool "
                  "of their own that holds only the window (0: in the one block table, every "

@@ -135,15 +135,18 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   }
   const int64_t n_active = static_cast<int64_t>(active.size());
 
-  // an expert with few rows takes them quantized from int4 in the VNNI layout (W4A8)
-  const bool few = std::any_of(active.begin(), active.end(), [&](int64_t e) {
-    return start[e + 1] - start[e] < kDequantRowsW4A8;
-  });
+  // an expert with few rows takes them quantized (W8A8, W4A8): dequant_rows decides, per weight
+  auto few_for = [&](const Weight& wt) {
+    const int64_t limit = dequant_rows<T>(wt);
+    return std::any_of(active.begin(), active.end(),
+                       [&](int64_t e) { return start[e + 1] - start[e] < limit; });
+  };
+  const bool few13 = few_for(w13[0]), few2 = few_for(w2[0]);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
   const float* xf = reads_float_rows(w13[0]) ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
   QuantRows xq, actq;  // w8a8 / w4a8: the tokens and the activations, quantized
-  quantize_rows_for(w13[0], xp, tokens, hidden, few, xq);
+  quantize_rows_for(w13[0], xp, tokens, hidden, few13, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
   std::unique_ptr<float[]> act_f(reads_float_rows(w2[0]) && !std::is_same_v<T, float>
@@ -189,7 +192,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
     }
   });
 
-  quantize_rows_for(w2[0], act.get(), pairs, inter, few, actq);
+  quantize_rows_for(w2[0], act.get(), pairs, inter, few2, actq);
 
   // down, times each pair's routing weight: tasks (panel, expert), panel-major
   const int64_t panels2 = hidden / kPanel;
@@ -305,10 +308,12 @@ namespace evenflow_ops {
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& route_weights,
                      at::TensorList w13, at::TensorList w2, at::TensorList scales13,
                      at::TensorList scales2, at::TensorList offsets13, at::TensorList offsets2,
-                     int64_t group, const std::optional<at::Tensor>& b13,
+                     int64_t group_word, const std::optional<at::Tensor>& b13,
                      const std::optional<at::Tensor>& b2, int64_t activation, double alpha,
                      double limit) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (T, H) matrix");
+  const GroupWord word = split_group(group_word);  // (the kernel plans' thresholds with it)
+  const int64_t group = word.group;
   TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && ids.scalar_type() == at::kLong &&
                   ids.size(0) == x.size(0),
               "ids must be a contiguous (T, k) int64 matrix");
@@ -333,6 +338,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
                                   x.scalar_type()));
     down.push_back(slot_weight(w2[e], scales2, offsets2, e, hidden, inter, group,
                                x.scalar_type()));
+    gate_up.back().dequant_from = word.dequant_from;
+    down.back().dequant_from = word.dequant_from2;
     // (gate_up and down may differ: a GGUF Q4_K_M keeps some downs in Q6_K)
     TORCH_CHECK(gate_up.back().format == gate_up[0].format &&
                     down.back().format == down[0].format,

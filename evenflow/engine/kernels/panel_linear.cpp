@@ -29,16 +29,30 @@ using namespace evenflow_panel;
 
 constexpr int64_t kRowBlock = 16 * kRows;  // rows a task takes (the panel stays in L2)
 
+// Rows a task takes: kRowBlock, or where a quantized panel is dequantized first, as many as
+// keep every thread busy, so that a panel is dequantized once per task and not once per
+// kRowBlock rows (a quarter of the work at 2,048 rows of a 512-input weight)
+template <typename T>
+int64_t row_block(const Weight& wt, int64_t rows, int64_t panels) {
+  if (wt.format == Format::kPlain || rows <= kRowBlock || rows < dequant_rows<T>(wt))
+    return kRowBlock;
+  const int64_t tasks_per_panel =
+      std::max<int64_t>(1, (4 * at::get_num_threads() + panels - 1) / panels);
+  const int64_t block = (rows + tasks_per_panel - 1) / tasks_per_panel;
+  return std::max<int64_t>(kRowBlock, (block + kRows - 1) / kRows * kRows);
+}
+
 template <typename T>
 void linear_impl(const T* x, const float* xf, const QuantRows* xq, int64_t rows, int64_t k_total,
                  const Weight& wt, int64_t n_total, const float* bias, T* out) {
   const int64_t panels = n_total / kPanel;
-  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t block = row_block<T>(wt, rows, panels);
+  const int64_t row_blocks = (rows + block - 1) / block;
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = (t / panels) * kRowBlock, p = t % panels;
+      const int64_t first = (t / panels) * block, p = t % panels;
       run_panel<T>(
-          wt, p, k_total, std::min(rows, first + kRowBlock) - first,
+          wt, p, k_total, std::min(rows, first + block) - first,
           [&](int64_t i) { return x + (first + i) * k_total; },
           [&](int64_t i) { return xf + (first + i) * k_total; },
           [&](int64_t i) { return xq->at(first + i); },
@@ -53,6 +67,12 @@ void linear_impl(const T* x, const float* xf, const QuantRows* xq, int64_t rows,
           });
     }
   });
+}
+
+template <typename T>
+bool few_rows(const Weight& wt, int64_t rows, int64_t panels) {
+  const int64_t block = row_block<T>(wt, rows, panels);
+  return (rows - 1) % block + 1 < dequant_rows<T>(wt);
 }
 
 }  // namespace
@@ -70,8 +90,10 @@ namespace evenflow_ops {
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& scale,
-                        const std::optional<at::Tensor>& offset, int64_t group) {
+                        const std::optional<at::Tensor>& offset, int64_t group_word) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
+  const GroupWord word = split_group(group_word);
+  const int64_t group = word.group;
   TORCH_CHECK(w.is_contiguous(), "the packed weight must be contiguous");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
@@ -133,8 +155,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
                   "int4 in the VNNI layout needs AVX512-VNNI and groups of 8k");
     }
   }
-  const Weight wt = weight_of(w, scale.has_value() ? &*scale : nullptr,
-                              offset.has_value() ? &*offset : nullptr, group);
+  Weight wt = weight_of(w, scale.has_value() ? &*scale : nullptr,
+                        offset.has_value() ? &*offset : nullptr, group);
+  wt.dequant_from = word.dequant_from;
   const float* bias_p = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -149,8 +172,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
   at::Tensor out = at::empty({x.size(0), n_total}, x.options());
   QuantRows xq;
   const int64_t rows = x.size(0);
-  // a task's block of rows: kRowBlock each, the last one the rest (W4A8 serves one under 16)
-  const bool few = (rows - 1) % kRowBlock + 1 < kDequantRowsW4A8;
+  // a task's block of rows: row_block's each, the last one the rest; `few`: some block meets
+  // a panel as int8 rows (w8a8, W4A8), which are quantized then
+  const int64_t panels = n_total / kPanel;
+  const bool few = bf16 ? few_rows<uint16_t>(wt, rows, panels) : few_rows<float>(wt, rows, panels);
   if (bf16) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     std::vector<float> copy;

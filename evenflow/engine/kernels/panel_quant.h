@@ -60,7 +60,21 @@ struct Weight {
   const int32_t* comp = nullptr;  // w8a8 only
   const uint8_t* exps = nullptr;  // kMxfp4 only: E8M0 exponents (N/64, G, 64)
   int64_t group = 0;              // int4, int5 and mxfp4
+  // from this many rows a panel is dequantized into a plain one first (and, for w8a8 and the
+  // VNNI int4 layouts, below it the rows meet the codes as int8): the weight's kernel plan,
+  // measured once on the machine (engine/quant/panel_stack.py); 0: the built-in thresholds
+  int64_t dequant_from = 0;
 };
+
+// The `group` argument of the panel ops: the quantization group in its low 32 bits, and the
+// kernel plan's dequant_from (above) in bits 32-47 (fused_moe: its gate_up's; bits 48-62: its
+// down's). Made by engine/kernels/panels.py group_word.
+struct GroupWord {
+  int64_t group, dequant_from, dequant_from2;
+};
+inline GroupWord split_group(int64_t word) {
+  return {word & 0xffffffff, (word >> 32) & 0xffff, (word >> 48) & 0x7fff};
+}
 
 // the codes 0..15 / 0..31 in the VNNI layout (kInt4Vnni, kInt5Vnni), MXFP4's E2M1 codes in it
 inline bool vnni_codes(Format f) {
@@ -433,6 +447,24 @@ inline f16v mx_scale(const uint8_t* exps) {
   return v;
 }
 
+// w8a8's codes (four inputs of a channel a dword) for inputs i and i + 1 of 16 channels' dwords
+inline void w8a8_pair(const int8_t* dwords, int i, f16v& low, f16v& high) {
+#if defined(__AVX512F__)
+  const __m512i d = _mm512_loadu_si512(dwords);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(
+      _mm512_sllv_epi32(d, _mm512_set1_epi32(24 - 8 * i)), 24));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(
+      _mm512_sllv_epi32(d, _mm512_set1_epi32(16 - 8 * i)), 24));
+  std::memcpy(&low, &lo, sizeof low);
+  std::memcpy(&high, &hi, sizeof high);
+#else  // (w8a8 needs AVX-512 VNNI; this only keeps other builds compiling)
+  for (int c = 0; c < kLanes; ++c) {
+    low[c] = dwords[4 * c + i];
+    high[c] = dwords[4 * c + i + 1];
+  }
+#endif
+}
+
 template <typename T>
 void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
   const int64_t groups =
@@ -470,6 +502,10 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
         const f16v s = load(wt.scale + (p * blocks + 2 * kp / kFp8Block) * kPanel + v * kLanes);
         low = widen_fp8(q + 2 * kp * kPanel + v * kLanes) * s;
         high = widen_fp8(q + (2 * kp + 1) * kPanel + v * kLanes) * s;
+      } else if (wt.format == Format::kW8A8) {  // (block kp / 2 of four inputs: 2kp % 4 = i)
+        const int8_t* dwords = static_cast<const int8_t*>(wt.data) +
+                               (p * k_total / 4 + kp / 2) * 4 * kPanel + v * 4 * kLanes;
+        w8a8_pair(dwords, 2 * static_cast<int>(kp % 2), low, high);
       } else if (wt.format == Format::kInt8) {
         const int8_t* q = static_cast<const int8_t*>(wt.data) + p * kPanel * k_total;
         low = widen(q + 2 * kp * kPanel + v * kLanes);
@@ -515,6 +551,18 @@ T* panel_scratch(size_t n) {
   return buffer.get();
 }
 
+// From how many rows a panel of `wt` is dequantized first: the weight's kernel plan where it
+// has one, else the built-in thresholds (w8a8: never, its rows always meet it as int8).
+template <typename T>
+inline int64_t dequant_rows(const Weight& wt) {
+  if (wt.dequant_from > 0) return wt.dequant_from;
+  if (wt.format == Format::kW8A8) return INT64_MAX;
+  if (vnni_codes(wt.format)) return kDequantRowsW4A8;
+  if (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot)
+    return kDequantRowsInt4Dot;
+  return kDequantRows;
+}
+
 // sums for rows [0, m) against panel p of `wt`, kRows (or kQuantRows; on AMX tiles, from
 // kAmxMinRows bf16 rows, kAmxRows) at a time; epilogue(r0,
 // mm, sums) gets each block's mm x 64 sums (int8's scale applied). row_t(i) / row_f(i): row i
@@ -525,7 +573,8 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
                const RowF& row_f, const RowQ& row_q, const Epilogue& epilogue,
                int64_t amx_min_rows = kAmxMinRows) {
   alignas(64) float sums[kRows * kPanel];
-  if (wt.format == Format::kW8A8) {
+  const int64_t dequant_from = dequant_rows<T>(wt);
+  if (wt.format == Format::kW8A8 && m < dequant_from) {
     for (int64_t r0 = 0; r0 < m; r0 += kW8A8Rows) {
       const int mm = static_cast<int>(std::min<int64_t>(kW8A8Rows, m - r0));
       const uint8_t* rows[kW8A8Rows];
@@ -541,7 +590,7 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     return;
   }
   const bool vnni4 = vnni_codes(wt.format);
-  if (vnni4 && m < kDequantRowsW4A8 && row_q(0).gscale != nullptr) {
+  if (vnni4 && m < dequant_from && row_q(0).gscale != nullptr) {
     const int64_t groups = k_total / wt.group;
     for (int64_t r0 = 0; r0 < m; r0 += kW4A8Rows) {
       const int mm = static_cast<int>(std::min<int64_t>(kW4A8Rows, m - r0));
@@ -559,16 +608,14 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   const T* plain = nullptr;
   if (wt.format == Format::kPlain) {
     plain = static_cast<const T*>(wt.data) + p * kPanel * k_total;
-  } else if (vnni4 ||  // (its few rows were served above)
-             m >= (std::is_same_v<T, uint16_t> && wt.format == Format::kInt4 && kHasBf16Dot
-                       ? kDequantRowsInt4Dot
-                       : kDequantRows)) {
+  } else if (vnni4 || wt.format == Format::kW8A8 ||  // (their few rows were served above)
+             m >= dequant_from) {
     T* scratch = panel_scratch<T>(static_cast<size_t>(kPanel * k_total));
     dequantize_panel(wt, p, k_total, scratch);
     plain = scratch;
   }
-  auto scaled = [&](int64_t r0, int mm, float* s) {  // int8: its scale, on the sums
-    if (wt.format == Format::kInt8) {
+  auto scaled = [&](int64_t r0, int mm, float* s) {  // int8, w8a8: its scale, on the sums
+    if (wt.format == Format::kInt8 || wt.format == Format::kW8A8) {
       for (int r = 0; r < mm; ++r)
         for (int v = 0; v < 4; ++v) {
           float* at = s + r * kPanel + v * kLanes;
@@ -602,14 +649,13 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
   }
 }
 
-// The rows as `wt`'s kernel takes them quantized (QuantRows), when it does: w8a8 always, per
-// row; int4 in the VNNI layout per group, and only when some panel meets fewer than
-// kDequantRowsW4A8 of them at once (`few`: more rows dequantize the panel and read x as it is).
-// Otherwise `out` stays empty.
+// The rows as `wt`'s kernel takes them quantized (QuantRows), when it does: w8a8 per row, int4
+// in the VNNI layout per group; only when some panel meets fewer than dequant_rows of them at
+// once (`few`: more rows dequantize the panel and read x as it is). Otherwise `out` stays empty.
 template <typename T>
 void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool few,
                        QuantRows& out) {
-  if (wt.format == Format::kW8A8)
+  if (wt.format == Format::kW8A8 && few)
     quantize_rows(x, m, k, out);
   else if (vnni_codes(wt.format) && few)
     quantize_rows_grouped(x, m, k, wt.group, out);

@@ -71,6 +71,14 @@ def unpack_weight(packed: Tensor, gate_up: bool = False) -> Tensor:
     return weight
 
 
+def group_word(group: int, dequant_from: int = 0, dequant_from2: int = 0) -> int:
+    """The panel ops' `group` argument (kernels/panel_quant.h GroupWord): the quantization
+    group, with the kernel plans' thresholds — from how many rows a panel is dequantized first
+    (0: the kernels' own) — for the weight (fused_moe: its gate_up; dequant_from2: its down)."""
+    assert 0 <= group < 2**32 and 0 <= dequant_from < 2**16 and 0 <= dequant_from2 < 2**15
+    return group | dequant_from << 32 | dequant_from2 << 48
+
+
 # The experts' activations the fused kernel computes (kernels/fused_moe.cpp Activation)
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 

@@ -109,23 +109,51 @@ def native_ops(dtype: torch.dtype, k: int) -> Any | None:
     return native.ops()
 
 
+def measured_plan(key: tuple, candidates: Callable[[], dict[int, Kernel]], k: int,
+                  dtype: torch.dtype, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The fastest of `candidates()` (kernel id -> function, built only when a measurement is
+    needed) at each of `rows`: stored on disk for the machine, else measured now (and
+    stored)."""
+    name, threads = "|".join(map(str, key)), torch.get_num_threads()
+    if native.ops() is None:  # (measured without them: kept apart from the plans with)
+        name += "|torch-only"
+    plan = _stored_choices(threads).get(name)
+    if plan is None or len(plan) != len(rows):
+        kernels = candidates()
+        plan = []
+        for m in rows:
+            x = torch.randn(m, k).to(dtype)
+            times = {kid: _time(lambda x=x, fn=fn: fn(x)) for kid, fn in kernels.items()}
+            plan.append(min(times, key=lambda kid: times[kid]))
+        _save_choice(threads, name, plan)
+    return tuple(plan)
+
+
 def choose(key: tuple, candidates: Callable[[], dict[int, Kernel]], k: int,
-            dtype: torch.dtype, rows: tuple[int, ...]) -> KernelChoice:
-    """The plan for `key`: remembered, stored on disk, or measured: the fastest of
-    `candidates()` (kernel id -> function, built only when a measurement is needed) at each
-    probe row count."""
+           dtype: torch.dtype, rows: tuple[int, ...]) -> KernelChoice:
+    """The plan for `key`: remembered, stored on disk, or measured (measured_plan)."""
     if key not in _CHOICES:
-        name, threads = "|".join(map(str, key)), torch.get_num_threads()
-        if native.ops() is None:  # (measured without them: kept apart from the plans with)
-            name += "|torch-only"
-        plan = _stored_choices(threads).get(name)
-        if plan is None:
-            kernels = candidates()
-            plan = []
-            for m in rows:
-                x = torch.randn(m, k).to(dtype)
-                times = {kid: _time(lambda x=x, fn=fn: fn(x)) for kid, fn in kernels.items()}
-                plan.append(min(times, key=lambda kid: times[kid]))
-            _save_choice(threads, name, plan)
-        _CHOICES[key] = KernelChoice(tuple(plan))
+        _CHOICES[key] = KernelChoice(measured_plan(key, candidates, k, dtype, rows))
     return _CHOICES[key]
+
+
+# A quantized panel's two ways for a block of rows (engine/kernels/panel_quant.h run_panel):
+# read the stored codes directly (float rows, or rows quantized to int8 where the form meets
+# int8 rows: w8a8, and int4 / MXFP4 / 5-bit codes in the VNNI layout), or dequantize the panel
+# once into a plain one for the dot-product kernel. The probes reach prefill's rows (an expert
+# of a 2,048-token chunk sees ~512 of them).
+PANEL_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+ROWS_DIRECT, ROWS_DEQUANT = 3, 4
+NEVER_DEQUANT = 0x7FFF  # (the largest dequant_from the kernels' group word holds)
+
+
+def dequant_from(plan: tuple[int, ...], rows: tuple[int, ...] = PANEL_PROBE_ROWS) -> int:
+    """The row count from which a panel plan (a way per probe row count) dequantizes: from
+    the probe after which every probe chose to dequantize (an odd probe between: read
+    directly); NEVER_DEQUANT where the last probe read the codes directly."""
+    if not plan or plan[-1] != ROWS_DEQUANT:
+        return NEVER_DEQUANT
+    i = len(plan) - 1
+    while i > 0 and plan[i - 1] == ROWS_DEQUANT:
+        i -= 1
+    return 1 if i == 0 else rows[i - 1] + 1

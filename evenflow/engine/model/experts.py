@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from evenflow.engine.kernels.panels import group_word
 from evenflow.engine.quant.panel_stack import PanelStack
 from evenflow.engine.quant.stacks import QuantStack
 
@@ -157,7 +158,8 @@ class QuantizedExperts(ExpertWeights):
         if len(groups) > 1:  # (the kernel takes one group size)
             return None
         (w13, s13, o13), (w2, s2, o2) = gate_up.experts(), down.experts()
-        return w13, w2, s13, s2, o13, o2, groups.pop() if groups else 0
+        return w13, w2, s13, s2, o13, o2, group_word(groups.pop() if groups else 0,
+                                                      gate_up.dequant_from, down.dequant_from)
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()

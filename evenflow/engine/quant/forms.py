@@ -29,7 +29,7 @@ def build_stack(values: list[QuantValues] | list[Mxfp4Values] | list[Fp8Values],
     (stacks.py). `consume`: the panel form may empty `values` as it goes (the caller is done with
     them)."""
     if usable(values, dtype, gate_up):  # type: ignore[arg-type]
-        return PanelStack.build(values, gate_up, consume)  # type: ignore[arg-type]
+        return PanelStack.build(values, gate_up, consume, dtype)  # type: ignore[arg-type]
     if isinstance(values[0], Mxfp4Values):
         return Mxfp4Stack.build(values)  # type: ignore[arg-type]
     if isinstance(values[0], Fp8Values):

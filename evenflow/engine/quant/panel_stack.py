@@ -25,9 +25,16 @@ slots by reference, without copies):
 A MoE layer's gate_up stack has its channels interleaved as engine/kernels/panels.py describes
 (panel p: gate [32p, 32p + 32), then up); `linear` returns them in the plain order again.
 
-One kernel serves every row count, so every process computes a shape the same way (no
-per-machine kernel choice, unlike the other stored forms in engine/quant/stacks.py): the quantized
-panel is read directly for a few rows, and dequantized once into a plain panel for more.
+int8 (weight-only) takes w8a8's layout where VNNI is (EVENFLOW_NATIVE_INT8_ROWS, on by
+default): its rows may then meet the codes as int8 rows (quantized per token, w8a8's kernel) or
+a dequantized panel, exact in the activations' dtype.
+
+Which of a panel's two ways serves a block of rows — the codes read directly (float rows, or
+int8 rows where the form takes them) or the panel dequantized once into a plain panel for the
+dot-product kernel — is measured once per form, shape, dtype and thread count on this machine
+(engine/kernels/plan.py: PANEL_PROBE_ROWS, kept in the kernel-plan file, so every process on
+the machine makes the same choice) and passed to the kernels as the row count from which the
+panel is dequantized (`dequant_from`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ from torch import Tensor
 
 from evenflow.engine.config.settings import switched_on
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.kernels.plan import (
+    NEVER_DEQUANT,
+    PANEL_PROBE_ROWS,
+    ROWS_DEQUANT,
+    ROWS_DIRECT,
+    dequant_from,
+    measured_plan,
+)
 from evenflow.engine.quant.fp8 import Fp8Values
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.stacks import QuantStack, QuantValues
@@ -59,6 +74,8 @@ def usable(values: list[Values], dtype: torch.dtype, gate_up: bool = False) -> b
         return False
     if values[0].int8_activations and (k % 4 or not native.w8a8_supported()):
         return False
+    if isinstance(first, QuantValues) and first.bits == 8 and int8_rows() and k % 4:
+        return False  # (int8 in w8a8's layout: the integer dot product takes inputs by four)
     if values[0].bits == 4 and values[0].group_size % 2 or gate_up and n % (2 * PANEL):
         return False
     if values[0].bits == 5 and not w4a8_layout(values[0].group_size, k):
@@ -70,6 +87,12 @@ def w4a8_layout(group_size: int, k: int) -> bool:
     """int4 goes into the VNNI layout (the W4A8 kernel for few rows) here."""
     return group_size % 8 == 0 and k % 8 == 0 and native.w8a8_supported() and \
         switched_on("EVENFLOW_NATIVE_W4A8")
+
+
+def int8_rows() -> bool:
+    """int8 (weight-only) goes into w8a8's layout here, so that its rows may meet the codes as
+    int8 rows where that measures faster (VNNI's integer dot product)."""
+    return native.w8a8_supported() and switched_on("EVENFLOW_NATIVE_INT8_ROWS")
 
 
 def _interleave(t: Tensor) -> Tensor:
@@ -129,7 +152,7 @@ def _pack(v: Values, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     zero = v.zero if v.zero is not None else torch.full_like(scale, 0.0 if v.bits == 8 else 8.0)
     if gate_up:
         q, scale, zero = _interleave(q), _interleave(scale), _interleave(zero.float())
-    if v.int8_activations:
+    if v.int8_activations or v.bits == 8 and int8_rows():
         comp = q.sum(dim=1, dtype=torch.int32).mul_(128).contiguous()
         return q.view(n // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous(), \
             scale[:, 0].contiguous(), comp
@@ -153,23 +176,44 @@ def _pack(v: Values, gate_up: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     return nibbles, by_panel(scale), by_panel(-zero * scale)
 
 
+def _form_name(v: Values) -> str:
+    """The stored form, for the kernel plans' keys and `bench quant`'s table."""
+    if isinstance(v, Mxfp4Values):
+        return "mxfp4"
+    if isinstance(v, Fp8Values):
+        return "fp8"
+    if v.int8_activations:
+        return "w8a8"
+    if v.bits == 8:
+        return "int8 rows" if int8_rows() else "int8"
+    if v.bits == 5:
+        return "int5"
+    return "int4 vnni" if w4a8_layout(v.group_size, v.q.shape[1]) else "int4"
+
+
 class PanelStack(QuantStack):
     def __init__(self, bits: int, group_size: int, n: int, k: int, data: list[Tensor],
-                 scale: list[Tensor], offset: list[Tensor] | None, gate_up: bool) -> None:
-        """`offset`: int4's offsets, w8a8's comps (int32), None for int8."""
+                 scale: list[Tensor], offset: list[Tensor] | None, gate_up: bool,
+                 form: str = "", dequant_from: int = 0) -> None:
+        """`offset`: int4's offsets, w8a8's comps (int32), None for int8. `dequant_from`: the
+        kernel plan's row count from which a panel is dequantized first (0: the kernels'
+        built-in thresholds)."""
         self.bits, self.group_size, self.gate_up = bits, group_size, gate_up
         self.num, self.out_features, self.in_features = len(data), n, k
         self.data, self.scale, self.offset = data, scale, offset
+        self.form, self.dequant_from = form, dequant_from
 
     @classmethod
-    def build(cls, values: list[Values], gate_up: bool = False,
-              consume: bool = False) -> PanelStack:
+    def build(cls, values: list[Values], gate_up: bool = False, consume: bool = False,
+              dtype: torch.dtype | None = None) -> PanelStack:
         """`consume`: empty `values` as each is packed (a load then never holds a layer's
-        unpacked values next to its packed ones)."""
+        unpacked values next to its packed ones). `dtype`: the activations', for the kernel
+        plan (measured on the first weight; None: the kernels' built-in thresholds)."""
         first = values[0]
         n, k = first.shape if isinstance(first, Mxfp4Values) else first.q.shape
         bits = first.bits
         group_size = first.group_size if bits in (4, 5) or isinstance(first, Fp8Values) else 0
+        form = _form_name(first)
         if consume:
             packed = []
             while values:
@@ -177,14 +221,35 @@ class PanelStack(QuantStack):
         else:
             packed = [_pack(v, gate_up) for v in values]
         offsets = [o for _, _, o in packed if o is not None]
-        return cls(bits, group_size, n, k, [d for d, _, _ in packed],
-                   [s for _, s, _ in packed], offsets or None, gate_up)
+        stack = cls(bits, group_size, n, k, [d for d, _, _ in packed],
+                    [s for _, s, _ in packed], offsets or None, gate_up, form)
+        if dtype is not None and switched_on("EVENFLOW_KERNEL_PLANS"):
+            stack.dequant_from = dequant_from(stack.plan(dtype))
+        return stack
+
+    def plan(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """This form and shape's way at each of PANEL_PROBE_ROWS (ROWS_DIRECT / ROWS_DEQUANT):
+        the machine's stored plan, or measured now on the first weight."""
+        data, scale = self.data[0], self.scale[0]
+        offset = self.offset[0] if self.offset is not None else None
+
+        def way(threshold: int):
+            word = panels.group_word(self.group_size, threshold)
+            return lambda x: torch.ops.evenflow_kernels.panel_linear(x, data, None, scale,
+                                                                     offset, word)
+
+        key = ("panel", self.form, self.out_features, self.in_features, self.group_size,
+               str(dtype).removeprefix("torch."))
+        return measured_plan(key, lambda: {ROWS_DIRECT: way(NEVER_DEQUANT),
+                                           ROWS_DEQUANT: way(1)},
+                             self.in_features, dtype, PANEL_PROBE_ROWS)
 
     def kernel_args(self, e: int = 0) -> tuple:
         """panel_linear's arguments after x for weight e (the weight, bias, scale, offset,
-        group); its outputs in panel order (a gate_up stack's interleaved)."""
+        group word); its outputs in panel order (a gate_up stack's interleaved)."""
         return (self.data[e], None, self.scale[e],
-                self.offset[e] if self.offset is not None else None, self.group_size)
+                self.offset[e] if self.offset is not None else None,
+                panels.group_word(self.group_size, self.dequant_from))
 
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
@@ -203,7 +268,7 @@ class PanelStack(QuantStack):
         return PanelStack(self.bits, self.group_size, self.out_features, self.in_features,
                           [self.data[e] for e in chosen], [self.scale[e] for e in chosen],
                           None if self.offset is None else [self.offset[e] for e in chosen],
-                          self.gate_up)
+                          self.gate_up, self.form, self.dequant_from)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.data + self.scale + (self.offset or []))
