@@ -85,6 +85,7 @@ def weights_alone(monkeypatch):
     is the weights as loaded; the W4A8 kernel (rows quantized per group) has its own tests
     (tests/unit/test_panel_kernels.py, test_int4_with_int8_rows_still_does_the_tasks)."""
     monkeypatch.setenv("EVENFLOW_NATIVE_W4A8", "0")
+    monkeypatch.setenv("EVENFLOW_NATIVE_INT8_ROWS", "0")  # (int8 weight-only at every count)
 
 
 @pytest.mark.usefixtures("weights_alone")
@@ -93,7 +94,7 @@ def test_quantized_engine_equals_the_dequantized_model(checkpoint, method, tmp_p
     config = METHODS[method]
     reference = LLM(str(dequantized_copy(checkpoint, tmp_path / "dq", config)), dtype="float32")
     quantized = LLM(str(checkpoint), dtype="float32", quantization=config.method,
-                    quant_group_size=config.group_size)
+                    quant_group_size=config.group_size, quant_attention="same")
     assert any(isinstance(m, QuantLinear) for m in quantized.engine.model.modules())
     want = [o.token_ids for o in reference.generate(prompts(), GREEDY)]
     got = [o.token_ids for o in quantized.generate(prompts(), GREEDY)]
@@ -108,7 +109,7 @@ def test_gptq_checkpoint_loads_to_the_model_quantized_at_load(checkpoint, tmp_pa
     assert spec["quant_method"] == "gptq" and spec["bits"] == 4 and spec["group_size"] == 32
     from_gptq = LLM(str(out), dtype="float32").engine.runner
     at_load = LLM(str(checkpoint), dtype="float32", quantization="int4",
-                  quant_group_size=32).engine.runner
+                  quant_group_size=32, quant_attention="same").engine.runner
     # GPTQ stores scales in float16: the logits agree to that rounding (~1e-4 here), not
     # bitwise; a wrongly read weight moves them by far more (greedy tokens can flip on a
     # random model's near-ties, so they are not compared)
@@ -148,7 +149,7 @@ def test_compressed_tensors_w8a8_checkpoint_loads_to_the_model_quantized_at_load
         "model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
     text = ["count from 40 :", "reverse : a s d ="]
     loaded = LLM(str(out)).generate(text, GREEDY)
-    at_load = LLM("tiny-moe", quantization="w8a8").generate(text, GREEDY)
+    at_load = LLM("tiny-moe", quantization="w8a8", quant_attention="same").generate(text, GREEDY)
     assert [o.token_ids for o in loaded] == [o.token_ids for o in at_load]
     spec["config_groups"]["group_0"]["weights"]["strategy"] = "group"
     config = json.loads((out / "config.json").read_text())
@@ -213,7 +214,7 @@ def test_quant_skip_keeps_the_named_modules_unquantized(tmp_path):
     from evenflow.engine.model.moe import MoE
 
     make_checkpoint("mixtral", tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", quantization="int8",
+    llm = LLM(str(tmp_path), dtype="float32", quantization="int8", quant_attention="same",
               quant_skip=r"self_attn|layers\.1\.mlp\.experts")
     layers = llm.engine.model.model.layers
     assert not any(isinstance(m, QuantLinear) for m in layers[0].self_attn.modules())
@@ -224,3 +225,22 @@ def test_quant_skip_keeps_the_named_modules_unquantized(tmp_path):
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == 24
     with pytest.raises(ValueError, match="quant_skip"):
         LLM(str(tmp_path), dtype="float32", quantization="int8", quant_skip="(")
+
+
+@pytest.mark.parametrize(("method", "attention_bits"), [("int8", None), ("w8a8", None),
+                                                        ("int4", 8)])
+def test_attention_goes_where_quant_attention_auto_says(method, attention_bits, tmp_path):
+    """Attention's value and output projections carry most of the loss: int8 and w8a8 leave
+    attention in the engine's dtype, int4 puts it in int8; "same" quantizes it too."""
+    make_checkpoint("mixtral", tmp_path)
+
+    def attention(llm):
+        return [m for m in llm.engine.model.model.layers[0].self_attn.modules()
+                if isinstance(m, QuantLinear)]
+
+    auto = attention(LLM(str(tmp_path), dtype="float32", quantization=method))
+    assert [m.weight_q.bits for m in auto] == ([] if attention_bits is None else
+                                               [attention_bits] * 2)
+    same = attention(LLM(str(tmp_path), dtype="float32", quantization=method,
+                         quant_attention="same"))
+    assert len(same) == 2 and same[0].weight_q.bits == (4 if method == "int4" else 8)

@@ -195,6 +195,13 @@ class EngineConfig:
                                     help="int4 group size (32, 64 or 128)")
     quant_symmetric: bool = setting(False, help="int4 without zero points")
     quantize_lm_head: bool = setting(False, help="quantize the output head too")
+    quant_attention: str = setting(
+        "auto", choices=("auto", "same", "int8", "w8a8", "none"), flag=True,
+        commands=_ENGINE_FLAGS,
+        help="the attention projections' quantization: auto (int8, w8a8: none, left in the "
+             "engine's dtype; int4: int8), same as the rest, int8, w8a8 or none. Attention's "
+             "value and output projections write the residual stream: they carry most of the "
+             "quality a quantized model loses (docs/formats.md)")
     quant_skip: str = setting(
         "", help="a regular expression: weights whose module name it finds stay unquantized "
                  "(vLLM's modules_to_not_convert), e.g. 'self_attn' or 'layers\\.0\\.'; "

@@ -32,7 +32,7 @@ from evenflow.engine.config.settings import (
 from evenflow.engine.model.transformer import CausalLM
 from evenflow.engine.quant import mxfp4
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
-from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
+from evenflow.engine.quant.stacks import ATTENTION_BY_METHOD, QuantConfig, QuantValues, quantize
 from evenflow.engine.weights import (
     awq,
     compressed_tensors,
@@ -581,8 +581,11 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
 def quant_config(config: EngineConfig) -> QuantConfig | None:
     if config.quantization is None:
         return None
+    attention = config.quant_attention
+    if attention == "auto":
+        attention = ATTENTION_BY_METHOD.get(config.quantization, "same")
     return QuantConfig(config.quantization, config.quant_group_size, config.quant_symmetric,
-                       config.quantize_lm_head, config.quant_skip)
+                       config.quantize_lm_head, config.quant_skip, attention)
 
 
 def load_weights(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,

@@ -71,9 +71,10 @@ def quantize_layer(layer: DecoderLayer, config: QuantConfig | None, dtype: torch
         parent = layer.get_submodule(parent_name)
         linear = getattr(parent, attr)
         values = given.get(name)
-        if values is None and config is not None and isinstance(linear, nn.Linear) and \
-                config.fits(linear.weight.shape) and config.takes(f"model.layers.{index}.{name}"):
-            values = [quantize(linear.weight.data, config)]
+        own = config.for_module(name) if config is not None else None
+        if values is None and own is not None and isinstance(linear, nn.Linear) and \
+                own.fits(linear.weight.shape) and own.takes(f"model.layers.{index}.{name}"):
+            values = [quantize(linear.weight.data, own)]
         if values is not None:
             setattr(parent, attr, QuantLinear(build_stack(values, dtype), linear.bias))
     if isinstance(mlp, MoE):
