@@ -5,7 +5,7 @@ Speed, the headline: on the random Mixtral-style 110M checkpoint, the unquantize
 the int8, int4-g64, int4-g64-a16 (int4's kernel before W4A8: EVENFLOW_NATIVE_W4A8=0) and w8a8
 engines in one process, their runs alternating batch size by batch
 size (native, int8, int4, w8a8, native, ...; 5 rounds): decode ms/step at batch 1, 8 and 32
-(128-token prompts) and prefill of 512 tokens, as medians; each ratio (unquantized time /
+(128-token prompts) and prefill of 512 and 2,048 tokens, as medians; each ratio (unquantized time /
 quantized time) is the median of the rounds' ratios, with their spread (min-max). On a shared
 host the speed drifts between processes by more than quantization changes it; alternating puts
 the same drift on each.
@@ -60,9 +60,10 @@ VARIANT_ENV = {"int4-g64-a16": {"EVENFLOW_NATIVE_W4A8": "0"},
                "int8-torch": {"EVENFLOW_NATIVE_KERNELS": "0"},
                "int4-torch": {"EVENFLOW_NATIVE_KERNELS": "0"}}
 TASK_VARIANTS = ("native", "int8", "int4-g64", "w8a8", "float32")
-FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=512, rounds=5,
+FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=[512, 2048],
+                            rounds=5,
                             quality_prompts=200, quality_tokens=64, task_prompts=300)
-QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=64, rounds=2,
+QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=[64], rounds=2,
                              quality_prompts=8, quality_tokens=8, task_prompts=10)
 
 
@@ -121,9 +122,10 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
 
     run(_random_prompts(2, 32, vocab, 99), 4)  # warm-up
     result: dict = {"load_peak_mb": load_peak_mb, "weights_mb": weights_mb, "decode_ms": {}}
-    run(_random_prompts(1, plan["prefill"], vocab, 5), 1)
+    run(_random_prompts(1, plan["prefill"][0], vocab, 5), 1)
     result["prefill_ms"] = statistics.median(
-        sum(run(_random_prompts(1, plan["prefill"], vocab, 6 + r), 1)[0]) for r in range(3)) * 1e3
+        sum(run(_random_prompts(1, plan["prefill"][0], vocab, 6 + r), 1)[0])
+        for r in range(3)) * 1e3
     for b in plan["batches"]:
         steps, _ = run(_random_prompts(b, plan["prompt"], vocab, b), plan["output"])
         result["decode_ms"][b] = statistics.median(steps[1:]) * 1e3
@@ -176,17 +178,40 @@ def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
                 times = steps(engine, _random_prompts(b, plan["prompt"], vocab, 50 * b + r),
                               plan["output"])
                 decode[v].setdefault(b, []).append(statistics.median(times[1:]))
-    prefill: dict[str, list[float]] = {v: [] for v in engines}
-    for r in range(rounds):
-        for v, engine in engines.items():
-            prefill[v].append(sum(steps(engine, _random_prompts(1, plan["prefill"], vocab,
-                                                                 700 + r), 1)))
+    prefill: dict[str, dict[int, list[float]]] = {v: {} for v in engines}
+    for size in plan["prefill"]:
+        for r in range(rounds):
+            for v, engine in engines.items():
+                prefill[v].setdefault(size, []).append(sum(steps(
+                    engine, _random_prompts(1, size, vocab, 700 + 10 * size + r), 1)))
     from evenflow.bench.bandwidth import step_bytes
 
     context = plan["prompt"] + plan["output"] // 2  # a batch-1 step's mean context
     return {v: {"decode_ms": {b: [x * 1e3 for x in t] for b, t in decode[v].items()},
-                "prefill_ms": [x * 1e3 for x in prefill[v]],
-                "step_bytes": step_bytes(engines[v], context)} for v in engines}
+                "prefill_ms": {n: [x * 1e3 for x in t] for n, t in prefill[v].items()},
+                "step_bytes": step_bytes(engines[v], context),
+                "kernel_plans": kernel_plans(engines[v])} for v in engines}
+
+
+def kernel_plans(engine: Any) -> list[list]:
+    """The quantized panels' kernel plans in this engine, one per (form, shape): [form, N, K,
+    dequant_from, the way at each probe row count]."""
+    from evenflow.engine.kernels.plan import ROWS_DEQUANT
+    from evenflow.engine.quant.panel_stack import PanelStack
+
+    seen: dict[tuple, list] = {}
+    for module in engine.model.modules():
+        stacks = [getattr(module, "weight_q", None)]
+        stored = getattr(module, "stored", None)
+        stacks += [getattr(stored, "gate_up", None), getattr(stored, "down", None)]
+        for stack in stacks:
+            if isinstance(stack, PanelStack):
+                key = (stack.form, stack.out_features, stack.in_features)
+                if key not in seen:
+                    ways = stack.plan(engine.dtype)
+                    seen[key] = [*key, stack.dequant_from,
+                                 "".join("Q" if w == ROWS_DEQUANT else "D" for w in ways)]
+    return sorted(seen.values())
 
 
 def run_tasks(variant: str, threads: int, plan: dict) -> dict:
@@ -246,6 +271,20 @@ def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits:
                       {"EVENFLOW_BENCH_LOGITS": logits, **VARIANT_ENV.get(variant, {})})
 
 
+def print_kernel_plans(plans: dict[str, list[list]]) -> None:
+    """Each quantized panel's plan, as measured once on this machine (engine/kernels/plan.py)."""
+    from evenflow.engine.kernels.plan import NEVER_DEQUANT, PANEL_PROBE_ROWS
+
+    print("\nkernel plans, measured once on this machine (kept for every process on it): at "
+          f"rows {', '.join(map(str, PANEL_PROBE_ROWS))}: D the codes read directly (int8 rows "
+          "where the form takes them), Q the panel dequantized first for the dot product")
+    print(f"{'variant':14}{'form':>12}{'N':>7}{'K':>7}  {'ways':12}dequantized from")
+    for variant, rows in plans.items():
+        for form, n, k, start, ways in rows:
+            where = "never" if start >= NEVER_DEQUANT else f"{start} rows"
+            print(f"{variant:14}{form:>12}{n:7d}{k:7d}  {ways:12}{where}")
+
+
 def agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float, float]:
     """(% prompts identical, mean first-divergence position, mean % positions agreeing)."""
     same, first, share = 0, [], []
@@ -272,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=None, metavar="PATH",
                     help="the Python of a venv with vLLM's CPU build: W8A8 against vLLM's on "
                          "the same compressed-tensors files (README: Benchmarks)")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="the alternating speed table and the kernel plans alone")
     args = ap.parse_args(argv)
 
     import torch
@@ -297,9 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     results, logits = {}, {}
     tasks = {}
     with tempfile.TemporaryDirectory() as tmp, Progress(
-            "bench quant: variants measured", len(VARIANTS) + len(TASK_VARIANTS) + 1,
+            "bench quant: variants measured",
+            1 if args.speed_only else len(VARIANTS) + len(TASK_VARIANTS) + 1,
             on_terminal()) as progress:
-        for variant in VARIANTS:
+        for variant in [] if args.speed_only else VARIANTS:
             path = os.path.join(tmp, f"{variant}.pt")
             result = _spawn("speed", variant, ckpt, args.threads, plan, path)
             if result is None:
@@ -308,10 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             progress.update()
         alternating = _spawn("interleaved", "native", ckpt, args.threads, plan, "")
         progress.update()
-        for v in TASK_VARIANTS:
+        for v in [] if args.speed_only else TASK_VARIANTS:
             tasks[v] = _spawn("tasks", v, ckpt, args.threads, plan, "")
             progress.update()
-    base = results["native"]
     if alternating is not None:
         print(f"\nspeed: {', '.join(INTERLEAVED)} in one process, runs alternating "
               f"({plan['rounds']} rounds; ms: medians; ratio = unquantized / quantized time, "
@@ -332,12 +373,17 @@ def main(argv: list[str] | None = None) -> int:
         for b in plan["batches"]:
             alternating_row(f"decode batch {b} (ms/step)",
                             {v: alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED})
-        alternating_row(f"prefill {plan['prefill']} tokens (ms)",
-                        {v: alternating[v]["prefill_ms"] for v in INTERLEAVED})
+        for size in plan["prefill"]:
+            alternating_row(f"prefill {size} tokens (ms)",
+                            {v: alternating[v]["prefill_ms"][str(size)] for v in INTERLEAVED})
         from evenflow.bench.bandwidth import print_limit
 
         print_limit(bandwidth, {v: (statistics.median(alternating[v]["decode_ms"]["1"]),
                                     *alternating[v]["step_bytes"]) for v in INTERLEAVED})
+        print_kernel_plans({v: alternating[v]["kernel_plans"] for v in INTERLEAVED})
+    if args.speed_only:
+        return 0
+    base = results["native"]
     print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "
           "unquantized / quantized)")
     print(f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS))
