@@ -63,7 +63,8 @@ TASK_VARIANTS = ("native", "int8", "int4-g64", "w8a8", "float32")
 FULL: dict[str, Any] = dict(batches=[1, 8, 32], prompt=128, output=64, prefill=[512, 2048],
                             rounds=5,
                             quality_prompts=200, quality_tokens=64, task_prompts=300)
-QUICK: dict[str, Any] = dict(batches=[1, 4], prompt=16, output=8, prefill=[64], rounds=2,
+QUICK: dict[str, Any] = dict(quick=True, batches=[1, 4], prompt=16, output=8, prefill=[64],
+                             rounds=2,
                              quality_prompts=8, quality_tokens=8, task_prompts=10)
 
 
@@ -150,19 +151,44 @@ def run_speed_and_quality(ckpt: str, variant: str, threads: int, plan: dict) -> 
 INTERLEAVED = ("native", "int8", "int4-g64", "int4-g64-a16", "w8a8")
 
 
+# --compact: the forms checkpoints ship in, each family's against its own bf16 checkpoint (the
+# files `bench load` writes: bench/offline/load_bench.py), alternating in one process per family
+COMPACT = {"mixtral": ("bf16", ("gguf-q8_0", "gguf-q5_k_m", "gguf-q4_k_m")),
+           "gpt_oss": ("gpt_oss", ("mxfp4",)), "deepseek_v3": ("deepseek_v3", ("fp8",))}
+
+
 def run_interleaved(ckpt: str, threads: int, plan: dict) -> dict:
-    """Decode ms/step per batch and prefill ms of INTERLEAVED's engines in this one process,
-    in alternating rounds: every round's figure (ms)."""
+    """INTERLEAVED's engines on the checkpoint, alternating (run_alternating)."""
+    return run_alternating({v: (ckpt, VARIANTS[v], VARIANT_ENV.get(v, {})) for v in INTERLEAVED},
+                           threads, plan)
+
+
+def run_compact(family: str, ckpt: str, threads: int, plan: dict) -> dict:
+    """One family's bf16 checkpoint and its compact forms, alternating (run_alternating); the
+    checkpoints beside `ckpt` (the bench's)."""
+    from evenflow.bench.offline.load_bench import checkpoints
+
+    paths = checkpoints(Path(ckpt).parent, bool(plan.get("quick")))
+    base, forms = COMPACT[family]
+    return run_alternating({name: (str(paths[name][0]), {}, {}) for name in (base, *forms)},
+                           threads, plan)
+
+
+def run_alternating(specs: dict[str, tuple[str, dict[str, Any], dict[str, str]]], threads: int,
+                    plan: dict) -> dict:
+    """Decode ms/step per batch and prefill ms of these engines (name -> (model, engine
+    arguments, environment while it loads)) in this one process, in alternating rounds: every
+    round's figure (ms), the step's bytes and the kernel plans."""
     from evenflow.bench.stepping import drive
     from evenflow.engine.serving.engine import Engine, EngineConfig
 
     engines = {}
-    for v in INTERLEAVED:  # (a variant's switches hold while its weights are packed)
-        with mock.patch.dict(os.environ, VARIANT_ENV.get(v, {})):
-            engines[v] = Engine(EngineConfig(model=ckpt, num_threads=threads, max_num_seqs=64,
+    for v, (model, extra, env) in specs.items():  # (a variant's switches hold while packing)
+        with mock.patch.dict(os.environ, env):
+            engines[v] = Engine(EngineConfig(model=model, num_threads=threads, max_num_seqs=64,
                                              max_num_batched_tokens=4096, num_kv_blocks=2048,
-                                             **VARIANTS[v]))
-    vocab = engines["native"].model_config.vocab_size
+                                             **extra))
+    vocab = min(e.model_config.vocab_size for e in engines.values())
     ids = iter(range(10**9))
 
     def steps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[float]:
@@ -258,6 +284,8 @@ def _worker(argv: list[str]) -> int:
         print(json.dumps(run_speed_and_quality(argv[3], variant, threads, plan)))
     elif kind == "interleaved":
         print(json.dumps(run_interleaved(argv[3], threads, plan)))
+    elif kind == "compact":
+        print(json.dumps(run_compact(variant, argv[3], threads, plan)))
     else:
         print(json.dumps(run_tasks(variant, threads, plan)))
     return 0
@@ -269,6 +297,27 @@ def _spawn(kind: str, variant: str, ckpt: str, threads: int, plan: dict, logits:
                       [kind, variant, str(threads), ckpt, json.dumps(plan)], threads,
                       f"{kind} {variant}",
                       {"EVENFLOW_BENCH_LOGITS": logits, **VARIANT_ENV.get(variant, {})})
+
+
+def print_alternating(runs: dict[str, dict], plan: dict) -> None:
+    """The speed table of one alternating run: the first engine is the baseline."""
+    names = list(runs)
+    print(f"{'metric':30}" + "".join(f"{v[-11:]:>12}" for v in names) + "   ratios: " +
+          ", ".join(names[1:]))
+
+    def row(name: str, figures: dict[str, list[float]]) -> None:
+        first = figures[names[0]]
+        ratios = []
+        for v in names[1:]:
+            each = [a / q for a, q in zip(first, figures[v], strict=True)]
+            ratios.append(f"{statistics.median(each):.2f}x [{min(each):.2f}-{max(each):.2f}]")
+        print(f"{name:30}" + "".join(f"{statistics.median(figures[v]):12.2f}" for v in names)
+              + "   " + ", ".join(ratios))
+
+    for b in plan["batches"]:
+        row(f"decode batch {b} (ms/step)", {v: runs[v]["decode_ms"][str(b)] for v in names})
+    for size in plan["prefill"]:
+        row(f"prefill {size} tokens (ms)", {v: runs[v]["prefill_ms"][str(size)] for v in names})
 
 
 def print_kernel_plans(plans: dict[str, list[list]]) -> None:
@@ -313,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the same compressed-tensors files (README: Benchmarks)")
     ap.add_argument("--speed-only", action="store_true",
                     help="the alternating speed table and the kernel plans alone")
+    ap.add_argument("--compact", action="store_true",
+                    help="also the forms checkpoints ship in (GGUF Q8_0 / Q5_K_M / Q4_K_M, "
+                         "MXFP4, FP8 block-wise), each against its family's bf16, alternating")
     args = ap.parse_args(argv)
 
     import torch
@@ -350,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             progress.update()
         alternating = _spawn("interleaved", "native", ckpt, args.threads, plan, "")
         progress.update()
+        compact = {family: _spawn("compact", family, ckpt, args.threads, plan, "")
+                   for family in (COMPACT if args.compact else ())}
         for v in [] if args.speed_only else TASK_VARIANTS:
             tasks[v] = _spawn("tasks", v, ckpt, args.threads, plan, "")
             progress.update()
@@ -357,30 +411,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nspeed: {', '.join(INTERLEAVED)} in one process, runs alternating "
               f"({plan['rounds']} rounds; ms: medians; ratio = unquantized / quantized time, "
               "the median of the rounds' ratios [min-max])")
-        print(f"{'metric':30}" + "".join(f"{v:>10}" for v in INTERLEAVED) + "   ratios: " +
-              ", ".join(INTERLEAVED[1:]))
-
-        def alternating_row(name: str, figures: dict[str, list[float]]) -> None:
-            first = figures[INTERLEAVED[0]]
-            ratios = []
-            for v in INTERLEAVED[1:]:
-                each = [a / q for a, q in zip(first, figures[v], strict=True)]
-                ratios.append(f"{statistics.median(each):.2f}x [{min(each):.2f}-"
-                              f"{max(each):.2f}]")
-            print(f"{name:30}" + "".join(f"{statistics.median(figures[v]):10.2f}"
-                                         for v in INTERLEAVED) + "   " + ", ".join(ratios))
-
-        for b in plan["batches"]:
-            alternating_row(f"decode batch {b} (ms/step)",
-                            {v: alternating[v]["decode_ms"][str(b)] for v in INTERLEAVED})
-        for size in plan["prefill"]:
-            alternating_row(f"prefill {size} tokens (ms)",
-                            {v: alternating[v]["prefill_ms"][str(size)] for v in INTERLEAVED})
+        print_alternating(alternating, plan)
         from evenflow.bench.bandwidth import print_limit
 
         print_limit(bandwidth, {v: (statistics.median(alternating[v]["decode_ms"]["1"]),
                                     *alternating[v]["step_bytes"]) for v in INTERLEAVED})
         print_kernel_plans({v: alternating[v]["kernel_plans"] for v in INTERLEAVED})
+    for family, runs in compact.items():
+        if runs is not None:
+            print(f"\nspeed of the compact forms as shipped ({family}: `bench load`'s "
+                  "checkpoints), alternating with the family's bf16 in one process")
+            print_alternating(runs, plan)
+            print_kernel_plans({v: r["kernel_plans"] for v, r in runs.items()
+                                if r["kernel_plans"]})
     if args.speed_only:
         return 0
     base = results["native"]
