@@ -201,7 +201,7 @@ class EngineConfig:
         help="the attention projections' quantization: auto (int8, w8a8: none, left in the "
              "engine's dtype; int4: int8), same as the rest, int8, w8a8 or none. Attention's "
              "value and output projections write the residual stream: they carry most of the "
-             "quality a quantized model loses (docs/formats.md)")
+             "quality a quantized model loses (docs/models.md)")
     quant_skip: str = setting(
         "", help="a regular expression: weights whose module name it finds stay unquantized "
                  "(vLLM's modules_to_not_convert), e.g. 'self_attn' or 'layers\\.0\\.'; "
