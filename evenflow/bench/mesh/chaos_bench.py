@@ -47,6 +47,7 @@ LONG = "count from 1 : " + " ".join(str(i) for i in range(1, 120))
 RENDEZVOUS_PORT = 29500
 WORKERS = {"p1": "B", "d1": "B", "p2": "C", "d2": "C"}
 DEP_RANKS = {"d5r0": "B", "d5r1": "C"}
+FAULTS = ("kill_worker", "kill_dep_rank", "kill_nats", "link_down", "sigstop", "restart_redis")
 
 
 # -- the load (a process on host A) -----------------------------------------------------------
@@ -263,9 +264,8 @@ class Chaos:
         return float("inf")
 
     # the faults
-    def fault(self, t: float) -> dict:
-        kind = self.rng.choice(["kill_worker", "kill_dep_rank", "kill_nats", "link_down",
-                                "sigstop", "restart_redis"])
+    def fault(self, t: float, kinds: list[str]) -> dict:
+        kind = self.rng.choice(kinds)
         record: dict = {"t": t, "kind": kind}
         if kind in ("kill_worker", "kill_dep_rank", "sigstop"):
             table = DEP_RANKS if kind == "kill_dep_rank" else WORKERS
@@ -341,8 +341,8 @@ def _rss_growth(samples: dict[tuple[str, int], list[tuple[float, float]]]) -> di
 
 
 def _migrated(logdir: Path) -> dict[str, str]:
-    """Streams the gateway moved after some of their tokens: id -> the decode worker that
-    finished them (from the gateway's log)."""
+    """Streams the gateway moved after some of their tokens: id -> the decode worker they were
+    moved off (the gateway's request line names the first one that served them)."""
     text = (logdir / "serve-A.log").read_text(errors="replace")
     moved = {m[1] for m in re.finditer(r"request (\S+): \S+ \(.*?\) after (\d+) tokens; "
                                        r"sending it again", text) if int(m[2]) > 0}
@@ -360,8 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-every", type=float, nargs=2, default=(30.0, 90.0),
                     metavar=("MIN_S", "MAX_S"))
     ap.add_argument("--logdir", default=None, help="keep the services' logs here")
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help=f"the kinds of fault to choose from, comma-separated (default: all: "
+                         f"{', '.join(FAULTS)})")
     ap.add_argument("--load", nargs=3, metavar=("URL", "SECONDS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    kinds = [k for k in args.faults.split(",") if k]
+    if not kinds or set(kinds) - set(FAULTS):
+        ap.error(f"--faults: choose among {', '.join(FAULTS)}")
     if args.load:  # (the load process, on host A)
         url, seconds, out = args.load
         return load_main(url, float(seconds), out, args.clients, args.seed)
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     chaos.sample_rss(now - t0)
                     next_sample = now + 20
                 if now >= next_fault and now - t0 < seconds - 20:
-                    record = chaos.fault(now)
+                    record = chaos.fault(now, kinds)
                     chaos.faults.append(record)
                     print(f"  {now - t0:7.1f} s  {record['kind']:>14} {record.get('target', '')}"
                           + (f"  back in {record['recovery_s']:.1f} s"
@@ -428,7 +434,7 @@ def _report(rows: list[dict], chaos: Chaos, migrated: dict[str, str]) -> int:
     errors = sum(n for o, n in outcomes.items() if o.startswith(("error", "http_5")))
     moved = [r for r in rows if r.get("kind") == "stream" and r.get("id") in migrated
              and r["outcome"] == "ok" and r.get("reference") is not None]
-    to_dep = [r for r in moved if migrated[r["id"]].startswith("d5")]  # (not deterministic)
+    to_dep = [r for r in moved if migrated[r["id"]].startswith("d5")]  # (never deterministic)
     moved = [r for r in moved if r not in to_dep]
     identical = sum(r["text"] == r["reference"] for r in moved)
     print(f"\nrequests by outcome ({len(rows)} in all):")
@@ -443,7 +449,7 @@ def _report(rows: list[dict], chaos: Chaos, migrated: dict[str, str]) -> int:
         back = f"{f['recovery_s']:.1f} s" if "recovery_s" in f else "-"
         print(f"  {f['kind']:>14} {f.get('target', ''):>10}  gap p99 {p99:6.2f} s  back {back}")
     print(f"\nstreams moved after some tokens: {len(moved) + len(to_dep)} ({len(to_dep)} "
-          "finished on the DEP group, not deterministic: not compared)")
+          "moved off the DEP group, which is not deterministic: not compared)")
     growth = _rss_growth(chaos.rss)
     print("\nRSS growth after each service's first 5 minutes:")
     for label, pct in sorted(growth.items()):
