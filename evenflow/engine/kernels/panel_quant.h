@@ -137,17 +137,18 @@ inline f16v widen_nibbles(u8x16 b) {
 
 // 16 float8_e4m3fn bytes as float32: the magnitude's 7 bits go to the top of a float32's
 // exponent and mantissa (2^(e - 127) (1 + m / 8), or a float denormal for e = 0) and 2^120
-// rebiases the exponent to e4m3's 7; the sign bit moves to bit 31. (NaN, 0x7F, never occurs in
-// weights.)
+// rebiases the exponent to e4m3's 7 (exactly, denormals included); the sign bit goes to bit
+// 31. The bytes are sign-extended, so one shift puts the sign in bits 27-31 and the magnitude
+// in 20-26, and one AND keeps bit 31 and the magnitude: 4 instructions for 16 weights (7 before,
+// a third of a batch-1 step's time on FP8 weights). (NaN, 0x7F, never occurs in weights.)
 inline f16v widen_fp8(const uint8_t* p) {
 #if defined(__AVX512F__)
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
-  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  const __m512i bits = _mm512_or_si512(_mm512_castps_si512(f), sign);
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits =
+      _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
   f16v v;
-  std::memcpy(&v, &bits, sizeof v);
+  std::memcpy(&v, &f, sizeof v);
   return v;
 #else  // (fp8 panels need AVX-512; this only keeps other builds compiling)
   f16v v;

@@ -54,9 +54,13 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 @functools.cache
 def _choices_file(threads: int) -> Path:
     """Where this machine's measurements are kept, so every worker process on it makes the
-    same choices. Keyed by CPU, torch version and threads."""
+    same choices. Keyed by CPU, torch version, threads and the native kernels' build (their
+    sources: a plan measured on other kernels is measured again)."""
+    from evenflow.engine.kernels import native_build
+
     cpu = cpu_description()  # model name and flags
-    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}".encode()).hexdigest()
+    kernels = native_build.build_dir().name  # (plans made without them: named "torch-only")
+    key = hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}|{kernels}".encode()).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evenflow"
     return cache / f"kernel-plans-{key[:16]}.json"
 
