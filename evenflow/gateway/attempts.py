@@ -32,6 +32,9 @@ from evenflow.services.metrics import RETRIES
 log = logging.getLogger(__name__)
 
 LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the request was lost
+# after a worker of the attempt comes back from being cut off from the bus (its heartbeats
+# stopped and resumed), silence this long means the request or its answer was lost with it
+LOST_AT_WORKER_S = 3.0
 
 
 class Attempts:
@@ -148,6 +151,16 @@ class Attempts:
             self.last_progress = now
             return ErrorMessage(request_id=self.wire_id, code=errors.LOST_IN_OUTAGE,
                                 description="lost in a NATS outage", retryable=True)
+        cut_off = [(self.fleet.registry.resumed_at(w), w) for w in (flight.prefill, flight.decode)
+                   if w]
+        resumed, worker = max(cut_off, default=(0.0, ""))
+        if self.last_progress < resumed < now - LOST_AT_WORKER_S:
+            # (the gateway's own connection stayed up: a NATS node or a link on the worker's
+            # side; what was published to it meanwhile is gone, and nothing says so)
+            self.last_progress = now
+            return ErrorMessage(request_id=self.wire_id, code=errors.LOST_IN_OUTAGE,
+                                description=f"lost while {worker} was cut off from the bus",
+                                retryable=True)
         stall = self.fleet.config.stall_timeout_s
         if now - self.last_progress > stall:
             raise RequestFailed(errors.TIMEOUT, f"the request made no progress for {stall:g} s")

@@ -51,7 +51,8 @@ class Fleet:
         self.inbox = subjects.gateway_inbox(gateway_id)
         self.registry = WorkerRegistry(config.worker_timeout_s, RouterWeights(
             config.router, config.kv_overlap_weight, config.decode_load_weight,
-            config.load_cap_blocks, config.router_temperature), own_subject=self.inbox)
+            config.load_cap_blocks, config.router_temperature), own_subject=self.inbox,
+            gap_s=4 * config.heartbeat_interval_s)
         self.kv = KVIndexClient(config.redis_url, Keys(config.redis_prefix),
                                 config.kv_lookup_timeout_s, config.prediction_ttl_ms) if (
             config.redis_url and config.router == "kv") else None

@@ -30,6 +30,9 @@ class WorkerState:
     inflight: int = 0  # this gateway's requests routed there and not finished
     inflight_blocks: int = 0  # blocks those requests still have to prefill there
     draining: bool = False  # it said so (heartbeat or a refusal); one-way for this epoch
+    # when its heartbeats came back after a gap (it was cut off from the bus: a NATS node lost,
+    # a link down): what was sent to it, or by it, meanwhile may be lost
+    resumed_at: float = 0.0
 
     @property
     def takes_work(self) -> bool:
@@ -96,8 +99,9 @@ class PeerLoad:
 
 class WorkerRegistry:
     def __init__(self, timeout_s: float, weights: RouterWeights | None = None,
-                 own_subject: str = "") -> None:
+                 own_subject: str = "", gap_s: float = 2.0) -> None:
         self.timeout_s = timeout_s
+        self.gap_s = gap_s  # heartbeats this far apart: the worker was cut off (resumed_at)
         self.weights = weights or RouterWeights()
         self.own_subject = own_subject  # this gateway's reply subject, as heartbeats name it
         self.workers: dict[str, WorkerState] = {}
@@ -114,7 +118,10 @@ class WorkerRegistry:
         if state is None or state.heartbeat.epoch != hb.epoch:  # new, or restarted
             self.workers[hb.worker_id] = WorkerState(hb, time.monotonic(), draining=hb.draining)
         else:
-            state.heartbeat, state.seen_at = hb, time.monotonic()
+            now = time.monotonic()
+            if now - state.seen_at > self.gap_s:
+                state.resumed_at = now
+            state.heartbeat, state.seen_at = hb, now
             state.draining = state.draining or hb.draining  # (a late older heartbeat: still)
 
     def mark_draining(self, worker_id: str) -> bool:
@@ -156,6 +163,11 @@ class WorkerRegistry:
         """The epoch `worker_id` heartbeats under now (None: unknown)."""
         state = self.workers.get(worker_id)
         return state.heartbeat.epoch if state is not None else None
+
+    def resumed_at(self, worker_id: str) -> float:
+        """When `worker_id`'s heartbeats last came back after a gap (0: never)."""
+        state = self.workers.get(worker_id)
+        return state.resumed_at if state is not None else 0.0
 
     def is_live(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)

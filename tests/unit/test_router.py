@@ -113,3 +113,22 @@ def test_a_stream_leaving_a_deterministic_worker_prefers_one_of_the_same_numeric
     assert registry.pick_decode(4, {}, exclude=exclude).worker_id == "d2"
     assert registry.other_numerics("d5") == set()  # (not batch-invariant: anywhere)
     assert registry.other_numerics("gone") == set()
+
+
+def test_heartbeats_that_stop_and_come_back_mark_the_worker_cut_off(monkeypatch):
+    """A worker cut off from the bus (a NATS node lost, a link down) and back: the gateway
+    notes when, so requests sent to it meanwhile and silent since are sent again."""
+    import evenflow.gateway.router as router
+
+    clock = [100.0]
+    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
+    registry = WorkerRegistry(timeout_s=60, gap_s=2.0)
+    hb = worker("d1", "decode").heartbeat
+    registry.observe(hb)
+    clock[0] += 0.5
+    registry.observe(hb)
+    assert registry.resumed_at("d1") == 0.0  # on time: not cut off
+    clock[0] += 5.0
+    registry.observe(hb)
+    assert registry.resumed_at("d1") == 105.5
+    assert registry.resumed_at("unknown") == 0.0
