@@ -41,6 +41,7 @@ class LocalRayMesh:
     def start(self, health_timeout_s: float = 300) -> None:
         import ray
         from ray import serve
+        from ray.serve.api import RunTarget, run_many
 
         from evenflow.rayserve import app
 
@@ -73,23 +74,27 @@ class LocalRayMesh:
             creds = self.credentials.get(role)
             return {**args, **extra, **({"nats_credentials_file": creds} if creds else {})}
 
-        serve.run(app.decode_app(of("decode", max_replicas=4, min_replicas=cfg.num_decode)),
-                  name="decode", route_prefix=None, blocking=False)
+        # every application at once (run_many), not one after another: each engine replica's
+        # start (imports, the model, a DEP group's rank actors) takes long on a busy machine
+        targets = [RunTarget(app.decode_app(of("decode", max_replicas=4,
+                                                min_replicas=cfg.num_decode)),
+                             name="decode", route_prefix=None)]
         if cfg.num_prefill:
-            serve.run(app.prefill_app(of("prefill", max_replicas=4,
-                                         min_replicas=cfg.num_prefill)),
-                      name="prefill", route_prefix=None, blocking=False)
-        serve.run(app.kv_index_app(of("kv_index")), name="kv_index", route_prefix=None,
-                  blocking=False)
+            targets.append(RunTarget(app.prefill_app(of("prefill", max_replicas=4,
+                                                        min_replicas=cfg.num_prefill)),
+                                     name="prefill", route_prefix=None))
+        targets.append(RunTarget(app.kv_index_app(of("kv_index")), name="kv_index",
+                                 route_prefix=None))
         if cfg.num_ep_ranks:
-            serve.run(app.balancer_app(of("balancer")), name="balancer", route_prefix=None,
-                      blocking=False)
+            targets.append(RunTarget(app.balancer_app(of("balancer")), name="balancer",
+                                     route_prefix=None))
         if cfg.planner:  # on Serve it sizes the deployments (mode scale), see planner_app
-            serve.run(app.planner_app(of("planner", planner_mode="scale",
-                                         max_workers=cfg.max_workers or 8)),
-                      name="planner", route_prefix=None, blocking=False)
-        serve.run(app.gateway_app(of("gateway")), name="gateway", route_prefix="/",
-                  blocking=False)
+            targets.append(RunTarget(app.planner_app(of("planner", planner_mode="scale",
+                                                        max_workers=cfg.max_workers or 8)),
+                                     name="planner", route_prefix=None))
+        targets.append(RunTarget(app.gateway_app(of("gateway")), name="gateway",
+                                 route_prefix="/"))
+        run_many(targets, blocking=False)
         wait_for_health(self.url, health_timeout_s)
 
     def _start_secure_nats(self, cfg: MeshConfig) -> MeshConfig:
