@@ -102,6 +102,7 @@ class WorkerRegistry:
                  own_subject: str = "", gap_s: float = 2.0) -> None:
         self.timeout_s = timeout_s
         self.gap_s = gap_s  # heartbeats this far apart: the worker was cut off (resumed_at)
+        self._heard_at = 0.0  # the last heartbeat of any worker
         self.weights = weights or RouterWeights()
         self.own_subject = own_subject  # this gateway's reply subject, as heartbeats name it
         self.workers: dict[str, WorkerState] = {}
@@ -119,9 +120,12 @@ class WorkerRegistry:
             self.workers[hb.worker_id] = WorkerState(hb, time.monotonic(), draining=hb.draining)
         else:
             now = time.monotonic()
-            if now - state.seen_at > self.gap_s:
+            # (only where other heartbeats came meanwhile: a gap in all of them is this
+            # gateway's own, a stalled loop or its connection, which the bus handles)
+            if now - state.seen_at > self.gap_s and now - self._heard_at < self.gap_s:
                 state.resumed_at = now
             state.heartbeat, state.seen_at = hb, now
+        self._heard_at = time.monotonic()
             state.draining = state.draining or hb.draining  # (a late older heartbeat: still)
 
     def mark_draining(self, worker_id: str) -> bool:

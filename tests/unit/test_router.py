@@ -128,7 +128,13 @@ def test_heartbeats_that_stop_and_come_back_mark_the_worker_cut_off(monkeypatch)
     clock[0] += 0.5
     registry.observe(hb)
     assert registry.resumed_at("d1") == 0.0  # on time: not cut off
-    clock[0] += 5.0
+    other = worker("d2", "decode").heartbeat
+    for _ in range(10):  # d2 keeps beating while d1 is silent for 5 s
+        clock[0] += 0.5
+        registry.observe(other)
     registry.observe(hb)
     assert registry.resumed_at("d1") == 105.5
     assert registry.resumed_at("unknown") == 0.0
+    clock[0] += 5.0  # nothing from anyone: the gateway's own gap, not d1's
+    registry.observe(hb)
+    assert registry.resumed_at("d1") == 105.5
