@@ -125,8 +125,8 @@ class WorkerRegistry:
             if now - state.seen_at > self.gap_s and now - self._heard_at < self.gap_s:
                 state.resumed_at = now
             state.heartbeat, state.seen_at = hb, now
-        self._heard_at = time.monotonic()
             state.draining = state.draining or hb.draining  # (a late older heartbeat: still)
+        self._heard_at = time.monotonic()
 
     def mark_draining(self, worker_id: str) -> bool:
         """`worker_id` refused a request because it is draining: route nothing more there, at
