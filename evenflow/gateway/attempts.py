@@ -35,6 +35,9 @@ LOST_IN_OUTAGE_S = 1.0  # after NATS reconnects, silence this long means the req
 # after a worker of the attempt comes back from being cut off from the bus (its heartbeats
 # stopped and resumed), silence this long means the request or its answer was lost with it
 LOST_AT_WORKER_S = 3.0
+# ... and a request sent this soon after it came back counts too: the bus may not yet carry its
+# subjects again (a reconnect's subscriptions, a route's interest) when its heartbeats do
+RESUME_SETTLE_S = 2.0
 
 
 class Attempts:
@@ -154,7 +157,8 @@ class Attempts:
         cut_off = [(self.fleet.registry.resumed_at(w), w) for w in (flight.prefill, flight.decode)
                    if w]
         resumed, worker = max(cut_off, default=(0.0, ""))
-        if self.last_progress < resumed < now - LOST_AT_WORKER_S:
+        if resumed and self.last_progress < resumed + RESUME_SETTLE_S and \
+                max(resumed, self.last_progress) < now - LOST_AT_WORKER_S:
             # (the gateway's own connection stayed up: a NATS node or a link on the worker's
             # side; what was published to it meanwhile is gone, and nothing says so)
             self.last_progress = now

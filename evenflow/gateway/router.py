@@ -122,7 +122,8 @@ class WorkerRegistry:
             now = time.monotonic()
             # (only where other heartbeats came meanwhile: a gap in all of them is this
             # gateway's own, a stalled loop or its connection, which the bus handles)
-            if now - state.seen_at > self.gap_s and now - self._heard_at < self.gap_s:
+            if now - state.seen_at > self.gap_s and now - self._heard_at < self.gap_s or \
+                    hb.reconnects > state.heartbeat.reconnects:  # (or its own connection)
                 state.resumed_at = now
             state.heartbeat, state.seen_at = hb, now
             state.draining = state.draining or hb.draining  # (a late older heartbeat: still)

@@ -361,8 +361,8 @@ class WorkerHeartbeat:
     # 3: `draining` is its own field (was folded into role); 4: the engine's cumulative step
     # time and tokens (an operator's tools compare workers from them, no tracing needed); 5:
     # what an engine worker runs (weights, KV cache dtype, kernels), for /v1/models; 6: role
-    # switches (the role it drains to switch to, how many it made); 7: numerics
-    VERSION: ClassVar[int] = 7
+    # switches (the role it drains to switch to, how many it made); 7: numerics; 8: reconnects
+    VERSION: ClassVar[int] = 8
     worker_id: str
     role: Role
     model: str
@@ -402,6 +402,9 @@ class WorkerHeartbeat:
     switching_to: str = ""
     role_switches: int = 0
     requests_finished: int = 0  # engine workers: cumulative requests finished here
+    # times this process's NATS connection came back: what was sent to it meanwhile is lost
+    # (the gateway sends its silent requests again)
+    reconnects: int = 0
 
 
 # -- operator profiles (POST /admin/profile at the gateway) ------------------------------------

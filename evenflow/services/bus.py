@@ -122,6 +122,7 @@ class MessageBus(Protocol):
     name: str
     dropped: int
     last_reconnect_at: float
+    reconnects: int  # times the connection came back (heartbeats carry it)
 
     @property
     def connected(self) -> bool: ...
@@ -151,6 +152,7 @@ class Bus:
         # When the connection last came back (monotonic): what was published around an outage
         # may be lost (a server restart forgets subscriptions until clients renew them).
         self.last_reconnect_at = 0.0
+        self.reconnects = 0
         # why the last connection attempt failed (nats-py's error callback says it; the
         # attempt itself only times out)
         self.last_connect_error: Exception | None = None
@@ -232,6 +234,7 @@ class Bus:
 
     async def _on_reconnect(self) -> None:
         self.last_reconnect_at = time.monotonic()
+        self.reconnects += 1
         log.info("%s: reconnected to NATS", self.name)
 
     async def publish(self, subject: str, message: Message) -> None:

@@ -141,7 +141,8 @@ class EngineWorker(WorkerService):
                                kernels=form.kernels, numerics=form.numerics,
                                switching_to=self.switching_to,
                                role_switches=self.role_switches,
-                               requests_finished=self.requests_finished)
+                               requests_finished=self.requests_finished,
+                               reconnects=self.bus.reconnects)
 
     def healthy(self) -> str | None:
         """An engine whose steps keep failing makes its worker unhealthy."""

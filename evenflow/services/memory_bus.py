@@ -42,6 +42,7 @@ class InMemoryBus:
         self.broker, self.name = broker, name
         self.dropped = 0
         self.last_reconnect_at = 0.0  # never disconnects
+        self.reconnects = 0
         self._connected = False
         self._tasks: list[asyncio.Task] = []
         self._queues: list[tuple[str, asyncio.Queue[tuple[str, bytes]]]] = []

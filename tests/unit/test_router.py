@@ -118,6 +118,8 @@ def test_a_stream_leaving_a_deterministic_worker_prefers_one_of_the_same_numeric
 def test_heartbeats_that_stop_and_come_back_mark_the_worker_cut_off(monkeypatch):
     """A worker cut off from the bus (a NATS node lost, a link down) and back: the gateway
     notes when, so requests sent to it meanwhile and silent since are sent again."""
+    import dataclasses
+
     import evenflow.gateway.router as router
 
     clock = [100.0]
@@ -138,3 +140,6 @@ def test_heartbeats_that_stop_and_come_back_mark_the_worker_cut_off(monkeypatch)
     clock[0] += 5.0  # nothing from anyone: the gateway's own gap, not d1's
     registry.observe(hb)
     assert registry.resumed_at("d1") == 105.5
+    clock[0] += 0.5  # d1's own connection came back (it says so), with no gap in between
+    registry.observe(dataclasses.replace(hb, reconnects=1))
+    assert registry.resumed_at("d1") == 111.0
