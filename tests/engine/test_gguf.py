@@ -265,10 +265,17 @@ def test_k_quant_files_load_to_their_own_values(wide_moe, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("kind, bits", [("q5_k", {5}), ("q5_k_m", {5, 8})])
-def test_5_bit_files_stay_5_bit_where_the_vnni_panels_serve(wide_moe, tmp_path, kind, bits):
+def test_5_bit_files_stay_5_bit_where_the_vnni_panels_serve(wide_moe, tmp_path, kind, bits,
+                                                            monkeypatch):
     """Q5_K's codes held as stored (6 bits a weight, not int8's 8): the file's own values, up
-    to the float16 scale and offset the W4A8 panels keep (Q5_K_M's Q6_K parts stay int8)."""
+    to the float16 scale and offset the W4A8 panels keep (Q5_K_M's Q6_K parts stay int8). The
+    weights alone are compared: int8 held weight-only, and the prompt's rows on the dequantized
+    panels as the built-in threshold puts them (a kernel plan may meet more rows as int8 rows,
+    whose rounding tests/unit/test_panel_kernels.py holds the kernels to)."""
     from evenflow.engine.quant.panel_stack import w4a8_layout
+
+    monkeypatch.setenv("EVENFLOW_NATIVE_INT8_ROWS", "0")
+    monkeypatch.setenv("EVENFLOW_KERNEL_PLANS", "0")
 
     if not w4a8_layout(32, 256):
         pytest.skip("5-bit panels need AVX-512 VNNI")
