@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from quant_reference import seen_rows, seen_weight
 
 from evenflow.engine.kernels import native, panels
-from evenflow.engine.quant.fp8 import Fp8Values
+from evenflow.engine.quant.fp8 import Fp8Values, expand_block_scales
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.panel_stack import PanelStack, usable
 from evenflow.engine.quant.stacks import QuantConfig, QuantValues, quantize
@@ -130,10 +130,21 @@ def random_mxfp4(n: int, k: int, g: torch.Generator) -> Mxfp4Values:
                        torch.randint(119, 124, (n, k // 32), generator=g, dtype=torch.uint8))
 
 
-def random_fp8(n: int, k: int, g: torch.Generator) -> Fp8Values:
-    """e4m3 values of either sign across its range, scales of 1e-4 a block of 128."""
+def random_fp8(n: int, k: int, g: torch.Generator, tiles: bool = False) -> Fp8Values:
+    """e4m3 values of either sign across its range, scales of 1e-4 a block of 128 inputs: one
+    per (output channel, block), or per tile of 128 x 128 (`tiles`: as DeepSeek's checkpoints
+    ship them)."""
     q = (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+    if tiles:
+        return Fp8Values(q, expand_block_scales(
+            torch.rand(-(-n // 128), -(-k // 128), generator=g) * 2e-4, n))
     return Fp8Values(q, torch.rand(n, -(-k // 128), generator=g) * 2e-4)
+
+
+def every_fp8_code(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """(n, k) e4m3 bytes drawn from all 254 of its values (zeros, subnormals, 448; no NaN)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    return codes[torch.randint(0, len(codes), (n, k), generator=g)].view(torch.float8_e4m3fn)
 
 
 def random_int5(n: int, k: int, g: torch.Generator) -> QuantValues:
@@ -146,8 +157,9 @@ def random_int5(n: int, k: int, g: torch.Generator) -> QuantValues:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 64),
                                     QuantConfig("int4", 32, symmetric=True), "int5", "mxfp4",
-                                    "fp8"],
-                         ids=["int8", "int4-g64", "int4-g32-sym", "int5", "mxfp4", "fp8"])
+                                    "fp8", "fp8-tiles"],
+                         ids=["int8", "int4-g64", "int4-g32-sym", "int5", "mxfp4", "fp8",
+                              "fp8-tiles"])
 def test_quantized_panels_match_the_dequantized_weight(dtype, config):
     served(dtype)
     g = torch.Generator().manual_seed(1)
@@ -161,9 +173,10 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         downs = [random_int5(H, INTER, g) for _ in range(EXPERTS)]
         if not usable(values, dtype, gate_up=True):
             pytest.skip("5-bit panels need AVX-512 VNNI (and EVENFLOW_NATIVE_W4A8 on)")
-    elif config == "fp8":  # (K = 192: a block of 128 and a partial one)
-        values = [random_fp8(2 * INTER, H, g) for _ in range(EXPERTS)]
-        downs = [random_fp8(H, INTER, g) for _ in range(EXPERTS)]
+    elif config in ("fp8", "fp8-tiles"):  # (K = 192: a block of 128 and a partial one)
+        tiles = config == "fp8-tiles"
+        values = [random_fp8(2 * INTER, H, g, tiles) for _ in range(EXPERTS)]
+        downs = [random_fp8(H, INTER, g, tiles) for _ in range(EXPERTS)]
     else:
         values = [quantize(torch.randn(2 * INTER, H, generator=g) * 0.05, config)
                   for _ in range(EXPERTS)]
@@ -192,6 +205,29 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         expected = moe_reference(x, ids, route, [seen_weight(gate_up, v) for v in values],
                                  [seen_weight(down, v) for v in downs], seen)
         close(got, expected, dtype, requantized=True)
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["tile-scales", "channel-scales"])
+def test_fp8_panels_on_bf16_rows_compute_every_code_exactly(tiles):
+    """bf16 rows meet FP8 values looked up as bf16 (panel_fp8.h): every e4m3 code, subnormals
+    and both zeros included, gives what float32 arithmetic on the same numbers gives, up to
+    the output's bf16 rounding. Few rows see the exact values times the float32 scale; many
+    rows a bf16 panel of value * scale, rounded once (the table where a half panel shares its
+    scale, per channel otherwise)."""
+    served(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    n, k = 256, 320  # (two blocks of 128 inputs and a partial one)
+    values = random_fp8(n, k, g, tiles)
+    values = Fp8Values(every_fp8_code(n, k, g), values.scale)
+    stack = PanelStack.build([values])
+    exact = values.dequantize()
+    for rows, weight in ((1, exact), (3, exact), (40, exact.bfloat16().float())):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        expected = x.float() @ weight.T
+        got = stack.linear(x).float()
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=8e-3,
+                                   atol=1e-4 * expected.abs().max().item())
 
 
 def test_a_placement_selects_quantized_slots_by_reference():

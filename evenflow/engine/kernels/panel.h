@@ -198,6 +198,7 @@ void panel_f32(const float* const* x, const float* w, int64_t k_total, float* su
 // (kPrefetchPairs * 256 bytes) ahead.
 constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchPairs = 16;
+constexpr int kPrefetch = 1024;  // bytes ahead in a quantized panel's weight stream
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 template <int MR>

@@ -20,7 +20,8 @@
 //         code lookup (panel_w8a8.h), more rows a dequantized panel.
 //   fp8 (kFp8): (N/64, K, 64) float8_e4m3fn, as int8's layout, with a float32 scale per (block
 //         of 128 inputs, channel) (N/64, ceil(K/128), 64): FP8 block-wise checkpoints' bytes as
-//         shipped. Each byte widens to float32 in registers (no fp8 arithmetic needed).
+//         shipped. No fp8 arithmetic needed: bf16 rows meet the values looked up as bf16,
+//         float rows them widened to float32 (panel_fp8.h).
 //   w8a8: (N/64, K/4, 64, 4) int8 (four consecutive inputs of a channel side by side, for
 //         VNNI's vpdpbusd), scale (N,) float32 and comp (N,) int32 = 128 * sum_k q[n, k]. The
 //         rows are quantized too (per row, dynamic), so the sums are integer: panel_w8a8.h.
@@ -38,6 +39,7 @@
 
 #include "panel.h"
 #include "panel_amx.h"
+#include "panel_fp8.h"
 #include "panel_w8a8.h"
 
 namespace evenflow_panel {
@@ -100,7 +102,6 @@ constexpr int64_t kDequantRows = 8;  // from this many rows on, dequantize the p
 // int4 against bf16 rows on the bf16 dot product (panel_int4_bf16) stays direct longer: it beat
 // dequantizing the panel up to 8 rows (1.5x) and lost from 16 (0.9x)
 constexpr int64_t kDequantRowsInt4Dot = 16;
-constexpr int kPrefetch = 1024;  // bytes ahead in the weight stream
 // int4 against grouped int8 rows (W4A8) up to this many rows; from there a dequantized panel
 constexpr int64_t kDequantRowsW4A8 = 16;
 
@@ -133,62 +134,6 @@ inline f16v widen_nibbles(u8x16 b) {
   const i16v wide = __builtin_convertvector(b, i16v);
   return __builtin_convertvector(wide, f16v);
 #endif
-}
-
-// 16 float8_e4m3fn bytes as float32: the magnitude's 7 bits go to the top of a float32's
-// exponent and mantissa (2^(e - 127) (1 + m / 8), or a float denormal for e = 0) and 2^120
-// rebiases the exponent to e4m3's 7 (exactly, denormals included); the sign bit goes to bit
-// 31. The bytes are sign-extended, so one shift puts the sign in bits 27-31 and the magnitude
-// in 20-26, and one AND keeps bit 31 and the magnitude: 4 instructions for 16 weights (7 before,
-// a third of a batch-1 step's time on FP8 weights). (NaN, 0x7F, never occurs in weights.)
-inline f16v widen_fp8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i bits =
-      _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
-  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-  f16v v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#else  // (fp8 panels need AVX-512; this only keeps other builds compiling)
-  f16v v;
-  for (int i = 0; i < kLanes; ++i) {
-    const uint32_t mag = static_cast<uint32_t>(p[i] & 0x7F) << 20;
-    float f;
-    std::memcpy(&f, &mag, sizeof f);
-    v[i] = (p[i] & 0x80) ? -f * 0x1p120f : f * 0x1p120f;
-  }
-  return v;
-#endif
-}
-
-constexpr int64_t kFp8Block = 128;  // inputs a scale covers
-
-// MR float rows against an fp8 panel: per block of 128 inputs, sum w x in registers, then add
-// it times the block's scales into `sums`
-template <int MR>
-void panel_fp8(const float* const* x, const uint8_t* w, const float* scale, int64_t k_total,
-               float* sums) {
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) store(sums + r * kPanel + v * kLanes, f16v{});
-  for (int64_t b = 0; b * kFp8Block < k_total; ++b) {
-    f16v acc[MR][4] = {};
-    const int64_t end = std::min(k_total, (b + 1) * kFp8Block);
-    for (int64_t k = b * kFp8Block; k < end; ++k) {
-      const uint8_t* wp = w + k * kPanel;
-      __builtin_prefetch(wp + kPrefetch);
-      const f16v w0 = widen_fp8(wp), w1 = widen_fp8(wp + 16), w2 = widen_fp8(wp + 32),
-                 w3 = widen_fp8(wp + 48);
-      fma_rows<MR>(acc, x, k, w0, w1, w2, w3);
-    }
-    for (int v = 0; v < 4; ++v) {
-      const f16v s = load(scale + b * kPanel + v * kLanes);
-      for (int r = 0; r < MR; ++r) {
-        float* total = sums + r * kPanel + v * kLanes;
-        store(total, load(total) + acc[r][v] * s);
-      }
-    }
-  }
 }
 
 template <int MR>
@@ -317,8 +262,12 @@ void panel_quant_rows(const Weight& wt, int64_t p, const float* const* x,
   (void)xb;
   if (wt.format == Format::kFp8) {
     const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
-    panel_fp8<MR>(x, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
-                  wt.scale + p * blocks * kPanel, k_total, sums);
+    const uint8_t* q = static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total;
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
+    if (xb != nullptr)
+      return panel_fp8_dot<MR>(xb, q, wt.scale + p * blocks * kPanel, k_total, sums);
+#endif
+    panel_fp8<MR>(x, q, wt.scale + p * blocks * kPanel, k_total, sums);
   } else if (wt.format == Format::kInt8) {
     panel_int8<MR>(x, static_cast<const int8_t*>(wt.data) + p * kPanel * k_total, k_total, sums);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -468,6 +417,15 @@ inline void w8a8_pair(const int8_t* dwords, int i, f16v& low, f16v& high) {
 
 template <typename T>
 void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (wt.format == Format::kFp8) {
+      const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
+      return dequantize_fp8_bf16(static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
+                                 wt.scale + p * blocks * kPanel, k_total, dst);
+    }
+  }
+#endif
   const int64_t groups =
       wt.format == Format::kInt4 || vnni_codes(wt.format) ? k_total / wt.group : 1;
   for (int64_t kp = 0; kp < k_total / 2; ++kp) {
@@ -662,9 +620,12 @@ void quantize_rows_for(const Weight& wt, const T* x, int64_t m, int64_t k, bool 
     quantize_rows_grouped(x, m, k, wt.group, out);
 }
 
-// Whether `wt`'s few-row path reads the rows in float32 (int8 and int4 nibble panels; w8a8 and
-// the VNNI int4 layout read quantized rows)
+// Whether `wt`'s few-row path reads the rows in float32 when the activations are T (int8 and
+// int4 nibble panels, fp8 panels where bf16 rows cannot meet them on the bf16 dot product;
+// w8a8 and the VNNI int4 layout read quantized rows)
+template <typename T>
 inline bool reads_float_rows(const Weight& wt) {
+  if (std::is_same_v<T, uint16_t> && wt.format == Format::kFp8 && kFp8Dot) return false;
   return wt.format == Format::kInt8 || wt.format == Format::kInt4 || wt.format == Format::kFp8;
 }
 
