@@ -134,16 +134,23 @@ inline const Fp8Table& fp8_unit_table() {  // the values themselves (exact)
 // Byte indices laying out bf16 pairs from [row a's 32 bytes | row b's 32] looked up into `lo`
 // (selector bit 6 clear) and `hi` (set): output q's dword d is channel 16q + d's
 // (a low, a high, b low, b high)
-inline __m512i fp8_pair_order(int q) {
-  alignas(64) uint8_t idx[64];
-  for (int d = 0; d < 16; ++d) {
-    const int c = 16 * q + d;
-    idx[4 * d] = static_cast<uint8_t>(c);
-    idx[4 * d + 1] = static_cast<uint8_t>(64 + c);
-    idx[4 * d + 2] = static_cast<uint8_t>(32 + c);
-    idx[4 * d + 3] = static_cast<uint8_t>(96 + c);
+struct Fp8PairOrder {
+  alignas(64) uint8_t idx[2][64];
+  Fp8PairOrder() {
+    for (int q = 0; q < 2; ++q)
+      for (int d = 0; d < 16; ++d) {
+        const int c = 16 * q + d;
+        idx[q][4 * d] = static_cast<uint8_t>(c);
+        idx[q][4 * d + 1] = static_cast<uint8_t>(64 + c);
+        idx[q][4 * d + 2] = static_cast<uint8_t>(32 + c);
+        idx[q][4 * d + 3] = static_cast<uint8_t>(96 + c);
+      }
   }
-  return _mm512_load_si512(idx);
+};
+
+inline __m512i fp8_pair_order(int q) {
+  static const Fp8PairOrder order;
+  return _mm512_load_si512(order.idx[q]);
 }
 
 // Channels 32h..32h + 31's bf16 pairs (inputs 2kp and 2kp + 1) from the two panel rows `a`
@@ -162,7 +169,9 @@ inline void fp8_half_pairs(const uint8_t* a, const uint8_t* b, const Fp8Table& t
 }
 
 // MR bf16 rows against an fp8 panel: per block of 128 inputs, the rows' pairs meet the exact
-// values on vdpbf16ps; the block's sums then take its scale per channel (float32) into `sums`
+// values on vdpbf16ps; the block's sums then take its scale per channel (float32) into `sums`.
+// Half a panel (32 channels) at a time, so that 6 rows' 24 sums fit the registers beside the
+// tables.
 template <int MR>
 void panel_fp8_dot(const uint16_t* const* x, const uint8_t* w, const float* scale,
                    int64_t k_total, float* sums) {
@@ -180,15 +189,22 @@ void panel_fp8_dot(const uint16_t* const* x, const uint8_t* w, const float* scal
       const uint8_t* wa = w + 2 * kp * kPanel;
       __builtin_prefetch(wa + kPrefetch);
       __builtin_prefetch(wa + kPrefetch + 64);
-      __m512i wv[4];
-      fp8_half_pairs(wa, wa + kPanel, t, order0, order1, wv[0], wv[1]);
-      fp8_half_pairs(wa + 32, wa + kPanel + 32, t, order0, order1, wv[2], wv[3]);
+      __m512i xp[MR];
       for (int r = 0; r < MR; ++r) {
         int32_t pair;
         std::memcpy(&pair, x[r] + 2 * kp, sizeof pair);
-        const __m512bh xp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        for (int v = 0; v < 4; ++v)
-          part[r][v] = _mm512_dpbf16_ps(part[r][v], reinterpret_cast<__m512bh>(wv[v]), xp);
+        xp[r] = _mm512_set1_epi32(pair);
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m512i w0, w1;
+        fp8_half_pairs(wa + 32 * h, wa + kPanel + 32 * h, t, order0, order1, w0, w1);
+        for (int r = 0; r < MR; ++r) {
+          part[r][2 * h] = _mm512_dpbf16_ps(part[r][2 * h], reinterpret_cast<__m512bh>(w0),
+                                            reinterpret_cast<__m512bh>(xp[r]));
+          part[r][2 * h + 1] = _mm512_dpbf16_ps(
+              part[r][2 * h + 1], reinterpret_cast<__m512bh>(w1),
+              reinterpret_cast<__m512bh>(xp[r]));
+        }
       }
     }
     for (int v = 0; v < 4; ++v) {
@@ -198,6 +214,20 @@ void panel_fp8_dot(const uint16_t* const* x, const uint8_t* w, const float* scal
         _mm512_storeu_ps(total, _mm512_fmadd_ps(part[r][v], s, _mm512_loadu_ps(total)));
       }
     }
+  }
+}
+
+constexpr int kFp8DotRows = 6;  // rows per register block of panel_fp8_dot
+
+inline void panel_fp8_dot_rows(const uint16_t* const* x, int m, const uint8_t* w,
+                               const float* scale, int64_t k_total, float* sums) {
+  switch (m) {
+    case 1: return panel_fp8_dot<1>(x, w, scale, k_total, sums);
+    case 2: return panel_fp8_dot<2>(x, w, scale, k_total, sums);
+    case 3: return panel_fp8_dot<3>(x, w, scale, k_total, sums);
+    case 4: return panel_fp8_dot<4>(x, w, scale, k_total, sums);
+    case 5: return panel_fp8_dot<5>(x, w, scale, k_total, sums);
+    default: return panel_fp8_dot<6>(x, w, scale, k_total, sums);
   }
 }
 

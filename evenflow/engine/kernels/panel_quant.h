@@ -262,12 +262,8 @@ void panel_quant_rows(const Weight& wt, int64_t p, const float* const* x,
   (void)xb;
   if (wt.format == Format::kFp8) {
     const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
-    const uint8_t* q = static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total;
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
-    if (xb != nullptr)
-      return panel_fp8_dot<MR>(xb, q, wt.scale + p * blocks * kPanel, k_total, sums);
-#endif
-    panel_fp8<MR>(x, q, wt.scale + p * blocks * kPanel, k_total, sums);
+    panel_fp8<MR>(x, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
+                  wt.scale + p * blocks * kPanel, k_total, sums);
   } else if (wt.format == Format::kInt8) {
     panel_int8<MR>(x, static_cast<const int8_t*>(wt.data) + p * kPanel * k_total, k_total, sums);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -587,6 +583,22 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     if (plain != nullptr && run_panel_amx(plain, k_total, m, row_t, scaled, amx_min_rows))
       return;
   }
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<T, uint16_t>) {  // few bf16 rows against fp8: panel_fp8.h
+    if (plain == nullptr && wt.format == Format::kFp8) {
+      const int64_t blocks = (k_total + kFp8Block - 1) / kFp8Block;
+      for (int64_t r0 = 0; r0 < m; r0 += kFp8DotRows) {
+        const int mm = static_cast<int>(std::min<int64_t>(kFp8DotRows, m - r0));
+        const uint16_t* rows[kFp8DotRows];
+        for (int r = 0; r < mm; ++r) rows[r] = row_t(r0 + r);
+        panel_fp8_dot_rows(rows, mm, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
+                           wt.scale + p * blocks * kPanel, k_total, sums);
+        epilogue(r0, mm, sums);
+      }
+      return;
+    }
+  }
+#endif
   const int step = plain != nullptr ? kRows : kQuantRows;
   for (int64_t r0 = 0; r0 < m; r0 += step) {
     const int mm = static_cast<int>(std::min<int64_t>(step, m - r0));
