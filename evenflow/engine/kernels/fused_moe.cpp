@@ -144,12 +144,14 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& ids,
   const bool few13 = few_for(w13[0]), few2 = few_for(w2[0]);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   std::vector<float> x_copy;
-  const float* xf = reads_float_rows<T>(w13[0]) ? float_rows(xp, tokens * hidden, x_copy) : nullptr;
+  const float* xf = few13 && reads_float_rows<T>(w13[0])
+                        ? float_rows(xp, tokens * hidden, x_copy)
+                        : nullptr;
   QuantRows xq, actq;  // w8a8 / w4a8: the tokens and the activations, quantized
   quantize_rows_for(w13[0], xp, tokens, hidden, few13, xq);
   std::unique_ptr<T[]> act(new T[pairs * inter]);
   // float activations too where a quantized down panel may read them directly
-  std::unique_ptr<float[]> act_f(reads_float_rows<T>(w2[0]) && !std::is_same_v<T, float>
+  std::unique_ptr<float[]> act_f(few2 && reads_float_rows<T>(w2[0]) && !std::is_same_v<T, float>
                                      ? new float[pairs * inter]
                                      : nullptr);
   float* actf = std::is_same_v<T, float> ? reinterpret_cast<float*>(act.get()) : act_f.get();

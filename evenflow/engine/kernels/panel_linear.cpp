@@ -180,7 +180,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w,
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     std::vector<float> copy;
     quantize_rows_for(wt, xb, rows, k_total, few, xq);
-    const float* xf = reads_float_rows<uint16_t>(wt) ? float_rows(xb, x.numel(), copy) : nullptr;
+    const float* xf =
+        few && reads_float_rows<uint16_t>(wt) ? float_rows(xb, x.numel(), copy) : nullptr;
     linear_impl(xb, xf, &xq, rows, k_total, wt, n_total, bias_p,
                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
