@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from quant_reference import seen_rows, seen_weight
 
 from evenflow.engine.kernels import native, panels
+from evenflow.engine.kernels.plan import NEVER_DEQUANT
 from evenflow.engine.quant.fp8 import Fp8Values, expand_block_scales
 from evenflow.engine.quant.mxfp4 import Mxfp4Values
 from evenflow.engine.quant.panel_stack import PanelStack, usable
@@ -207,8 +208,8 @@ def test_quantized_panels_match_the_dequantized_weight(dtype, config):
         close(got, expected, dtype, requantized=True)
 
 
-@pytest.mark.parametrize("tiles", [True, False], ids=["tile-scales", "channel-scales"])
-def test_fp8_panels_on_bf16_rows_compute_every_code_exactly(tiles):
+@pytest.mark.parametrize("shared", [True, False], ids=["half-panel-scales", "channel-scales"])
+def test_fp8_panels_on_bf16_rows_compute_every_code_exactly(shared):
     """bf16 rows meet FP8 values looked up as bf16 (panel_fp8.h): every e4m3 code, subnormals
     and both zeros included, gives what float32 arithmetic on the same numbers gives, up to
     the output's bf16 rounding. Few rows see the exact values times the float32 scale; many
@@ -217,17 +218,24 @@ def test_fp8_panels_on_bf16_rows_compute_every_code_exactly(tiles):
     served(torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     n, k = 256, 320  # (two blocks of 128 inputs and a partial one)
-    values = random_fp8(n, k, g, tiles)
-    values = Fp8Values(every_fp8_code(n, k, g), values.scale)
-    stack = PanelStack.build([values])
+    # a scale per (32 channels, block) as 128 x 128 tiles give each half panel (a gate_up
+    # panel's halves from two tiles), or one per (channel, block)
+    scale = torch.rand(n // 32 if shared else n, -(-k // 128), generator=g) * 2e-4
+    values = Fp8Values(every_fp8_code(n, k, g),
+                       scale.repeat_interleave(32, dim=0) if shared else scale)
     exact = values.dequantize()
-    for rows, weight in ((1, exact), (3, exact), (40, exact.bfloat16().float())):
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        expected = x.float() @ weight.T
-        got = stack.linear(x).float()
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, expected, rtol=8e-3,
-                                   atol=1e-4 * expected.abs().max().item())
+    # each way forced at every row count: read directly (1-6 rows a pass), or dequantized (a
+    # pass alone: first, then read; more rows: while the first pass reads it)
+    for threshold, weight in ((NEVER_DEQUANT, exact), (1, exact.bfloat16().float())):
+        stack = PanelStack.build([values])
+        stack.dequant_from = threshold
+        for rows in (1, 3, 6, 7, 40):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            expected = x.float() @ weight.T
+            got = stack.linear(x).float()
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, expected, rtol=8e-3,
+                                       atol=1e-4 * expected.abs().max().item())
 
 
 def test_a_placement_selects_quantized_slots_by_reference():

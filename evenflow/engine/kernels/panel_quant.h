@@ -561,12 +561,21 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     return;
   }
   const T* plain = nullptr;
+  // fp8 on bf16 rows: the first rows' pass dequantizes the panel (panel_fp8_dequant_dot), where
+  // its halves share their scales, AMX tiles will not take the panel, and more rows follow
+  // (for one pass alone, writing the panel only costs: the direct pass is the same lookups)
+  bool fp8_first = false;
+  const int64_t fp8_blocks = (k_total + kFp8Block - 1) / kFp8Block;
   if (wt.format == Format::kPlain) {
     plain = static_cast<const T*>(wt.data) + p * kPanel * k_total;
   } else if (vnni4 || wt.format == Format::kW8A8 ||  // (their few rows were served above)
              m >= dequant_from) {
     T* scratch = panel_scratch<T>(static_cast<size_t>(kPanel * k_total));
-    dequantize_panel(wt, p, k_total, scratch);
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
+    fp8_first = std::is_same_v<T, uint16_t> && wt.format == Format::kFp8 && m > kRows &&
+                !amx_usable() && fp8_halves_share_scales(wt.scale + p * fp8_blocks * kPanel, k_total);
+#endif
+    if (!fp8_first) dequantize_panel(wt, p, k_total, scratch);
     plain = scratch;
   }
   auto scaled = [&](int64_t r0, int mm, float* s) {  // int8, w8a8: its scale, on the sums
@@ -580,9 +589,11 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
     epilogue(r0, mm, s);
   };
   if constexpr (std::is_same_v<T, uint16_t>) {  // many bf16 rows: AMX tiles, where there are
-    if (plain != nullptr && run_panel_amx(plain, k_total, m, row_t, scaled, amx_min_rows))
+    if (!fp8_first && plain != nullptr &&
+        run_panel_amx(plain, k_total, m, row_t, scaled, amx_min_rows))
       return;
   }
+  int64_t done = 0;  // rows already served
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
   if constexpr (std::is_same_v<T, uint16_t>) {  // few bf16 rows against fp8: panel_fp8.h
     if (plain == nullptr && wt.format == Format::kFp8) {
@@ -597,10 +608,20 @@ void run_panel(const Weight& wt, int64_t p, int64_t k_total, int64_t m, const Ro
       }
       return;
     }
+    if (fp8_first) {  // many bf16 rows against fp8: the first pass dequantizes the panel
+      const int mm = static_cast<int>(std::min<int64_t>(kRows, m));
+      const uint16_t* rows[kRows];
+      for (int r = 0; r < mm; ++r) rows[r] = row_t(r);
+      panel_fp8_dequant_rows(rows, mm, static_cast<const uint8_t*>(wt.data) + p * kPanel * k_total,
+                             wt.scale + p * fp8_blocks * kPanel, k_total,
+                             const_cast<uint16_t*>(plain), sums);
+      scaled(0, mm, sums);
+      done = mm;
+    }
   }
 #endif
   const int step = plain != nullptr ? kRows : kQuantRows;
-  for (int64_t r0 = 0; r0 < m; r0 += step) {
+  for (int64_t r0 = done; r0 < m; r0 += step) {
     const int mm = static_cast<int>(std::min<int64_t>(step, m - r0));
     if (plain != nullptr) {
       const T* rows[kRows];
