@@ -315,10 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     base = results["native"]
     print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "
           "unquantized / quantized)")
-    print(f"{'metric':34}" + "".join(f"{v:>12}" for v in VARIANTS))
+    width = max(12, *(len(v) + 2 for v in VARIANTS))  # (names never run together)
+    print(f"{'metric':34}" + "".join(f"{v:>{width}}" for v in VARIANTS) + "   ratios: " +
+          ", ".join(VARIANTS[1:]))
 
     def row(name: str, values: list[float], ratio_of: float) -> None:
-        cells = "".join(f"{v:12.2f}" for v in values)
+        cells = "".join(f"{v:{width}.2f}" for v in values)
         ratios = "   " + " ".join(f"{ratio_of / v:5.2f}x" for v in values[1:])
         print(f"{name:34}{cells}{ratios}")
 

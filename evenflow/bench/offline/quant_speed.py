@@ -104,7 +104,8 @@ def kernel_plans(engine: Any) -> list[list]:
 def print_alternating(runs: dict[str, dict], plan: dict) -> None:
     """The speed table of one alternating run: the first engine is the baseline."""
     names = list(runs)
-    print(f"{'metric':30}" + "".join(f"{v[-11:]:>12}" for v in names) + "   ratios: " +
+    width = max(12, *(len(v) + 2 for v in names))  # (names never run together)
+    print(f"{'metric':30}" + "".join(f"{v:>{width}}" for v in names) + "   ratios: " +
           ", ".join(names[1:]))
 
     def row(name: str, figures: dict[str, list[float]]) -> None:
@@ -113,7 +114,7 @@ def print_alternating(runs: dict[str, dict], plan: dict) -> None:
         for v in names[1:]:
             each = [a / q for a, q in zip(first, figures[v], strict=True)]
             ratios.append(f"{statistics.median(each):.2f}x [{min(each):.2f}-{max(each):.2f}]")
-        print(f"{name:30}" + "".join(f"{statistics.median(figures[v]):12.2f}" for v in names)
+        print(f"{name:30}" + "".join(f"{statistics.median(figures[v]):{width}.2f}" for v in names)
               + "   " + ", ".join(ratios))
 
     for b in plan["batches"]:
