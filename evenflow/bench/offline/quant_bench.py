@@ -315,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     base = results["native"]
     print(f"\nmemory, each variant in its own process ({dtype} activations; ratio = "
           "unquantized / quantized)")
-    width = max(12, *(len(v) + 2 for v in VARIANTS))  # (names never run together)
-    print(f"{'metric':34}" + "".join(f"{v:>{width}}" for v in VARIANTS) + "   ratios: " +
-          ", ".join(VARIANTS[1:]))
+    names = list(VARIANTS)
+    width = max(12, *(len(v) + 2 for v in names))  # (names never run together)
+    print(f"{'metric':34}" + "".join(f"{v:>{width}}" for v in names) + "   ratios: " +
+          ", ".join(names[1:]))
 
     def row(name: str, values: list[float], ratio_of: float) -> None:
         cells = "".join(f"{v:{width}.2f}" for v in values)
