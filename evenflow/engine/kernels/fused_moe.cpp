@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "ops.h"
-#include "panel_quant.h"
+#include "panel_run.h"
 
 namespace {
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "ops.h"
-#include "panel_quant.h"
+#include "panel_run.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// w8a8 for the panel kernels (panel_quant.h runs it): activation rows quantized per token to
+// w8a8 for the panel kernels (panel_run.h runs it): activation rows quantized per token to
 // unsigned bytes (`QuantRows`), and one panel of 64 output channels of int8 weights against up
 // to kW8A8Rows of them on VNNI's vpdpbusd (int32 sums, exact), with the scales and the
 // compensation applied in the epilogue.

@@ -141,7 +141,7 @@ def choose(key: tuple, candidates: Callable[[], dict[int, Kernel]], k: int,
     return _CHOICES[key]
 
 
-# A quantized panel's two ways for a block of rows (engine/kernels/panel_quant.h run_panel):
+# A quantized panel's two ways for a block of rows (engine/kernels/panel_run.h run_panel):
 # read the stored codes directly (float rows, or rows quantized to int8 where the form meets
 # int8 rows: w8a8, and int4 / MXFP4 / 5-bit codes in the VNNI layout), or dequantize the panel
 # once into a plain one for the dot-product kernel. The probes reach prefill's rows (an expert

@@ -13,7 +13,7 @@ and gate/up (whose parts need not start on a tile boundary) are a row concatenat
 - `Fp8Stack`: the torch fallback: a call dequantizes its weight exactly (every e4m3 value times
   its float32 scale is a float32 product) and runs the dense matmul. Where the native panel
   kernels serve, `quant.build_stack` makes a `PanelStack` of the same bytes instead
-  (engine/kernels/panel_quant.h: the fp8 panels).
+  (engine/kernels/panel_fp8.h: the fp8 panels).
 """
 
 from __future__ import annotations
