@@ -115,7 +115,8 @@ class ModelRunner:
     def choose_kernels(self, model: CausalLM) -> None:
         """Each layer's native kernels, chosen once for this dtype and cache (a forward then
         asks nothing of native.*): GQA layers' rotary write, prefill, paged decode and int8
-        cache (AttentionKernels), MLA layers' absorbed decode, the norms, MoE routing."""
+        cache (AttentionKernels), MLA layers' absorbed decode and expanded prefill, the norms,
+        MoE routing."""
         cache_dtype = self.kv_spec.dtype
         norms, route_topk = native.norms(), native.route_topk()
         for module in model.modules():
@@ -127,6 +128,10 @@ class ModelRunner:
                 module.kernels = AttentionKernels.choose(module, self.dtype, cache_dtype)
             elif isinstance(module, LatentAttention):
                 module.decode_kernels = native.mla_decode()
+                # (one "KV head" per query head: the expanded form's K and V, any cache dtype)
+                module.prefill_kernel = native.prefill_attention() if \
+                    native.prefill_attention_serves(self.dtype, module.nope + module.rope, 1) \
+                    else None
                 module.kv_int8_kernels = native.kv_int8() if cache_dtype == torch.int8 else None
 
     def attach(self, model: CausalLM) -> None:
