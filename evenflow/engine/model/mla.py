@@ -6,7 +6,8 @@ plus qk_rope_head_dim rotary dims shared by every head. The cache holds that lat
 (kv_lora_rank + rope) elements per layer whatever the head count.
 
 - Prefill (expanded form): the context's latents go up through kv_b_proj into per-head keys
-  (nope part; the rope part is shared) and values; causal attention as usual.
+  (nope part; the rope part is shared) and values; causal attention as usual (the native
+  prefill kernel where it serves the head width, else torch's SDPA).
 - Decode (absorbed form, as vLLM's and SGLang's MLA backends): each query's nope part is
   multiplied into the latent space by kv_b_proj's key half (q_lat = q_nope W_uk), attends over
   the cached latents directly (one shared "KV head" of kv_lora_rank + rope dims), and the
