@@ -85,9 +85,7 @@ inline void pairs_by_column(const float* rows, int64_t row_stride, int n, int64_
 // Two bf16 rows side by side, value by value: dst[2c] = even[c], dst[2c + 1] = odd[c] (odd
 // null: zeros); n a multiple of 16
 inline void interleave_rows(const uint16_t* even, const uint16_t* odd, int64_t n, uint16_t* dst) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
-                                              25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                                              18, 2, 17, 1, 16, 0);
+  const __m512i interleave = evenflow_panel::interleave_halves();
   for (int64_t d = 0; d < n; d += kLanes) {
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d));
     const __m256i o = odd != nullptr

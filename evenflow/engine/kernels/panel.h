@@ -200,7 +200,22 @@ constexpr int kPrefetchRows = 3;
 constexpr int64_t kPrefetchPairs = 16;
 constexpr int kPrefetch = 1024;  // bytes ahead in a quantized panel's weight stream
 
+#if defined(__AVX512F__)
+// 16-bit lane order taking [a0..a15, b0..b15] to [a0, b0, a1, b1, ...]
+inline __m512i interleave_halves() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                          22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+// 16 channels' values at inputs 2kp (low) and 2kp + 1 (high) as bf16 pairs at dst, the plain
+// bf16 panel's layout (channel c's pair side by side, 2kp first)
+inline void store_bf16_pairs(uint16_t* dst, __m512 low, __m512 high) {
+  const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave_halves(), halves));
+}
+
 template <int MR>
 void panel_bf16(const uint16_t* const* x, const uint16_t* w, int64_t k_total, float* sums) {
   __m512 acc[MR][4];

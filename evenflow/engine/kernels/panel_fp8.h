@@ -238,15 +238,16 @@ inline void panel_fp8_dot_rows(const uint16_t* const* x, int m, const uint8_t* w
 
 // Whether each half panel (32 channels) shares one scale in every block: the scaled tables
 // then dequantize it (panel_fp8_dequant_dot, dequantize_fp8_bf16)
+inline bool fp8_half_shares_scale(const float* s) {  // s: the half's 32 scales in a block
+  const __m512 first = _mm512_set1_ps(s[0]);
+  return (_mm512_cmpeq_ps_mask(_mm512_loadu_ps(s), first) &
+          _mm512_cmpeq_ps_mask(_mm512_loadu_ps(s + 16), first)) == 0xFFFF;
+}
+
 inline bool fp8_halves_share_scales(const float* scale, int64_t k_total) {
   for (int64_t b = 0; b * kFp8Block < k_total; ++b)
-    for (int h = 0; h < 2; ++h) {
-      const float* s = scale + b * kPanel + 32 * h;
-      const __m512 first = _mm512_set1_ps(s[0]);
-      if ((_mm512_cmpeq_ps_mask(_mm512_loadu_ps(s), first) &
-           _mm512_cmpeq_ps_mask(_mm512_loadu_ps(s + 16), first)) != 0xFFFF)
-        return false;
-    }
+    for (int h = 0; h < 2; ++h)
+      if (!fp8_half_shares_scale(scale + b * kPanel + 32 * h)) return false;
   return true;
 }
 
@@ -303,17 +304,11 @@ inline void panel_fp8_dequant_rows(const uint16_t* const* x, int m, const uint8_
 inline void dequantize_fp8_bf16(const uint8_t* q, const float* scale, int64_t k_total,
                                 uint16_t* dst) {
   const __m512i order0 = fp8_pair_order(0), order1 = fp8_pair_order(1);
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-      19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t b = 0; b * kFp8Block < k_total; ++b) {
     const float* s = scale + b * kPanel;
     const int64_t end = std::min(k_total, (b + 1) * kFp8Block);
     for (int h = 0; h < 2; ++h) {
-      const __m512 first = _mm512_set1_ps(s[32 * h]);
-      const bool shared = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(s + 32 * h), first) == 0xFFFF &&
-                          _mm512_cmpeq_ps_mask(_mm512_loadu_ps(s + 32 * h + 16), first) == 0xFFFF;
-      if (shared) {
+      if (fp8_half_shares_scale(s + 32 * h)) {
         const Fp8Table t = fp8_table(s[32 * h]);
         for (int64_t kp = b * kFp8Block / 2; kp < end / 2; ++kp) {
           const uint8_t* wa = q + 2 * kp * kPanel + 32 * h;
@@ -332,10 +327,8 @@ inline void dequantize_fp8_bf16(const uint8_t* q, const float* scale, int64_t k_
           __m512 lo, hi;
           std::memcpy(&lo, &low, sizeof lo);
           std::memcpy(&hi, &high, sizeof hi);
-          const __m512i halves = reinterpret_cast<__m512i>(
-              _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv)));
-          _mm512_storeu_si512(dst + kp * 2 * kPanel + v * 2 * kLanes,
-                              _mm512_permutexvar_epi16(interleave, halves));
+          store_bf16_pairs(dst + kp * 2 * kPanel + v * 2 * kLanes, _mm512_mul_ps(lo, sv),
+                           _mm512_mul_ps(hi, sv));
         }
     }
   }

@@ -304,13 +304,6 @@ inline u16v bf16_bits(f16v f) {  // round to nearest even (finite values)
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// 16-bit lane order taking [a0..a15, b0..b15] to [a0, b0, a1, b1, ...]
-inline __m512i interleave_halves() {
-  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                          22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-#endif
 
 // Panel p of a quantized weight as a plain panel of T (panel.h's layout). int8 stays unscaled
 // (q is exact in bf16; the scale goes on the sums, as on the direct path).
@@ -481,9 +474,7 @@ void dequantize_panel(const Weight& wt, int64_t p, int64_t k_total, T* dst) {
         __m512 lo, hi;
         std::memcpy(&lo, &low, sizeof lo);
         std::memcpy(&hi, &high, sizeof hi);
-        const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-        _mm512_storeu_si512(dst + kp * 2 * kPanel + v * 2 * kLanes,
-                            _mm512_permutexvar_epi16(interleave_halves(), halves));
+        store_bf16_pairs(dst + kp * 2 * kPanel + v * 2 * kLanes, lo, hi);
 #else
         const u16v pair = bf16_bits(low) | (bf16_bits(high) << 16);
         std::memcpy(dst + kp * 2 * kPanel + v * 2 * kLanes, &pair, sizeof pair);
