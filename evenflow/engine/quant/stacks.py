@@ -392,8 +392,9 @@ class Int4Stack(QuantStack):
     def linear(self, x: Tensor, e: int = 0) -> Tensor:
         if self.packed is not None:
             assert self.scale_zeros is not None
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed[e], self.group_size,
-                                                     self.scale_zeros[e])
+            # (the op wants a contiguous x: MLA's attention output reaches o_proj as a view)
+            return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed[e],
+                                                     self.group_size, self.scale_zeros[e])
         if self.ops is not None and self.choice.kernel(x.shape[0]) == NATIVE:
             return self._native(x, e)
         return self._dense(x, e)
